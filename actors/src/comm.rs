@@ -1,0 +1,107 @@
+//! The communicator side: a [`Transport`] driven by one dedicated OS thread.
+//!
+//! The scheduler sends [`CommJob`]s over a crossbeam channel; the thread runs
+//! them strictly in the order received (which is plan order, then control, then
+//! correction) and answers each with a [`CommDone`] on the scheduler's inbox.
+//! Backends whose handles are `!Send` (NCCL) build their transport on this thread.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::bucket_buf::BucketBuf;
+use crate::error::{CollectiveTag, CommError};
+use crate::messages::SchedMsg;
+
+/// One rank's endpoint of a communicator: sums buffers across all ranks.
+///
+/// Implementations must give every rank bit-identical results, honour the
+/// deadline (returning [`CommError::Timeout`] naming the missing ranks), and
+/// detect a peer that issued a different collective where they can.
+pub trait Transport: Send + 'static {
+    /// This rank's index in `0..world()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world(&self) -> usize;
+    /// In how many pieces bucket buffers should be allocated (the local
+    /// backend moves one piece to each rank).
+    fn pieces(&self) -> usize {
+        self.world()
+    }
+    /// Sum `shards` element-wise over all ranks, then multiply by `factor`.
+    fn all_reduce_f32(
+        &mut self,
+        tag: CollectiveTag,
+        shards: &mut [Vec<f32>],
+        factor: f32,
+        deadline: Instant,
+    ) -> Result<(), CommError>;
+    /// Sum `words` (wrapping) over all ranks.
+    fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError>;
+}
+
+/// What travels through a collective.
+#[derive(Debug)]
+pub enum CommPayload {
+    /// Gradient values (a data bucket or a correction).
+    Grads(BucketBuf),
+    /// Control words.
+    Words(Vec<u64>),
+}
+
+impl CommPayload {
+    /// Bytes this rank contributes.
+    pub fn bytes(&self) -> usize {
+        match self {
+            CommPayload::Grads(b) => b.bytes(),
+            CommPayload::Words(w) => w.len() * 8,
+        }
+    }
+}
+
+/// A collective to run.
+#[derive(Debug)]
+pub struct CommJob {
+    /// Which collective.
+    pub tag: CollectiveTag,
+    /// Its buffer (moved to the communicator thread and back).
+    pub payload: CommPayload,
+    /// Scale applied after summing gradients (`1 / divisor`).
+    pub factor: f32,
+    /// How long the collective may wait for peers once started.
+    pub timeout: Duration,
+}
+
+/// A finished collective, successful or not.
+#[derive(Debug)]
+pub struct CommDone {
+    /// Which collective.
+    pub tag: CollectiveTag,
+    /// The buffer, reduced on success. On failure its content is unspecified and
+    /// pieces may be missing.
+    pub payload: CommPayload,
+    /// Outcome.
+    pub result: Result<(), CommError>,
+    /// When the communicator started it.
+    pub started: Instant,
+    /// When it returned.
+    pub finished: Instant,
+}
+
+/// Body of the communicator thread: run jobs in order until the scheduler hangs up.
+pub fn run_communicator<T: Transport>(mut transport: T, jobs: Receiver<CommJob>, done: UnboundedSender<SchedMsg>) {
+    while let Ok(job) = jobs.recv() {
+        let started = Instant::now();
+        let deadline = started + job.timeout;
+        let mut payload = job.payload;
+        let result = match &mut payload {
+            CommPayload::Grads(buf) => transport.all_reduce_f32(job.tag, &mut buf.shards, job.factor, deadline),
+            CommPayload::Words(words) => transport.all_reduce_u64(job.tag, words, deadline),
+        };
+        let msg = CommDone { tag: job.tag, payload, result, started, finished: Instant::now() };
+        if done.send(SchedMsg::Done(msg)).is_err() {
+            break;
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! The device-agnostic concurrency core of gradsync.
+//!
+//! What flows through this crate, per rank and per step:
+//!
+//! ```text
+//! hook ──Arrival──▶ ParamShard ──Ready──▶ Scheduler ──CommJob──▶ communicator thread
+//!  (any thread,      (dedup, count,        (pack, plan-order      (one OS thread, runs a
+//!   non-blocking      learn, forward        launch, control,        Transport: local threads,
+//!   send)             extras)               correction)             NCCL, simulation)
+//!                                               ▲                       │
+//! finish_step ──Flush──▶ shards ──Flushed───────┤◀──────CommDone────────┘
+//!             ──Finish─────────────────────────▶│──▶ StepResult { StepReport, Gradients }
+//! ```
+//!
+//! * [`param`]: parameter actors, grouped in shards, one owner per parameter.
+//! * [`scheduler`]: the bucket scheduler, the only place that decides launches.
+//! * [`comm`]: the [`Transport`] trait and the communicator thread body.
+//! * [`plan`] / [`bucket_buf`]: the bucket layout and its sharded storage.
+//! * [`gradients`]: the reduced gradients, lent to the caller until dropped.
+//!
+//! Nothing here knows a device or a backend beyond [`Transport`]; the runtime
+//! crate wires actors to threads and offers the public API.
+#![deny(missing_docs)]
+
+pub mod arrival;
+pub mod bucket_buf;
+pub mod comm;
+pub mod error;
+pub mod gradients;
+pub mod messages;
+pub mod param;
+pub mod plan;
+pub mod report;
+pub mod scheduler;
+
+pub use arrival::{Arrival, DType, ParamId, Payload, PayloadKind, Step, Token};
+pub use bucket_buf::BucketBuf;
+pub use comm::{CommDone, CommJob, CommPayload, Transport};
+pub use error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
+pub use gradients::{GradView, Gradients, StepResult};
+pub use plan::{BucketSpec, ParamSpec, Plan, Slot};
+pub use report::{AbortReason, Outcome, Progress, StepReport};

@@ -1,0 +1,241 @@
+//! The end of a step: close, drain, control collective, correction, result.
+//!
+//! A step closes once the caller asked to finish (or abort) *and* every
+//! parameter shard has flushed, so every arrival sent before `finish_step` has
+//! been packed. Closing marks the remaining parameters as unused (their slots
+//! are zeroed at launch) and launches every remaining bucket in plan order.
+//! When all data buckets are back, the control collective tells every rank the
+//! same verdict: aborts (step skipped everywhere), fingerprints (desync is an
+//! error), late parameters (one correction all-reduce, exact by linearity) and
+//! parameters unused on every rank (reported as `None`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use gradsync_kernels as k;
+
+use super::{Phase, Scheduler, StepState};
+use crate::arrival::{ParamId, PayloadKind};
+use crate::bucket_buf::{BucketBuf, WriteMode};
+use crate::comm::{CommDone, CommPayload};
+use crate::error::{CollectiveKind, CollectiveTag, SyncError};
+use crate::gradients::{Gradients, StepResult};
+use crate::messages::{FinishRequest, ShardSummary};
+use crate::plan::Fnv;
+use crate::report::{Outcome, StepReport};
+
+impl Scheduler {
+    pub(super) fn on_finish(&mut self, req: FinishRequest) {
+        if let Some(f) = &self.failure {
+            let err = if f.step == req.step {
+                f.error.clone()
+            } else {
+                SyncError::Poisoned { step: f.step, cause: f.error.to_string() }
+            };
+            return req.reply.send(Err(err));
+        }
+        if let Some(loaned) = self.loaned {
+            // The shards have flushed already; keep their messages for a retry.
+            return req.reply.send(Err(SyncError::GradientsStillBorrowed { step: req.step, loaned }));
+        }
+        if req.step != self.state.step || self.state.finish.is_some() {
+            let expected = self.state.step;
+            return req.reply.send(Err(SyncError::NotCurrentStep { expected, got: req.step }));
+        }
+        self.begin();
+        self.state.finish = Some(req);
+        self.close_if_complete();
+    }
+
+    pub(super) fn on_flushed(&mut self, s: ShardSummary) {
+        let st = &mut self.state;
+        st.flushed += 1;
+        st.arrivals += s.arrivals;
+        st.duplicates += s.duplicates;
+        st.rejected += s.rejected;
+        for p in s.used {
+            st.used[p.index()] = true;
+        }
+        for p in s.expect_none_next {
+            st.expect_none_next[p.index()] = true;
+        }
+        self.close_if_complete();
+    }
+
+    fn close_if_complete(&mut self) {
+        let st = &mut self.state;
+        if st.phase != Phase::Open || st.flushed < self.cfg.shards || st.finish.is_none() {
+            return;
+        }
+        st.phase = Phase::Draining;
+        let aborting = st.finish.as_ref().is_some_and(|f| f.abort.is_some());
+        for (b, bucket) in self.plan.buckets.iter().enumerate().skip(st.next_launch) {
+            for p in &bucket.params {
+                let p = p.index();
+                if aborting {
+                    // An aborting rank still issues every collective, with zeros.
+                    st.written[p] = false;
+                }
+                if !st.ready[p] {
+                    st.ready[p] = true;
+                    st.pending[b] -= 1;
+                }
+            }
+        }
+        self.launch_ready_buckets();
+        self.start_control_if_drained();
+    }
+
+    pub(super) fn on_done(&mut self, done: CommDone) {
+        let CommDone { tag, payload, result, started, finished } = done;
+        self.state.comm_busy += finished.saturating_duration_since(started);
+        if let Err(e) = result {
+            return self.fail(e.into());
+        }
+        match (tag.kind, payload) {
+            (CollectiveKind::Bucket { index, .. }, CommPayload::Grads(buf)) => {
+                self.buffers[index] = Some(buf);
+                self.state.done += 1;
+                if self.before_finish(finished) {
+                    self.state.done_before_finish += 1;
+                }
+                self.start_control_if_drained();
+            }
+            (CollectiveKind::Control { .. }, CommPayload::Words(words)) => self.on_control(&words),
+            (CollectiveKind::Correction { .. }, CommPayload::Grads(buf)) => self.on_correction(&buf),
+            (kind, _) => unreachable!("payload does not match collective {kind:?}"),
+        }
+    }
+
+    fn start_control_if_drained(&mut self) {
+        let st = &self.state;
+        if st.phase != Phase::Draining || st.done < self.plan.buckets.len() {
+            return;
+        }
+        let abort = st.finish.as_ref().and_then(|f| f.abort);
+        let mut late = vec![false; self.plan.num_params()];
+        for (p, l) in st.late.iter().enumerate() {
+            late[p] = l.is_some();
+        }
+        let vote = super::ControlVote {
+            rank: self.cfg.rank,
+            world: self.cfg.world,
+            abort,
+            fingerprint: self.sequence_fingerprint(),
+            late: &late,
+            used: &st.used,
+        };
+        let words = vote.encode();
+        let tag = CollectiveTag { step: st.step, kind: CollectiveKind::Control { len: words.len() } };
+        self.state.phase = Phase::Control;
+        self.submit(tag, CommPayload::Words(words));
+    }
+
+    /// Digest of the collective sequence this rank issued this step.
+    fn sequence_fingerprint(&self) -> u64 {
+        let mut h = Fnv::default();
+        h.write(self.plan.fingerprint());
+        h.write(self.state.step);
+        h.write(self.state.next_launch as u64);
+        h.0
+    }
+
+    fn on_control(&mut self, words: &[u64]) {
+        let verdict = super::ControlVerdict::decode(words, self.cfg.world, self.plan.num_params());
+        let differ = verdict.disagreeing_ranks();
+        if !differ.is_empty() {
+            let step = self.state.step;
+            return self.fail(SyncError::Desync { step, ranks: differ, fingerprints: verdict.fingerprints });
+        }
+        self.state.unused_everywhere = verdict.unused_everywhere;
+        if !verdict.aborted.is_empty() {
+            return self.complete(Outcome::Skipped { aborted: verdict.aborted });
+        }
+        if verdict.late.is_empty() {
+            return self.complete(Outcome::Applied);
+        }
+        self.start_correction(verdict.late);
+    }
+
+    /// Pack every late parameter's correction (zeros where this rank has none)
+    /// and all-reduce it. All-reduce is linear, so adding the reduced
+    /// corrections to the early result gives the reduction of the final values.
+    fn start_correction(&mut self, late: Vec<ParamId>) {
+        let numel: usize = late.iter().map(|p| self.plan.params[p.index()].numel).sum();
+        let mut buf = BucketBuf::zeroed(numel, self.cfg.pieces);
+        let st = &mut self.state;
+        let mut offset = 0;
+        let mut scratch = Vec::new();
+        for &p in &late {
+            let i = p.index();
+            let n = self.plan.params[i].numel;
+            if let Some(values) = st.late[i].take() {
+                match (st.kind[i], st.packed[i].as_deref()) {
+                    // Superseded after launch: contribute (final - what was sent).
+                    (Some(PayloadKind::Accumulated), Some(sent)) => {
+                        scratch.resize(n, 0.0);
+                        k::sub_into(&mut scratch, &values, sent);
+                        buf.write(offset, &scratch, WriteMode::Set);
+                    }
+                    // Late increments, or a first value after a zero launch.
+                    _ => buf.write(offset, &values, WriteMode::Set),
+                }
+            }
+            st.correcting.push((p, offset));
+            offset += n;
+        }
+        let tag = CollectiveTag { step: st.step, kind: CollectiveKind::Correction { numel } };
+        st.phase = Phase::Correcting;
+        self.submit(tag, CommPayload::Grads(buf));
+    }
+
+    fn on_correction(&mut self, buf: &BucketBuf) {
+        let mut scratch = Vec::new();
+        for &(p, offset) in &self.state.correcting {
+            let slot = self.plan.slots[p.index()];
+            scratch.resize(self.plan.params[p.index()].numel, 0.0);
+            buf.read(offset, &mut scratch);
+            let dst = self.buffers[slot.bucket].as_mut().expect("data buckets are home after draining");
+            dst.write(slot.offset, &scratch, WriteMode::Add);
+        }
+        self.complete(Outcome::Applied);
+    }
+
+    /// Answer the caller, lend the buffers if the step applies, start the next step.
+    fn complete(&mut self, outcome: Outcome) {
+        let next = StepState::new(self.state.step + 1, self.plan.num_params(), self.plan.buckets.len());
+        let st = std::mem::replace(&mut self.state, next);
+        let req = st.finish.expect("a completing step has a finish request");
+        let report = StepReport {
+            step: st.step,
+            rank: self.cfg.rank,
+            outcome: outcome.clone(),
+            arrivals: st.arrivals,
+            duplicates: st.duplicates,
+            rejected: st.rejected,
+            late_arrivals: st.late_arrivals,
+            corrected: st.correcting.iter().map(|(p, _)| *p).collect(),
+            corrections: u32::from(!st.correcting.is_empty()),
+            unused_local: st.used.iter().filter(|u| !**u).count() as u32,
+            unused_everywhere: (0..st.unused_everywhere.len())
+                .filter(|&p| st.unused_everywhere[p])
+                .map(|p| ParamId(p as u32))
+                .collect(),
+            buckets_launched: st.next_launch as u32,
+            buckets_done_before_finish: st.done_before_finish,
+            bytes_launched: st.bytes,
+            exposed_comm: Instant::now().saturating_duration_since(req.at),
+            comm_busy: st.comm_busy,
+        };
+        self.expect_none = st.expect_none_next;
+        let gradients = outcome.is_applied().then(|| {
+            let buffers = self.buffers.iter_mut().map(|b| b.take().expect("buffers are home")).collect();
+            self.loaned = Some(st.step);
+            Gradients::new(st.step, Arc::clone(&self.plan), buffers, st.unused_everywhere, self.home.clone())
+        });
+        req.reply.send(Ok(StepResult { report, gradients }));
+        if self.loaned.is_none() {
+            self.replay_deferred();
+        }
+    }
+}

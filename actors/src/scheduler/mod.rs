@@ -1,0 +1,372 @@
+//! The bucket scheduler: the only place that decides what is launched and when.
+//!
+//! It owns the bucket buffers and the per-step bucket state. Inputs arrive on
+//! one inbox ([`SchedMsg`]): `Ready` values from the parameter actors, `Flushed`
+//! summaries, the caller's `Finish`, `Done` from the communicator thread, and the
+//! buffers coming home when the caller drops its [`crate::Gradients`].
+//!
+//! ```text
+//!  Ready(first) ─▶ pack into slot ─▶ bucket pending -= 1 ─▶ launch buckets in plan order
+//!  Ready(extra) ─▶ bucket not launched? merge into slot : keep as late contribution
+//!  Flushed × shards + Finish ─▶ close: unused → zeros, launch the rest   (finish.rs)
+//!  all data Done ─▶ control collective ─▶ correction collective? ─▶ StepResult
+//! ```
+//!
+//! Ordering invariant: every rank hands the communicator the same sequence
+//! (data buckets strictly in plan order, then control, then an optional
+//! correction decided by the *summed* control words), whatever order its
+//! gradients arrived in. That is what makes dedup, late arrivals and aborts
+//! safe on transports that match collectives by order (NCCL).
+//!
+//! The state machine is synchronous ([`Scheduler::handle`]); [`Scheduler::run`]
+//! drives it from a tokio task.
+
+mod control;
+mod finish;
+
+pub use control::{ControlVerdict, ControlVote};
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+
+use crate::arrival::{ParamId, PayloadKind, Step};
+use crate::bucket_buf::{BucketBuf, WriteMode};
+use crate::comm::{CommJob, CommPayload};
+use crate::error::{CollectiveKind, CollectiveTag, SyncError};
+use crate::messages::{FinishRequest, Reply, SchedMsg};
+use crate::report::Progress;
+
+/// Fixed settings of one scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// Number of parameter-shard actors feeding this scheduler.
+    pub shards: usize,
+    /// Pieces per bucket buffer (the transport's preference).
+    pub pieces: usize,
+    /// Scale applied to reduced sums: `1 / divisor`.
+    pub factor: f32,
+    /// How long one collective may wait for its peers.
+    pub collective_timeout: Duration,
+}
+
+/// Where a step is in its finish protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Backward running: buckets launch as they fill.
+    Open,
+    /// Finish requested and every shard flushed: remaining buckets launched, waiting for them.
+    Draining,
+    /// The control collective is in flight.
+    Control,
+    /// The correction collective is in flight.
+    Correcting,
+}
+
+/// A failure that ended a step; later steps report it as [`SyncError::Poisoned`].
+#[derive(Debug, Clone)]
+struct Failure {
+    step: Step,
+    error: SyncError,
+}
+
+/// Bucket and parameter state of the open step.
+#[derive(Debug)]
+struct StepState {
+    step: Step,
+    /// Whether step-start work (pre-ready parameters) is done.
+    begun: bool,
+    phase: Phase,
+    /// Per parameter: its ready value has been packed (or none is expected).
+    ready: Vec<bool>,
+    /// Per parameter: its slot holds this step's data (otherwise zeroed at launch).
+    written: Vec<bool>,
+    /// Per parameter: payload kind seen this step.
+    kind: Vec<Option<PayloadKind>>,
+    /// Per parameter: the `Accumulated` value packed into the slot, kept so a
+    /// late supersede can be turned into a difference.
+    packed: Vec<Option<Vec<f32>>>,
+    /// Per parameter: late contribution (sum of late increments, or the latest
+    /// late `Accumulated` value).
+    late: Vec<Option<Vec<f32>>>,
+    /// Per bucket: members not ready yet.
+    pending: Vec<usize>,
+    /// Buckets `0..next_launch` have been handed to the communicator.
+    next_launch: usize,
+    /// Data buckets whose all-reduce returned.
+    done: usize,
+    done_before_finish: u32,
+    late_arrivals: u64,
+    /// Shards that flushed this step, and what they reported.
+    flushed: usize,
+    arrivals: u64,
+    duplicates: u64,
+    rejected: u64,
+    used: Vec<bool>,
+    expect_none_next: Vec<bool>,
+    finish: Option<FinishRequest>,
+    bytes: u64,
+    comm_busy: Duration,
+    /// Late parameters being corrected, with their offset in the correction buffer.
+    correcting: Vec<(ParamId, usize)>,
+    unused_everywhere: Vec<bool>,
+}
+
+impl StepState {
+    fn new(step: Step, num_params: usize, num_buckets: usize) -> Self {
+        StepState {
+            step,
+            begun: false,
+            phase: Phase::Open,
+            ready: vec![false; num_params],
+            written: vec![false; num_params],
+            kind: vec![None; num_params],
+            packed: vec![None; num_params],
+            late: vec![None; num_params],
+            pending: vec![0; num_buckets],
+            next_launch: 0,
+            done: 0,
+            done_before_finish: 0,
+            late_arrivals: 0,
+            flushed: 0,
+            arrivals: 0,
+            duplicates: 0,
+            rejected: 0,
+            used: vec![false; num_params],
+            expect_none_next: vec![false; num_params],
+            finish: None,
+            bytes: 0,
+            comm_busy: Duration::ZERO,
+            correcting: Vec::new(),
+            unused_everywhere: vec![false; num_params],
+        }
+    }
+}
+
+/// The bucket-scheduler actor of one rank.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    plan: Arc<crate::plan::Plan>,
+    /// Jobs for the communicator thread.
+    comm: Sender<CommJob>,
+    /// This actor's own inbox, handed to [`crate::Gradients`] so buffers come home.
+    home: UnboundedSender<SchedMsg>,
+    /// Bucket buffers by bucket index; `None` while in a collective or on loan.
+    buffers: Vec<Option<BucketBuf>>,
+    /// The step whose gradients the caller still holds.
+    loaned: Option<Step>,
+    /// Messages of a later step, held until the current one completes and its
+    /// loan is returned.
+    deferred: VecDeque<SchedMsg>,
+    /// Per parameter: treat as ready (zeros) at step start.
+    expect_none: Vec<bool>,
+    /// Progress requests: settled shard count and the waiting reply.
+    settles: HashMap<u64, (usize, Option<Reply<Progress>>)>,
+    failure: Option<Failure>,
+    state: StepState,
+}
+
+impl Scheduler {
+    /// A scheduler for `plan`; allocates the bucket buffers once.
+    pub fn new(
+        cfg: SchedulerConfig,
+        plan: Arc<crate::plan::Plan>,
+        comm: Sender<CommJob>,
+        home: UnboundedSender<SchedMsg>,
+    ) -> Self {
+        let buffers = plan.buckets.iter().map(|b| Some(BucketBuf::zeroed(b.numel, cfg.pieces))).collect();
+        let expect_none = plan.params.iter().map(|p| p.expected_arrivals == Some(0)).collect();
+        let state = StepState::new(0, plan.num_params(), plan.buckets.len());
+        Scheduler {
+            cfg,
+            plan,
+            comm,
+            home,
+            buffers,
+            loaned: None,
+            deferred: VecDeque::new(),
+            expect_none,
+            settles: HashMap::new(),
+            failure: None,
+            state,
+        }
+    }
+
+    /// Drain the inbox until `Shutdown` or until every sender is gone.
+    pub async fn run(mut self, mut inbox: UnboundedReceiver<SchedMsg>) {
+        let mut batch = Vec::with_capacity(256);
+        while inbox.recv_many(&mut batch, 256).await > 0 {
+            for msg in batch.drain(..) {
+                if !self.handle(msg) {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Apply one message; `false` means stop.
+    pub fn handle(&mut self, msg: SchedMsg) -> bool {
+        match msg {
+            SchedMsg::Shutdown => return false,
+            SchedMsg::Settled { id } => self.on_settled(id),
+            SchedMsg::Progress { id, reply } => {
+                self.settles.entry(id).or_insert((0, None)).1 = Some(reply);
+                self.answer_progress(id);
+            }
+            SchedMsg::LoanReturned { buffers } => self.on_loan_returned(buffers),
+            SchedMsg::Done(done) => self.on_done(done),
+            SchedMsg::Finish(req) => self.on_finish(req),
+            msg @ (SchedMsg::Ready { .. } | SchedMsg::Flushed(_)) => {
+                let step = match &msg {
+                    SchedMsg::Ready { step, .. } => *step,
+                    SchedMsg::Flushed(s) => s.step,
+                    _ => unreachable!(),
+                };
+                if self.loaned.is_some() || step != self.state.step {
+                    self.deferred.push_back(msg);
+                } else if self.failure.is_none() {
+                    self.begin();
+                    match msg {
+                        SchedMsg::Ready { param, kind, values, first, .. } => self.on_ready(param, kind, values, first),
+                        SchedMsg::Flushed(s) => self.on_flushed(s),
+                        _ => unreachable!(),
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    fn on_settled(&mut self, id: u64) {
+        self.settles.entry(id).or_insert((0, None)).0 += 1;
+        self.answer_progress(id);
+    }
+
+    fn answer_progress(&mut self, id: u64) {
+        let complete = matches!(self.settles.get(&id), Some((n, Some(_))) if *n >= self.cfg.shards);
+        if complete {
+            let (_, reply) = self.settles.remove(&id).expect("entry present");
+            let s = &self.state;
+            reply.expect("reply present").send(Progress {
+                step: s.step,
+                buckets_launched: s.next_launch,
+                buckets_done: s.done,
+                params_ready: s.ready.iter().filter(|r| **r).count(),
+            });
+        }
+    }
+
+    fn on_loan_returned(&mut self, buffers: Vec<BucketBuf>) {
+        for (slot, buf) in self.buffers.iter_mut().zip(buffers) {
+            *slot = Some(buf);
+        }
+        self.loaned = None;
+        self.replay_deferred();
+    }
+
+    /// Re-apply messages held for the step that is now current.
+    fn replay_deferred(&mut self) {
+        let held = std::mem::take(&mut self.deferred);
+        for msg in held {
+            self.handle(msg);
+        }
+    }
+
+    /// Step-start work: parameters expected to stay unused are ready (zeros).
+    fn begin(&mut self) {
+        if self.state.begun {
+            return;
+        }
+        self.state.begun = true;
+        for (b, bucket) in self.plan.buckets.iter().enumerate() {
+            self.state.pending[b] = bucket.params.iter().filter(|p| !self.expect_none[p.index()]).count();
+        }
+        for (p, &none) in self.expect_none.iter().enumerate() {
+            self.state.ready[p] = none;
+        }
+        self.launch_ready_buckets();
+    }
+
+    fn on_ready(&mut self, param: ParamId, kind: PayloadKind, values: Vec<f32>, first: bool) {
+        let p = param.index();
+        let slot = self.plan.slots[p];
+        let st = &mut self.state;
+        st.kind[p] = Some(kind);
+        if slot.bucket < st.next_launch {
+            // The bucket is already in (or through) its all-reduce: late.
+            st.late_arrivals += 1;
+            match (&mut st.late[p], kind) {
+                (Some(acc), PayloadKind::Increment) => gradsync_kernels::add_assign(acc, &values),
+                (late, _) => *late = Some(values),
+            }
+            return;
+        }
+        let buf = self.buffers[slot.bucket].as_mut().expect("unlaunched bucket buffer is home");
+        let mode = if kind == PayloadKind::Increment && st.written[p] { WriteMode::Add } else { WriteMode::Set };
+        buf.write(slot.offset, &values, mode);
+        st.written[p] = true;
+        if kind == PayloadKind::Accumulated {
+            st.packed[p] = Some(values);
+        }
+        if first && !st.ready[p] {
+            st.ready[p] = true;
+            st.pending[slot.bucket] -= 1;
+            self.launch_ready_buckets();
+        }
+    }
+
+    /// Launch every bucket that is full and whose predecessors are launched.
+    fn launch_ready_buckets(&mut self) {
+        while self.state.next_launch < self.plan.buckets.len() && self.state.pending[self.state.next_launch] == 0 {
+            self.launch_bucket(self.state.next_launch);
+            self.state.next_launch += 1;
+        }
+    }
+
+    fn launch_bucket(&mut self, b: usize) {
+        let mut buf = self.buffers[b].take().expect("bucket buffer is home at launch");
+        let spec = &self.plan.buckets[b];
+        for p in &spec.params {
+            if !self.state.written[p.index()] {
+                buf.zero(self.plan.slots[p.index()].offset, self.plan.params[p.index()].numel);
+            }
+        }
+        let tag = CollectiveTag { step: self.state.step, kind: CollectiveKind::Bucket { index: b, numel: spec.numel } };
+        self.submit(tag, CommPayload::Grads(buf));
+    }
+
+    /// Hand a collective to the communicator thread.
+    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload) {
+        self.state.bytes += payload.bytes() as u64;
+        let job = CommJob { tag, payload, factor: self.cfg.factor, timeout: self.cfg.collective_timeout };
+        if self.comm.send(job).is_err() {
+            // The communicator thread is gone (it only exits when we drop the
+            // sender, so this is a crash); fail the step instead of waiting forever.
+            self.fail(SyncError::Closed);
+        }
+    }
+
+    /// End the step with an error; the instance stays failed.
+    fn fail(&mut self, error: SyncError) {
+        tracing::error!(rank = self.cfg.rank, step = self.state.step, %error, "gradsync step failed");
+        if let Some(req) = self.state.finish.take() {
+            req.reply.send(Err(error.clone()));
+        }
+        if self.failure.is_none() {
+            self.failure = Some(Failure { step: self.state.step, error });
+        }
+    }
+
+    /// Whether `Instant` `at` is before the caller asked to finish.
+    fn before_finish(&self, at: Instant) -> bool {
+        self.state.finish.as_ref().is_none_or(|f| at < f.at)
+    }
+}
