@@ -39,7 +39,16 @@ pub trait Transport: Send + 'static {
     ) -> Result<(), CommError>;
     /// Sum `words` (wrapping) over all ranks.
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError>;
+    /// A callback that makes a wait in progress fail promptly with
+    /// [`CommError::Cancelled`], used at shutdown. `None` if waits cannot be cut short
+    /// (shutdown then waits for the collective deadline).
+    fn interrupter(&self) -> Option<Interrupt> {
+        None
+    }
 }
+
+/// Cuts a transport's wait short (see [`Transport::interrupter`]).
+pub type Interrupt = Box<dyn Fn() + Send + Sync>;
 
 /// What travels through a collective.
 #[derive(Debug)]
@@ -90,15 +99,24 @@ pub struct CommDone {
 }
 
 /// Body of the communicator thread: run jobs in order until the scheduler hangs up.
+///
+/// After a failed collective the communicator's sequence is broken (peers may
+/// hold half of it), so every later job fails at once with the same error
+/// instead of waiting out another deadline.
 pub fn run_communicator<T: Transport>(mut transport: T, jobs: Receiver<CommJob>, done: UnboundedSender<SchedMsg>) {
+    let mut broken: Option<CommError> = None;
     while let Ok(job) = jobs.recv() {
         let started = Instant::now();
         let deadline = started + job.timeout;
         let mut payload = job.payload;
-        let result = match &mut payload {
-            CommPayload::Grads(buf) => transport.all_reduce_f32(job.tag, &mut buf.shards, job.factor, deadline),
-            CommPayload::Words(words) => transport.all_reduce_u64(job.tag, words, deadline),
+        let result = match (&broken, &mut payload) {
+            (Some(e), _) => Err(e.clone()),
+            (None, CommPayload::Grads(buf)) => transport.all_reduce_f32(job.tag, &mut buf.shards, job.factor, deadline),
+            (None, CommPayload::Words(words)) => transport.all_reduce_u64(job.tag, words, deadline),
         };
+        if let Err(e) = &result {
+            broken.get_or_insert_with(|| e.clone());
+        }
         let msg = CommDone { tag: job.tag, payload, result, started, finished: Instant::now() };
         if done.send(SchedMsg::Done(msg)).is_err() {
             break;

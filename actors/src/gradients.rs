@@ -5,7 +5,7 @@
 //! is dropped, and its `Drop` sends them back to the scheduler for the next
 //! step. A step cannot finish while the previous step's loan is alive.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -35,6 +35,8 @@ pub struct Gradients {
     unused_everywhere: Vec<bool>,
     /// Where the buffers go back on drop.
     home: UnboundedSender<SchedMsg>,
+    /// Lets the caller-side handle see whether the loan is still alive.
+    alive: Arc<()>,
 }
 
 impl Gradients {
@@ -45,7 +47,13 @@ impl Gradients {
         unused_everywhere: Vec<bool>,
         home: UnboundedSender<SchedMsg>,
     ) -> Self {
-        Gradients { step, plan, buffers, unused_everywhere, home }
+        Gradients { step, plan, buffers, unused_everywhere, home, alive: Arc::new(()) }
+    }
+
+    /// A weak handle that dies with this loan (the runtime uses it to refuse
+    /// `finish_step` while the previous gradients are still held).
+    pub fn liveness(&self) -> Weak<()> {
+        Arc::downgrade(&self.alive)
     }
 
     /// The step these gradients belong to.

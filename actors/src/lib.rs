@@ -35,7 +35,7 @@ pub mod scheduler;
 
 pub use arrival::{Arrival, DType, ParamId, Payload, PayloadKind, Step, Token};
 pub use bucket_buf::BucketBuf;
-pub use comm::{CommDone, CommJob, CommPayload, Transport};
+pub use comm::{CommDone, CommJob, CommPayload, Interrupt, Transport};
 pub use error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 pub use gradients::{GradView, Gradients, StepResult};
 pub use plan::{BucketSpec, ParamSpec, Plan, Slot};

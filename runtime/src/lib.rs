@@ -1,1 +1,31 @@
-//! placeholder
+//! The public API of gradsync.
+//!
+//! A training loop builds one [`GradSync`] per rank (the same registrations on
+//! every rank), hands [`GradHook`] clones to its autograd hooks, and calls
+//! [`GradSync::finish_step`] once backward is over. What flows through:
+//!
+//! ```text
+//! GradSyncBuilder::param(...) ─▶ Plan (buckets, reverse registration order)
+//! GradHook::accumulated / increment ──Arrival──▶ actors (dedup, pack, launch in plan order)
+//! finish_step ─▶ remaining buckets ─▶ control collective ─▶ correction? ─▶ StepResult
+//!                                                  { StepReport, Option<Gradients> }
+//! ```
+//!
+//! Backends: [`local`] runs N ranks as threads of one process (tests, examples,
+//! CPU training). The actors themselves live in `gradsync-actors`, the numeric
+//! loops in `gradsync-kernels`.
+#![deny(missing_docs)]
+
+mod builder;
+mod hook;
+pub mod local;
+mod sync;
+
+pub use builder::{BuildError, Divisor, GradSyncBuilder};
+pub use gradsync_actors::{
+    AbortReason, CollectiveKind, CollectiveTag, CommError, DType, GradView, Gradients, Outcome, ParamId, Payload,
+    PayloadKind, Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Transport,
+};
+pub use hook::GradHook;
+pub use local::{LocalEndpoint, LocalWorld};
+pub use sync::GradSync;

@@ -1,0 +1,414 @@
+//! The `local` backend: N ranks as threads of one process, sharing memory.
+//!
+//! Each rank's communicator thread holds a [`LocalEndpoint`]. An all-reduce of
+//! a bucket stored as N pieces is a real reduce-scatter + all-gather in which
+//! no thread sums everything and no byte is copied for transport:
+//!
+//! ```text
+//! scatter:  rank r sends (moves) its piece j to rank j, for every j ≠ r
+//! reduce:   rank r sums the N pieces r in rank order into its own piece r, scales it
+//! gather:   rank r copies its reduced piece into each received vector and
+//!           sends it back to its owner, who puts it in place as its piece r
+//! ```
+//!
+//! Per rank that is one read of the bucket plus one write of every foreign
+//! piece, the memory-traffic minimum for a shared-memory all-reduce. Every
+//! message carries the sender's collective sequence number and tag, so a rank
+//! that issued a different collective at the same position is reported as a
+//! desync, and every wait has a deadline after which the ranks that never
+//! contributed are named.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use gradsync_actors::{CollectiveTag, CommError, Transport};
+use gradsync_kernels::{self as k, Element};
+
+/// Which half of the all-reduce a message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leg {
+    /// A piece sent to its reducing rank.
+    Scatter,
+    /// A reduced piece sent back to its owner.
+    Gather,
+}
+
+/// A piece of a buffer in transit.
+#[derive(Debug)]
+enum Piece {
+    F32(Vec<f32>),
+    U64(Vec<u64>),
+}
+
+/// Element types the local backend can move.
+trait WireElement: Element {
+    fn wrap(v: Vec<Self>) -> Piece;
+    fn unwrap(p: Piece) -> Option<Vec<Self>>;
+}
+
+impl WireElement for f32 {
+    fn wrap(v: Vec<Self>) -> Piece {
+        Piece::F32(v)
+    }
+    fn unwrap(p: Piece) -> Option<Vec<Self>> {
+        match p {
+            Piece::F32(v) => Some(v),
+            Piece::U64(_) => None,
+        }
+    }
+}
+
+impl WireElement for u64 {
+    fn wrap(v: Vec<Self>) -> Piece {
+        Piece::U64(v)
+    }
+    fn unwrap(p: Piece) -> Option<Vec<Self>> {
+        match p {
+            Piece::U64(v) => Some(v),
+            Piece::F32(_) => None,
+        }
+    }
+}
+
+/// A message between two ranks' communicator threads.
+#[derive(Debug)]
+enum Wire {
+    Piece { from: usize, seq: u64, tag: CollectiveTag, leg: Leg, piece: Piece },
+    /// Wake a waiting collective and make it fail with `Cancelled` (shutdown).
+    Interrupt,
+}
+
+/// Creates the endpoints of one local communicator.
+#[derive(Debug)]
+pub struct LocalWorld;
+
+impl LocalWorld {
+    /// `world` connected endpoints, one per rank, for one communicator. Call it
+    /// again for an independent communicator (e.g. a second GradSync).
+    ///
+    /// Returns `None` for a world of 0 ranks.
+    pub fn connect(world: usize) -> Option<Vec<LocalEndpoint>> {
+        if world == 0 {
+            return None;
+        }
+        let (senders, receivers): (Vec<Sender<Wire>>, Vec<Receiver<Wire>>) =
+            (0..world).map(|_| crossbeam_channel::unbounded()).unzip();
+        let senders = Arc::new(senders);
+        Some(
+            receivers
+                .into_iter()
+                .enumerate()
+                .map(|(rank, inbox)| LocalEndpoint {
+                    rank,
+                    world,
+                    peers: Arc::clone(&senders),
+                    inbox,
+                    stash: Vec::new(),
+                    seq: 0,
+                })
+                .collect(),
+        )
+    }
+}
+
+/// One rank's endpoint of a local communicator. Move it into the GradSync of
+/// that rank (the builder's `build`).
+#[derive(Debug)]
+pub struct LocalEndpoint {
+    rank: usize,
+    world: usize,
+    /// Inbox senders of every rank (this rank's own is used only to interrupt).
+    peers: Arc<Vec<Sender<Wire>>>,
+    inbox: Receiver<Wire>,
+    /// Messages that arrived for a later collective than the one in progress.
+    stash: Vec<Wire>,
+    /// Collectives started so far; the sequence number of the next one.
+    seq: u64,
+}
+
+/// Wakes a rank's communicator out of a wait so it can shut down.
+#[derive(Debug, Clone)]
+pub struct Interrupter(Sender<Wire>);
+
+impl Interrupter {
+    /// Make the current (or next) wait fail with `Cancelled`.
+    pub fn interrupt(&self) {
+        let _ = self.0.send(Wire::Interrupt);
+    }
+}
+
+impl LocalEndpoint {
+    /// A handle that interrupts this endpoint's waits.
+    pub fn interrupter(&self) -> Interrupter {
+        Interrupter(self.peers[self.rank].clone())
+    }
+
+    fn send(&self, to: usize, seq: u64, tag: CollectiveTag, leg: Leg, piece: Piece) -> Result<(), CommError> {
+        let wire = Wire::Piece { from: self.rank, seq, tag, leg, piece };
+        self.peers[to].send(wire).map_err(|_| CommError::PeerGone { rank: self.rank, peer: to, tag })
+    }
+
+    /// Receive one piece from every other rank for collective `seq`, leg `leg`.
+    fn collect<T: WireElement>(
+        &mut self,
+        seq: u64,
+        tag: CollectiveTag,
+        leg: Leg,
+        deadline: Instant,
+        started: Instant,
+    ) -> Result<Vec<(usize, Vec<T>)>, CommError> {
+        let mut got: Vec<Option<Vec<T>>> = (0..self.world).map(|_| None).collect();
+        let mut missing = self.world - 1;
+        let mut stashed = std::mem::take(&mut self.stash).into_iter();
+        while missing > 0 {
+            let wire = match stashed.next() {
+                Some(w) => w,
+                None => match self.inbox.recv_deadline(deadline) {
+                    Ok(w) => w,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.stash.extend(stashed);
+                        let missing = (0..self.world).filter(|&j| j != self.rank && got[j].is_none()).collect();
+                        return Err(CommError::Timeout { rank: self.rank, tag, missing, waited: started.elapsed() });
+                    }
+                    // Unreachable while we hold our own sender; treat as shutdown.
+                    Err(RecvTimeoutError::Disconnected) => return Err(CommError::Cancelled { rank: self.rank, tag }),
+                },
+            };
+            let (from, wseq, wtag, wleg, piece) = match wire {
+                Wire::Interrupt => return Err(CommError::Cancelled { rank: self.rank, tag }),
+                Wire::Piece { from, seq, tag, leg, piece } => (from, seq, tag, leg, piece),
+            };
+            if wseq < seq {
+                continue; // left over from a collective that failed earlier
+            }
+            if wseq > seq || wleg != leg {
+                // A peer already ahead of us (its next collective, or the gather
+                // leg of this one while we still scatter): keep it for later.
+                self.stash.push(Wire::Piece { from, seq: wseq, tag: wtag, leg: wleg, piece });
+                continue;
+            }
+            let piece = match T::unwrap(piece) {
+                Some(p) if wtag == tag => p,
+                _ => return Err(CommError::Desync { rank: self.rank, tag, peer: from, theirs: wtag }),
+            };
+            if got[from].replace(piece).is_none() {
+                missing -= 1;
+            }
+        }
+        self.stash.extend(stashed);
+        Ok(got.into_iter().enumerate().filter_map(|(j, p)| p.map(|p| (j, p))).collect())
+    }
+
+    fn all_reduce<T: WireElement>(
+        &mut self,
+        tag: CollectiveTag,
+        pieces: &mut [Vec<T>],
+        finish: impl Fn(&mut [T]),
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let started = Instant::now();
+        let (me, world) = (self.rank, self.world);
+        assert_eq!(pieces.len(), world, "a bucket must come in one piece per rank");
+        let seq = self.seq;
+        self.seq += 1;
+        if world == 1 {
+            finish(&mut pieces[0]);
+            return Ok(());
+        }
+        for (j, piece) in pieces.iter_mut().enumerate().filter(|(j, _)| *j != me) {
+            self.send(j, seq, tag, Leg::Scatter, T::wrap(std::mem::take(piece)))?;
+        }
+        let received = self.collect::<T>(seq, tag, Leg::Scatter, deadline, started)?;
+        let own = &mut pieces[me];
+        if let Some((peer, bad)) = received.iter().find(|(_, p)| p.len() != own.len()) {
+            let theirs = CollectiveTag { step: tag.step, kind: tag.kind };
+            tracing::error!(rank = me, peer, len = bad.len(), want = own.len(), "piece length differs");
+            return Err(CommError::Desync { rank: me, tag, peer: *peer, theirs });
+        }
+        {
+            let sources: Vec<&[T]> = received.iter().map(|(_, p)| p.as_slice()).collect();
+            k::reduce_into(own, &sources, &finish);
+        }
+        for (from, mut piece) in received {
+            k::copy(&mut piece, &pieces[me]);
+            self.send(from, seq, tag, Leg::Gather, T::wrap(piece))?;
+        }
+        for (from, piece) in self.collect::<T>(seq, tag, Leg::Gather, deadline, started)? {
+            pieces[from] = piece;
+        }
+        Ok(())
+    }
+}
+
+impl Transport for LocalEndpoint {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_f32(
+        &mut self,
+        tag: CollectiveTag,
+        shards: &mut [Vec<f32>],
+        factor: f32,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        if factor == 1.0 {
+            self.all_reduce(tag, shards, |_| {}, deadline)
+        } else {
+            self.all_reduce(tag, shards, |d| k::scale(d, factor), deadline)
+        }
+    }
+
+    fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
+        // Control vectors are small: split into pieces, reduce, and join.
+        let world = self.world;
+        let (base, extra) = (words.len() / world, words.len() % world);
+        let mut pieces = Vec::with_capacity(world);
+        let mut rest = words.as_slice();
+        for j in 0..world {
+            let (head, tail) = rest.split_at(base + usize::from(j < extra));
+            pieces.push(head.to_vec());
+            rest = tail;
+        }
+        self.all_reduce(tag, &mut pieces, |_| {}, deadline)?;
+        *words = pieces.concat();
+        Ok(())
+    }
+
+    fn interrupter(&self) -> Option<gradsync_actors::Interrupt> {
+        let handle = LocalEndpoint::interrupter(self);
+        Some(Box::new(move || handle.interrupt()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradsync_actors::CollectiveKind;
+    use std::time::Duration;
+
+    fn tag(step: u64, index: usize, numel: usize) -> CollectiveTag {
+        CollectiveTag { step, kind: CollectiveKind::Bucket { index, numel } }
+    }
+
+    fn pieces(rank: usize, numel: usize, world: usize) -> Vec<Vec<f32>> {
+        let buf = gradsync_actors::BucketBuf::zeroed(numel, world);
+        let mut at = 0;
+        buf.shards
+            .iter()
+            .map(|s| {
+                let v = (at..at + s.len()).map(|i| (i * (rank + 1)) as f32).collect();
+                at += s.len();
+                v
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_rank_gets_the_exact_sum_for_many_shapes() {
+        for world in 1..=5 {
+            for numel in [0, 1, 3, 7, 64, 1001] {
+                let eps = LocalWorld::connect(world).unwrap();
+                let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+                    let hs: Vec<_> = eps
+                        .into_iter()
+                        .map(|mut ep| {
+                            s.spawn(move || {
+                                let mut p = pieces(ep.rank, numel, world);
+                                let deadline = Instant::now() + Duration::from_secs(10);
+                                for step in 0..3 {
+                                    let t = tag(step, 0, numel);
+                                    ep.all_reduce_f32(t, &mut p, 1.0, deadline).unwrap();
+                                    // Second and third rounds reduce the previous sums again.
+                                }
+                                p.concat()
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                let ranks_sum: f32 = (1..=world).map(|r| r as f32).sum();
+                let factor = (world as f32).powi(2) * ranks_sum;
+                let want: Vec<f32> = (0..numel).map(|i| i as f32 * factor).collect();
+                for r in &results {
+                    assert_eq!(r, &want, "world {world} numel {numel}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_is_named_after_the_deadline() {
+        let mut eps = LocalWorld::connect(3).unwrap();
+        let _silent = eps.pop().unwrap(); // rank 2 never joins
+        let t0 = Instant::now();
+        let errs: Vec<CommError> = std::thread::scope(|s| {
+            let hs: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    s.spawn(move || {
+                        let mut p = pieces(ep.rank, 9, 3);
+                        let deadline = Instant::now() + Duration::from_millis(200);
+                        ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline).unwrap_err()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(t0.elapsed() < Duration::from_secs(2), "deadline not honoured: {:?}", t0.elapsed());
+        for e in errs {
+            let CommError::Timeout { missing, .. } = e else { panic!("expected timeout, got {e}") };
+            assert_eq!(missing, vec![2]);
+        }
+    }
+
+    #[test]
+    fn different_collectives_at_the_same_position_are_a_desync() {
+        let eps = LocalWorld::connect(2).unwrap();
+        let errs: Vec<CommError> = std::thread::scope(|s| {
+            let hs: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    s.spawn(move || {
+                        let numel = 4 + ep.rank; // rank 1 thinks the bucket is larger
+                        let mut p = pieces(ep.rank, numel, 2);
+                        let deadline = Instant::now() + Duration::from_secs(5);
+                        ep.all_reduce_f32(tag(0, 0, numel), &mut p, 1.0, deadline).unwrap_err()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, e) in errs.into_iter().enumerate() {
+            let CommError::Desync { peer, .. } = e else { panic!("expected desync, got {e}") };
+            assert_eq!(peer, 1 - rank);
+        }
+    }
+
+    #[test]
+    fn control_words_sum_with_wrapping() {
+        let eps = LocalWorld::connect(3).unwrap();
+        let out: Vec<Vec<u64>> = std::thread::scope(|s| {
+            let hs: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    s.spawn(move || {
+                        let mut w = vec![ep.rank as u64 + 1, u64::MAX, 5, 0, 1];
+                        let t = CollectiveTag { step: 0, kind: CollectiveKind::Control { len: 5 } };
+                        ep.all_reduce_u64(t, &mut w, Instant::now() + Duration::from_secs(5)).unwrap();
+                        w
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for w in out {
+            assert_eq!(w, vec![6, u64::MAX - 2, 15, 0, 3]);
+        }
+    }
+}
