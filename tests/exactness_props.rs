@@ -66,16 +66,21 @@ fn rank_step(numels: Vec<usize>, kinds: Vec<bool>) -> impl Strategy<Value = Vec<
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..=8, proptest::collection::vec(1usize..12, 1..7), 4usize..160, 1usize..=3)
-        .prop_flat_map(|(world, numels, cap_bytes, steps)| {
+    (1usize..=8, proptest::collection::vec(1usize..12, 1..7), 4usize..160, 1usize..=3).prop_flat_map(
+        |(world, numels, cap_bytes, steps)| {
             let n = numels.len();
             proptest::collection::vec(any::<bool>(), n).prop_flat_map(move |kinds| {
                 let step = proptest::collection::vec(rank_step(numels.clone(), kinds), world);
                 let numels = numels.clone();
-                proptest::collection::vec(step, steps)
-                    .prop_map(move |steps| Case { world, numels: numels.clone(), cap_bytes, steps })
+                proptest::collection::vec(step, steps).prop_map(move |steps| Case {
+                    world,
+                    numels: numels.clone(),
+                    cap_bytes,
+                    steps,
+                })
             })
-        })
+        },
+    )
 }
 
 fn check(case: &Case) -> Result<(), TestCaseError> {
@@ -104,7 +109,9 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     for (step, per_rank) in case.steps.iter().enumerate() {
         let sent: Vec<Vec<Sent>> = per_rank
             .iter()
-            .map(|evs| evs.iter().filter_map(|e| if let Event::Arrive(s) = e { Some(s.clone()) } else { None }).collect())
+            .map(|evs| {
+                evs.iter().filter_map(|e| if let Event::Arrive(s) = e { Some(s.clone()) } else { None }).collect()
+            })
             .collect();
         let corrected0 = &results[0][step].0.corrected;
         for (rank, rank_results) in results.iter().enumerate() {

@@ -69,14 +69,12 @@ impl BucketBuf {
         assert!(end <= self.numel, "span {offset}+{len} outside bucket of {}", self.numel);
         // First shard whose range contains `offset`; empty shards share a start.
         let first = self.starts.partition_point(|&s| s <= offset).saturating_sub(1);
-        (first..self.shards.len())
-            .take_while(move |&j| self.starts[j] < end)
-            .filter_map(move |j| {
-                let s0 = self.starts[j];
-                let lo = offset.max(s0);
-                let hi = end.min(s0 + self.shards[j].len());
-                (lo < hi).then(|| (j, lo - s0..hi - s0, lo - offset..hi - offset))
-            })
+        (first..self.shards.len()).take_while(move |&j| self.starts[j] < end).filter_map(move |j| {
+            let s0 = self.starts[j];
+            let lo = offset.max(s0);
+            let hi = end.min(s0 + self.shards[j].len());
+            (lo < hi).then(|| (j, lo - s0..hi - s0, lo - offset..hi - offset))
+        })
     }
 
     /// Combine `src` into the values at `[offset, offset + src.len())`.

@@ -105,14 +105,7 @@ impl ParamShard {
                 }
             })
             .collect();
-        ParamShard {
-            shards,
-            params,
-            step: 0,
-            window: window.max(1),
-            summary: ShardSummary::default(),
-            out,
-        }
+        ParamShard { shards, params, step: 0, window: window.max(1), summary: ShardSummary::default(), out }
     }
 
     /// Drain the inbox until `Shutdown` or until every sender is gone.

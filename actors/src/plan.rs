@@ -147,10 +147,12 @@ mod tests {
             .collect()
     }
 
-    /// Data-driven: (numels, cap in bytes, expected buckets as member lists).
+    /// One data-driven case: parameter sizes, cap in bytes, expected buckets as member lists.
+    type PlanCase<'a> = (&'a [usize], usize, &'a [&'a [u32]]);
+
     #[test]
     fn buckets_fill_in_reverse_order_and_respect_the_cap() {
-        let cases: &[(&[usize], usize, &[&[u32]])] = &[
+        let cases: &[PlanCase] = &[
             (&[1, 1, 1], 8, &[&[2, 1], &[0]]),
             (&[1, 1, 1], 4, &[&[2], &[1], &[0]]),
             (&[1, 100, 1], 8, &[&[2], &[1], &[0]]),

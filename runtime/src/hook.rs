@@ -45,9 +45,7 @@ impl GradHook {
             let _ = shard.send(ShardMsg::Rejected { step, why: why.clone() });
             return Err(why);
         }
-        shard
-            .send(ShardMsg::Arrival(Arrival { step, param, token, payload }))
-            .map_err(|_| Rejection::Closed)
+        shard.send(ShardMsg::Arrival(Arrival { step, param, token, payload })).map_err(|_| Rejection::Closed)
     }
 
     /// [`GradHook::arrive`] with the parameter's whole local gradient so far

@@ -17,6 +17,8 @@
 #![deny(missing_docs)]
 
 mod builder;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod hook;
 pub mod local;
 mod sync;

@@ -74,7 +74,13 @@ impl WireElement for u64 {
 /// A message between two ranks' communicator threads.
 #[derive(Debug)]
 enum Wire {
-    Piece { from: usize, seq: u64, tag: CollectiveTag, leg: Leg, piece: Piece },
+    Piece {
+        from: usize,
+        seq: u64,
+        tag: CollectiveTag,
+        leg: Leg,
+        piece: Piece,
+    },
     /// Wake a waiting collective and make it fail with `Cancelled` (shutdown).
     Interrupt,
 }

@@ -85,9 +85,7 @@ impl GradSync {
             shard_actors.push((ParamShard::new(i, b.param_shards, &plan, b.learning_window, sched_tx.clone()), rx));
         }
         let spawn_err = |which: &'static str| move |e: std::io::Error| BuildError::Spawn { which, why: e.to_string() };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .map_err(spawn_err("actor runtime"))?;
+        let runtime = tokio::runtime::Builder::new_current_thread().build().map_err(spawn_err("actor runtime"))?;
         let actors = std::thread::Builder::new()
             .name(format!("gradsync-actors-r{rank}"))
             .spawn(move || {
@@ -248,9 +246,7 @@ impl GradSync {
             shard.send(ShardMsg::Settle { id }).map_err(|_| SyncError::Closed)?;
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.sched
-            .send(SchedMsg::Progress { id, reply: Reply::Blocking(tx) })
-            .map_err(|_| SyncError::Closed)?;
+        self.sched.send(SchedMsg::Progress { id, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
         rx.recv_timeout(self.answer_timeout).map_err(|_| SyncError::Closed)
     }
 }

@@ -23,11 +23,8 @@ pub fn build_world(world: usize, numels: &[usize], configure: impl Fn(&mut GradS
 pub fn on_ranks<R: Send>(syncs: Vec<GradSync>, body: impl Fn(usize, GradSync) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let body = &body;
-        let handles: Vec<_> = syncs
-            .into_iter()
-            .enumerate()
-            .map(|(rank, sync)| s.spawn(move || body(rank, sync)))
-            .collect();
+        let handles: Vec<_> =
+            syncs.into_iter().enumerate().map(|(rank, sync)| s.spawn(move || body(rank, sync))).collect();
         handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
     })
 }

@@ -67,15 +67,9 @@ impl ControlVerdict {
     /// Decode summed words for `world` ranks and `params` parameters.
     pub fn decode(words: &[u64], world: usize, params: usize) -> ControlVerdict {
         assert_eq!(words.len(), 2 * world + 2 * params, "control vector length");
-        let aborted = (0..world)
-            .filter(|&r| words[r] != 0)
-            .map(|r| (r, AbortReason::from_code(words[r])))
-            .collect();
+        let aborted = (0..world).filter(|&r| words[r] != 0).map(|r| (r, AbortReason::from_code(words[r]))).collect();
         let fingerprints = words[world..2 * world].to_vec();
-        let late = (0..params)
-            .filter(|&i| words[2 * world + i] != 0)
-            .map(|i| ParamId(i as u32))
-            .collect();
+        let late = (0..params).filter(|&i| words[2 * world + i] != 0).map(|i| ParamId(i as u32)).collect();
         let unused_everywhere = (0..params).map(|i| words[2 * world + params + i] == 0).collect();
         ControlVerdict { aborted, fingerprints, late, unused_everywhere }
     }

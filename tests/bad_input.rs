@@ -1,0 +1,86 @@
+//! Bad input on the public entry points: a typed error or a counted refusal,
+//! never a panic, a hang or a wrong sum.
+
+mod common;
+
+use common::{build_world, on_ranks};
+use gradsync::{BuildError, DType, GradSync, LocalWorld, ParamId, Rejection, SyncError, Token};
+
+#[test]
+fn registration_errors_are_typed() {
+    let mut b = GradSync::builder();
+    b.param("w", 4, DType::F32).unwrap();
+    assert!(matches!(b.param("w", 4, DType::F32), Err(BuildError::DuplicateParam { .. })));
+    assert!(matches!(b.param("z", 0, DType::F32), Err(BuildError::ZeroSizedParam { .. })));
+    assert!(matches!(b.param("h", 4, DType::BF16), Err(BuildError::UnsupportedDType { .. })));
+    assert!(matches!(b.expect_arrivals(ParamId(9), 1), Err(BuildError::InvalidSetting { .. })));
+    assert!(LocalWorld::connect(0).is_none(), "a world of zero ranks cannot be connected");
+    let empty = GradSync::builder();
+    let ep = LocalWorld::connect(1).unwrap().pop().unwrap();
+    assert!(matches!(empty.build(ep), Err(BuildError::NoParams)));
+}
+
+#[test]
+fn hook_refusals_are_returned_and_counted() {
+    let syncs = build_world(2, &[3, 3], |_| {});
+    let reports = on_ranks(syncs, |_, mut sync| {
+        let hook = sync.hook();
+        assert_eq!(
+            hook.increment(0, ParamId(7), Token(0), vec![1.0; 3]),
+            Err(Rejection::UnknownParam { param: ParamId(7) })
+        );
+        assert_eq!(
+            hook.increment(0, ParamId(0), Token(0), vec![1.0; 2]),
+            Err(Rejection::WrongLength { param: ParamId(0), expected: 3, got: 2 })
+        );
+        // Refused on the actor side: a future step.
+        hook.increment(5, ParamId(0), Token(0), vec![1.0; 3]).unwrap();
+        hook.increment(0, ParamId(1), Token(0), vec![2.0; 3]).unwrap();
+        let r = sync.finish_step(0).unwrap();
+        // After finish: an arrival for the finished step is refused in step 1.
+        hook.increment(0, ParamId(1), Token(1), vec![2.0; 3]).unwrap();
+        let g = r.gradients.unwrap();
+        assert_eq!(g.to_vec(ParamId(1)).unwrap(), vec![2.0; 3], "refusals never touch a sum");
+        assert!(g.to_vec(ParamId(0)).is_none(), "refused arrivals do not make a parameter used");
+        drop(g);
+        let r1 = sync.finish_step(1).unwrap();
+        (r.report.rejected, r1.report.rejected)
+    });
+    for (step0, step1) in reports {
+        assert_eq!(step0, 3);
+        assert_eq!(step1, 1);
+    }
+}
+
+#[test]
+fn finishing_out_of_order_or_twice_is_an_error() {
+    let syncs = build_world(1, &[2], |_| {});
+    on_ranks(syncs, |_, mut sync| {
+        assert_eq!(sync.finish_step(3).unwrap_err(), SyncError::NotCurrentStep { expected: 0, got: 3 });
+        let r = sync.finish_step(0).unwrap();
+        drop(r);
+        assert_eq!(sync.finish_step(0).unwrap_err(), SyncError::NotCurrentStep { expected: 1, got: 0 });
+    });
+}
+
+#[test]
+fn finishing_while_the_previous_gradients_are_held_is_an_error() {
+    let syncs = build_world(2, &[2], |_| {});
+    on_ranks(syncs, |_, mut sync| {
+        let held = sync.finish_step(0).unwrap();
+        let err = sync.finish_step(1).unwrap_err();
+        assert_eq!(err, SyncError::GradientsStillBorrowed { step: 1, loaned: 0 });
+        drop(held);
+        sync.hook().increment(1, ParamId(0), Token(0), vec![1.0, 2.0]).unwrap();
+        let r = sync.finish_step(1).unwrap();
+        assert_eq!(r.gradients.unwrap().to_vec(ParamId(0)).unwrap(), vec![1.0, 2.0]);
+    });
+}
+
+#[test]
+fn hooks_outliving_their_gradsync_get_closed() {
+    let sync = build_world(1, &[2], |_| {}).pop().unwrap();
+    let hook = sync.hook();
+    drop(sync);
+    assert_eq!(hook.increment(0, ParamId(0), Token(0), vec![0.0; 2]), Err(Rejection::Closed));
+}

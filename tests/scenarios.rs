@@ -1,0 +1,282 @@
+//! Scenario tests mirroring the failures that break hook-counting runtimes:
+//! checkpointed shared weights, repeated recompute, unused parameters, dynamic
+//! graphs, two forwards per backward, and two GradSync instances on one world.
+//! Every check is exact (integer-valued data; divisor Sum, or world 4 where a
+//! division by a power of two is exact).
+
+mod common;
+
+use common::{build_world, on_ranks, summed_reference, wait_for, Sent};
+use gradsync::{Divisor, GradSync, LocalWorld, ParamId, StepReport};
+
+/// Values that differ per rank, step and parameter, all small integers.
+fn vals(rank: usize, step: u64, param: usize, salt: u64, n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((rank as u64 * 7 + step * 3 + param as u64 * 5 + salt * 11 + i as u64) % 13) as f32 - 6.0).collect()
+}
+
+/// Run `steps` steps; `script(rank, step)` gives the arrivals in delivery order,
+/// with `None` standing for "settle here" (everything before is processed).
+/// Checks every rank's gradients against the reference and returns the reports.
+fn run_scenario(
+    world: usize,
+    numels: &[usize],
+    cap_bytes: usize,
+    steps: u64,
+    script: impl Fn(usize, u64) -> Vec<Option<Sent>> + Sync,
+) -> Vec<Vec<StepReport>> {
+    let syncs = build_world(world, numels, |b| {
+        b.bucket_cap_bytes(cap_bytes).divisor(Divisor::Sum);
+    });
+    let outputs = on_ranks(syncs, |rank, mut sync| {
+        let mut out = Vec::new();
+        for step in 0..steps {
+            for item in script(rank, step) {
+                match item {
+                    Some(sent) => sent.deliver(&sync, step),
+                    None => {
+                        sync.progress().unwrap();
+                    }
+                }
+            }
+            let r = sync.finish_step(step).unwrap();
+            let g = r.gradients.as_ref().unwrap();
+            let values: Vec<_> = (0..numels.len()).map(|p| g.to_vec(ParamId(p as u32))).collect();
+            out.push((r.report.clone(), values));
+        }
+        out
+    });
+    for step in 0..steps {
+        let sent: Vec<Vec<Sent>> = (0..world).map(|r| script(r, step).into_iter().flatten().collect()).collect();
+        for (rank, per_step) in outputs.iter().enumerate() {
+            for (p, &n) in numels.iter().enumerate() {
+                assert_eq!(
+                    per_step[step as usize].1[p],
+                    summed_reference(&sent, p, n),
+                    "step {step} rank {rank} param {p}"
+                );
+            }
+        }
+    }
+    outputs.into_iter().map(|o| o.into_iter().map(|(r, _)| r).collect()).collect()
+}
+
+/// A weight shared by two checkpointed segments: with reentrant recompute its
+/// post-accumulate hook fires twice, the first time with a partial gradient.
+/// The partial arrival launches the bucket (expected count 1 in step 0), the
+/// full one is late and corrected; from step 1 on the learned count waits for it.
+#[test]
+fn weight_shared_by_two_checkpointed_segments() {
+    // p0 = tied embedding (used by segment A and segment B), p1, p2 = layers.
+    let numels = [6, 4, 4];
+    let reports = run_scenario(4, &numels, 16, 3, |rank, step| {
+        let partial = vals(rank, step, 0, 1, 6);
+        let extra = vals(rank, step, 0, 2, 6);
+        let full: Vec<f32> = partial.iter().zip(&extra).map(|(a, b)| a + b).collect();
+        vec![
+            // Backward of segment B (recomputed): its layer and the shared weight's partial grad.
+            Some(Sent::acc(2, 0, vals(rank, step, 2, 0, 4))),
+            Some(Sent::acc(0, 0, partial)),
+            // Backward of segment A: its layer, then the shared weight's full grad.
+            Some(Sent::acc(1, 0, vals(rank, step, 1, 0, 4))),
+            // p0 and p1 live in different parameter shards; settling here makes
+            // "bucket of p0 launched before its full gradient" certain in step 0.
+            None,
+            Some(Sent::acc(0, 1, full)),
+        ]
+    });
+    for per_rank in &reports {
+        assert_eq!(per_rank[0].corrected, vec![ParamId(0)], "step 0 corrects the shared weight");
+        assert_eq!(per_rank[1].corrections, 0, "step 1 waits for the learned second arrival");
+        assert_eq!(per_rank[2].corrections, 0);
+    }
+}
+
+/// The same layers checkpointed twice (nested checkpoints): recompute re-fires
+/// each per-use hook with the same token. The re-delivery is a duplicate and is
+/// ignored, so nothing is counted twice.
+#[test]
+fn same_layers_checkpointed_twice() {
+    let numels = [3, 5, 2];
+    let reports = run_scenario(3, &numels, 1 << 20, 2, |rank, step| {
+        let mut v = Vec::new();
+        for pass in 0..2 {
+            for p in (0..3).rev() {
+                let _ = pass;
+                v.push(Some(Sent::inc(p, 0, vals(rank, step, p, 0, numels[p]))));
+            }
+        }
+        v
+    });
+    for per_rank in &reports {
+        for r in per_rank {
+            assert_eq!((r.arrivals, r.duplicates), (3, 3));
+        }
+    }
+}
+
+/// Checkpointing plus unused parameters: p1 is unused everywhere (its gradient
+/// is `None`), p2 is used on even ranks only (odd ranks contribute zeros), and
+/// p0 is shared across two segments.
+#[test]
+fn checkpointing_with_unused_parameters() {
+    let numels = [4, 4, 4, 4];
+    let reports = run_scenario(4, &numels, 16, 3, |rank, step| {
+        let mut v = vec![Some(Sent::inc(3, 0, vals(rank, step, 3, 0, 4)))];
+        if rank % 2 == 0 {
+            v.push(Some(Sent::inc(2, 0, vals(rank, step, 2, 0, 4))));
+        }
+        v.push(Some(Sent::inc(0, 0, vals(rank, step, 0, 0, 4))));
+        v.push(None);
+        v.push(Some(Sent::inc(0, 1, vals(rank, step, 0, 1, 4))));
+        v
+    });
+    for per_rank in &reports {
+        for r in per_rank {
+            assert_eq!(r.unused_everywhere, vec![ParamId(1)]);
+        }
+    }
+}
+
+/// A dynamic graph: the set of used parameters changes every step and differs
+/// between ranks; learned expectations (including "unused") keep changing.
+#[test]
+fn graph_whose_used_parameters_change_every_step() {
+    let numels = [2, 3, 4, 5, 6];
+    run_scenario(3, &numels, 20, 8, |rank, step| {
+        (0..5)
+            .rev()
+            .filter(|p| (p + step as usize + rank) % 3 != 0)
+            .flat_map(|p| {
+                let uses = 1 + (p + step as usize) % 2;
+                (0..uses).map(move |u| Some(Sent::inc(p, u as u64, vals(rank, step, p, u as u64, numels[p]))))
+            })
+            .collect()
+    });
+}
+
+/// Two forwards before one backward: every parameter gets one increment per
+/// forward (tokens 0 and 1), and the result is their sum.
+#[test]
+fn two_forwards_before_one_backward() {
+    let numels = [3, 3, 3];
+    let reports = run_scenario(2, &numels, 12, 3, |rank, step| {
+        let mut v = Vec::new();
+        for fwd in (0..2).rev() {
+            for p in (0..3).rev() {
+                v.push(Some(Sent::inc(p, fwd, vals(rank, step, p, fwd, 3))));
+            }
+        }
+        v
+    });
+    for per_rank in &reports {
+        assert_eq!(per_rank[2].corrections, 0, "counts are learned by step 2");
+    }
+}
+
+/// Two independent GradSync instances (two models) on one world, used
+/// concurrently from the same rank threads, each on its own communicator.
+#[test]
+fn two_instances_on_one_world_concurrently() {
+    let world = 3;
+    let mut a = GradSync::builder();
+    let mut b = GradSync::builder();
+    for i in 0..3 {
+        a.param(format!("a{i}"), 5, gradsync::DType::F32).unwrap();
+        b.param(format!("b{i}"), 7, gradsync::DType::F32).unwrap();
+    }
+    a.bucket_cap_bytes(20).divisor(Divisor::Sum);
+    b.bucket_cap_bytes(28).divisor(Divisor::Sum);
+    let pairs: Vec<(GradSync, GradSync)> = LocalWorld::connect(world)
+        .unwrap()
+        .into_iter()
+        .zip(LocalWorld::connect(world).unwrap())
+        .map(|(ea, eb)| (a.build(ea).unwrap(), b.build(eb).unwrap()))
+        .collect();
+    let results = std::thread::scope(|s| {
+        let hs: Vec<_> = pairs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, (mut sa, mut sb))| {
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for step in 0..4u64 {
+                        for p in (0..3).rev() {
+                            Sent::inc(p, 0, vals(rank, step, p, 0, 5)).deliver(&sa, step);
+                            Sent::inc(p, 0, vals(rank, step, p, 9, 7)).deliver(&sb, step);
+                        }
+                        let ra = sa.finish_step(step).unwrap();
+                        let rb = sb.finish_step(step).unwrap();
+                        let ga = ra.gradients.unwrap();
+                        let gb = rb.gradients.unwrap();
+                        out.push((
+                            (0..3).map(|p| ga.to_vec(ParamId(p)).unwrap()).collect::<Vec<_>>(),
+                            (0..3).map(|p| gb.to_vec(ParamId(p)).unwrap()).collect::<Vec<_>>(),
+                        ));
+                    }
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for step in 0..4u64 {
+        for p in 0..3usize {
+            let want_a: Vec<f32> = (0..5).map(|i| (0..world).map(|r| vals(r, step, p, 0, 5)[i]).sum()).collect();
+            let want_b: Vec<f32> = (0..7).map(|i| (0..world).map(|r| vals(r, step, p, 9, 7)[i]).sum()).collect();
+            for per_rank in &results {
+                assert_eq!(per_rank[step as usize].0[p], want_a);
+                assert_eq!(per_rank[step as usize].1[p], want_b);
+            }
+        }
+    }
+}
+
+/// Overlap: a bucket whose parameters are ready early completes its all-reduce
+/// while "backward" is still running, before `finish_step` is called.
+#[test]
+fn early_bucket_completes_before_finish() {
+    let numels = [8, 8, 8];
+    // Cap of one parameter per bucket: bucket 0 = p2 (last registered, first in backward).
+    let syncs = build_world(4, &numels, |b| {
+        b.bucket_cap_bytes(32);
+    });
+    let reports = on_ranks(syncs, |rank, mut sync| {
+        Sent::acc(2, 0, vec![rank as f32; 8]).deliver(&sync, 0);
+        // Backward keeps running; bucket 0 must finish without any finish_step.
+        wait_for(&mut sync, "bucket 0 to complete", |p| p.buckets_done >= 1);
+        Sent::acc(1, 0, vec![1.0; 8]).deliver(&sync, 0);
+        Sent::acc(0, 0, vec![2.0; 8]).deliver(&sync, 0);
+        let r = sync.finish_step(0).unwrap();
+        let g = r.gradients.as_ref().unwrap();
+        // Averaged over 4 ranks: (0+1+2+3)/4 = 1.5, exact in binary.
+        assert_eq!(g.to_vec(ParamId(2)).unwrap(), vec![1.5; 8]);
+        assert_eq!(g.to_vec(ParamId(0)).unwrap(), vec![2.0; 8]);
+        r.report.clone()
+    });
+    for r in reports {
+        assert!(r.buckets_done_before_finish >= 1, "no bucket overlapped backward: {r:?}");
+        assert_eq!(r.buckets_launched, 3);
+    }
+}
+
+/// Learning: a parameter that arrives twice is corrected in step 1 (the first
+/// step) and needs no correction in step 2, on every rank.
+#[test]
+fn learned_count_removes_the_correction() {
+    let numels = [4, 4];
+    let reports = run_scenario(2, &numels, 16, 2, |rank, step| {
+        vec![
+            Some(Sent::inc(1, 0, vals(rank, step, 1, 0, 4))),
+            None, // bucket of p1 launched: the next arrival is late in step 0
+            Some(Sent::inc(1, 1, vals(rank, step, 1, 1, 4))),
+            Some(Sent::inc(0, 0, vals(rank, step, 0, 0, 4))),
+        ]
+    });
+    for per_rank in &reports {
+        assert_eq!(per_rank[0].corrected, vec![ParamId(1)]);
+        assert_eq!(per_rank[0].corrections, 1);
+        assert!(per_rank[0].late_arrivals >= 1);
+        assert_eq!(per_rank[1].corrections, 0);
+        assert_eq!(per_rank[1].late_arrivals, 0);
+    }
+}
