@@ -39,6 +39,10 @@ pub trait Transport: Send + 'static {
     ) -> Result<(), CommError>;
     /// Sum `words` (wrapping) over all ranks.
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError>;
+    /// Forget the collective sequence in progress (after a failure) and start a
+    /// new epoch: messages of earlier epochs are dropped. Local only; the reset
+    /// agreement collective that follows synchronizes the ranks.
+    fn reset(&mut self);
     /// A callback that makes a wait in progress fail promptly with
     /// [`CommError::Cancelled`], used at shutdown. `None` if waits cannot be cut short
     /// (shutdown then waits for the collective deadline).
@@ -106,6 +110,10 @@ pub struct CommDone {
 pub fn run_communicator<T: Transport>(mut transport: T, jobs: Receiver<CommJob>, done: UnboundedSender<SchedMsg>) {
     let mut broken: Option<CommError> = None;
     while let Ok(job) = jobs.recv() {
+        if matches!(job.tag.kind, crate::error::CollectiveKind::Reset { .. }) {
+            transport.reset();
+            broken = None;
+        }
         let started = Instant::now();
         let deadline = started + job.timeout;
         let mut payload = job.payload;

@@ -37,6 +37,12 @@ pub enum CollectiveKind {
         /// Values corrected.
         numel: usize,
     },
+    /// The agreement collective of a reset (each rank proposes the step to
+    /// restart at). Its tag's step is always 0: proposals may differ.
+    Reset {
+        /// Length of the agreement vector.
+        len: usize,
+    },
 }
 
 impl fmt::Display for CollectiveTag {
@@ -49,6 +55,7 @@ impl fmt::Display for CollectiveTag {
             CollectiveKind::Correction { numel } => {
                 write!(f, "step {} correction ({} values)", self.step, numel)
             }
+            CollectiveKind::Reset { len } => write!(f, "reset agreement ({len} words)"),
         }
     }
 }

@@ -32,6 +32,11 @@ pub enum ShardMsg {
         /// Request id, echoed back.
         id: u64,
     },
+    /// Forget the open step's state and continue at `step` (after a reset).
+    Reset {
+        /// The step every rank agreed to restart at.
+        step: Step,
+    },
     /// Stop the actor.
     Shutdown,
 }
@@ -73,6 +78,13 @@ pub enum SchedMsg {
     },
     /// A collective returned.
     Done(CommDone),
+    /// Abandon the failed step and agree with every rank on the step to restart at.
+    Reset {
+        /// This rank's proposal (its next step); the agreed step is the maximum.
+        proposed: Step,
+        /// Where to answer with the agreed step.
+        reply: Reply<Result<Step, SyncError>>,
+    },
     /// The caller dropped a [`crate::Gradients`]: the bucket buffers come home.
     LoanReturned {
         /// The buffers, in bucket order.
@@ -93,6 +105,8 @@ pub struct ShardSummary {
     pub duplicates: u64,
     /// Arrivals refused.
     pub rejected: u64,
+    /// The first few refusals, for diagnosis.
+    pub rejections: Vec<Rejection>,
     /// Parameters that had at least one arrival.
     pub used: Vec<ParamId>,
     /// Parameters expected to have no arrival next step (learned or declared):

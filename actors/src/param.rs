@@ -127,6 +127,7 @@ impl ParamShard {
             ShardMsg::Rejected { step, why } => self.reject(step, why),
             ShardMsg::Flush { step } => self.on_flush(step),
             ShardMsg::Settle { id } => self.send(SchedMsg::Settled { id }),
+            ShardMsg::Reset { step } => self.on_reset(step),
             ShardMsg::Shutdown => return false,
         }
         true
@@ -139,6 +140,9 @@ impl ParamShard {
 
     fn reject(&mut self, step: Step, why: Rejection) {
         self.summary.rejected += 1;
+        if self.summary.rejections.len() < crate::report::REJECTION_SAMPLES {
+            self.summary.rejections.push(why.clone());
+        }
         if self.summary.rejected == 1 {
             warn!(step, open_step = self.step, %why, "gradsync refused an arrival (further refusals this step are logged at debug)");
         } else {
@@ -183,6 +187,19 @@ impl ParamShard {
             let values = state.held.take().expect("held value present");
             let _ = self.out.send(SchedMsg::Ready { step, param, kind, values, first: true, at });
         }
+    }
+
+    /// Drop the open step's state (its arrivals are abandoned) and open `step`.
+    /// Learned expectations are kept: they describe the model, not the failure.
+    fn on_reset(&mut self, step: Step) {
+        for state in &mut self.params {
+            state.tokens.clear();
+            state.kind = None;
+            state.held = None;
+            state.forwarded = state.expected == 0;
+        }
+        self.summary = ShardSummary::default();
+        self.step = step;
     }
 
     fn on_flush(&mut self, step: Step) {

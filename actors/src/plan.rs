@@ -101,10 +101,20 @@ impl Plan {
     }
 
     /// A 64-bit FNV-1a digest of the collective sequence this plan produces
-    /// (bucket count, and each bucket's members and size). Equal plans give equal
-    /// fingerprints on every rank and every platform.
+    /// (bucket count, each bucket's members and size) and of what the slots mean
+    /// (every parameter's name and size): two ranks that register different
+    /// parameters of equal sizes would otherwise sum unrelated tensors silently.
+    /// Equal plans give equal fingerprints on every rank and every platform.
     pub fn fingerprint(&self) -> u64 {
         let mut h = Fnv::default();
+        for spec in &self.params {
+            h.write(spec.numel as u64);
+            for chunk in spec.name.as_bytes().chunks(8) {
+                let mut word = [0u8; 8];
+                word[..chunk.len()].copy_from_slice(chunk);
+                h.write(u64::from_le_bytes(word));
+            }
+        }
         h.write(self.buckets.len() as u64);
         for b in &self.buckets {
             h.write(b.numel as u64);
@@ -183,5 +193,10 @@ mod tests {
         assert_eq!(a.fingerprint(), Plan::build(specs(&[3, 4]), 1 << 20).fingerprint());
         assert_ne!(a.fingerprint(), b.fingerprint());
         assert_ne!(a.fingerprint(), c.fingerprint());
+        let mut renamed = specs(&[3, 4]);
+        renamed.swap(0, 1);
+        renamed[0].numel = 3;
+        renamed[1].numel = 4;
+        assert_ne!(a.fingerprint(), Plan::build(renamed, 1 << 20).fingerprint(), "names are part of the plan");
     }
 }

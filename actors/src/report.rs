@@ -3,6 +3,10 @@
 use std::time::Duration;
 
 use crate::arrival::{ParamId, Step};
+use crate::error::Rejection;
+
+/// How many refusals a step report keeps verbatim (all are counted).
+pub const REJECTION_SAMPLES: usize = 16;
 
 /// Why a rank gave up on a step (carried as a small code in the control collective).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -73,6 +77,8 @@ pub struct StepReport {
     pub duplicates: u64,
     /// Arrivals refused on the hook path (see [`crate::Rejection`]).
     pub rejected: u64,
+    /// The first refusals of the step (at most [`REJECTION_SAMPLES`]), for diagnosis.
+    pub rejections: Vec<Rejection>,
     /// Arrivals on this rank that came after their bucket was launched.
     pub late_arrivals: u64,
     /// Parameters corrected after the data buckets (late on at least one rank).

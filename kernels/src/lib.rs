@@ -82,6 +82,23 @@ pub fn sub_into(dst: &mut [f32], a: &[f32], b: &[f32]) {
     }
 }
 
+/// Whether every value is finite (no NaN, no ±Inf). Branch-free per chunk so
+/// the scan vectorizes; it is the cost of the optional non-finite check.
+pub fn all_finite(values: &[f32]) -> bool {
+    let mut chunks = values.chunks_exact(LANES);
+    for c in &mut chunks {
+        // x - x is 0 for finite x and NaN for NaN or ±Inf.
+        let mut acc = 0.0f32;
+        for x in c {
+            acc += x - x;
+        }
+        if acc != 0.0 {
+            return false;
+        }
+    }
+    chunks.remainder().iter().all(|x| x.is_finite())
+}
+
 /// `dst[i] *= factor`.
 #[inline]
 pub fn scale(dst: &mut [f32], factor: f32) {
@@ -185,6 +202,21 @@ mod tests {
         let mut d = vec![u64::MAX, 1];
         add_assign(&mut d, &[2, 2]);
         assert_eq!(d, vec![1, 3]);
+    }
+
+    #[test]
+    fn all_finite_finds_nan_and_inf_anywhere() {
+        for len in [0usize, 1, 15, 16, 17, 100] {
+            let clean = vec![1.5f32; len];
+            assert!(all_finite(&clean));
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                for at in 0..len {
+                    let mut v = clean.clone();
+                    v[at] = bad;
+                    assert!(!all_finite(&v), "len {len} at {at} value {bad}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -90,6 +90,7 @@ pub struct GradSyncBuilder {
     pub(crate) divisor: Divisor,
     pub(crate) param_shards: usize,
     pub(crate) learning_window: usize,
+    pub(crate) check_finite: bool,
 }
 
 impl Default for GradSyncBuilder {
@@ -102,6 +103,7 @@ impl Default for GradSyncBuilder {
             divisor: Divisor::WorldSize,
             param_shards: 2,
             learning_window: 4,
+            check_finite: false,
         }
     }
 }
@@ -170,6 +172,15 @@ impl GradSyncBuilder {
     /// Steps of history used to learn each parameter's arrival count (default 4).
     pub fn learning_window(&mut self, steps: usize) -> &mut Self {
         self.learning_window = steps;
+        self
+    }
+
+    /// Check every gradient for NaN and Inf (one vectorized scan per payload).
+    /// When any rank finds one, every rank skips the step together, as
+    /// mixed-precision loss scaling does, and the report names the ranks
+    /// (`AbortReason::NonFinite`). Off by default.
+    pub fn check_finite(&mut self, on: bool) -> &mut Self {
+        self.check_finite = on;
         self
     }
 

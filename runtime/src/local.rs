@@ -16,7 +16,12 @@
 //! message carries the sender's collective sequence number and tag, so a rank
 //! that issued a different collective at the same position is reported as a
 //! desync, and every wait has a deadline after which the ranks that never
-//! contributed are named.
+//! contributed are named. An endpoint that is dropped (its rank's GradSync
+//! shut down, or its thread panicked) tells every peer, so survivors fail at
+//! once with an error naming it instead of waiting for the deadline.
+//!
+//! After a failure, [`Transport::reset`] starts a new *epoch*: messages of
+//! earlier epochs still in flight are dropped, and sequence numbers restart.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,10 +81,15 @@ impl WireElement for u64 {
 enum Wire {
     Piece {
         from: usize,
+        epoch: u64,
         seq: u64,
         tag: CollectiveTag,
         leg: Leg,
         piece: Piece,
+    },
+    /// The sender's endpoint was dropped: it will never contribute again.
+    Gone {
+        from: usize,
     },
     /// Wake a waiting collective and make it fail with `Cancelled` (shutdown).
     Interrupt,
@@ -112,6 +122,8 @@ impl LocalWorld {
                     inbox,
                     stash: Vec::new(),
                     seq: 0,
+                    epoch: 0,
+                    gone: vec![false; world],
                 })
                 .collect(),
         )
@@ -129,8 +141,22 @@ pub struct LocalEndpoint {
     inbox: Receiver<Wire>,
     /// Messages that arrived for a later collective than the one in progress.
     stash: Vec<Wire>,
-    /// Collectives started so far; the sequence number of the next one.
+    /// Collectives started in this epoch; the sequence number of the next one.
     seq: u64,
+    /// Resets so far; messages of other epochs are dropped or kept for later.
+    epoch: u64,
+    /// Peers whose endpoint was dropped.
+    gone: Vec<bool>,
+}
+
+impl Drop for LocalEndpoint {
+    fn drop(&mut self) {
+        for (j, peer) in self.peers.iter().enumerate() {
+            if j != self.rank {
+                let _ = peer.send(Wire::Gone { from: self.rank });
+            }
+        }
+    }
 }
 
 /// Wakes a rank's communicator out of a wait so it can shut down.
@@ -150,9 +176,13 @@ impl LocalEndpoint {
         Interrupter(self.peers[self.rank].clone())
     }
 
-    fn send(&self, to: usize, seq: u64, tag: CollectiveTag, leg: Leg, piece: Piece) -> Result<(), CommError> {
-        let wire = Wire::Piece { from: self.rank, seq, tag, leg, piece };
-        self.peers[to].send(wire).map_err(|_| CommError::PeerGone { rank: self.rank, peer: to, tag })
+    fn send(&mut self, to: usize, seq: u64, tag: CollectiveTag, leg: Leg, piece: Piece) -> Result<(), CommError> {
+        let wire = Wire::Piece { from: self.rank, epoch: self.epoch, seq, tag, leg, piece };
+        self.peers[to].send(wire).map_err(|_| {
+            // Its inbox is closed: it will never contribute again.
+            self.gone[to] = true;
+            CommError::PeerGone { rank: self.rank, peer: to, tag }
+        })
     }
 
     /// Receive one piece from every other rank for collective `seq`, leg `leg`.
@@ -165,6 +195,9 @@ impl LocalEndpoint {
         started: Instant,
     ) -> Result<Vec<(usize, Vec<T>)>, CommError> {
         let mut got: Vec<Option<Vec<T>>> = (0..self.world).map(|_| None).collect();
+        if let Some(peer) = (0..self.world).find(|&j| self.gone[j]) {
+            return Err(CommError::PeerGone { rank: self.rank, peer, tag });
+        }
         let mut missing = self.world - 1;
         let mut stashed = std::mem::take(&mut self.stash).into_iter();
         while missing > 0 {
@@ -181,17 +214,25 @@ impl LocalEndpoint {
                     Err(RecvTimeoutError::Disconnected) => return Err(CommError::Cancelled { rank: self.rank, tag }),
                 },
             };
-            let (from, wseq, wtag, wleg, piece) = match wire {
+            let (from, wepoch, wseq, wtag, wleg, piece) = match wire {
                 Wire::Interrupt => return Err(CommError::Cancelled { rank: self.rank, tag }),
-                Wire::Piece { from, seq, tag, leg, piece } => (from, seq, tag, leg, piece),
+                Wire::Gone { from } => {
+                    self.gone[from] = true;
+                    if got[from].is_none() {
+                        self.stash.extend(stashed);
+                        return Err(CommError::PeerGone { rank: self.rank, peer: from, tag });
+                    }
+                    continue;
+                }
+                Wire::Piece { from, epoch, seq, tag, leg, piece } => (from, epoch, seq, tag, leg, piece),
             };
-            if wseq < seq {
+            if (wepoch, wseq) < (self.epoch, seq) {
                 continue; // left over from a collective that failed earlier
             }
-            if wseq > seq || wleg != leg {
-                // A peer already ahead of us (its next collective, or the gather
-                // leg of this one while we still scatter): keep it for later.
-                self.stash.push(Wire::Piece { from, seq: wseq, tag: wtag, leg: wleg, piece });
+            if (wepoch, wseq) > (self.epoch, seq) || wleg != leg {
+                // A peer already ahead of us (a later collective or epoch, or the
+                // gather leg of this one while we still scatter): keep it for later.
+                self.stash.push(Wire::Piece { from, epoch: wepoch, seq: wseq, tag: wtag, leg: wleg, piece });
                 continue;
             }
             let piece = match T::unwrap(piece) {
@@ -286,6 +327,13 @@ impl Transport for LocalEndpoint {
         Ok(())
     }
 
+    fn reset(&mut self) {
+        self.epoch += 1;
+        self.seq = 0;
+        let epoch = self.epoch;
+        self.stash.retain(|w| matches!(w, Wire::Piece { epoch: e, .. } if *e >= epoch));
+    }
+
     fn interrupter(&self) -> Option<gradsync_actors::Interrupt> {
         let handle = LocalEndpoint::interrupter(self);
         Some(Box::new(move || handle.interrupt()))
@@ -371,6 +419,60 @@ mod tests {
             let CommError::Timeout { missing, .. } = e else { panic!("expected timeout, got {e}") };
             assert_eq!(missing, vec![2]);
         }
+    }
+
+    #[test]
+    fn a_dropped_peer_is_named_at_once_not_after_the_deadline() {
+        let mut eps = LocalWorld::connect(3).unwrap();
+        let dead = eps.pop().unwrap();
+        let t0 = Instant::now();
+        let errs: Vec<CommError> = std::thread::scope(|s| {
+            let hs: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    s.spawn(move || {
+                        let mut p = pieces(ep.rank, 9, 3);
+                        let deadline = Instant::now() + Duration::from_secs(30);
+                        ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline).unwrap_err()
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(50));
+            drop(dead);
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5), "waited for the deadline: {:?}", t0.elapsed());
+        for e in errs {
+            assert!(matches!(e, CommError::PeerGone { peer: 2, .. }), "got {e}");
+        }
+    }
+
+    #[test]
+    fn after_reset_stale_pieces_are_ignored_and_sums_are_exact() {
+        let eps = LocalWorld::connect(2).unwrap();
+        let out: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    s.spawn(move || {
+                        let mut p = pieces(ep.rank, 6, 2);
+                        if ep.rank == 0 {
+                            // Rank 0 starts a collective rank 1 never joins.
+                            let short = Instant::now() + Duration::from_millis(100);
+                            ep.all_reduce_f32(tag(0, 0, 6), &mut p, 1.0, short).unwrap_err();
+                            p = pieces(0, 6, 2);
+                        }
+                        ep.reset();
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        ep.all_reduce_f32(tag(1, 0, 6), &mut p, 1.0, deadline).unwrap();
+                        p.concat()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want: Vec<f32> = (0..6).map(|i| (i * 3) as f32).collect();
+        assert_eq!(out, vec![want.clone(), want]);
     }
 
     #[test]

@@ -72,6 +72,7 @@ impl GradSync {
             pieces: transport.pieces(),
             factor,
             collective_timeout: b.collective_timeout,
+            check_finite: b.check_finite,
         };
         let interrupt = transport.interrupter().map(Interrupter);
         let (sched_tx, sched_rx) = unbounded_channel();
@@ -235,6 +236,38 @@ impl GradSync {
             self.loan = result.gradients.as_ref().map(|g| (result.report.step, g.liveness()));
         }
         answer
+    }
+
+    /// Recover from a failed step (a timeout, a desync): every rank whose
+    /// GradSync failed calls `reset`; the ranks agree in one collective on the
+    /// step to restart at (the largest step any of them had reached), which is
+    /// returned. Gradients of the abandoned step, and arrivals sent between the
+    /// failure and `reset`, are discarded: run that step's backward again.
+    ///
+    /// A rank that is gone (crashed) cannot agree: `reset` then fails naming it,
+    /// and the survivors must drop their GradSync and build a new world.
+    pub fn reset(&mut self) -> Result<Step, SyncError> {
+        if let Some((loaned, alive)) = &self.loan {
+            if alive.strong_count() > 0 {
+                return Err(SyncError::GradientsStillBorrowed { step: self.next_step, loaned: *loaned });
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let proposed = self.next_step;
+        self.sched.send(SchedMsg::Reset { proposed, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
+        let agreed = match rx.recv_timeout(self.answer_timeout) {
+            Ok(answer) => answer?,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                return Err(SyncError::Unresponsive { step: proposed, waited: self.answer_timeout })
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
+        };
+        for shard in &self.shards {
+            shard.send(ShardMsg::Reset { step: agreed }).map_err(|_| SyncError::Closed)?;
+        }
+        self.next_step = agreed;
+        self.loan = None;
+        Ok(agreed)
     }
 
     /// The open step's progress, after every arrival sent so far was processed:

@@ -22,7 +22,7 @@ use crate::error::{CollectiveKind, CollectiveTag, SyncError};
 use crate::gradients::{Gradients, StepResult};
 use crate::messages::{FinishRequest, ShardSummary};
 use crate::plan::Fnv;
-use crate::report::{Outcome, StepReport};
+use crate::report::{AbortReason, Outcome, StepReport};
 
 impl Scheduler {
     pub(super) fn on_finish(&mut self, req: FinishRequest) {
@@ -53,6 +53,8 @@ impl Scheduler {
         st.arrivals += s.arrivals;
         st.duplicates += s.duplicates;
         st.rejected += s.rejected;
+        let room = crate::report::REJECTION_SAMPLES.saturating_sub(st.rejections.len());
+        st.rejections.extend(s.rejections.into_iter().take(room));
         for p in s.used {
             st.used[p.index()] = true;
         }
@@ -68,6 +70,11 @@ impl Scheduler {
             return;
         }
         st.phase = Phase::Draining;
+        if let Some(f) = st.finish.as_mut() {
+            if st.nonfinite && f.abort.is_none() {
+                f.abort = Some(AbortReason::NonFinite);
+            }
+        }
         let aborting = st.finish.as_ref().is_some_and(|f| f.abort.is_some());
         for (b, bucket) in self.plan.buckets.iter().enumerate().skip(st.next_launch) {
             for p in &bucket.params {
@@ -88,6 +95,14 @@ impl Scheduler {
 
     pub(super) fn on_done(&mut self, done: CommDone) {
         let CommDone { tag, payload, result, started, finished } = done;
+        if self.resetting.is_some() {
+            // Collectives queued before the reset return first; only the
+            // agreement matters now.
+            if let (CollectiveKind::Reset { .. }, CommPayload::Words(words)) = (tag.kind, payload) {
+                self.on_reset_agreed(result.map(|()| words));
+            }
+            return;
+        }
         self.state.comm_busy += finished.saturating_duration_since(started);
         if let Err(e) = result {
             return self.fail(e.into());
@@ -201,6 +216,56 @@ impl Scheduler {
         self.complete(Outcome::Applied);
     }
 
+    /// Abandon the open (failed) step and propose `proposed` as the restart step.
+    /// Every rank writes its proposal into its own slot of the agreement vector,
+    /// so the sum tells everyone every proposal; the maximum wins.
+    pub(super) fn on_reset(
+        &mut self,
+        proposed: crate::arrival::Step,
+        reply: crate::messages::Reply<Result<crate::arrival::Step, SyncError>>,
+    ) {
+        if let Some(req) = self.state.finish.take() {
+            req.reply.send(Err(SyncError::Poisoned { step: self.state.step, cause: "reset requested".into() }));
+        }
+        self.deferred.clear();
+        self.loaned = None;
+        for (b, buf) in self.buffers.iter_mut().enumerate() {
+            if buf.is_none() {
+                // Lost in the failed collective (pieces held by peers): allocate anew.
+                *buf = Some(BucketBuf::zeroed(self.plan.buckets[b].numel, self.cfg.pieces));
+            }
+        }
+        let mut words = vec![0u64; self.cfg.world];
+        words[self.cfg.rank] = proposed + 1;
+        // Identical on every rank whatever it proposes, so proposals never look like a desync.
+        let tag = CollectiveTag { step: 0, kind: CollectiveKind::Reset { len: words.len() } };
+        self.resetting = Some(reply);
+        // Peers reach their reset only after their own failing collective gives up
+        // (at most one deadline after ours), so the agreement waits longer.
+        let timeout = self.cfg.collective_timeout * 3;
+        let job = crate::comm::CommJob { tag, payload: CommPayload::Words(words), factor: 1.0, timeout };
+        if self.comm.send(job).is_err() {
+            self.on_reset_agreed(Err(crate::error::CommError::Cancelled { rank: self.cfg.rank, tag }));
+        }
+    }
+
+    fn on_reset_agreed(&mut self, result: Result<Vec<u64>, crate::error::CommError>) {
+        let reply = self.resetting.take().expect("a reset is in progress");
+        match result {
+            Ok(words) => {
+                let agreed = words.iter().copied().max().unwrap_or(1).saturating_sub(1);
+                self.failure = None;
+                self.state = StepState::new(agreed, self.plan.num_params(), self.plan.buckets.len());
+                reply.send(Ok(agreed));
+            }
+            Err(e) => {
+                let error = SyncError::from(e);
+                self.failure = Some(super::Failure { step: self.state.step, error: error.clone() });
+                reply.send(Err(error));
+            }
+        }
+    }
+
     /// Answer the caller, lend the buffers if the step applies, start the next step.
     fn complete(&mut self, outcome: Outcome) {
         let next = StepState::new(self.state.step + 1, self.plan.num_params(), self.plan.buckets.len());
@@ -213,6 +278,7 @@ impl Scheduler {
             arrivals: st.arrivals,
             duplicates: st.duplicates,
             rejected: st.rejected,
+            rejections: st.rejections,
             late_arrivals: st.late_arrivals,
             corrected: st.correcting.iter().map(|(p, _)| *p).collect(),
             corrections: u32::from(!st.correcting.is_empty()),

@@ -55,6 +55,8 @@ pub struct SchedulerConfig {
     pub factor: f32,
     /// How long one collective may wait for its peers.
     pub collective_timeout: Duration,
+    /// Skip the step on every rank when any rank's gradient holds NaN or Inf.
+    pub check_finite: bool,
 }
 
 /// Where a step is in its finish protocol.
@@ -109,6 +111,9 @@ struct StepState {
     arrivals: u64,
     duplicates: u64,
     rejected: u64,
+    rejections: Vec<crate::error::Rejection>,
+    /// A NaN or Inf was packed this step (only checked with `check_finite`).
+    nonfinite: bool,
     used: Vec<bool>,
     expect_none_next: Vec<bool>,
     finish: Option<FinishRequest>,
@@ -139,6 +144,8 @@ impl StepState {
             arrivals: 0,
             duplicates: 0,
             rejected: 0,
+            rejections: Vec::new(),
+            nonfinite: false,
             used: vec![false; num_params],
             expect_none_next: vec![false; num_params],
             finish: None,
@@ -171,6 +178,8 @@ pub struct Scheduler {
     /// Progress requests: settled shard count and the waiting reply.
     settles: HashMap<u64, (usize, Option<Reply<Progress>>)>,
     failure: Option<Failure>,
+    /// A reset in progress: its agreement collective is in flight.
+    resetting: Option<Reply<Result<Step, SyncError>>>,
     state: StepState,
 }
 
@@ -196,6 +205,7 @@ impl Scheduler {
             expect_none,
             settles: HashMap::new(),
             failure: None,
+            resetting: None,
             state,
         }
     }
@@ -224,13 +234,16 @@ impl Scheduler {
             SchedMsg::LoanReturned { buffers } => self.on_loan_returned(buffers),
             SchedMsg::Done(done) => self.on_done(done),
             SchedMsg::Finish(req) => self.on_finish(req),
+            SchedMsg::Reset { proposed, reply } => self.on_reset(proposed, reply),
             msg @ (SchedMsg::Ready { .. } | SchedMsg::Flushed(_)) => {
                 let step = match &msg {
                     SchedMsg::Ready { step, .. } => *step,
                     SchedMsg::Flushed(s) => s.step,
                     _ => unreachable!(),
                 };
-                if self.loaned.is_some() || step != self.state.step {
+                if step < self.state.step {
+                    // Left over from a step abandoned by a reset.
+                } else if self.loaned.is_some() || step != self.state.step || self.resetting.is_some() {
                     self.deferred.push_back(msg);
                 } else if self.failure.is_none() {
                     self.begin();
@@ -300,6 +313,9 @@ impl Scheduler {
         let slot = self.plan.slots[p];
         let st = &mut self.state;
         st.kind[p] = Some(kind);
+        if self.cfg.check_finite && !gradsync_kernels::all_finite(&values) {
+            st.nonfinite = true;
+        }
         if slot.bucket < st.next_launch {
             // The bucket is already in (or through) its all-reduce: late.
             st.late_arrivals += 1;
