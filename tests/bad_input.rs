@@ -44,12 +44,54 @@ fn hook_refusals_are_returned_and_counted() {
         assert!(g.to_vec(ParamId(0)).is_none(), "refused arrivals do not make a parameter used");
         drop(g);
         let r1 = sync.finish_step(1).unwrap();
-        (r.report.rejected, r1.report.rejected)
+        (r.report, r1.report)
     });
     for (step0, step1) in reports {
-        assert_eq!(step0, 3);
-        assert_eq!(step1, 1);
+        assert_eq!(step0.rejected, 3);
+        assert_eq!(step0.rejections.len(), 3);
+        assert!(step0.rejections.contains(&Rejection::UnknownParam { param: ParamId(7) }));
+        assert!(step0.rejections.contains(&Rejection::WrongLength { param: ParamId(0), expected: 3, got: 2 }));
+        assert!(step0.rejections.contains(&Rejection::FutureStep { param: ParamId(0), step: 5, current: 0 }));
+        assert_eq!(step1.rejections, vec![Rejection::StepFinished { param: ParamId(1), step: 0 }]);
     }
+}
+
+#[test]
+fn mixing_payload_kinds_in_a_step_is_refused_without_touching_the_sum() {
+    let syncs = build_world(2, &[2], |b| {
+        b.divisor(gradsync::Divisor::Sum);
+    });
+    let out = on_ranks(syncs, |_, mut sync| {
+        let hook = sync.hook();
+        hook.increment(0, ParamId(0), Token(0), vec![1.0, 1.0]).unwrap();
+        hook.accumulated(0, ParamId(0), Token(1), vec![100.0, 100.0]).unwrap();
+        let r = sync.finish_step(0).unwrap();
+        (r.report.rejections.clone(), r.gradients.unwrap().to_vec(ParamId(0)).unwrap())
+    });
+    for (rejections, g) in out {
+        assert_eq!(rejections, vec![Rejection::MixedKinds { param: ParamId(0) }]);
+        assert_eq!(g, vec![2.0, 2.0]);
+    }
+}
+
+#[test]
+fn settings_that_cannot_work_are_refused() {
+    let build = |configure: &dyn Fn(&mut gradsync::GradSyncBuilder)| {
+        let mut b = GradSync::builder();
+        b.param("w", 4, DType::F32).unwrap();
+        configure(&mut b);
+        b.build(LocalWorld::connect(1).unwrap().pop().unwrap()).map(|_| ())
+    };
+    let invalid = |r: Result<(), BuildError>| matches!(r, Err(BuildError::InvalidSetting { .. }));
+    assert!(invalid(build(&|b| {
+        b.param_shards(0);
+    })));
+    assert!(invalid(build(&|b| {
+        b.collective_timeout(std::time::Duration::ZERO);
+    })));
+    assert!(invalid(build(&|b| {
+        b.divisor(gradsync::Divisor::Fixed(0));
+    })));
 }
 
 #[test]

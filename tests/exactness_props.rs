@@ -1,5 +1,8 @@
 //! Property test: for random worlds, plans, arrival patterns and orders, every
-//! rank's reduced gradient equals the directly computed reference exactly.
+//! rank's reduced gradient equals the directly computed reference exactly; and
+//! with random `abort_step` points and NaNs injected on random ranks, every
+//! rank reports the same skipped outcome (naming the same ranks) and no
+//! gradient is lent for the skipped step.
 //!
 //! Data is integer-valued f32 and the divisor is `Sum`, so every sum is exact
 //! whatever the reduction order. Cases: 500 by default, `GRADSYNC_PROPTEST_CASES`
@@ -8,7 +11,7 @@
 mod common;
 
 use common::{build_world, on_ranks, summed_reference, Sent};
-use gradsync::{Divisor, Outcome, ParamId, Payload};
+use gradsync::{AbortReason, Divisor, Outcome, ParamId, Payload};
 use proptest::prelude::*;
 
 /// One rank's script for one step: events in delivery order.
@@ -20,6 +23,22 @@ enum Event {
     Settle,
 }
 
+/// What happens to one rank in one step besides its arrivals.
+#[derive(Debug, Clone, PartialEq)]
+enum Fate {
+    Normal,
+    /// Deliver this many events, then `abort_step`.
+    Abort {
+        after: usize,
+        reason: AbortReason,
+    },
+    /// A last arrival for this parameter carries a NaN (fresh token, so it is
+    /// part of the rank's final local gradient whatever the payload kind).
+    Nan {
+        param: usize,
+    },
+}
+
 #[derive(Debug, Clone)]
 struct Case {
     world: usize,
@@ -27,6 +46,23 @@ struct Case {
     cap_bytes: usize,
     /// steps × ranks × events
     steps: Vec<Vec<Vec<Event>>>,
+    /// steps × ranks; all `Normal` in fault-free cases
+    fates: Vec<Vec<Fate>>,
+    /// Payload kind per parameter (true = Increment).
+    kinds: Vec<bool>,
+}
+
+fn fate(n_params: usize) -> impl Strategy<Value = Fate> {
+    let reason = prop_oneof![
+        Just(AbortReason::OutOfMemory),
+        Just(AbortReason::BadBatch),
+        (0u32..100).prop_map(AbortReason::Other)
+    ];
+    prop_oneof![
+        6 => Just(Fate::Normal),
+        1 => (0usize..20, reason).prop_map(|(after, reason)| Fate::Abort { after, reason }),
+        1 => (0..n_params).prop_map(|param| Fate::Nan { param }),
+    ]
 }
 
 /// Per parameter and rank: how many distinct tokens (0 = unused), which kind,
@@ -66,47 +102,90 @@ fn rank_step(numels: Vec<usize>, kinds: Vec<bool>) -> impl Strategy<Value = Vec<
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..=8, proptest::collection::vec(1usize..12, 1..7), 4usize..160, 1usize..=3).prop_flat_map(
-        |(world, numels, cap_bytes, steps)| {
+    (1usize..=8, proptest::collection::vec(1usize..12, 1..7), 4usize..160, 1usize..=3, proptest::bool::weighted(0.3))
+        .prop_flat_map(|(world, numels, cap_bytes, steps, faulty)| {
             let n = numels.len();
             proptest::collection::vec(any::<bool>(), n).prop_flat_map(move |kinds| {
-                let step = proptest::collection::vec(rank_step(numels.clone(), kinds), world);
-                let numels = numels.clone();
-                proptest::collection::vec(step, steps).prop_map(move |steps| Case {
+                let step = proptest::collection::vec(rank_step(numels.clone(), kinds.clone()), world);
+                let fates = if faulty {
+                    proptest::collection::vec(proptest::collection::vec(fate(n), world), steps).boxed()
+                } else {
+                    Just(vec![vec![Fate::Normal; world]; steps]).boxed()
+                };
+                let (numels, kinds) = (numels.clone(), kinds.clone());
+                (proptest::collection::vec(step, steps), fates).prop_map(move |(steps, fates)| Case {
                     world,
                     numels: numels.clone(),
                     cap_bytes,
                     steps,
+                    fates,
+                    kinds: kinds.clone(),
                 })
             })
-        },
-    )
+        })
+}
+
+/// The arrival a `Fate::Nan` appends.
+fn nan_arrival(case: &Case, param: usize) -> Sent {
+    let mut v = vec![1.0; case.numels[param]];
+    v[0] = f32::NAN;
+    let payload = if case.kinds[param] { Payload::Increment(v) } else { Payload::Accumulated(v) };
+    Sent { param, token: 999, payload }
 }
 
 fn check(case: &Case) -> Result<(), TestCaseError> {
     let syncs = build_world(case.world, &case.numels, |b| {
-        b.bucket_cap_bytes(case.cap_bytes).divisor(Divisor::Sum);
+        b.bucket_cap_bytes(case.cap_bytes).divisor(Divisor::Sum).check_finite(true);
     });
     let results = on_ranks(syncs, |rank, mut sync| {
         let mut out = Vec::new();
         for (step, per_rank) in case.steps.iter().enumerate() {
-            for ev in &per_rank[rank] {
+            let step_no = step as u64;
+            let fate = &case.fates[step][rank];
+            for (i, ev) in per_rank[rank].iter().enumerate() {
+                if matches!(fate, Fate::Abort { after, .. } if *after == i) {
+                    break;
+                }
                 match ev {
-                    Event::Arrive(s) => s.deliver(&sync, step as u64),
+                    Event::Arrive(s) => s.deliver(&sync, step_no),
                     Event::Settle => {
                         sync.progress().unwrap();
                     }
                 }
             }
-            let r = sync.finish_step(step as u64).unwrap();
-            let grads = r.gradients.as_ref().expect("no aborts in this test");
-            let values: Vec<Option<Vec<f32>>> =
-                (0..case.numels.len()).map(|p| grads.to_vec(ParamId(p as u32))).collect();
+            let r = match fate {
+                Fate::Abort { reason, .. } => sync.abort_step(step_no, *reason).unwrap(),
+                Fate::Nan { param } => {
+                    nan_arrival(case, *param).deliver(&sync, step_no);
+                    sync.finish_step(step_no).unwrap()
+                }
+                Fate::Normal => sync.finish_step(step_no).unwrap(),
+            };
+            let values: Option<Vec<Option<Vec<f32>>>> =
+                r.gradients.as_ref().map(|g| (0..case.numels.len()).map(|p| g.to_vec(ParamId(p as u32))).collect());
             out.push((r.report.clone(), values));
         }
         out
     });
     for (step, per_rank) in case.steps.iter().enumerate() {
+        let aborted: Vec<(usize, AbortReason)> = case.fates[step]
+            .iter()
+            .enumerate()
+            .filter_map(|(r, f)| match f {
+                Fate::Normal => None,
+                Fate::Abort { reason, .. } => Some((r, *reason)),
+                Fate::Nan { .. } => Some((r, AbortReason::NonFinite)),
+            })
+            .collect();
+        if !aborted.is_empty() {
+            for (rank, rank_results) in results.iter().enumerate() {
+                let (report, values) = &rank_results[step];
+                let want = Outcome::Skipped { aborted: aborted.clone() };
+                prop_assert_eq!(&report.outcome, &want, "step {} rank {}", step, rank);
+                prop_assert!(values.is_none(), "a skipped step must lend no gradients");
+            }
+            continue;
+        }
         let sent: Vec<Vec<Sent>> = per_rank
             .iter()
             .map(|evs| {
@@ -116,6 +195,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
         let corrected0 = &results[0][step].0.corrected;
         for (rank, rank_results) in results.iter().enumerate() {
             let (report, values) = &rank_results[step];
+            let values = values.as_ref().expect("an applied step lends its gradients");
             prop_assert_eq!(&report.outcome, &Outcome::Applied);
             prop_assert_eq!(&report.corrected, corrected0, "ranks disagree on corrections");
             let distinct: std::collections::HashSet<(usize, u64)> =
