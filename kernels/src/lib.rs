@@ -87,10 +87,10 @@ pub fn sub_into(dst: &mut [f32], a: &[f32], b: &[f32]) {
 pub fn all_finite(values: &[f32]) -> bool {
     let mut chunks = values.chunks_exact(LANES);
     for c in &mut chunks {
-        // x - x is 0 for finite x and NaN for NaN or ±Inf.
+        // x * 0 is 0 for finite x and NaN for NaN or ±Inf.
         let mut acc = 0.0f32;
         for x in c {
-            acc += x - x;
+            acc += x * 0.0;
         }
         if acc != 0.0 {
             return false;
