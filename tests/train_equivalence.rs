@@ -28,6 +28,7 @@ fn cfg(mode: Mode, recompute: bool) -> TrainCfg {
         lr: 0.1,
         momentum: 0.9,
         bucket_cap_bytes: 512,
+        record_timeline: false,
     }
 }
 

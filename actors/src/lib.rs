@@ -32,6 +32,7 @@ pub mod param;
 pub mod plan;
 pub mod report;
 pub mod scheduler;
+pub mod telemetry;
 
 pub use arrival::{Arrival, DType, ParamId, Payload, PayloadKind, Step, Token};
 pub use bucket_buf::BucketBuf;
@@ -40,3 +41,4 @@ pub use error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 pub use gradients::{GradView, Gradients, StepResult};
 pub use plan::{BucketSpec, ParamSpec, Plan, Slot};
 pub use report::{AbortReason, Outcome, Progress, StepReport};
+pub use telemetry::{Lane, TimelineEvent};

@@ -100,6 +100,9 @@ pub struct StepReport {
     pub exposed_comm: Duration,
     /// Total time the communicator spent inside collectives this step.
     pub comm_busy: Duration,
+    /// This rank's timeline of the step (arrivals, bucket fills, collectives,
+    /// finish); empty unless the builder's `record_timeline` is on.
+    pub timeline: Vec<crate::telemetry::TimelineEvent>,
 }
 
 /// A snapshot of the current step, taken after every arrival sent so far was processed.

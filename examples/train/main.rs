@@ -5,7 +5,12 @@
 //! ```text
 //! cargo run --release --example train -- [--ranks 4] [--steps 300] [--mode overlap|no-sync|strict]
 //!                                        [--recompute on|off] [--seed 7] [--batch 128]
+//!                                        [--metrics-addr 127.0.0.1:9464] [--linger SECS] [--trace FILE]
 //! ```
+//!
+//! `--metrics-addr` serves Prometheus metrics while training (loopback only);
+//! `--linger` keeps the process, and so the endpoint, up after training;
+//! `--trace` writes every rank's step timeline as Chrome trace JSON (Perfetto).
 //!
 //! Prints a line per step (mean loss over ranks, step time, what gradsync saw),
 //! a summary, the activation memory kept with and without recompute, and last
@@ -29,10 +34,18 @@ use session::{max_abs_diff, Mode, StepLine, TrainCfg};
 const TOLERANCE: f32 = 1e-4;
 
 fn usage() -> &'static str {
-    "usage: train [--ranks N] [--steps N] [--mode overlap|no-sync|strict] [--recompute on|off] [--seed N] [--batch N]"
+    "usage: train [--ranks N] [--steps N] [--mode overlap|no-sync|strict] [--recompute on|off] [--seed N] \
+     [--batch N] [--metrics-addr ADDR] [--linger SECS] [--trace FILE]"
 }
 
-fn parse_args() -> Result<TrainCfg, String> {
+/// Settings of the run around the training itself.
+struct RunOpts {
+    metrics_addr: Option<std::net::SocketAddr>,
+    linger: Duration,
+    trace: Option<std::path::PathBuf>,
+}
+
+fn parse_args() -> Result<(TrainCfg, RunOpts), String> {
     let mut cfg = TrainCfg {
         ranks: 4,
         steps: 300,
@@ -44,7 +57,9 @@ fn parse_args() -> Result<TrainCfg, String> {
         lr: 0.1,
         momentum: 0.9,
         bucket_cap_bytes: 256 << 10,
+        record_timeline: false,
     };
+    let mut opts = RunOpts { metrics_addr: None, linger: Duration::ZERO, trace: None };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or(format!("{flag} needs a value\n{}", usage()));
@@ -69,11 +84,20 @@ fn parse_args() -> Result<TrainCfg, String> {
                     other => return Err(format!("--recompute: expected on or off, got {other:?}")),
                 }
             }
+            "--metrics-addr" => {
+                let v = value()?;
+                opts.metrics_addr = Some(v.parse().map_err(|_| format!("--metrics-addr: {v:?} is not HOST:PORT"))?);
+            }
+            "--linger" => opts.linger = Duration::from_secs(number(value()?)?),
+            "--trace" => {
+                opts.trace = Some(value()?.into());
+                cfg.record_timeline = true;
+            }
             "-h" | "--help" => return Err(usage().to_string()),
             other => return Err(format!("unknown flag {other:?}\n{}", usage())),
         }
     }
-    Ok(cfg)
+    Ok((cfg, opts))
 }
 
 fn ms(d: Duration) -> f64 {
@@ -81,8 +105,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn main() -> ExitCode {
-    let cfg = match parse_args() {
-        Ok(cfg) => cfg,
+    let (cfg, opts) = match parse_args() {
+        Ok(parsed) => parsed,
         Err(msg) => {
             eprintln!("{msg}");
             return ExitCode::from(2);
@@ -103,6 +127,15 @@ fn main() -> ExitCode {
         m.hidden,
         m.blocks
     );
+    if let Some(addr) = opts.metrics_addr {
+        match gradsync::metrics::install_prometheus(addr, false) {
+            Ok(_) => println!("metrics: http://{addr}/metrics"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let (tx, rx) = mpsc::channel::<StepLine>();
     let printer = std::thread::spawn({
         let (ranks, steps) = (cfg.ranks, cfg.steps);
@@ -110,7 +143,7 @@ fn main() -> ExitCode {
     });
     let started = std::time::Instant::now();
     let out = session::train(&cfg, tx);
-    let totals = printer.join().expect("printer thread");
+    let (totals, trace) = printer.join().expect("printer thread");
     let out = match out {
         Ok(out) => out,
         Err(e) => {
@@ -120,6 +153,17 @@ fn main() -> ExitCode {
     };
     println!("trained in {:.1} s", started.elapsed().as_secs_f64());
     println!("{totals}");
+    if let Some(path) = &opts.trace {
+        let written = std::fs::File::create(path).and_then(|f| trace.write_json(std::io::BufWriter::new(f)));
+        match written {
+            Ok(()) => println!(
+                "timeline: {} events written to {} (open in https://ui.perfetto.dev)",
+                trace.len(),
+                path.display()
+            ),
+            Err(e) => eprintln!("warning: could not write the timeline to {}: {e}", path.display()),
+        }
+    }
     let a = out.activations;
     if cfg.recompute {
         println!(
@@ -148,6 +192,12 @@ fn main() -> ExitCode {
         "equivalence: max |param - reference| = {diff:e} (tolerance {TOLERANCE:e}) {}",
         if ok { "OK" } else { "FAILED" }
     );
+    if !opts.linger.is_zero() {
+        if let Some(addr) = opts.metrics_addr {
+            println!("lingering {} s so http://{addr}/metrics can be scraped", opts.linger.as_secs());
+        }
+        std::thread::sleep(opts.linger);
+    }
     if ok {
         ExitCode::SUCCESS
     } else {
@@ -156,7 +206,8 @@ fn main() -> ExitCode {
 }
 
 /// Print one line per step once every rank reported it; return the summary.
-fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> String {
+fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> (String, gradsync::ChromeTrace) {
+    let mut trace = gradsync::ChromeTrace::new();
     let mut pending: std::collections::BTreeMap<u64, Vec<StepLine>> = Default::default();
     let (mut dups, mut late, mut corrected_steps, mut overlapped, mut launched) = (0u64, 0u64, 0u64, 0u64, 0u64);
     let mut exposed = Vec::new();
@@ -168,6 +219,9 @@ fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> String
             continue;
         }
         let group = pending.remove(&step).expect("group present");
+        for l in &group {
+            trace.add(&l.report);
+        }
         let loss = group.iter().map(|l| l.loss).sum::<f32>() / ranks as f32;
         let time = group.iter().map(|l| l.step_time).max().unwrap_or_default();
         let r0 = &group[0].report;
@@ -191,8 +245,9 @@ fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> String
     }
     exposed.sort_by(f64::total_cmp);
     let median = exposed.get(exposed.len() / 2).copied().unwrap_or_default();
-    format!(
+    let summary = format!(
         "summary: duplicates {dups}, late arrivals {late} (all ranks), steps with a correction {corrected_steps}, \
          buckets done before finish_step {overlapped}/{launched} (rank 0), exposed comm median {median:.2} ms"
-    )
+    );
+    (summary, trace)
 }

@@ -42,6 +42,8 @@ pub struct TrainCfg {
     pub lr: f32,
     pub momentum: f32,
     pub bucket_cap_bytes: usize,
+    /// Record each step's timeline into the reports (for `--trace`).
+    pub record_timeline: bool,
 }
 
 /// One rank's line for one step, sent to the printing thread.
@@ -125,7 +127,11 @@ pub fn train(cfg: &TrainCfg, lines: mpsc::Sender<StepLine>) -> Result<TrainOutpu
         builder.param(probe.names[i].clone(), probe.numel(i), gradsync::DType::F32).expect("valid registration");
     }
     let cap = if cfg.mode == Mode::NoSync { usize::MAX } else { cfg.bucket_cap_bytes };
-    builder.bucket_cap_bytes(cap).divisor(Divisor::WorldSize).collective_timeout(Duration::from_secs(60));
+    builder
+        .bucket_cap_bytes(cap)
+        .divisor(Divisor::WorldSize)
+        .collective_timeout(Duration::from_secs(60))
+        .record_timeline(cfg.record_timeline);
     let endpoints = LocalWorld::connect(cfg.ranks).expect("at least one rank");
     let syncs: Vec<GradSync> = endpoints.into_iter().map(|ep| builder.build(ep).expect("valid settings")).collect();
     let task = task(cfg);

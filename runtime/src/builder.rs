@@ -91,6 +91,7 @@ pub struct GradSyncBuilder {
     pub(crate) param_shards: usize,
     pub(crate) learning_window: usize,
     pub(crate) check_finite: bool,
+    pub(crate) record_timeline: bool,
 }
 
 impl Default for GradSyncBuilder {
@@ -104,6 +105,7 @@ impl Default for GradSyncBuilder {
             param_shards: 2,
             learning_window: 4,
             check_finite: false,
+            record_timeline: false,
         }
     }
 }
@@ -181,6 +183,14 @@ impl GradSyncBuilder {
     /// (`AbortReason::NonFinite`). Off by default.
     pub fn check_finite(&mut self, on: bool) -> &mut Self {
         self.check_finite = on;
+        self
+    }
+
+    /// Record a per-step timeline (arrivals, bucket fills, collectives, finish)
+    /// into every `StepReport`, for [`crate::ChromeTrace`]. Off by default: it
+    /// allocates an event per arrival.
+    pub fn record_timeline(&mut self, on: bool) -> &mut Self {
+        self.record_timeline = on;
         self
     }
 

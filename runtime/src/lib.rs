@@ -21,13 +21,16 @@ mod builder;
 pub mod cuda;
 mod hook;
 pub mod local;
+pub mod metrics;
 mod sync;
+pub mod trace;
 
 pub use builder::{BuildError, Divisor, GradSyncBuilder};
 pub use gradsync_actors::{
-    AbortReason, CollectiveKind, CollectiveTag, CommError, DType, GradView, Gradients, Outcome, ParamId, Payload,
-    PayloadKind, Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Transport,
+    AbortReason, CollectiveKind, CollectiveTag, CommError, DType, GradView, Gradients, Lane, Outcome, ParamId, Payload,
+    PayloadKind, Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, TimelineEvent, Token, Transport,
 };
 pub use hook::GradHook;
 pub use local::{LocalEndpoint, LocalWorld};
 pub use sync::GradSync;
+pub use trace::ChromeTrace;

@@ -73,6 +73,7 @@ impl GradSync {
             factor,
             collective_timeout: b.collective_timeout,
             check_finite: b.check_finite,
+            record_timeline: b.record_timeline,
         };
         let interrupt = transport.interrupter().map(Interrupter);
         let (sched_tx, sched_rx) = unbounded_channel();

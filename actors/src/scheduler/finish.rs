@@ -10,7 +10,7 @@
 //! parameters unused on every rank (reported as `None`).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gradsync_kernels as k;
 
@@ -23,6 +23,7 @@ use crate::gradients::{Gradients, StepResult};
 use crate::messages::{FinishRequest, ShardSummary};
 use crate::plan::Fnv;
 use crate::report::{AbortReason, Outcome, StepReport};
+use crate::telemetry::{Lane, TimelineEvent};
 
 impl Scheduler {
     pub(super) fn on_finish(&mut self, req: FinishRequest) {
@@ -43,6 +44,10 @@ impl Scheduler {
             return req.reply.send(Err(SyncError::NotCurrentStep { expected, got: req.step }));
         }
         self.begin();
+        if self.cfg.record_timeline {
+            let ev = TimelineEvent::instant("finish_step".into(), Lane::Backward, req.at);
+            self.state.timeline.push(ev);
+        }
         self.state.finish = Some(req);
         self.close_if_complete();
     }
@@ -104,6 +109,17 @@ impl Scheduler {
             return;
         }
         self.state.comm_busy += finished.saturating_duration_since(started);
+        let took = finished.saturating_duration_since(started);
+        crate::telemetry::collective(&self.rank_label, &tag.kind, payload.bytes(), took, &result);
+        if self.cfg.record_timeline {
+            let name = match tag.kind {
+                CollectiveKind::Bucket { index, .. } => format!("all-reduce bucket {index}"),
+                CollectiveKind::Control { .. } => "control".to_string(),
+                CollectiveKind::Correction { .. } => "correction".to_string(),
+                CollectiveKind::Reset { .. } => "reset".to_string(),
+            };
+            self.state.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
+        }
         if let Err(e) = result {
             return self.fail(e.into());
         }
@@ -292,7 +308,10 @@ impl Scheduler {
             bytes_launched: st.bytes,
             exposed_comm: Instant::now().saturating_duration_since(req.at),
             comm_busy: st.comm_busy,
+            timeline: st.timeline,
         };
+        let step_time = st.began_at.map_or(Duration::ZERO, |t| t.elapsed());
+        crate::telemetry::step(&self.rank_label, &report, step_time);
         self.expect_none = st.expect_none_next;
         let gradients = outcome.is_applied().then(|| {
             let buffers = self.buffers.iter_mut().map(|b| b.take().expect("buffers are home")).collect();

@@ -39,6 +39,7 @@ use crate::comm::{CommJob, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, SyncError};
 use crate::messages::{FinishRequest, Reply, SchedMsg};
 use crate::report::Progress;
+use crate::telemetry::{Lane, TimelineEvent};
 
 /// Fixed settings of one scheduler.
 #[derive(Debug, Clone)]
@@ -57,6 +58,8 @@ pub struct SchedulerConfig {
     pub collective_timeout: Duration,
     /// Skip the step on every rank when any rank's gradient holds NaN or Inf.
     pub check_finite: bool,
+    /// Record a per-step timeline into each report.
+    pub record_timeline: bool,
 }
 
 /// Where a step is in its finish protocol.
@@ -122,6 +125,12 @@ struct StepState {
     /// Late parameters being corrected, with their offset in the correction buffer.
     correcting: Vec<(ParamId, usize)>,
     unused_everywhere: Vec<bool>,
+    /// When the step's first message arrived.
+    began_at: Option<Instant>,
+    /// Per bucket: when its first value was packed.
+    fill_started: Vec<Option<Instant>>,
+    /// Events of this step (only with `record_timeline`).
+    timeline: Vec<TimelineEvent>,
 }
 
 impl StepState {
@@ -153,6 +162,9 @@ impl StepState {
             comm_busy: Duration::ZERO,
             correcting: Vec::new(),
             unused_everywhere: vec![false; num_params],
+            began_at: None,
+            fill_started: vec![None; num_buckets],
+            timeline: Vec::new(),
         }
     }
 }
@@ -178,6 +190,8 @@ pub struct Scheduler {
     /// Progress requests: settled shard count and the waiting reply.
     settles: HashMap<u64, (usize, Option<Reply<Progress>>)>,
     failure: Option<Failure>,
+    /// This rank as a metric label.
+    rank_label: String,
     /// A reset in progress: its agreement collective is in flight.
     resetting: Option<Reply<Result<Step, SyncError>>>,
     state: StepState,
@@ -194,7 +208,11 @@ impl Scheduler {
         let buffers = plan.buckets.iter().map(|b| Some(BucketBuf::zeroed(b.numel, cfg.pieces))).collect();
         let expect_none = plan.params.iter().map(|p| p.expected_arrivals == Some(0)).collect();
         let state = StepState::new(0, plan.num_params(), plan.buckets.len());
+        let rank_label = cfg.rank.to_string();
+        crate::telemetry::plan(&rank_label, plan.buckets.len(), plan.bucket_bytes());
+        crate::telemetry::trace_epoch();
         Scheduler {
+            rank_label,
             cfg,
             plan,
             comm,
@@ -248,7 +266,9 @@ impl Scheduler {
                 } else if self.failure.is_none() {
                     self.begin();
                     match msg {
-                        SchedMsg::Ready { param, kind, values, first, .. } => self.on_ready(param, kind, values, first),
+                        SchedMsg::Ready { param, kind, values, first, at, .. } => {
+                            self.on_ready(param, kind, values, first, at)
+                        }
                         SchedMsg::Flushed(s) => self.on_flushed(s),
                         _ => unreachable!(),
                     }
@@ -299,6 +319,7 @@ impl Scheduler {
             return;
         }
         self.state.begun = true;
+        self.state.began_at = Some(Instant::now());
         for (b, bucket) in self.plan.buckets.iter().enumerate() {
             self.state.pending[b] = bucket.params.iter().filter(|p| !self.expect_none[p.index()]).count();
         }
@@ -308,10 +329,18 @@ impl Scheduler {
         self.launch_ready_buckets();
     }
 
-    fn on_ready(&mut self, param: ParamId, kind: PayloadKind, values: Vec<f32>, first: bool) {
+    fn on_ready(&mut self, param: ParamId, kind: PayloadKind, values: Vec<f32>, first: bool, at: Instant) {
         let p = param.index();
         let slot = self.plan.slots[p];
         let st = &mut self.state;
+        if self.cfg.record_timeline {
+            let what = match (first, slot.bucket < st.next_launch) {
+                (_, true) => "late",
+                (true, false) => "ready",
+                (false, false) => "merge",
+            };
+            st.timeline.push(TimelineEvent::instant(format!("{what} p{}", param.0), Lane::Backward, at));
+        }
         st.kind[p] = Some(kind);
         if self.cfg.check_finite && !gradsync_kernels::all_finite(&values) {
             st.nonfinite = true;
@@ -325,6 +354,7 @@ impl Scheduler {
             }
             return;
         }
+        st.fill_started[slot.bucket].get_or_insert_with(Instant::now);
         let buf = self.buffers[slot.bucket].as_mut().expect("unlaunched bucket buffer is home");
         let mode = if kind == PayloadKind::Increment && st.written[p] { WriteMode::Add } else { WriteMode::Set };
         buf.write(slot.offset, &values, mode);
@@ -356,6 +386,11 @@ impl Scheduler {
             }
         }
         let tag = CollectiveTag { step: self.state.step, kind: CollectiveKind::Bucket { index: b, numel: spec.numel } };
+        if self.cfg.record_timeline {
+            let now = Instant::now();
+            let from = self.state.fill_started[b].or(self.state.began_at).unwrap_or(now);
+            self.state.timeline.push(TimelineEvent::span(format!("fill bucket {b}"), Lane::Scheduler, from, now));
+        }
         self.submit(tag, CommPayload::Grads(buf));
     }
 
