@@ -5,6 +5,9 @@
 //! * `pipeline/P`: P arrivals (one per parameter) from the first hook call to
 //!   `finish_step` returning on a 1-rank world: dedup, pack, launch, control.
 //!   Reported as arrivals per second.
+//! * `hook_to_launch`: from the hook call that completes a one-parameter bucket
+//!   to the scheduler handing that bucket to the communicator (read off the
+//!   step timeline); calls are spaced by 20 µs so each sees an idle pipeline.
 
 use std::time::{Duration, Instant};
 
@@ -76,9 +79,52 @@ fn pipeline(c: &mut Criterion) {
     group.finish();
 }
 
+fn hook_to_launch(c: &mut Criterion) {
+    const PARAMS: usize = 64;
+    let mut b = GradSync::builder();
+    for i in 0..PARAMS {
+        b.param(format!("p{i}"), 1, DType::F32).unwrap();
+    }
+    b.bucket_cap_bytes(4).record_timeline(true);
+    let mut sync = b.build(LocalWorld::connect(1).unwrap().pop().unwrap()).unwrap();
+    let hook = sync.hook();
+    let epoch = gradsync::trace_epoch();
+    let mut step = 0;
+    c.bench_function("hook_to_launch", |bench| {
+        bench.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters as usize;
+            while left > 0 {
+                let n = left.min(PARAMS);
+                let mut called = Vec::with_capacity(n);
+                // Bucket i holds parameter PARAMS-1-i: call them in bucket order.
+                for p in (PARAMS - n..PARAMS).rev() {
+                    let spaced = Instant::now();
+                    while spaced.elapsed() < Duration::from_micros(20) {
+                        std::hint::spin_loop();
+                    }
+                    called.push(Instant::now().saturating_duration_since(epoch));
+                    hook.increment(step, ParamId(p as u32), Token(0), vec![1.0]).unwrap();
+                }
+                let r = sync.finish_step(step).unwrap();
+                let launches = r
+                    .report
+                    .timeline
+                    .iter()
+                    .filter(|e| e.name.starts_with("fill bucket"))
+                    .map(|e| e.start + e.duration.unwrap_or_default());
+                total += called.iter().zip(launches).map(|(c, l)| l.saturating_sub(*c)).sum::<Duration>();
+                step += 1;
+                left -= n;
+            }
+            total
+        })
+    });
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
-    targets = hook_call, pipeline
+    targets = hook_call, pipeline, hook_to_launch
 }
 criterion_main!(benches);

@@ -7,6 +7,8 @@
 //! hide that.
 
 use gradsync_kernels as k;
+/// The reduce loop the local backend runs on a piece, re-exported for benchmarks.
+pub use gradsync_kernels::reduce_scaled;
 
 /// Gradient storage of one bucket: `numel` f32 values in `shards.len()` pieces.
 #[derive(Debug, Default)]

@@ -26,9 +26,11 @@ mod sync;
 pub mod trace;
 
 pub use builder::{BuildError, Divisor, GradSyncBuilder};
+pub use gradsync_actors::telemetry::trace_epoch;
 pub use gradsync_actors::{
-    AbortReason, CollectiveKind, CollectiveTag, CommError, DType, GradView, Gradients, Lane, Outcome, ParamId, Payload,
-    PayloadKind, Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, TimelineEvent, Token, Transport,
+    AbortReason, BucketBuf, CollectiveKind, CollectiveTag, CommError, DType, GradView, Gradients, Lane, Outcome,
+    ParamId, Payload, PayloadKind, Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, TimelineEvent,
+    Token, Transport,
 };
 pub use hook::GradHook;
 pub use local::{LocalEndpoint, LocalWorld};
