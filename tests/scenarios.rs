@@ -280,3 +280,41 @@ fn learned_count_removes_the_correction() {
         assert_eq!(per_rank[1].late_arrivals, 0);
     }
 }
+
+/// With `recycle_payloads`, consumed payload vectors come back through
+/// `take_spent` and can be sent again as the next step's payloads; sums stay exact.
+#[test]
+fn recycled_payloads_come_back_and_reuse_keeps_sums_exact() {
+    let syncs = build_world(2, &[5, 3], |b| {
+        b.recycle_payloads(true).divisor(Divisor::Sum);
+    });
+    let out = on_ranks(syncs, |rank, mut sync| {
+        let mut pool: Vec<Vec<Vec<f32>>> = vec![Vec::new(), Vec::new()];
+        let mut reused = 0;
+        let mut results = Vec::new();
+        for step in 0..4u64 {
+            for (p, n) in [(1usize, 3usize), (0, 5)] {
+                let mut v = pool[p].pop().map(|v| {
+                    reused += 1;
+                    v
+                });
+                let v = v.get_or_insert_with(|| vec![0.0; n]);
+                v.fill((rank + step as usize) as f32);
+                sync.hook().increment(step, ParamId(p as u32), gradsync::Token(0), std::mem::take(v)).unwrap();
+            }
+            let r = sync.finish_step(step).unwrap();
+            results.push(r.gradients.as_ref().unwrap().to_vec(ParamId(0)).unwrap());
+            drop(r);
+            for (p, v) in sync.take_spent() {
+                pool[p.index()].push(v);
+            }
+        }
+        (reused, results)
+    });
+    for (reused, results) in out {
+        assert_eq!(reused, 6, "every payload after the first step is a recycled vector");
+        for (step, g) in results.iter().enumerate() {
+            assert_eq!(g, &vec![(2 * step + 1) as f32; 5], "step {step}");
+        }
+    }
+}

@@ -21,8 +21,9 @@
 //! keeps the result exact.
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use tracing::{debug, warn};
 
@@ -80,6 +81,9 @@ pub struct ParamShard {
     summary: ShardSummary,
     /// The scheduler's inbox.
     out: UnboundedSender<SchedMsg>,
+    /// After a message, keep polling the inbox this long before sleeping
+    /// (zero: sleep at once). Trades a busy core for wake-up latency.
+    idle_spin: Duration,
 }
 
 impl ParamShard {
@@ -105,16 +109,48 @@ impl ParamShard {
                 }
             })
             .collect();
-        ParamShard { shards, params, step: 0, window: window.max(1), summary: ShardSummary::default(), out }
+        ParamShard {
+            shards,
+            params,
+            step: 0,
+            window: window.max(1),
+            summary: ShardSummary::default(),
+            out,
+            idle_spin: Duration::ZERO,
+        }
+    }
+
+    /// Poll for `spin` after each message before parking (see [`ParamShard::run`]).
+    pub fn with_idle_spin(mut self, spin: Duration) -> Self {
+        self.idle_spin = spin;
+        self
     }
 
     /// Drain the inbox until `Shutdown` or until every sender is gone.
+    ///
+    /// With an idle spin, the task keeps polling its inbox (yielding to the
+    /// other actors between polls) for that long after its last message, so a
+    /// hook's send during backward finds it awake: no OS wake-up on the path
+    /// from hook to launch.
     pub async fn run(mut self, mut inbox: UnboundedReceiver<ShardMsg>) {
         let mut batch = Vec::with_capacity(256);
         while inbox.recv_many(&mut batch, 256).await > 0 {
             for msg in batch.drain(..) {
                 if !self.handle(msg) {
                     return;
+                }
+            }
+            let mut last = Instant::now();
+            while last.elapsed() < self.idle_spin {
+                match inbox.try_recv() {
+                    Ok(msg) => {
+                        if !self.handle(msg) {
+                            return;
+                        }
+                        last = Instant::now();
+                    }
+                    Err(TryRecvError::Empty) => tokio::task::yield_now().await,
+                    Err(TryRecvError::Disconnected) => return,
                 }
             }
         }

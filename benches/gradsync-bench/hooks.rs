@@ -7,19 +7,19 @@ use std::time::{Duration, Instant};
 
 use gradsync::{DType, GradSync, Lane, LocalWorld, ParamId, Token};
 
-fn world_of_one(params: usize, timeline: bool, cap: usize) -> GradSync {
+fn world_of_one(params: usize, timeline: bool, cap: usize, spin: Duration) -> GradSync {
     let mut b = GradSync::builder();
     for i in 0..params {
         b.param(format!("p{i}"), 1, DType::F32).unwrap();
     }
-    b.bucket_cap_bytes(cap).record_timeline(timeline);
+    b.bucket_cap_bytes(cap).record_timeline(timeline).idle_spin(spin);
     b.build(LocalWorld::connect(1).unwrap().pop().unwrap()).unwrap()
 }
 
 /// Arrivals per second for `params` parameters, one arrival each per step,
 /// from the first hook call to `finish_step` returning (median of `steps`).
 pub fn throughput(params: usize, steps: usize) -> f64 {
-    let mut sync = world_of_one(params, false, 64 << 10);
+    let mut sync = world_of_one(params, false, 64 << 10, Duration::ZERO);
     let hook = sync.hook();
     let mut rates = Vec::new();
     for step in 0..steps as u64 {
@@ -37,9 +37,9 @@ pub fn throughput(params: usize, steps: usize) -> f64 {
 
 /// Hook-to-launch latencies: `samples` steps of 64 one-parameter buckets, each
 /// completed by a hook call after the previous bucket was handled.
-pub fn hook_to_launch(samples: usize) -> Vec<Duration> {
+pub fn hook_to_launch(samples: usize, spin: Duration) -> Vec<Duration> {
     const PARAMS: usize = 64;
-    let mut sync = world_of_one(PARAMS, true, 4);
+    let mut sync = world_of_one(PARAMS, true, 4, spin);
     let hook = sync.hook();
     let epoch = gradsync::trace_epoch();
     let mut latencies = Vec::new();

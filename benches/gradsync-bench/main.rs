@@ -148,20 +148,23 @@ fn cmd_overlap(f: &Flags) -> Result<(), String> {
 }
 
 fn cmd_hooks() -> Result<(), String> {
+    // Latency is measured without and with the actors' idle spin (GradSyncBuilder::idle_spin).
     println!("arrival throughput (1-rank world, one arrival per parameter, hook call to finish_step):");
     for params in [100, 1_000, 10_000] {
         let rate = hooks::throughput(params, 31);
         println!("  {params:>6} parameters: {:>6.2} M arrivals/s (median of 31 steps)", rate / 1e6);
     }
-    let lat = hooks::hook_to_launch(40);
-    let pct = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize];
-    println!(
-        "hook-to-launch latency ({} samples): p50 {:?}  p90 {:?}  p99 {:?}  max {:?}",
-        lat.len(),
-        pct(0.5),
-        pct(0.9),
-        pct(0.99),
-        lat.last().copied().unwrap_or_default()
-    );
+    for spin_us in [0u64, 100] {
+        let lat = hooks::hook_to_launch(40, std::time::Duration::from_micros(spin_us));
+        let pct = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize];
+        println!(
+            "hook-to-launch latency, idle_spin {spin_us} µs ({} samples): p50 {:?}  p90 {:?}  p99 {:?}  max {:?}",
+            lat.len(),
+            pct(0.5),
+            pct(0.9),
+            pct(0.99),
+            lat.last().copied().unwrap_or_default()
+        );
+    }
     Ok(())
 }

@@ -114,7 +114,10 @@ fn builder(cfg: &OverlapCfg, policy: Policy, declared: &[u32]) -> GradSyncBuilde
         b.param(p.name.clone(), p.numel, DType::F32).expect("valid model");
     }
     let cap = if policy == Policy::NoSync { usize::MAX } else { cfg.bucket_cap_bytes };
-    b.bucket_cap_bytes(cap).divisor(Divisor::WorldSize).collective_timeout(Duration::from_secs(600));
+    b.bucket_cap_bytes(cap)
+        .divisor(Divisor::WorldSize)
+        .collective_timeout(Duration::from_secs(600))
+        .recycle_payloads(true);
     if policy == Policy::DdpStatic {
         for (p, &c) in declared.iter().enumerate() {
             b.expect_arrivals(ParamId(p as u32), c).expect("registered");
@@ -122,6 +125,16 @@ fn builder(cfg: &OverlapCfg, policy: Policy, declared: &[u32]) -> GradSyncBuilde
     }
     b
 }
+
+/// Payload vectors per parameter, recycled from earlier steps: on a GPU the
+/// gradient already exists on the device, so the emulation should not pay a
+/// host allocation (and its page faults) per gradient per step.
+/// At most [`POOL_BYTES`] per rank are kept (BERT-large's 1.3 GB per rank per
+/// policy of buckets already fills most of a 24 GB machine at world 4).
+type Pool = Vec<Vec<Vec<f32>>>;
+
+/// Bytes of recycled payloads one rank keeps.
+const POOL_BYTES: usize = 256 << 20;
 
 /// One rank's step under `policy`: emulate backward, hand gradients over, finish.
 /// Returns (step time, exposed communication).
@@ -131,13 +144,14 @@ fn rank_step(
     schedule: &[Emission],
     step: u64,
     defer_all: bool,
+    pool: &mut Pool,
 ) -> (Duration, Duration) {
     let hook = sync.hook();
     let start = Instant::now();
     let mut deferred = Vec::new();
     for e in schedule {
         // Make the payload while the "device" computes, then wait for the layer's end.
-        let payload = vec![1.0f32; model.params[e.param].numel];
+        let payload = pool[e.param].pop().unwrap_or_else(|| vec![1.0f32; model.params[e.param].numel]);
         let due = start + e.at;
         if let Some(wait) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
@@ -153,7 +167,16 @@ fn rank_step(
     }
     let result = sync.finish_step(step).expect("step succeeds");
     assert!(result.report.outcome.is_applied());
-    (start.elapsed(), result.report.exposed_comm)
+    let timing = (start.elapsed(), result.report.exposed_comm);
+    drop(result);
+    let mut pooled: usize = pool.iter().flatten().map(|v| v.len() * 4).sum();
+    for (p, v) in sync.take_spent() {
+        if pooled + v.len() * 4 <= POOL_BYTES {
+            pooled += v.len() * 4;
+            pool[p.index()].push(v);
+        }
+    }
+    timing
 }
 
 /// Medians of one policy.
@@ -208,10 +231,11 @@ fn run_policies(cfg: &OverlapCfg, tflops: f64, policies: &[Policy], progress: bo
                 let schedule = &schedule;
                 s.spawn(move || {
                     let mut t = vec![Vec::new(); policies.len()];
+                    let mut pool: Pool = vec![Vec::new(); cfg.model.params.len()];
                     for step in 0..cfg.steps as u64 {
                         for (i, &policy) in policies.iter().enumerate() {
                             let defer = policy == Policy::NoSync || (policy == Policy::DdpStatic && step == 0);
-                            t[i].push(rank_step(&mut syncs[i], &cfg.model, schedule, step, defer));
+                            t[i].push(rank_step(&mut syncs[i], &cfg.model, schedule, step, defer, &mut pool));
                         }
                         if progress && rank == 0 {
                             eprint!("\r  step {}/{}", step + 1, cfg.steps);

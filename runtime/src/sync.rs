@@ -48,6 +48,8 @@ pub struct GradSync {
     /// Longest wait for an answer from the local actors.
     answer_timeout: Duration,
     interrupt: Option<Interrupter>,
+    /// Consumed payloads coming back for reuse (with `recycle_payloads`).
+    spent: Option<crossbeam_channel::Receiver<(ParamId, Vec<f32>)>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -78,13 +80,21 @@ impl GradSync {
         let interrupt = transport.interrupter().map(Interrupter);
         let (sched_tx, sched_rx) = unbounded_channel();
         let (comm_tx, comm_rx) = crossbeam_channel::unbounded();
-        let scheduler = Scheduler::new(cfg, Arc::clone(&plan), comm_tx, sched_tx.clone());
+        let mut scheduler = Scheduler::new(cfg, Arc::clone(&plan), comm_tx, sched_tx.clone());
+        let spent = if b.recycle_payloads {
+            let (tx, rx) = crossbeam_channel::bounded(2 * plan.num_params());
+            scheduler = scheduler.with_spent_payloads(tx);
+            Some(rx)
+        } else {
+            None
+        };
         let mut shard_txs = Vec::with_capacity(b.param_shards);
         let mut shard_actors = Vec::with_capacity(b.param_shards);
         for i in 0..b.param_shards {
             let (tx, rx) = unbounded_channel();
             shard_txs.push(tx);
-            shard_actors.push((ParamShard::new(i, b.param_shards, &plan, b.learning_window, sched_tx.clone()), rx));
+            let shard = ParamShard::new(i, b.param_shards, &plan, b.learning_window, sched_tx.clone());
+            shard_actors.push((shard.with_idle_spin(b.idle_spin), rx));
         }
         let spawn_err = |which: &'static str| move |e: std::io::Error| BuildError::Spawn { which, why: e.to_string() };
         let runtime = tokio::runtime::Builder::new_current_thread().build().map_err(spawn_err("actor runtime"))?;
@@ -119,6 +129,7 @@ impl GradSync {
             // Every collective of a step may use its full timeout before failing.
             answer_timeout: b.collective_timeout * (buckets + 3) + Duration::from_secs(10),
             interrupt,
+            spent,
             threads: vec![actors, comm],
         })
     }
@@ -269,6 +280,13 @@ impl GradSync {
         self.next_step = agreed;
         self.loan = None;
         Ok(agreed)
+    }
+
+    /// Payload vectors gradsync has finished with, for reuse as the next
+    /// payloads of the same parameters (only with `recycle_payloads(true)`;
+    /// otherwise always empty). Contents are stale: overwrite before sending.
+    pub fn take_spent(&self) -> Vec<(ParamId, Vec<f32>)> {
+        self.spent.as_ref().map(|rx| rx.try_iter().collect()).unwrap_or_default()
     }
 
     /// The open step's progress, after every arrival sent so far was processed:

@@ -313,6 +313,9 @@ impl Scheduler {
         let step_time = st.began_at.map_or(Duration::ZERO, |t| t.elapsed());
         crate::telemetry::step(&self.rank_label, &report, step_time);
         self.expect_none = st.expect_none_next;
+        for (p, v) in st.packed.into_iter().enumerate().filter_map(|(p, v)| v.map(|v| (p, v))) {
+            self.recycle(ParamId(p as u32), v);
+        }
         let gradients = outcome.is_applied().then(|| {
             let buffers = self.buffers.iter_mut().map(|b| b.take().expect("buffers are home")).collect();
             self.loaned = Some(st.step);

@@ -192,6 +192,8 @@ pub struct Scheduler {
     failure: Option<Failure>,
     /// This rank as a metric label.
     rank_label: String,
+    /// Where consumed payload vectors go for reuse by the caller (opt-in).
+    spent: Option<Sender<(ParamId, Vec<f32>)>>,
     /// A reset in progress: its agreement collective is in flight.
     resetting: Option<Reply<Result<Step, SyncError>>>,
     state: StepState,
@@ -224,7 +226,23 @@ impl Scheduler {
             settles: HashMap::new(),
             failure: None,
             resetting: None,
+            spent: None,
             state,
+        }
+    }
+
+    /// Send payload vectors the scheduler no longer needs to `spent` instead of
+    /// freeing them, so a caller can reuse them (a bounded channel: when it is
+    /// full, vectors are freed as usual).
+    pub fn with_spent_payloads(mut self, spent: Sender<(ParamId, Vec<f32>)>) -> Self {
+        self.spent = Some(spent);
+        self
+    }
+
+    /// Hand a consumed payload back to the caller, or free it.
+    pub(crate) fn recycle(&self, param: ParamId, values: Vec<f32>) {
+        if let Some(tx) = &self.spent {
+            let _ = tx.try_send((param, values));
         }
     }
 
@@ -348,9 +366,15 @@ impl Scheduler {
         if slot.bucket < st.next_launch {
             // The bucket is already in (or through) its all-reduce: late.
             st.late_arrivals += 1;
-            match (&mut st.late[p], kind) {
-                (Some(acc), PayloadKind::Increment) => gradsync_kernels::add_assign(acc, &values),
-                (late, _) => *late = Some(values),
+            let spent = match (&mut st.late[p], kind) {
+                (Some(acc), PayloadKind::Increment) => {
+                    gradsync_kernels::add_assign(acc, &values);
+                    Some(values)
+                }
+                (late, _) => late.replace(values),
+            };
+            if let Some(v) = spent {
+                self.recycle(param, v);
             }
             return;
         }
@@ -359,13 +383,14 @@ impl Scheduler {
         let mode = if kind == PayloadKind::Increment && st.written[p] { WriteMode::Add } else { WriteMode::Set };
         buf.write(slot.offset, &values, mode);
         st.written[p] = true;
-        if kind == PayloadKind::Accumulated {
-            st.packed[p] = Some(values);
-        }
+        let spent = if kind == PayloadKind::Accumulated { st.packed[p].replace(values) } else { Some(values) };
         if first && !st.ready[p] {
             st.ready[p] = true;
             st.pending[slot.bucket] -= 1;
             self.launch_ready_buckets();
+        }
+        if let Some(v) = spent {
+            self.recycle(param, v);
         }
     }
 
