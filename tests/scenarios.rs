@@ -294,10 +294,7 @@ fn recycled_payloads_come_back_and_reuse_keeps_sums_exact() {
         let mut results = Vec::new();
         for step in 0..4u64 {
             for (p, n) in [(1usize, 3usize), (0, 5)] {
-                let mut v = pool[p].pop().map(|v| {
-                    reused += 1;
-                    v
-                });
+                let mut v = pool[p].pop().inspect(|_| reused += 1);
                 let v = v.get_or_insert_with(|| vec![0.0; n]);
                 v.fill((rank + step as usize) as f32);
                 sync.hook().increment(step, ParamId(p as u32), gradsync::Token(0), std::mem::take(v)).unwrap();
