@@ -84,6 +84,10 @@ pub struct ParamShard {
     /// After a message, keep polling the inbox this long before sleeping
     /// (zero: sleep at once). Trades a busy core for wake-up latency.
     idle_spin: Duration,
+    /// Stamp arrivals with the clock (only the timeline needs it; a clock
+    /// read per arrival is measurable on the hot path). Unstamped arrivals
+    /// carry the shard's creation time.
+    stamp: Option<Instant>,
 }
 
 impl ParamShard {
@@ -117,7 +121,14 @@ impl ParamShard {
             summary: ShardSummary::default(),
             out,
             idle_spin: Duration::ZERO,
+            stamp: Some(Instant::now()),
         }
+    }
+
+    /// Read the clock for every arrival (for timelines); off by default.
+    pub fn with_timestamps(mut self, on: bool) -> Self {
+        self.stamp = if on { None } else { Some(Instant::now()) };
+        self
     }
 
     /// Poll for `spin` after each message before parking (see [`ParamShard::run`]).
@@ -139,6 +150,9 @@ impl ParamShard {
                 if !self.handle(msg) {
                     return;
                 }
+            }
+            if self.idle_spin.is_zero() {
+                continue; // no clock reads on the default path
             }
             let mut last = Instant::now();
             while last.elapsed() < self.idle_spin {
@@ -207,7 +221,7 @@ impl ParamShard {
         state.tokens.push(token);
         state.kind = Some(kind);
         self.summary.arrivals += 1;
-        let at = Instant::now();
+        let at = self.stamp.unwrap_or_else(Instant::now);
         if state.forwarded {
             let values = payload.into_values();
             let _ = self.out.send(SchedMsg::Ready { step, param, kind, values, first: false, at });

@@ -94,7 +94,7 @@ impl GradSync {
             let (tx, rx) = unbounded_channel();
             shard_txs.push(tx);
             let shard = ParamShard::new(i, b.param_shards, &plan, b.learning_window, sched_tx.clone());
-            shard_actors.push((shard.with_idle_spin(b.idle_spin), rx));
+            shard_actors.push((shard.with_idle_spin(b.idle_spin).with_timestamps(b.record_timeline), rx));
         }
         let spawn_err = |which: &'static str| move |e: std::io::Error| BuildError::Spawn { which, why: e.to_string() };
         let runtime = tokio::runtime::Builder::new_current_thread().build().map_err(spawn_err("actor runtime"))?;

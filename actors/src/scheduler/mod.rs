@@ -378,7 +378,9 @@ impl Scheduler {
             }
             return;
         }
-        st.fill_started[slot.bucket].get_or_insert_with(Instant::now);
+        if self.cfg.record_timeline {
+            st.fill_started[slot.bucket].get_or_insert_with(Instant::now);
+        }
         let buf = self.buffers[slot.bucket].as_mut().expect("unlaunched bucket buffer is home");
         let mode = if kind == PayloadKind::Increment && st.written[p] { WriteMode::Add } else { WriteMode::Set };
         buf.write(slot.offset, &values, mode);
