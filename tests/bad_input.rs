@@ -14,7 +14,7 @@ fn registration_errors_are_typed() {
     assert!(matches!(b.param("z", 0, DType::F32), Err(BuildError::ZeroSizedParam { .. })));
     assert!(matches!(b.param("h", 4, DType::BF16), Err(BuildError::UnsupportedDType { .. })));
     assert!(matches!(b.expect_arrivals(ParamId(9), 1), Err(BuildError::InvalidSetting { .. })));
-    assert!(LocalWorld::connect(0).is_none(), "a world of zero ranks cannot be connected");
+    assert!(matches!(LocalWorld::connect(0), Err(BuildError::InvalidWorld { world: 0, .. })));
     let empty = GradSync::builder();
     let ep = LocalWorld::connect(1).unwrap().pop().unwrap();
     assert!(matches!(empty.build(ep), Err(BuildError::NoParams)));

@@ -315,3 +315,26 @@ fn recycled_payloads_come_back_and_reuse_keeps_sums_exact() {
         }
     }
 }
+
+/// The async form of finish_step gives the same exact result inside a tokio
+/// runtime, and the memory figure counts the bucket buffers (one copy of the
+/// gradients) plus per-parameter metadata.
+#[test]
+fn async_finish_and_memory_figure() {
+    let syncs = build_world(2, &[4, 6], |b| {
+        b.bucket_cap_bytes(16).divisor(Divisor::Sum);
+    });
+    let bucket_bytes = syncs[0].plan().bucket_bytes();
+    assert_eq!(bucket_bytes, (4 + 6) * 4);
+    assert!(syncs[0].memory_bytes() > bucket_bytes && syncs[0].memory_bytes() < bucket_bytes + 2 * 1024);
+    let out = on_ranks(syncs, |rank, mut sync| {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(async {
+            Sent::inc(1, 0, vec![rank as f32; 6]).deliver(&sync, 0);
+            Sent::inc(0, 0, vec![1.0; 4]).deliver(&sync, 0);
+            let r = sync.finish_step_async(0).await.unwrap();
+            r.gradients.as_ref().unwrap().to_vec(ParamId(1)).unwrap()
+        })
+    });
+    assert_eq!(out, vec![vec![1.0; 6], vec![1.0; 6]]);
+}

@@ -30,6 +30,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use gradsync_actors::{CollectiveTag, CommError, Transport};
 use gradsync_kernels::{self as k, Element};
 
+use crate::BuildError;
+
 /// Which half of the all-reduce a message belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Leg {
@@ -103,30 +105,28 @@ impl LocalWorld {
     /// `world` connected endpoints, one per rank, for one communicator. Call it
     /// again for an independent communicator (e.g. a second GradSync).
     ///
-    /// Returns `None` for a world of 0 ranks.
-    pub fn connect(world: usize) -> Option<Vec<LocalEndpoint>> {
+    /// A world of 0 ranks is [`BuildError::InvalidWorld`].
+    pub fn connect(world: usize) -> Result<Vec<LocalEndpoint>, BuildError> {
         if world == 0 {
-            return None;
+            return Err(BuildError::InvalidWorld { rank: 0, world: 0 });
         }
         let (senders, receivers): (Vec<Sender<Wire>>, Vec<Receiver<Wire>>) =
             (0..world).map(|_| crossbeam_channel::unbounded()).unzip();
         let senders = Arc::new(senders);
-        Some(
-            receivers
-                .into_iter()
-                .enumerate()
-                .map(|(rank, inbox)| LocalEndpoint {
-                    rank,
-                    world,
-                    peers: Arc::clone(&senders),
-                    inbox,
-                    stash: Vec::new(),
-                    seq: 0,
-                    epoch: 0,
-                    gone: vec![false; world],
-                })
-                .collect(),
-        )
+        Ok(receivers
+            .into_iter()
+            .enumerate()
+            .map(|(rank, inbox)| LocalEndpoint {
+                rank,
+                world,
+                peers: Arc::clone(&senders),
+                inbox,
+                stash: Vec::new(),
+                seq: 0,
+                epoch: 0,
+                gone: vec![false; world],
+            })
+            .collect())
     }
 }
 
