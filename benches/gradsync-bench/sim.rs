@@ -378,10 +378,10 @@ pub fn command(f: &Flags) -> Result<(), String> {
     }
     if let Some(path) = f.value("--svg") {
         let series: Vec<(&str, Vec<(usize, f64)>)> = vec![
-            ("gradsync", rows.iter().map(|r| (r.ranks, eff(Row::steady(&r.gradsync)))).collect()),
             ("no_sync", rows.iter().map(|r| (r.ranks, eff(r.no_sync))).collect()),
             ("ddp_static", rows.iter().map(|r| (r.ranks, eff(Row::steady(&r.ddp_static)))).collect()),
             ("ideal", rows.iter().map(|r| (r.ranks, eff(r.ideal))).collect()),
+            ("gradsync", rows.iter().map(|r| (r.ranks, eff(Row::steady(&r.gradsync)))).collect()),
         ];
         let title = format!("SIMULATED scaling efficiency: {} on {}", model.name, preset.name);
         std::fs::write(path, svg(&title, &series)).map_err(|e| format!("--svg {path}: {e}"))?;
@@ -398,7 +398,7 @@ fn svg(title: &str, series: &[(&str, Vec<(usize, f64)>)]) -> String {
     let span = (x1 - x0).max(1.0);
     let px = |x: f64| l + (x - x0) / span * (w - l - r);
     let py = |y: f64| h - b - y.clamp(0.0, 1.0) * (h - t - b);
-    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#7f7f7f"];
+    let colors = ["#d62728", "#2ca02c", "#7f7f7f", "#1f77b4"];
     let mut s = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{l}\" y=\"25\" font-size=\"15\">{title}</text>\n");
     for k in 0..=4 {
         let y = k as f64 / 4.0;
@@ -424,7 +424,12 @@ fn svg(title: &str, series: &[(&str, Vec<(usize, f64)>)]) -> String {
         let c = colors[i % colors.len()];
         let path: Vec<String> =
             pts.iter().map(|(n, e)| format!("{:.1},{:.1}", px((*n as f64).log2()), py(*e))).collect();
-        s += &format!("<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>\n", path.join(" "));
+        // Dashed lines stay visible where two policies coincide.
+        let dash = if *name == "gradsync" { "" } else { " stroke-dasharray=\"7 4\"" };
+        s += &format!(
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\"{dash} points=\"{}\"/>\n",
+            path.join(" ")
+        );
         s += &format!(
             "<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"3\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">{name}</text>\n",
             w - r + 15.0,
