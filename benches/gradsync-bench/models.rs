@@ -77,6 +77,50 @@ impl ModelSpec {
         uses
     }
 
+    /// When each gradient contribution exists during backward at `tflops`:
+    /// `(seconds into backward, parameter, token)` in time order, and the total
+    /// backward time. Backward costs twice a layer's forward FLOPs. Without
+    /// recompute a parameter arrives once, after its last use in backward; with
+    /// reentrant recompute (segments of `segment_layers`) each segment first
+    /// re-runs its forward, then its backward, then emits every parameter it
+    /// used with token = segment index (a tied weight twice).
+    pub fn backward_schedule(
+        &self,
+        tflops: f64,
+        recompute: bool,
+        segment_layers: usize,
+    ) -> (Vec<(f64, usize, u64)>, f64) {
+        let secs = |flops: f64| flops / (tflops * 1e12);
+        let mut t = 0.0;
+        let mut out = Vec::new();
+        if recompute {
+            let segments: Vec<&[Layer]> = self.layers.chunks(segment_layers.max(1)).collect();
+            for (s, seg) in segments.iter().enumerate().rev() {
+                t += secs(seg.iter().map(|l| l.fwd_flops).sum());
+                let mut used = Vec::new();
+                for l in seg.iter().rev() {
+                    t += secs(2.0 * l.fwd_flops);
+                    used.extend(l.params.iter().rev().copied());
+                }
+                let mut seen = std::collections::HashSet::new();
+                used.retain(|p| seen.insert(*p));
+                out.extend(used.into_iter().map(|p| (t, p, s as u64)));
+            }
+        } else {
+            let mut left = self.uses();
+            for l in self.layers.iter().rev() {
+                t += secs(2.0 * l.fwd_flops);
+                for &p in l.params.iter().rev() {
+                    left[p] -= 1;
+                    if left[p] == 0 {
+                        out.push((t, p, 0));
+                    }
+                }
+            }
+        }
+        (out, t)
+    }
+
     /// Look a model up by name.
     pub fn by_name(name: &str) -> Option<ModelSpec> {
         match name {

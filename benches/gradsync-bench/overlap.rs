@@ -62,41 +62,14 @@ struct Emission {
     token: u64,
 }
 
-/// The backward schedule of one step: when each gradient contribution exists.
-/// Without recompute a parameter's single arrival follows its last use in
-/// backward; with reentrant recompute each segment re-runs its forward, then
-/// its backward, and emits every parameter it used (a tied weight twice).
+/// The backward schedule of one step (see [`ModelSpec::backward_schedule`]).
 fn backward_schedule(cfg: &OverlapCfg, tflops: f64) -> (Vec<Emission>, Duration) {
-    let secs = |flops: f64| Duration::from_secs_f64(flops / (tflops * 1e12));
-    let layers = &cfg.model.layers;
-    let mut t = Duration::ZERO;
-    let mut out = Vec::new();
-    if cfg.recompute {
-        let segments: Vec<&[crate::models::Layer]> = layers.chunks(cfg.segment_layers.max(1)).collect();
-        for (s, seg) in segments.iter().enumerate().rev() {
-            t += secs(seg.iter().map(|l| l.fwd_flops).sum());
-            let mut used = Vec::new();
-            for l in seg.iter().rev() {
-                t += secs(2.0 * l.fwd_flops);
-                used.extend(l.params.iter().rev().copied());
-            }
-            let mut seen = std::collections::HashSet::new();
-            used.retain(|p| seen.insert(*p));
-            out.extend(used.into_iter().map(|param| Emission { at: t, param, token: s as u64 }));
-        }
-    } else {
-        let mut left = cfg.model.uses();
-        for l in layers.iter().rev() {
-            t += secs(2.0 * l.fwd_flops);
-            for &p in l.params.iter().rev() {
-                left[p] -= 1;
-                if left[p] == 0 {
-                    out.push(Emission { at: t, param: p, token: 0 });
-                }
-            }
-        }
-    }
-    (out, t)
+    let (times, total) = cfg.model.backward_schedule(tflops, cfg.recompute, cfg.segment_layers);
+    let emissions = times
+        .into_iter()
+        .map(|(at, param, token)| Emission { at: Duration::from_secs_f64(at), param, token })
+        .collect();
+    (emissions, Duration::from_secs_f64(total))
 }
 
 /// Arrivals per parameter per step under `schedule` (declared by `ddp_static`).

@@ -21,7 +21,7 @@
 //! Compute: per-layer backward = 2 × forward FLOPs at `--tflops` (default 400:
 //! about 40% of an H100's 989 dense bf16 TFLOP/s).
 
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,39 +66,6 @@ impl Preset {
     }
 }
 
-/// When each gradient contribution exists in backward (seconds), as in `overlap`.
-fn schedule(model: &ModelSpec, tflops: f64, recompute: bool, segment_layers: usize) -> (Vec<(f64, usize, u64)>, f64) {
-    let secs = |flops: f64| flops / (tflops * 1e12);
-    let mut t = 0.0;
-    let mut out = Vec::new();
-    if recompute {
-        let segs: Vec<_> = model.layers.chunks(segment_layers.max(1)).collect();
-        for (s, seg) in segs.iter().enumerate().rev() {
-            t += secs(seg.iter().map(|l| l.fwd_flops).sum());
-            let mut used = Vec::new();
-            for l in seg.iter().rev() {
-                t += secs(2.0 * l.fwd_flops);
-                used.extend(l.params.iter().rev().copied());
-            }
-            let mut seen = HashSet::new();
-            used.retain(|p| seen.insert(*p));
-            out.extend(used.into_iter().map(|p| (t, p, s as u64)));
-        }
-    } else {
-        let mut left = model.uses();
-        for l in model.layers.iter().rev() {
-            t += secs(2.0 * l.fwd_flops);
-            for &p in l.params.iter().rev() {
-                left[p] -= 1;
-                if left[p] == 0 {
-                    out.push((t, p, 0));
-                }
-            }
-        }
-    }
-    (out, t)
-}
-
 /// The real plan's bucket membership with one value per parameter, and each
 /// bucket's real size in bytes.
 fn virtual_plan(model: &ModelSpec, cap: usize, declared: Option<&[u32]>) -> (Plan, Vec<f64>) {
@@ -141,7 +108,7 @@ enum SimPolicy {
 
 /// Step times (seconds) of `steps` consecutive simulated steps.
 fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: SimPolicy, steps: u64) -> Vec<f64> {
-    let (sched_times, compute) = schedule(model, cfg.tflops, cfg.recompute, cfg.segment_layers);
+    let (sched_times, compute) = model.backward_schedule(cfg.tflops, cfg.recompute, cfg.segment_layers);
     let mut counts = vec![0u32; model.params.len()];
     for &(_, p, _) in &sched_times {
         counts[p] += 1;
@@ -317,7 +284,7 @@ pub fn command(f: &Flags) -> Result<(), String> {
         segment_layers: f.parse("--segment-layers", 2)?,
         bucket_cap: f.parse("--bucket-mb", 25usize)? << 20,
     };
-    let compute = schedule(&model, cfg.tflops, cfg.recompute, cfg.segment_layers).1;
+    let compute = model.backward_schedule(cfg.tflops, cfg.recompute, cfg.segment_layers).1;
     let total_bytes = model.numel() as f64 * 4.0;
     let mut rows = Vec::new();
     for &n in &ranks {
