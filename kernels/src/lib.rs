@@ -17,7 +17,11 @@
 //! against them too.
 //!
 //! This crate knows nothing about actors, buckets or ranks: it sees slices.
+//! [`cuda_src`] holds the CUDA C versions, compiled at run time by the
+//! runtime's `cuda` feature and checked against [`cpu`].
 #![deny(missing_docs)]
+
+pub mod cuda_src;
 
 /// Chunk width of the vectorizable loops: 16 f32 = one AVX-512 register or four
 /// SSE registers, enough independent lanes for the compiler to unroll.
@@ -163,6 +167,46 @@ pub mod cpu {
     pub fn add_reference<T: Element>(a: &[T], b: &[T]) -> Vec<T> {
         a.iter().zip(b).map(|(x, y)| x.combine(*y)).collect()
     }
+
+    /// f32 → bf16, round to nearest even; NaN stays a (quiet) NaN with its
+    /// sign, values beyond the largest bf16 round to infinity. Reference of
+    /// the `gradsync_f32_to_bf16` kernel.
+    pub fn f32_to_bf16(x: f32) -> u16 {
+        let bits = x.to_bits();
+        if bits & 0x7fff_ffff > 0x7f80_0000 {
+            return ((bits >> 16) as u16) | 0x0040;
+        }
+        let lsb = (bits >> 16) & 1;
+        (bits.wrapping_add(0x7fff + lsb) >> 16) as u16
+    }
+
+    /// bf16 → f32 (exact).
+    pub fn bf16_to_f32(h: u16) -> f32 {
+        f32::from_bits(u32::from(h) << 16)
+    }
+
+    /// Reference of `gradsync_bf16_accumulate_f32`: `dst[i] += f32(src[i]) * scale`.
+    pub fn bf16_accumulate(dst: &mut [f32], src: &[u16], scale: f32) {
+        for (d, &h) in dst.iter_mut().zip(src) {
+            *d += bf16_to_f32(h) * scale;
+        }
+    }
+
+    /// Reference of `gradsync_pack_f32`: each `(src, offset)` copied into `bucket`.
+    pub fn pack(bucket: &mut [f32], items: &[(&[f32], usize)]) {
+        for (src, offset) in items {
+            bucket[*offset..*offset + src.len()].copy_from_slice(src);
+        }
+    }
+
+    /// Reference of `gradsync_unpack_scale_f32`: `dst[i] = bucket[offset + i] * scale`.
+    pub fn unpack_scale(bucket: &[f32], items: &mut [(&mut [f32], usize)], scale: f32) {
+        for (dst, offset) in items.iter_mut() {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = bucket[*offset + i] * scale;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -202,6 +246,54 @@ mod tests {
         let mut d = vec![u64::MAX, 1];
         add_assign(&mut d, &[2, 2]);
         assert_eq!(d, vec![1, 3]);
+    }
+
+    /// Data-driven bf16 rounding: (f32 bits, expected bf16 bits).
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        let cases: &[(u32, u16, &str)] = &[
+            (0x3f80_0000, 0x3f80, "1.0 exact"),
+            (0x3f80_8000, 0x3f80, "tie below an even mantissa stays"),
+            (0x3f81_8000, 0x3f82, "tie below an odd mantissa rounds up to even"),
+            (0x3f80_8001, 0x3f81, "just above the tie rounds up"),
+            (0x3f80_7fff, 0x3f80, "just below the tie rounds down"),
+            (0xbf81_8000, 0xbf82, "negative ties round the magnitude to even"),
+            (0x7f7f_ffff, 0x7f80, "f32::MAX overflows to +inf"),
+            (0x7f80_0000, 0x7f80, "+inf stays"),
+            (0xff80_0000, 0xff80, "-inf stays"),
+            (0x0000_0001, 0x0000, "the smallest subnormal rounds to zero"),
+            (0x8000_0000, 0x8000, "-0 stays"),
+        ];
+        for &(f, h, what) in cases {
+            assert_eq!(cpu::f32_to_bf16(f32::from_bits(f)), h, "{what}");
+        }
+        let nan = cpu::f32_to_bf16(f32::from_bits(0x7f80_0001));
+        assert!(cpu::bf16_to_f32(nan).is_nan(), "a signalling NaN with low payload bits stays NaN");
+    }
+
+    proptest! {
+        #[test]
+        fn bf16_round_trip_error_is_within_half_an_ulp(x in -1e30f32..1e30f32) {
+            let back = cpu::bf16_to_f32(cpu::f32_to_bf16(x));
+            // bf16 keeps 8 significant bits (7 stored + the implicit one):
+            // rounding to nearest errs by at most half an ulp, 2^-8 relative.
+            prop_assert!((back - x).abs() <= x.abs() * (1.0 / 256.0) + f32::MIN_POSITIVE);
+        }
+    }
+
+    #[test]
+    fn pack_and_unpack_references_round_trip_with_scale() {
+        let a = [1.0, 2.0, 3.0];
+        let b = [4.0, 5.0];
+        let mut bucket = vec![f32::NAN; 6];
+        cpu::pack(&mut bucket, &[(&a, 0), (&b, 4)]);
+        bucket[3] = 0.0;
+        let (mut x, mut y) = ([0.0; 3], [0.0; 2]);
+        cpu::unpack_scale(&bucket, &mut [(&mut x, 0), (&mut y, 4)], 0.5);
+        assert_eq!((x, y), ([0.5, 1.0, 1.5], [2.0, 2.5]));
+        let mut acc = vec![1.0; 2];
+        cpu::bf16_accumulate(&mut acc, &[cpu::f32_to_bf16(2.0), cpu::f32_to_bf16(-4.0)], 0.25);
+        assert_eq!(acc, vec![1.5, 0.0]);
     }
 
     #[test]
