@@ -22,6 +22,7 @@ pub mod cuda;
 mod hook;
 pub mod local;
 pub mod metrics;
+pub mod rendezvous;
 mod sync;
 pub mod trace;
 
