@@ -1,7 +1,7 @@
 //! Per-step timelines as Chrome trace JSON (opens in Perfetto and chrome://tracing).
 //!
 //! Turn on `GradSyncBuilder::record_timeline`, feed every rank's
-//! [`StepReport`](crate::StepReport) to a [`ChromeTrace`], and write it. Each
+//! [`crate::StepReport`] to a [`ChromeTrace`], and write it. Each
 //! rank is a process (`pid` = rank) with three threads: backward (arrivals,
 //! `finish_step`), scheduler (buckets filling), communicator (all-reduces,
 //! control, corrections). Times are microseconds since the process's trace epoch.
