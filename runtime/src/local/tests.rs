@@ -8,6 +8,7 @@ fn tag(step: u64, index: usize, numel: usize) -> CollectiveTag {
     CollectiveTag { step, kind: CollectiveKind::Bucket { index, numel } }
 }
 
+/// Rank `rank`'s pieces of a bucket of `numel` values: value `i * (rank + 1)` at flat index `i`.
 fn pieces(rank: usize, numel: usize, world: usize) -> Vec<Vec<f32>> {
     let buf = gradsync_actors::BucketBuf::zeroed(numel, world);
     let mut at = 0;
@@ -21,29 +22,42 @@ fn pieces(rank: usize, numel: usize, world: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Run `rank_body` for every endpoint on its own thread while `meanwhile` runs
+/// on the calling thread; results by rank.
+fn on_endpoints<R: Send>(
+    eps: Vec<LocalEndpoint>,
+    meanwhile: impl FnOnce(),
+    rank_body: impl Fn(LocalEndpoint) -> R + Sync,
+) -> Vec<R> {
+    std::thread::scope(|s| {
+        let body = &rank_body;
+        let handles: Vec<_> = eps.into_iter().map(|ep| s.spawn(move || body(ep))).collect();
+        meanwhile();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn deadline(after: Duration) -> Instant {
+    Instant::now() + after
+}
+
 #[test]
 fn every_rank_gets_the_exact_sum_for_many_shapes() {
     for world in 1..=5 {
         for numel in [0, 1, 3, 7, 64, 1001] {
             let eps = LocalWorld::connect(world).unwrap();
-            let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-                let hs: Vec<_> = eps
-                    .into_iter()
-                    .map(|mut ep| {
-                        s.spawn(move || {
-                            let mut p = pieces(ep.rank, numel, world);
-                            let deadline = Instant::now() + Duration::from_secs(10);
-                            for step in 0..3 {
-                                let t = tag(step, 0, numel);
-                                ep.all_reduce_f32(t, &mut p, 1.0, deadline).unwrap();
-                                // Second and third rounds reduce the previous sums again.
-                            }
-                            p.concat()
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let results = on_endpoints(
+                eps,
+                || {},
+                |mut ep| {
+                    let mut p = pieces(ep.rank, numel, world);
+                    // Rounds two and three reduce the previous sums again.
+                    for step in 0..3 {
+                        ep.all_reduce_f32(tag(step, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
+                    }
+                    p.concat()
+                },
+            );
             let ranks_sum: f32 = (1..=world).map(|r| r as f32).sum();
             let factor = (world as f32).powi(2) * ranks_sum;
             let want: Vec<f32> = (0..numel).map(|i| i as f32 * factor).collect();
@@ -59,19 +73,14 @@ fn a_missing_rank_is_named_after_the_deadline() {
     let mut eps = LocalWorld::connect(3).unwrap();
     let _silent = eps.pop().unwrap(); // rank 2 never joins
     let t0 = Instant::now();
-    let errs: Vec<CommError> = std::thread::scope(|s| {
-        let hs: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                s.spawn(move || {
-                    let mut p = pieces(ep.rank, 9, 3);
-                    let deadline = Instant::now() + Duration::from_millis(200);
-                    ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline).unwrap_err()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let errs = on_endpoints(
+        eps,
+        || {},
+        |mut ep| {
+            let mut p = pieces(ep.rank, 9, 3);
+            ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline(Duration::from_millis(200))).unwrap_err()
+        },
+    );
     assert!(t0.elapsed() < Duration::from_secs(2), "deadline not honoured: {:?}", t0.elapsed());
     for e in errs {
         let CommError::Timeout { missing, .. } = e else { panic!("expected timeout, got {e}") };
@@ -84,20 +93,13 @@ fn a_dropped_peer_is_named_at_once_not_after_the_deadline() {
     let mut eps = LocalWorld::connect(3).unwrap();
     let dead = eps.pop().unwrap();
     let t0 = Instant::now();
-    let errs: Vec<CommError> = std::thread::scope(|s| {
-        let hs: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                s.spawn(move || {
-                    let mut p = pieces(ep.rank, 9, 3);
-                    let deadline = Instant::now() + Duration::from_secs(30);
-                    ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline).unwrap_err()
-                })
-            })
-            .collect();
+    let drop_rank_2 = || {
         std::thread::sleep(Duration::from_millis(50));
         drop(dead);
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let errs = on_endpoints(eps, drop_rank_2, |mut ep| {
+        let mut p = pieces(ep.rank, 9, 3);
+        ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline(Duration::from_secs(30))).unwrap_err()
     });
     assert!(t0.elapsed() < Duration::from_secs(5), "waited for the deadline: {:?}", t0.elapsed());
     for e in errs {
@@ -108,27 +110,21 @@ fn a_dropped_peer_is_named_at_once_not_after_the_deadline() {
 #[test]
 fn after_reset_stale_pieces_are_ignored_and_sums_are_exact() {
     let eps = LocalWorld::connect(2).unwrap();
-    let out: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                s.spawn(move || {
-                    let mut p = pieces(ep.rank, 6, 2);
-                    if ep.rank == 0 {
-                        // Rank 0 starts a collective rank 1 never joins.
-                        let short = Instant::now() + Duration::from_millis(100);
-                        ep.all_reduce_f32(tag(0, 0, 6), &mut p, 1.0, short).unwrap_err();
-                        p = pieces(0, 6, 2);
-                    }
-                    ep.reset();
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    ep.all_reduce_f32(tag(1, 0, 6), &mut p, 1.0, deadline).unwrap();
-                    p.concat()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let out = on_endpoints(
+        eps,
+        || {},
+        |mut ep| {
+            let mut p = pieces(ep.rank, 6, 2);
+            if ep.rank == 0 {
+                // Rank 0 starts a collective rank 1 never joins.
+                ep.all_reduce_f32(tag(0, 0, 6), &mut p, 1.0, deadline(Duration::from_millis(100))).unwrap_err();
+                p = pieces(0, 6, 2);
+            }
+            ep.reset();
+            ep.all_reduce_f32(tag(1, 0, 6), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
+            p.concat()
+        },
+    );
     let want: Vec<f32> = (0..6).map(|i| (i * 3) as f32).collect();
     assert_eq!(out, vec![want.clone(), want]);
 }
@@ -136,20 +132,15 @@ fn after_reset_stale_pieces_are_ignored_and_sums_are_exact() {
 #[test]
 fn different_collectives_at_the_same_position_are_a_desync() {
     let eps = LocalWorld::connect(2).unwrap();
-    let errs: Vec<CommError> = std::thread::scope(|s| {
-        let hs: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                s.spawn(move || {
-                    let numel = 4 + ep.rank; // rank 1 thinks the bucket is larger
-                    let mut p = pieces(ep.rank, numel, 2);
-                    let deadline = Instant::now() + Duration::from_secs(5);
-                    ep.all_reduce_f32(tag(0, 0, numel), &mut p, 1.0, deadline).unwrap_err()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let errs = on_endpoints(
+        eps,
+        || {},
+        |mut ep| {
+            let numel = 4 + ep.rank; // rank 1 thinks the bucket is larger
+            let mut p = pieces(ep.rank, numel, 2);
+            ep.all_reduce_f32(tag(0, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(5))).unwrap_err()
+        },
+    );
     for (rank, e) in errs.into_iter().enumerate() {
         let CommError::Desync { peer, .. } = e else { panic!("expected desync, got {e}") };
         assert_eq!(peer, 1 - rank);
@@ -159,20 +150,16 @@ fn different_collectives_at_the_same_position_are_a_desync() {
 #[test]
 fn control_words_sum_with_wrapping() {
     let eps = LocalWorld::connect(3).unwrap();
-    let out: Vec<Vec<u64>> = std::thread::scope(|s| {
-        let hs: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                s.spawn(move || {
-                    let mut w = vec![ep.rank as u64 + 1, u64::MAX, 5, 0, 1];
-                    let t = CollectiveTag { step: 0, kind: CollectiveKind::Control { len: 5 } };
-                    ep.all_reduce_u64(t, &mut w, Instant::now() + Duration::from_secs(5)).unwrap();
-                    w
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let out = on_endpoints(
+        eps,
+        || {},
+        |mut ep| {
+            let mut w = vec![ep.rank as u64 + 1, u64::MAX, 5, 0, 1];
+            let t = CollectiveTag { step: 0, kind: CollectiveKind::Control { len: 5 } };
+            ep.all_reduce_u64(t, &mut w, deadline(Duration::from_secs(5))).unwrap();
+            w
+        },
+    );
     for w in out {
         assert_eq!(w, vec![6, u64::MAX - 2, 15, 0, 3]);
     }
