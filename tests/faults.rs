@@ -152,27 +152,35 @@ fn a_panicking_rank_is_named_by_the_survivors() {
     }
 }
 
-/// Two ranks register parameters of equal sizes under different names: the data
-/// collectives match in size, but the control collective's fingerprints do not.
-#[test]
-fn ranks_with_different_models_get_a_desync_naming_the_rank() {
-    let endpoints = LocalWorld::connect(2).unwrap();
-    let syncs: Vec<GradSync> = endpoints
+/// Two ranks, each registering two 4-value parameters as `register(rank, builder)`
+/// says, run one step (both parameters used); each rank's error, by rank.
+fn two_ranks_disagreeing(register: impl Fn(usize, &mut gradsync::GradSyncBuilder)) -> Vec<SyncError> {
+    let syncs: Vec<GradSync> = LocalWorld::connect(2)
+        .unwrap()
         .into_iter()
         .enumerate()
         .map(|(rank, ep)| {
             let mut b = GradSync::builder();
-            let names = if rank == 0 { ["a", "b"] } else { ["b", "a"] };
-            for n in names {
-                b.param(n, 4, DType::F32).unwrap();
-            }
+            register(rank, &mut b);
             b.build(ep).unwrap()
         })
         .collect();
-    let out = on_ranks(syncs, |_, mut sync| {
+    on_ranks(syncs, |_, mut sync| {
         Sent::inc(1, 0, vec![1.0; 4]).deliver(&sync, 0);
         Sent::inc(0, 0, vec![1.0; 4]).deliver(&sync, 0);
         sync.finish_step(0).unwrap_err()
+    })
+}
+
+/// Two ranks register parameters of equal sizes under different names: the data
+/// collectives match in size, but the control collective's fingerprints do not.
+#[test]
+fn ranks_with_different_models_get_a_desync_naming_the_rank() {
+    let out = two_ranks_disagreeing(|rank, b| {
+        let names = if rank == 0 { ["a", "b"] } else { ["b", "a"] };
+        for n in names {
+            b.param(n, 4, DType::F32).unwrap();
+        }
     });
     for err in out {
         match err {
@@ -186,22 +194,10 @@ fn ranks_with_different_models_get_a_desync_naming_the_rank() {
 /// first bucket, naming the other rank.
 #[test]
 fn ranks_with_different_bucket_caps_get_a_desync_from_the_transport() {
-    let endpoints = LocalWorld::connect(2).unwrap();
-    let syncs: Vec<GradSync> = endpoints
-        .into_iter()
-        .enumerate()
-        .map(|(rank, ep)| {
-            let mut b = GradSync::builder();
-            b.param("a", 4, DType::F32).unwrap();
-            b.param("b", 4, DType::F32).unwrap();
-            b.bucket_cap_bytes(if rank == 0 { 16 } else { 1 << 20 });
-            b.build(ep).unwrap()
-        })
-        .collect();
-    let out = on_ranks(syncs, |_, mut sync| {
-        Sent::inc(1, 0, vec![1.0; 4]).deliver(&sync, 0);
-        Sent::inc(0, 0, vec![1.0; 4]).deliver(&sync, 0);
-        sync.finish_step(0).unwrap_err()
+    let out = two_ranks_disagreeing(|rank, b| {
+        b.param("a", 4, DType::F32).unwrap();
+        b.param("b", 4, DType::F32).unwrap();
+        b.bucket_cap_bytes(if rank == 0 { 16 } else { 1 << 20 });
     });
     for (rank, err) in out.into_iter().enumerate() {
         assert!(

@@ -104,23 +104,35 @@ struct Packed {
     numel: usize,
 }
 
+/// The descriptor table of `slices` at bucket `offsets` on the device, and the
+/// launch shape of the pack/unpack kernels for it (`blockIdx.y` = descriptor).
+fn descriptors(
+    stream: &Arc<CudaStream>,
+    slices: &[CudaSlice<f32>],
+    offsets: &[usize],
+) -> Result<(CudaSlice<SliceDesc>, LaunchConfig), String> {
+    let descs: Vec<SliceDesc> = slices
+        .iter()
+        .zip(offsets)
+        .map(|(d, &off)| SliceDesc { ptr: d.device_ptr(stream).0, offset: off as u64, len: d.len() as u64 })
+        .collect();
+    let cfg = LaunchConfig { grid_dim: (32, descs.len() as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    Ok((stream.clone_htod(&descs).map_err(err)?, cfg))
+}
+
 fn pack_on_device(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -> Result<Packed, String> {
     let grads: Vec<Vec<f32>> =
         (0..1500).map(|_| (0..1 + (rng.next() % 90_000) as usize).map(|_| rng.f32()).collect()).collect();
     let d_grads: Vec<CudaSlice<f32>> =
         grads.iter().map(|g| stream.clone_htod(g)).collect::<Result<_, _>>().map_err(err)?;
     let mut offsets = Vec::new();
-    let mut descs = Vec::new();
     let mut at = 0;
-    for (g, d) in grads.iter().zip(&d_grads) {
-        let (ptr, _sync) = d.device_ptr(stream);
-        descs.push(SliceDesc { ptr, offset: at as u64, len: g.len() as u64 });
+    for g in &grads {
         offsets.push(at);
         at += g.len();
     }
-    let d_descs = stream.clone_htod(&descs).map_err(err)?;
+    let (d_descs, cfg) = descriptors(stream, &d_grads, &offsets)?;
     let mut bucket = stream.clone_htod(&vec![f32::NAN; at]).map_err(err)?;
-    let cfg = LaunchConfig { grid_dim: (32, descs.len() as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the descriptors point into live device allocations (`d_grads`) and
     // inside `bucket`; argument order matches `gradsync_pack_f32`.
     unsafe { stream.launch_builder(&k.pack).arg(&d_descs).arg(&mut bucket).launch(cfg) }.map_err(err)?;
@@ -140,14 +152,7 @@ fn check_pack_unpack(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng)
     // Unpack with the 1/4 scale into poisoned gradients.
     let mut outs: Vec<CudaSlice<f32>> =
         p.grads.iter().map(|g| stream.clone_htod(&vec![f32::NAN; g.len()])).collect::<Result<_, _>>().map_err(err)?;
-    let descs: Vec<SliceDesc> = outs
-        .iter()
-        .zip(&p.offsets)
-        .zip(&p.grads)
-        .map(|((o, &off), g)| SliceDesc { ptr: o.device_ptr(stream).0, offset: off as u64, len: g.len() as u64 })
-        .collect();
-    let d_descs = stream.clone_htod(&descs).map_err(err)?;
-    let cfg = LaunchConfig { grid_dim: (32, descs.len() as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (d_descs, cfg) = descriptors(stream, &outs, &p.offsets)?;
     let scale = 0.25f32;
     // SAFETY: descriptors point into the live `outs` allocations and inside the bucket.
     unsafe { stream.launch_builder(&k.unpack_scale).arg(&d_descs).arg(&p.bucket).arg(&scale).launch(cfg) }
@@ -186,15 +191,7 @@ fn timed(stream: &Arc<CudaStream>, reps: usize, mut f: impl FnMut() -> Result<()
 
 fn check_bandwidth(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -> Check {
     let mut p = pack_on_device(stream, k, rng)?;
-    let descs: Vec<SliceDesc> = p
-        .d_grads
-        .iter()
-        .zip(&p.offsets)
-        .zip(&p.grads)
-        .map(|((d, &off), g)| SliceDesc { ptr: d.device_ptr(stream).0, offset: off as u64, len: g.len() as u64 })
-        .collect();
-    let d_descs = stream.clone_htod(&descs).map_err(err)?;
-    let cfg = LaunchConfig { grid_dim: (32, descs.len() as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (d_descs, cfg) = descriptors(stream, &p.d_grads, &p.offsets)?;
     let pack_ms = timed(stream, 20, || {
         // SAFETY: as in `pack_on_device`.
         unsafe { stream.launch_builder(&k.pack).arg(&d_descs).arg(&mut p.bucket).launch(cfg) }.map(|_| ()).map_err(err)
