@@ -338,3 +338,50 @@ fn async_finish_and_memory_figure() {
     });
     assert_eq!(out, vec![vec![1.0; 6], vec![1.0; 6]]);
 }
+
+/// Hooks fire from many threads at once (autograd's worker threads): four
+/// threads per rank each deliver their own token for every parameter and
+/// re-deliver a neighbour's, racing with the original. Dedup is idempotent
+/// whichever copy wins, so every sum is exact and the duplicate count is exact.
+#[test]
+fn hooks_from_many_threads_race_and_stay_exact() {
+    const PARAMS: usize = 48;
+    const THREADS: u64 = 4;
+    let numels: Vec<usize> = (0..PARAMS).map(|p| 1 + p % 7).collect();
+    let syncs = build_world(2, &numels, |b| {
+        b.bucket_cap_bytes(64).divisor(Divisor::Sum).param_shards(3);
+    });
+    let value = |rank: usize, step: u64, p: usize, token: u64| (rank as u64 + step + p as u64 + 3 * token) as f32;
+    let out = on_ranks(syncs, |rank, mut sync| {
+        let mut reports = Vec::new();
+        for step in 0..10u64 {
+            std::thread::scope(|s| {
+                for t in 0..THREADS {
+                    let hook = sync.hook();
+                    let numels = &numels;
+                    s.spawn(move || {
+                        for p in (0..PARAMS).rev() {
+                            for token in [t, (t + 1) % THREADS] {
+                                let v = vec![value(rank, step, p, token); numels[p]];
+                                hook.increment(step, ParamId(p as u32), gradsync::Token(token), v).unwrap();
+                            }
+                        }
+                    });
+                }
+            });
+            let r = sync.finish_step(step).unwrap();
+            let g = r.gradients.as_ref().unwrap();
+            for (p, &n) in numels.iter().enumerate() {
+                let want: f32 = (0..2).flat_map(|rk| (0..THREADS).map(move |tk| value(rk, step, p, tk))).sum();
+                assert_eq!(g.to_vec(ParamId(p as u32)).unwrap(), vec![want; n], "step {step} param {p}");
+            }
+            reports.push((r.report.arrivals, r.report.duplicates));
+        }
+        reports
+    });
+    for per_rank in out {
+        for (arrivals, duplicates) in per_rank {
+            assert_eq!((arrivals, duplicates), (PARAMS as u64 * THREADS, PARAMS as u64 * THREADS));
+        }
+    }
+}
