@@ -191,13 +191,7 @@ impl GradSync {
     fn end_step(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult, SyncError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.request_end(step, abort, Reply::Blocking(tx))?;
-        let answer = match rx.recv_timeout(self.answer_timeout) {
-            Ok(answer) => answer,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                Err(SyncError::Unresponsive { step, waited: self.answer_timeout })
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(SyncError::Closed),
-        };
+        let answer = self.await_answer(&rx, step).and_then(|answer| answer);
         self.record_loan(answer)
     }
 
@@ -228,11 +222,7 @@ impl GradSync {
         if step != self.next_step {
             return Err(SyncError::NotCurrentStep { expected: self.next_step, got: step });
         }
-        if let Some((loaned, alive)) = &self.loan {
-            if alive.strong_count() > 0 {
-                return Err(SyncError::GradientsStillBorrowed { step, loaned: *loaned });
-            }
-        }
+        self.ensure_not_borrowed(step)?;
         let at = Instant::now();
         for shard in &self.shards {
             shard.send(ShardMsg::Flush { step }).map_err(|_| SyncError::Closed)?;
@@ -259,21 +249,11 @@ impl GradSync {
     /// A rank that is gone (crashed) cannot agree: `reset` then fails naming it,
     /// and the survivors must drop their GradSync and build a new world.
     pub fn reset(&mut self) -> Result<Step, SyncError> {
-        if let Some((loaned, alive)) = &self.loan {
-            if alive.strong_count() > 0 {
-                return Err(SyncError::GradientsStillBorrowed { step: self.next_step, loaned: *loaned });
-            }
-        }
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let proposed = self.next_step;
+        self.ensure_not_borrowed(proposed)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.sched.send(SchedMsg::Reset { proposed, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
-        let agreed = match rx.recv_timeout(self.answer_timeout) {
-            Ok(answer) => answer?,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                return Err(SyncError::Unresponsive { step: proposed, waited: self.answer_timeout })
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
-        };
+        let agreed = self.await_answer(&rx, proposed)??;
         for shard in &self.shards {
             shard.send(ShardMsg::Reset { step: agreed }).map_err(|_| SyncError::Closed)?;
         }
@@ -299,7 +279,25 @@ impl GradSync {
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.sched.send(SchedMsg::Progress { id, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
-        rx.recv_timeout(self.answer_timeout).map_err(|_| SyncError::Closed)
+        self.await_answer(&rx, self.next_step)
+    }
+
+    /// Wait for the actors' answer about `step`, at most `answer_timeout`.
+    fn await_answer<T>(&self, rx: &std::sync::mpsc::Receiver<T>, step: Step) -> Result<T, SyncError> {
+        rx.recv_timeout(self.answer_timeout).map_err(|e| match e {
+            std::sync::mpsc::RecvTimeoutError::Timeout => SyncError::Unresponsive { step, waited: self.answer_timeout },
+            std::sync::mpsc::RecvTimeoutError::Disconnected => SyncError::Closed,
+        })
+    }
+
+    /// Refuse to start ending `step` while the last applied step's gradients are held.
+    fn ensure_not_borrowed(&self, step: Step) -> Result<(), SyncError> {
+        match &self.loan {
+            Some((loaned, alive)) if alive.strong_count() > 0 => {
+                Err(SyncError::GradientsStillBorrowed { step, loaned: *loaned })
+            }
+            _ => Ok(()),
+        }
     }
 }
 

@@ -37,7 +37,7 @@ use crate::arrival::{ParamId, PayloadKind, Step};
 use crate::bucket_buf::{BucketBuf, WriteMode};
 use crate::comm::{CommJob, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, SyncError};
-use crate::messages::{FinishRequest, Reply, SchedMsg};
+use crate::messages::{FinishRequest, Reply, SchedMsg, ShardSummary};
 use crate::report::Progress;
 use crate::telemetry::{Lane, TimelineEvent};
 
@@ -271,12 +271,7 @@ impl Scheduler {
             SchedMsg::Done(done) => self.on_done(done),
             SchedMsg::Finish(req) => self.on_finish(req),
             SchedMsg::Reset { proposed, reply } => self.on_reset(proposed, reply),
-            msg @ (SchedMsg::Ready { .. } | SchedMsg::Flushed(_)) => {
-                let step = match &msg {
-                    SchedMsg::Ready { step, .. } => *step,
-                    SchedMsg::Flushed(s) => s.step,
-                    _ => unreachable!(),
-                };
+            msg @ (SchedMsg::Ready { step, .. } | SchedMsg::Flushed(ShardSummary { step, .. })) => {
                 if step < self.state.step {
                     // Left over from a step abandoned by a reset.
                 } else if self.loaned.is_some() || step != self.state.step || self.resetting.is_some() {
@@ -288,7 +283,7 @@ impl Scheduler {
                             self.on_ready(param, kind, values, first, at)
                         }
                         SchedMsg::Flushed(s) => self.on_flushed(s),
-                        _ => unreachable!(),
+                        _ => unreachable!("matched as Ready or Flushed above"),
                     }
                 }
             }
