@@ -14,18 +14,19 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use gradsync::{DType, GradSync, LocalWorld, ParamId, Token};
 
-fn world_of_one(params: usize) -> GradSync {
+/// A 1-rank world of `params` one-value parameters in buckets of `cap_bytes`.
+fn world_of_one(params: usize, cap_bytes: usize, timeline: bool) -> GradSync {
     let mut b = GradSync::builder();
     for i in 0..params {
         b.param(format!("p{i}"), 1, DType::F32).unwrap();
     }
-    b.bucket_cap_bytes(64 << 10);
+    b.bucket_cap_bytes(cap_bytes).record_timeline(timeline);
     b.build(LocalWorld::connect(1).unwrap().pop().unwrap()).unwrap()
 }
 
 fn hook_call(c: &mut Criterion) {
     const PARAMS: usize = 4096;
-    let mut sync = world_of_one(PARAMS);
+    let mut sync = world_of_one(PARAMS, 64 << 10, false);
     let hook = sync.hook();
     let mut step = 0;
     c.bench_function("hook_call", |b| {
@@ -53,7 +54,7 @@ fn hook_call(c: &mut Criterion) {
 fn pipeline(c: &mut Criterion) {
     let mut group = c.benchmark_group("pipeline");
     for params in [100usize, 1_000, 10_000] {
-        let mut sync = world_of_one(params);
+        let mut sync = world_of_one(params, 64 << 10, false);
         let hook = sync.hook();
         let mut step = 0;
         group.throughput(Throughput::Elements(params as u64));
@@ -81,12 +82,8 @@ fn pipeline(c: &mut Criterion) {
 
 fn hook_to_launch(c: &mut Criterion) {
     const PARAMS: usize = 64;
-    let mut b = GradSync::builder();
-    for i in 0..PARAMS {
-        b.param(format!("p{i}"), 1, DType::F32).unwrap();
-    }
-    b.bucket_cap_bytes(4).record_timeline(true);
-    let mut sync = b.build(LocalWorld::connect(1).unwrap().pop().unwrap()).unwrap();
+    // One parameter per bucket, so every hook call completes a bucket.
+    let mut sync = world_of_one(PARAMS, 4, true);
     let hook = sync.hook();
     let epoch = gradsync::trace_epoch();
     let mut step = 0;
