@@ -59,6 +59,12 @@ impl ParamState {
             self.history.pop_front();
         }
         self.expected = self.declared.unwrap_or_else(|| self.history.iter().copied().max().unwrap_or(1));
+        self.open_step();
+    }
+
+    /// Forget the closed step's arrivals; a parameter expected to stay unused
+    /// starts the step as already handed over (the scheduler zero-fills it).
+    fn open_step(&mut self) {
         self.tokens.clear();
         self.kind = None;
         self.held = None;
@@ -243,10 +249,7 @@ impl ParamShard {
     /// Learned expectations are kept: they describe the model, not the failure.
     fn on_reset(&mut self, step: Step) {
         for state in &mut self.params {
-            state.tokens.clear();
-            state.kind = None;
-            state.held = None;
-            state.forwarded = state.expected == 0;
+            state.open_step();
         }
         self.summary = ShardSummary::default();
         self.step = step;
