@@ -66,15 +66,18 @@ pub enum PayloadKind {
 }
 
 /// A gradient payload. gradsync takes ownership, so the hook does not copy.
+///
+/// `V` is the store's value type ([`crate::GradStore::Values`]): `Vec<f32>` on
+/// the host, a device buffer with the CUDA backend.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Payload {
+pub enum Payload<V = Vec<f32>> {
     /// The parameter's whole local gradient so far (a post-accumulate hook, `.grad`).
-    Accumulated(Vec<f32>),
+    Accumulated(V),
     /// One additive contribution (a per-use hook, one recompute segment).
-    Increment(Vec<f32>),
+    Increment(V),
 }
 
-impl Payload {
+impl<V> Payload<V> {
     /// Which combination rule applies.
     pub fn kind(&self) -> PayloadKind {
         match self {
@@ -83,6 +86,22 @@ impl Payload {
         }
     }
 
+    /// The gradient values, whatever the kind.
+    pub fn as_values(&self) -> &V {
+        match self {
+            Payload::Accumulated(v) | Payload::Increment(v) => v,
+        }
+    }
+
+    /// The gradient values, by value.
+    pub fn into_values(self) -> V {
+        match self {
+            Payload::Accumulated(v) | Payload::Increment(v) => v,
+        }
+    }
+}
+
+impl Payload<Vec<f32>> {
     /// Number of elements carried.
     pub fn len(&self) -> usize {
         self.values().len()
@@ -95,22 +114,13 @@ impl Payload {
 
     /// The gradient values.
     pub fn values(&self) -> &[f32] {
-        match self {
-            Payload::Accumulated(v) | Payload::Increment(v) => v,
-        }
-    }
-
-    /// The gradient values, by value.
-    pub fn into_values(self) -> Vec<f32> {
-        match self {
-            Payload::Accumulated(v) | Payload::Increment(v) => v,
-        }
+        self.as_values()
     }
 }
 
 /// One hook firing: `(step, param, token, payload)`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Arrival {
+pub struct Arrival<V = Vec<f32>> {
     /// The step this gradient belongs to.
     pub step: Step,
     /// The parameter.
@@ -118,5 +128,5 @@ pub struct Arrival {
     /// Identity of this firing (see [`Token`]).
     pub token: Token,
     /// The gradient.
-    pub payload: Payload,
+    pub payload: Payload<V>,
 }

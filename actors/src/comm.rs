@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::bucket_buf::BucketBuf;
 use crate::error::{CollectiveTag, CommError};
 use crate::messages::SchedMsg;
+use crate::store::{GradStore, HostStore};
 
 /// One rank's endpoint of a communicator: sums buffers across all ranks.
 ///
@@ -20,6 +20,11 @@ use crate::messages::SchedMsg;
 /// deadline (returning [`CommError::Timeout`] naming the missing ranks), and
 /// detect a peer that issued a different collective where they can.
 pub trait Transport: Send + 'static {
+    /// Where this transport's buckets live (host memory, a device).
+    type Store: GradStore;
+    /// The store the actors must use to pack buckets for this transport (for a
+    /// device: one bound to the communicator's stream).
+    fn store(&self) -> Self::Store;
     /// This rank's index in `0..world()`.
     fn rank(&self) -> usize;
     /// Number of ranks.
@@ -29,11 +34,11 @@ pub trait Transport: Send + 'static {
     fn pieces(&self) -> usize {
         self.world()
     }
-    /// Sum `shards` element-wise over all ranks, then multiply by `factor`.
+    /// Sum `bucket` element-wise over all ranks, then multiply by `factor`.
     fn all_reduce_f32(
         &mut self,
         tag: CollectiveTag,
-        shards: &mut [Vec<f32>],
+        bucket: &mut <Self::Store as GradStore>::Bucket,
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError>;
@@ -56,18 +61,18 @@ pub type Interrupt = Box<dyn Fn() + Send + Sync>;
 
 /// What travels through a collective.
 #[derive(Debug)]
-pub enum CommPayload {
+pub enum CommPayload<S: GradStore = HostStore> {
     /// Gradient values (a data bucket or a correction).
-    Grads(BucketBuf),
+    Grads(S::Bucket),
     /// Control words.
     Words(Vec<u64>),
 }
 
-impl CommPayload {
+impl<S: GradStore> CommPayload<S> {
     /// Bytes this rank contributes.
-    pub fn bytes(&self) -> usize {
+    pub fn bytes(&self, store: &S) -> usize {
         match self {
-            CommPayload::Grads(b) => b.bytes(),
+            CommPayload::Grads(b) => store.bucket_numel(b) * std::mem::size_of::<f32>(),
             CommPayload::Words(w) => w.len() * 8,
         }
     }
@@ -75,11 +80,11 @@ impl CommPayload {
 
 /// A collective to run.
 #[derive(Debug)]
-pub struct CommJob {
+pub struct CommJob<S: GradStore = HostStore> {
     /// Which collective.
     pub tag: CollectiveTag,
     /// Its buffer (moved to the communicator thread and back).
-    pub payload: CommPayload,
+    pub payload: CommPayload<S>,
     /// Scale applied after summing gradients (`1 / divisor`).
     pub factor: f32,
     /// How long the collective may wait for peers once started.
@@ -88,12 +93,12 @@ pub struct CommJob {
 
 /// A finished collective, successful or not.
 #[derive(Debug)]
-pub struct CommDone {
+pub struct CommDone<S: GradStore = HostStore> {
     /// Which collective.
     pub tag: CollectiveTag,
     /// The buffer, reduced on success. On failure its content is unspecified and
     /// pieces may be missing.
-    pub payload: CommPayload,
+    pub payload: CommPayload<S>,
     /// Outcome.
     pub result: Result<(), CommError>,
     /// When the communicator started it.
@@ -107,7 +112,11 @@ pub struct CommDone {
 /// After a failed collective the communicator's sequence is broken (peers may
 /// hold half of it), so every later job fails at once with the same error
 /// instead of waiting out another deadline.
-pub fn run_communicator<T: Transport>(mut transport: T, jobs: Receiver<CommJob>, done: UnboundedSender<SchedMsg>) {
+pub fn run_communicator<T: Transport>(
+    mut transport: T,
+    jobs: Receiver<CommJob<T::Store>>,
+    done: UnboundedSender<SchedMsg<T::Store>>,
+) {
     let mut broken: Option<CommError> = None;
     while let Ok(job) = jobs.recv() {
         if matches!(job.tag.kind, crate::error::CollectiveKind::Reset { .. }) {
@@ -119,7 +128,7 @@ pub fn run_communicator<T: Transport>(mut transport: T, jobs: Receiver<CommJob>,
         let mut payload = job.payload;
         let result = match (&broken, &mut payload) {
             (Some(e), _) => Err(e.clone()),
-            (None, CommPayload::Grads(buf)) => transport.all_reduce_f32(job.tag, &mut buf.shards, job.factor, deadline),
+            (None, CommPayload::Grads(buf)) => transport.all_reduce_f32(job.tag, buf, job.factor, deadline),
             (None, CommPayload::Words(words)) => transport.all_reduce_u64(job.tag, words, deadline),
         };
         if let Err(e) = &result {

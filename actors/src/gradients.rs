@@ -14,38 +14,39 @@ use crate::bucket_buf::BucketBuf;
 use crate::messages::SchedMsg;
 use crate::plan::Plan;
 use crate::report::StepReport;
+use crate::store::{GradStore, HostStore};
 
 /// What `finish_step` returns.
 #[derive(Debug)]
-pub struct StepResult {
+pub struct StepResult<S: GradStore = HostStore> {
     /// Counts, timings and the outcome (identical outcome on every rank).
     pub report: StepReport,
     /// The averaged gradients; `None` when the step was skipped, so a skipped
     /// step cannot be applied by accident.
-    pub gradients: Option<Gradients>,
+    pub gradients: Option<Gradients<S>>,
 }
 
 /// The averaged gradients of one step (a loan of the bucket buffers).
 #[derive(Debug)]
-pub struct Gradients {
+pub struct Gradients<S: GradStore = HostStore> {
     step: Step,
     plan: Arc<Plan>,
-    buffers: Vec<BucketBuf>,
+    buffers: Vec<S::Bucket>,
     /// Per parameter: unused on every rank, so there is no gradient.
     unused_everywhere: Vec<bool>,
     /// Where the buffers go back on drop.
-    home: UnboundedSender<SchedMsg>,
+    home: UnboundedSender<SchedMsg<S>>,
     /// Lets the caller-side handle see whether the loan is still alive.
     alive: Arc<()>,
 }
 
-impl Gradients {
+impl<S: GradStore> Gradients<S> {
     pub(crate) fn new(
         step: Step,
         plan: Arc<Plan>,
-        buffers: Vec<BucketBuf>,
+        buffers: Vec<S::Bucket>,
         unused_everywhere: Vec<bool>,
-        home: UnboundedSender<SchedMsg>,
+        home: UnboundedSender<SchedMsg<S>>,
     ) -> Self {
         Gradients { step, plan, buffers, unused_everywhere, home, alive: Arc::new(()) }
     }
@@ -61,15 +62,25 @@ impl Gradients {
         self.step
     }
 
-    /// The averaged gradient of `param`, or `None` if no rank produced one
-    /// (unused everywhere) or the id is unknown.
-    pub fn get(&self, param: ParamId) -> Option<GradView<'_>> {
+    /// Where the averaged gradient of `param` lies: its bucket and the element
+    /// range in it; `None` if no rank produced one (unused everywhere) or the
+    /// id is unknown. Store-specific views are built on this.
+    pub fn locate(&self, param: ParamId) -> Option<(&S::Bucket, std::ops::Range<usize>)> {
         if *self.unused_everywhere.get(param.index())? {
             return None;
         }
         let slot = self.plan.slots[param.index()];
         let len = self.plan.params[param.index()].numel;
-        Some(GradView { buf: &self.buffers[slot.bucket], offset: slot.offset, len })
+        Some((&self.buffers[slot.bucket], slot.offset..slot.offset + len))
+    }
+}
+
+impl Gradients<HostStore> {
+    /// The averaged gradient of `param`, or `None` if no rank produced one
+    /// (unused everywhere) or the id is unknown.
+    pub fn get(&self, param: ParamId) -> Option<GradView<'_>> {
+        let (buf, range) = self.locate(param)?;
+        Some(GradView { buf, offset: range.start, len: range.len() })
     }
 
     /// Convenience: the gradient of `param` as a new vector.
@@ -78,7 +89,7 @@ impl Gradients {
     }
 }
 
-impl Drop for Gradients {
+impl<S: GradStore> Drop for Gradients<S> {
     fn drop(&mut self) {
         let buffers = std::mem::take(&mut self.buffers);
         // If the scheduler is gone there is nobody to give them to.

@@ -15,10 +15,13 @@
 //! * [`param`]: parameter actors, grouped in shards, one owner per parameter.
 //! * [`scheduler`]: the bucket scheduler, the only place that decides launches.
 //! * [`comm`]: the [`Transport`] trait and the communicator thread body.
-//! * [`plan`] / [`bucket_buf`]: the bucket layout and its sharded storage.
+//! * [`plan`] / [`bucket_buf`]: the bucket layout and its sharded host storage.
+//! * [`store`]: where gradient values live ([`GradStore`]: host memory here,
+//!   device memory in the runtime's CUDA backend).
 //! * [`gradients`]: the reduced gradients, lent to the caller until dropped.
 //!
-//! Nothing here knows a device or a backend beyond [`Transport`]; the runtime
+//! Nothing here knows a device or a backend beyond [`Transport`] and
+//! [`GradStore`]; the runtime
 //! crate wires actors to threads and offers the public API.
 #![deny(missing_docs)]
 
@@ -32,6 +35,7 @@ pub mod param;
 pub mod plan;
 pub mod report;
 pub mod scheduler;
+pub mod store;
 pub mod telemetry;
 
 pub use arrival::{Arrival, DType, ParamId, Payload, PayloadKind, Step, Token};
@@ -41,4 +45,5 @@ pub use error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 pub use gradients::{GradView, Gradients, StepResult};
 pub use plan::{BucketSpec, ParamSpec, Plan, Slot};
 pub use report::{AbortReason, Outcome, Progress, StepReport};
+pub use store::{GradStore, HostStore};
 pub use telemetry::{Lane, TimelineEvent};

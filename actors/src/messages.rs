@@ -4,17 +4,17 @@
 use std::time::Instant;
 
 use crate::arrival::{Arrival, ParamId, PayloadKind, Step};
-use crate::bucket_buf::BucketBuf;
 use crate::comm::CommDone;
 use crate::error::{Rejection, SyncError};
 use crate::gradients::StepResult;
 use crate::report::{AbortReason, Progress};
+use crate::store::{GradStore, HostStore};
 
 /// Inbox of a parameter-shard actor.
 #[derive(Debug)]
-pub enum ShardMsg {
+pub enum ShardMsg<S: GradStore = HostStore> {
     /// A hook firing for a parameter owned by this shard.
-    Arrival(Arrival),
+    Arrival(Arrival<S::Values>),
     /// A refusal decided on the hook side, to be counted in the step's report.
     Rejected {
         /// The step the refused arrival named.
@@ -43,7 +43,7 @@ pub enum ShardMsg {
 
 /// Inbox of the bucket scheduler.
 #[derive(Debug)]
-pub enum SchedMsg {
+pub enum SchedMsg<S: GradStore = HostStore> {
     /// A parameter's gradient (or a later contribution to it) from its actor.
     Ready {
         /// The step.
@@ -53,7 +53,7 @@ pub enum SchedMsg {
         /// How `values` combines with what is stored.
         kind: PayloadKind,
         /// The values.
-        values: Vec<f32>,
+        values: S::Values,
         /// `true` for the value that makes the parameter ready; `false` for an
         /// arrival after that (merged if the bucket is not launched, late otherwise).
         first: bool,
@@ -68,7 +68,7 @@ pub enum SchedMsg {
         id: u64,
     },
     /// Finish (or abort) the current step.
-    Finish(FinishRequest),
+    Finish(FinishRequest<S>),
     /// Report progress once every shard has settled request `id`.
     Progress {
         /// Request id (matches the shards' `Settled`).
@@ -77,7 +77,7 @@ pub enum SchedMsg {
         reply: Reply<Progress>,
     },
     /// A collective returned.
-    Done(CommDone),
+    Done(CommDone<S>),
     /// Abandon the failed step and agree with every rank on the step to restart at.
     Reset {
         /// This rank's proposal (its next step); the agreed step is the maximum.
@@ -88,7 +88,7 @@ pub enum SchedMsg {
     /// The caller dropped a [`crate::Gradients`]: the bucket buffers come home.
     LoanReturned {
         /// The buffers, in bucket order.
-        buffers: Vec<BucketBuf>,
+        buffers: Vec<S::Bucket>,
     },
     /// Stop the actor.
     Shutdown,
@@ -116,7 +116,7 @@ pub struct ShardSummary {
 
 /// A request to end the current step.
 #[derive(Debug)]
-pub struct FinishRequest {
+pub struct FinishRequest<S: GradStore = HostStore> {
     /// The step.
     pub step: Step,
     /// `Some` when this rank gives up on the step.
@@ -124,7 +124,7 @@ pub struct FinishRequest {
     /// When the caller asked.
     pub at: Instant,
     /// Where to answer.
-    pub reply: Reply<Result<StepResult, SyncError>>,
+    pub reply: Reply<Result<StepResult<S>, SyncError>>,
 }
 
 /// A one-shot answer channel usable from blocking and from async callers.

@@ -31,10 +31,11 @@ use crate::arrival::{Arrival, ParamId, Payload, PayloadKind, Step, Token};
 use crate::error::Rejection;
 use crate::messages::{SchedMsg, ShardMsg, ShardSummary};
 use crate::plan::Plan;
+use crate::store::{GradStore, HostStore};
 
 /// Per-parameter state, owned by exactly one shard.
 #[derive(Debug)]
-struct ParamState {
+struct ParamState<V> {
     id: ParamId,
     /// Declared arrivals per step; `None` = learned.
     declared: Option<u32>,
@@ -47,12 +48,12 @@ struct ParamState {
     /// Kind of the open step's payloads (mixing is refused).
     kind: Option<PayloadKind>,
     /// Combined value not yet forwarded.
-    held: Option<Vec<f32>>,
+    held: Option<V>,
     /// The ready value has gone to the scheduler (or none was expected).
     forwarded: bool,
 }
 
-impl ParamState {
+impl<V> ParamState<V> {
     fn learn(&mut self, window: usize) {
         self.history.push_back(self.tokens.len() as u32);
         while self.history.len() > window {
@@ -74,11 +75,13 @@ impl ParamState {
 
 /// One parameter-shard actor.
 #[derive(Debug)]
-pub struct ParamShard {
+pub struct ParamShard<S: GradStore = HostStore> {
+    /// Combines increments held before the parameter is ready.
+    store: S,
     /// Number of shards (parameter `p` lives in shard `p % shards`, at `p / shards`).
     shards: usize,
     /// Owned parameters, by `p / shards`.
-    params: Vec<ParamState>,
+    params: Vec<ParamState<S::Values>>,
     /// The open step: arrivals for other steps are refused.
     step: Step,
     /// Steps of history used to learn expected counts.
@@ -86,7 +89,7 @@ pub struct ParamShard {
     /// Counters of the open step.
     summary: ShardSummary,
     /// The scheduler's inbox.
-    out: UnboundedSender<SchedMsg>,
+    out: UnboundedSender<SchedMsg<S>>,
     /// After a message, keep polling the inbox this long before sleeping
     /// (zero: sleep at once). Trades a busy core for wake-up latency.
     idle_spin: Duration,
@@ -96,9 +99,16 @@ pub struct ParamShard {
     stamp: Option<Instant>,
 }
 
-impl ParamShard {
+impl<S: GradStore> ParamShard<S> {
     /// The shard `index` of `shards`, owning parameters `index, index + shards, …` of `plan`.
-    pub fn new(index: usize, shards: usize, plan: &Plan, window: usize, out: UnboundedSender<SchedMsg>) -> Self {
+    pub fn new(
+        store: S,
+        index: usize,
+        shards: usize,
+        plan: &Plan,
+        window: usize,
+        out: UnboundedSender<SchedMsg<S>>,
+    ) -> Self {
         let params = plan
             .params
             .iter()
@@ -120,6 +130,7 @@ impl ParamShard {
             })
             .collect();
         ParamShard {
+            store,
             shards,
             params,
             step: 0,
@@ -149,7 +160,7 @@ impl ParamShard {
     /// other actors between polls) for that long after its last message, so a
     /// hook's send during backward finds it awake: no OS wake-up on the path
     /// from hook to launch.
-    pub async fn run(mut self, mut inbox: UnboundedReceiver<ShardMsg>) {
+    pub async fn run(mut self, mut inbox: UnboundedReceiver<ShardMsg<S>>) {
         let mut batch = Vec::with_capacity(256);
         while inbox.recv_many(&mut batch, 256).await > 0 {
             for msg in batch.drain(..) {
@@ -177,7 +188,7 @@ impl ParamShard {
     }
 
     /// Apply one message; `false` means stop.
-    pub fn handle(&mut self, msg: ShardMsg) -> bool {
+    pub fn handle(&mut self, msg: ShardMsg<S>) -> bool {
         match msg {
             ShardMsg::Arrival(a) => self.on_arrival(a),
             ShardMsg::Rejected { step, why } => self.reject(step, why),
@@ -189,7 +200,7 @@ impl ParamShard {
         true
     }
 
-    fn send(&self, msg: SchedMsg) {
+    fn send(&self, msg: SchedMsg<S>) {
         // A closed scheduler means shutdown is under way; nothing to do.
         let _ = self.out.send(msg);
     }
@@ -206,7 +217,7 @@ impl ParamShard {
         }
     }
 
-    fn on_arrival(&mut self, a: Arrival) {
+    fn on_arrival(&mut self, a: Arrival<S::Values>) {
         let Arrival { step, param, token, payload } = a;
         if step < self.step {
             return self.reject(step, Rejection::StepFinished { param, step });
@@ -236,7 +247,7 @@ impl ParamShard {
         match (&mut state.held, payload) {
             (held @ None, p) => *held = Some(p.into_values()),
             (Some(h), Payload::Accumulated(v)) => *h = v,
-            (Some(h), Payload::Increment(v)) => gradsync_kernels::add_assign(h, &v),
+            (Some(h), Payload::Increment(v)) => self.store.add_assign(h, &v),
         }
         if state.tokens.len() as u32 >= state.expected {
             state.forwarded = true;
@@ -309,7 +320,7 @@ mod tests {
     #[test]
     fn duplicates_are_dropped_and_counted() {
         let (tx, mut rx) = unbounded_channel();
-        let mut shard = ParamShard::new(0, 1, &plan(1), 4, tx);
+        let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 4, tx);
         shard.handle(arrival(0, 0, 7, 1.0, true));
         shard.handle(arrival(0, 0, 7, 1.0, true));
         shard.handle(ShardMsg::Flush { step: 0 });
@@ -323,7 +334,7 @@ mod tests {
     #[test]
     fn learning_waits_for_the_second_arrival_next_step() {
         let (tx, mut rx) = unbounded_channel();
-        let mut shard = ParamShard::new(0, 1, &plan(1), 4, tx);
+        let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 4, tx);
         // Step 0: expected 1, so the first arrival is forwarded, the second is extra.
         shard.handle(arrival(0, 0, 0, 1.0, true));
         shard.handle(arrival(0, 0, 1, 2.0, true));
@@ -344,7 +355,7 @@ mod tests {
     #[test]
     fn parameters_unused_for_a_window_are_expected_to_stay_unused() {
         let (tx, mut rx) = unbounded_channel();
-        let mut shard = ParamShard::new(0, 1, &plan(1), 2, tx);
+        let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 2, tx);
         for step in 0..2 {
             shard.handle(ShardMsg::Flush { step });
         }
@@ -359,7 +370,7 @@ mod tests {
     #[test]
     fn wrong_steps_and_mixed_kinds_are_refused() {
         let (tx, mut rx) = unbounded_channel();
-        let mut shard = ParamShard::new(0, 1, &plan(1), 4, tx);
+        let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 4, tx);
         shard.handle(arrival(3, 0, 0, 1.0, true));
         shard.handle(arrival(0, 0, 0, 1.0, true));
         shard.handle(ShardMsg::Flush { step: 0 });

@@ -29,7 +29,9 @@ use gradsync_actors::comm::{CommDone, CommJob, CommPayload};
 use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg};
 use gradsync_actors::param::ParamShard;
 use gradsync_actors::scheduler::{Scheduler, SchedulerConfig};
-use gradsync_actors::{Arrival, BucketSpec, CollectiveKind, DType, ParamId, ParamSpec, Payload, Plan, Slot, Token};
+use gradsync_actors::{
+    Arrival, BucketSpec, CollectiveKind, DType, HostStore, ParamId, ParamSpec, Payload, Plan, Slot, Token,
+};
 
 use crate::models::ModelSpec;
 use crate::Flags;
@@ -132,8 +134,8 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
         check_finite: false,
         record_timeline: false,
     };
-    let mut sched = Scheduler::new(sc, Arc::clone(&plan), comm_tx, home_tx);
-    let mut shard = ParamShard::new(0, 1, &plan, 4, shard_tx);
+    let mut sched = Scheduler::new(sc, HostStore, Arc::clone(&plan), comm_tx, home_tx);
+    let mut shard = ParamShard::new(HostStore, 0, 1, &plan, 4, shard_tx);
     let p = plan.num_params();
     let mut times = Vec::new();
     for step in 0..steps {

@@ -7,6 +7,7 @@ use gradsync_actors::{DType, ParamId, ParamSpec};
 
 use crate::sync::GradSync;
 use crate::Transport;
+use gradsync_actors::GradStore;
 
 /// What the reduced sum is divided by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,7 +225,7 @@ impl GradSyncBuilder {
 
     /// Start the actors and the communicator thread on `transport` (this rank's
     /// endpoint of a world).
-    pub fn build<T: Transport>(&self, transport: T) -> Result<GradSync, BuildError> {
+    pub fn build<T: Transport>(&self, transport: T) -> Result<GradSync<T::Store>, BuildError> {
         if self.params.is_empty() {
             return Err(BuildError::NoParams);
         }
@@ -239,6 +240,12 @@ impl GradSyncBuilder {
         if self.divisor == Divisor::Fixed(0) {
             let why = "division by zero".to_string();
             return Err(BuildError::InvalidSetting { setting: "divisor", why });
+        }
+        if self.check_finite && !<T::Store as GradStore>::CHECKS_FINITE {
+            let why = "this backend's gradients live on a device and cannot be checked without \
+                       waiting for it; check the loss for NaN instead"
+                .to_string();
+            return Err(BuildError::InvalidSetting { setting: "check_finite", why });
         }
         let (rank, world) = (transport.rank(), transport.world());
         if world == 0 || rank >= world {

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg};
 use gradsync_actors::param::ParamShard;
 use gradsync_actors::scheduler::{Scheduler, SchedulerConfig};
-use gradsync_actors::{AbortReason, Interrupt, ParamId, Plan, Progress, Step, StepResult, SyncError, Transport};
+use gradsync_actors::{
+    AbortReason, GradStore, HostStore, Interrupt, ParamId, Plan, Progress, Step, StepResult, SyncError, Transport,
+};
 use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
@@ -30,15 +32,18 @@ use crate::hook::GradHook;
 /// Give [`GradSync::hook`] clones to autograd hooks; call
 /// [`GradSync::finish_step`] when backward is over on this rank (or
 /// [`GradSync::abort_step`] when this rank cannot finish it).
+///
+/// `S` is where gradients live: host memory by default (the local backend),
+/// device memory with the CUDA backend.
 #[derive(Debug)]
-pub struct GradSync {
+pub struct GradSync<S: GradStore = HostStore> {
     rank: usize,
     world: usize,
     plan: Arc<Plan>,
-    hook: GradHook,
+    hook: GradHook<S>,
     /// Parameter-shard inboxes (also inside `hook`), for flush and settle markers.
-    shards: Vec<UnboundedSender<ShardMsg>>,
-    sched: UnboundedSender<SchedMsg>,
+    shards: Vec<UnboundedSender<ShardMsg<S>>>,
+    sched: UnboundedSender<SchedMsg<S>>,
     /// The step `finish_step` accepts next.
     next_step: Step,
     /// The last applied step's gradients: alive while the caller holds them.
@@ -49,7 +54,7 @@ pub struct GradSync {
     answer_timeout: Duration,
     interrupt: Option<Interrupter>,
     /// Consumed payloads coming back for reuse (with `recycle_payloads`).
-    spent: Option<crossbeam_channel::Receiver<(ParamId, Vec<f32>)>>,
+    spent: Option<crossbeam_channel::Receiver<(ParamId, S::Values)>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -58,8 +63,10 @@ impl GradSync {
     pub fn builder() -> GradSyncBuilder {
         GradSyncBuilder::default()
     }
+}
 
-    pub(crate) fn start<T: Transport>(b: &GradSyncBuilder, transport: T) -> Result<GradSync, BuildError> {
+impl<S: GradStore> GradSync<S> {
+    pub(crate) fn start<T: Transport<Store = S>>(b: &GradSyncBuilder, transport: T) -> Result<Self, BuildError> {
         let (rank, world) = (transport.rank(), transport.world());
         let plan = Arc::new(Plan::build(b.params.clone(), b.bucket_cap_bytes));
         let factor = match b.divisor {
@@ -78,9 +85,10 @@ impl GradSync {
             record_timeline: b.record_timeline,
         };
         let interrupt = transport.interrupter().map(Interrupter);
+        let store = transport.store();
         let (sched_tx, sched_rx) = unbounded_channel();
         let (comm_tx, comm_rx) = crossbeam_channel::unbounded();
-        let mut scheduler = Scheduler::new(cfg, Arc::clone(&plan), comm_tx, sched_tx.clone());
+        let mut scheduler = Scheduler::new(cfg, store.clone(), Arc::clone(&plan), comm_tx, sched_tx.clone());
         let spent = if b.recycle_payloads {
             let (tx, rx) = crossbeam_channel::bounded(2 * plan.num_params());
             scheduler = scheduler.with_spent_payloads(tx);
@@ -93,7 +101,7 @@ impl GradSync {
         for i in 0..b.param_shards {
             let (tx, rx) = unbounded_channel();
             shard_txs.push(tx);
-            let shard = ParamShard::new(i, b.param_shards, &plan, b.learning_window, sched_tx.clone());
+            let shard = ParamShard::new(store.clone(), i, b.param_shards, &plan, b.learning_window, sched_tx.clone());
             shard_actors.push((shard.with_idle_spin(b.idle_spin).with_timestamps(b.record_timeline), rx));
         }
         let spawn_err = |which: &'static str| move |e: std::io::Error| BuildError::Spawn { which, why: e.to_string() };
@@ -119,7 +127,7 @@ impl GradSync {
         Ok(GradSync {
             rank,
             world,
-            hook: GradHook::new(shard_txs.clone(), numel),
+            hook: GradHook::new(shard_txs.clone(), numel, store),
             plan,
             shards: shard_txs,
             sched: sched_tx,
@@ -135,7 +143,7 @@ impl GradSync {
     }
 
     /// A handle for autograd hooks (cheap to clone, usable from any thread).
-    pub fn hook(&self) -> GradHook {
+    pub fn hook(&self) -> GradHook<S> {
         self.hook.clone()
     }
 
@@ -177,18 +185,18 @@ impl GradSync {
     /// control collective (and a correction if any parameter arrived late), and
     /// return the report and the averaged gradients. Blocks; use
     /// [`GradSync::finish_step_async`] inside an async runtime.
-    pub fn finish_step(&mut self, step: Step) -> Result<StepResult, SyncError> {
+    pub fn finish_step(&mut self, step: Step) -> Result<StepResult<S>, SyncError> {
         self.end_step(step, None)
     }
 
     /// This rank cannot finish `step` (out of memory, bad batch): its remaining
     /// collectives carry zeros and every rank's result is `Outcome::Skipped`
     /// naming this rank. Nobody hangs; the next step proceeds normally.
-    pub fn abort_step(&mut self, step: Step, reason: AbortReason) -> Result<StepResult, SyncError> {
+    pub fn abort_step(&mut self, step: Step, reason: AbortReason) -> Result<StepResult<S>, SyncError> {
         self.end_step(step, Some(reason))
     }
 
-    fn end_step(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult, SyncError> {
+    fn end_step(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult<S>, SyncError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.request_end(step, abort, Reply::Blocking(tx))?;
         let answer = self.await_answer(&rx, step).and_then(|answer| answer);
@@ -196,16 +204,16 @@ impl GradSync {
     }
 
     /// Async form of [`GradSync::finish_step`].
-    pub async fn finish_step_async(&mut self, step: Step) -> Result<StepResult, SyncError> {
+    pub async fn finish_step_async(&mut self, step: Step) -> Result<StepResult<S>, SyncError> {
         self.end_step_async(step, None).await
     }
 
     /// Async form of [`GradSync::abort_step`].
-    pub async fn abort_step_async(&mut self, step: Step, reason: AbortReason) -> Result<StepResult, SyncError> {
+    pub async fn abort_step_async(&mut self, step: Step, reason: AbortReason) -> Result<StepResult<S>, SyncError> {
         self.end_step_async(step, Some(reason)).await
     }
 
-    async fn end_step_async(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult, SyncError> {
+    async fn end_step_async(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult<S>, SyncError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.request_end(step, abort, Reply::Async(tx))?;
         let answer = rx.await.unwrap_or(Err(SyncError::Closed));
@@ -217,7 +225,7 @@ impl GradSync {
         &mut self,
         step: Step,
         abort: Option<AbortReason>,
-        reply: Reply<Result<StepResult, SyncError>>,
+        reply: Reply<Result<StepResult<S>, SyncError>>,
     ) -> Result<(), SyncError> {
         if step != self.next_step {
             return Err(SyncError::NotCurrentStep { expected: self.next_step, got: step });
@@ -233,7 +241,7 @@ impl GradSync {
         self.sched.send(SchedMsg::Finish(req)).map_err(|_| SyncError::Closed)
     }
 
-    fn record_loan(&mut self, answer: Result<StepResult, SyncError>) -> Result<StepResult, SyncError> {
+    fn record_loan(&mut self, answer: Result<StepResult<S>, SyncError>) -> Result<StepResult<S>, SyncError> {
         if let Ok(result) = &answer {
             self.loan = result.gradients.as_ref().map(|g| (result.report.step, g.liveness()));
         }
@@ -265,7 +273,7 @@ impl GradSync {
     /// Payload vectors gradsync has finished with, for reuse as the next
     /// payloads of the same parameters (only with `recycle_payloads(true)`;
     /// otherwise always empty). Contents are stale: overwrite before sending.
-    pub fn take_spent(&self) -> Vec<(ParamId, Vec<f32>)> {
+    pub fn take_spent(&self) -> Vec<(ParamId, S::Values)> {
         self.spent.as_ref().map(|rx| rx.try_iter().collect()).unwrap_or_default()
     }
 
@@ -310,7 +318,7 @@ impl std::fmt::Debug for Interrupter {
     }
 }
 
-impl Drop for GradSync {
+impl<S: GradStore> Drop for GradSync<S> {
     fn drop(&mut self) {
         let _ = self.sched.send(SchedMsg::Shutdown);
         for shard in &self.shards {

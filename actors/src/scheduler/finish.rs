@@ -12,21 +12,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gradsync_kernels as k;
-
 use super::{Phase, Scheduler, StepState};
 use crate::arrival::{ParamId, PayloadKind};
-use crate::bucket_buf::{BucketBuf, WriteMode};
+use crate::bucket_buf::WriteMode;
 use crate::comm::{CommDone, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, SyncError};
 use crate::gradients::{Gradients, StepResult};
 use crate::messages::{FinishRequest, ShardSummary};
 use crate::plan::Fnv;
 use crate::report::{AbortReason, Outcome, StepReport};
+use crate::store::GradStore;
 use crate::telemetry::{Lane, TimelineEvent};
 
-impl Scheduler {
-    pub(super) fn on_finish(&mut self, req: FinishRequest) {
+impl<S: GradStore> Scheduler<S> {
+    pub(super) fn on_finish(&mut self, req: FinishRequest<S>) {
         if let Some(f) = &self.failure {
             let err = if f.step == req.step {
                 f.error.clone()
@@ -98,7 +97,7 @@ impl Scheduler {
         self.start_control_if_drained();
     }
 
-    pub(super) fn on_done(&mut self, done: CommDone) {
+    pub(super) fn on_done(&mut self, done: CommDone<S>) {
         let CommDone { tag, payload, result, started, finished } = done;
         if self.resetting.is_some() {
             // Collectives queued before the reset return first; only the
@@ -110,7 +109,7 @@ impl Scheduler {
         }
         self.state.comm_busy += finished.saturating_duration_since(started);
         let took = finished.saturating_duration_since(started);
-        crate::telemetry::collective(&self.rank_label, &tag.kind, payload.bytes(), took, &result);
+        crate::telemetry::collective(&self.rank_label, &tag.kind, payload.bytes(&self.store), took, &result);
         if self.cfg.record_timeline {
             let name = match tag.kind {
                 CollectiveKind::Bucket { index, .. } => format!("all-reduce bucket {index}"),
@@ -193,23 +192,20 @@ impl Scheduler {
     /// corrections to the early result gives the reduction of the final values.
     fn start_correction(&mut self, late: Vec<ParamId>) {
         let numel: usize = late.iter().map(|p| self.plan.params[p.index()].numel).sum();
-        let mut buf = BucketBuf::zeroed(numel, self.cfg.pieces);
+        let mut buf = self.store.alloc_bucket(numel, self.cfg.pieces);
         let st = &mut self.state;
         let mut offset = 0;
-        let mut scratch = Vec::new();
         for &p in &late {
             let i = p.index();
             let n = self.plan.params[i].numel;
             if let Some(values) = st.late[i].take() {
-                match (st.kind[i], st.packed[i].as_deref()) {
+                match (st.kind[i], st.packed[i].as_ref()) {
                     // Superseded after launch: contribute (final - what was sent).
                     (Some(PayloadKind::Accumulated), Some(sent)) => {
-                        scratch.resize(n, 0.0);
-                        k::sub_into(&mut scratch, &values, sent);
-                        buf.write(offset, &scratch, WriteMode::Set);
+                        self.store.write_difference(&mut buf, offset, &values, sent)
                     }
                     // Late increments, or a first value after a zero launch.
-                    _ => buf.write(offset, &values, WriteMode::Set),
+                    _ => self.store.write(&mut buf, offset, &values, WriteMode::Set),
                 }
             }
             st.correcting.push((p, offset));
@@ -220,14 +216,12 @@ impl Scheduler {
         self.submit(tag, CommPayload::Grads(buf));
     }
 
-    fn on_correction(&mut self, buf: &BucketBuf) {
-        let mut scratch = Vec::new();
+    fn on_correction(&mut self, buf: &S::Bucket) {
         for &(p, offset) in &self.state.correcting {
             let slot = self.plan.slots[p.index()];
-            scratch.resize(self.plan.params[p.index()].numel, 0.0);
-            buf.read(offset, &mut scratch);
+            let n = self.plan.params[p.index()].numel;
             let dst = self.buffers[slot.bucket].as_mut().expect("data buckets are home after draining");
-            dst.write(slot.offset, &scratch, WriteMode::Add);
+            self.store.add_from(dst, slot.offset, buf, offset, n);
         }
         self.complete(Outcome::Applied);
     }
@@ -248,7 +242,7 @@ impl Scheduler {
         for (b, buf) in self.buffers.iter_mut().enumerate() {
             if buf.is_none() {
                 // Lost in the failed collective (pieces held by peers): allocate anew.
-                *buf = Some(BucketBuf::zeroed(self.plan.buckets[b].numel, self.cfg.pieces));
+                *buf = Some(self.store.alloc_bucket(self.plan.buckets[b].numel, self.cfg.pieces));
             }
         }
         let mut words = vec![0u64; self.cfg.world];
@@ -259,7 +253,7 @@ impl Scheduler {
         // Peers reach their reset only after their own failing collective gives up
         // (at most one deadline after ours), so the agreement waits longer.
         let timeout = self.cfg.collective_timeout * 3;
-        let job = crate::comm::CommJob { tag, payload: CommPayload::Words(words), factor: 1.0, timeout };
+        let job = crate::comm::CommJob::<S> { tag, payload: CommPayload::Words(words), factor: 1.0, timeout };
         if self.comm.send(job).is_err() {
             self.on_reset_agreed(Err(crate::error::CommError::Cancelled { rank: self.cfg.rank, tag }));
         }

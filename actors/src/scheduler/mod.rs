@@ -34,11 +34,12 @@ use crossbeam_channel::Sender;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::arrival::{ParamId, PayloadKind, Step};
-use crate::bucket_buf::{BucketBuf, WriteMode};
+use crate::bucket_buf::WriteMode;
 use crate::comm::{CommJob, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, SyncError};
 use crate::messages::{FinishRequest, Reply, SchedMsg, ShardSummary};
 use crate::report::Progress;
+use crate::store::{GradStore, HostStore};
 use crate::telemetry::{Lane, TimelineEvent};
 
 /// Fixed settings of one scheduler.
@@ -84,7 +85,7 @@ struct Failure {
 
 /// Bucket and parameter state of the open step.
 #[derive(Debug)]
-struct StepState {
+struct StepState<S: GradStore> {
     step: Step,
     /// Whether step-start work (pre-ready parameters) is done.
     begun: bool,
@@ -97,10 +98,10 @@ struct StepState {
     kind: Vec<Option<PayloadKind>>,
     /// Per parameter: the `Accumulated` value packed into the slot, kept so a
     /// late supersede can be turned into a difference.
-    packed: Vec<Option<Vec<f32>>>,
+    packed: Vec<Option<S::Values>>,
     /// Per parameter: late contribution (sum of late increments, or the latest
     /// late `Accumulated` value).
-    late: Vec<Option<Vec<f32>>>,
+    late: Vec<Option<S::Values>>,
     /// Per bucket: members not ready yet.
     pending: Vec<usize>,
     /// Buckets `0..next_launch` have been handed to the communicator.
@@ -119,7 +120,7 @@ struct StepState {
     nonfinite: bool,
     used: Vec<bool>,
     expect_none_next: Vec<bool>,
-    finish: Option<FinishRequest>,
+    finish: Option<FinishRequest<S>>,
     bytes: u64,
     comm_busy: Duration,
     /// Late parameters being corrected, with their offset in the correction buffer.
@@ -133,7 +134,7 @@ struct StepState {
     timeline: Vec<TimelineEvent>,
 }
 
-impl StepState {
+impl<S: GradStore> StepState<S> {
     fn new(step: Step, num_params: usize, num_buckets: usize) -> Self {
         StepState {
             step,
@@ -142,8 +143,8 @@ impl StepState {
             ready: vec![false; num_params],
             written: vec![false; num_params],
             kind: vec![None; num_params],
-            packed: vec![None; num_params],
-            late: vec![None; num_params],
+            packed: std::iter::repeat_with(|| None).take(num_params).collect(),
+            late: std::iter::repeat_with(|| None).take(num_params).collect(),
             pending: vec![0; num_buckets],
             next_launch: 0,
             done: 0,
@@ -171,20 +172,22 @@ impl StepState {
 
 /// The bucket-scheduler actor of one rank.
 #[derive(Debug)]
-pub struct Scheduler {
+pub struct Scheduler<S: GradStore = HostStore> {
     cfg: SchedulerConfig,
+    /// Packs, zeroes and combines gradient values (host loops or device kernels).
+    store: S,
     plan: Arc<crate::plan::Plan>,
     /// Jobs for the communicator thread.
-    comm: Sender<CommJob>,
+    comm: Sender<CommJob<S>>,
     /// This actor's own inbox, handed to [`crate::Gradients`] so buffers come home.
-    home: UnboundedSender<SchedMsg>,
+    home: UnboundedSender<SchedMsg<S>>,
     /// Bucket buffers by bucket index; `None` while in a collective or on loan.
-    buffers: Vec<Option<BucketBuf>>,
+    buffers: Vec<Option<S::Bucket>>,
     /// The step whose gradients the caller still holds.
     loaned: Option<Step>,
     /// Messages of a later step, held until the current one completes and its
     /// loan is returned.
-    deferred: VecDeque<SchedMsg>,
+    deferred: VecDeque<SchedMsg<S>>,
     /// Per parameter: treat as ready (zeros) at step start.
     expect_none: Vec<bool>,
     /// Progress requests: settled shard count and the waiting reply.
@@ -193,21 +196,22 @@ pub struct Scheduler {
     /// This rank as a metric label.
     rank_label: String,
     /// Where consumed payload vectors go for reuse by the caller (opt-in).
-    spent: Option<Sender<(ParamId, Vec<f32>)>>,
+    spent: Option<Sender<(ParamId, S::Values)>>,
     /// A reset in progress: its agreement collective is in flight.
     resetting: Option<Reply<Result<Step, SyncError>>>,
-    state: StepState,
+    state: StepState<S>,
 }
 
-impl Scheduler {
-    /// A scheduler for `plan`; allocates the bucket buffers once.
+impl<S: GradStore> Scheduler<S> {
+    /// A scheduler for `plan` packing with `store`; allocates the bucket buffers once.
     pub fn new(
         cfg: SchedulerConfig,
+        store: S,
         plan: Arc<crate::plan::Plan>,
-        comm: Sender<CommJob>,
-        home: UnboundedSender<SchedMsg>,
+        comm: Sender<CommJob<S>>,
+        home: UnboundedSender<SchedMsg<S>>,
     ) -> Self {
-        let buffers = plan.buckets.iter().map(|b| Some(BucketBuf::zeroed(b.numel, cfg.pieces))).collect();
+        let buffers = plan.buckets.iter().map(|b| Some(store.alloc_bucket(b.numel, cfg.pieces))).collect();
         let expect_none = plan.params.iter().map(|p| p.expected_arrivals == Some(0)).collect();
         let state = StepState::new(0, plan.num_params(), plan.buckets.len());
         let rank_label = cfg.rank.to_string();
@@ -216,6 +220,7 @@ impl Scheduler {
         Scheduler {
             rank_label,
             cfg,
+            store,
             plan,
             comm,
             home,
@@ -234,20 +239,20 @@ impl Scheduler {
     /// Send payload vectors the scheduler no longer needs to `spent` instead of
     /// freeing them, so a caller can reuse them (a bounded channel: when it is
     /// full, vectors are freed as usual).
-    pub fn with_spent_payloads(mut self, spent: Sender<(ParamId, Vec<f32>)>) -> Self {
+    pub fn with_spent_payloads(mut self, spent: Sender<(ParamId, S::Values)>) -> Self {
         self.spent = Some(spent);
         self
     }
 
     /// Hand a consumed payload back to the caller, or free it.
-    pub(crate) fn recycle(&self, param: ParamId, values: Vec<f32>) {
+    pub(crate) fn recycle(&self, param: ParamId, values: S::Values) {
         if let Some(tx) = &self.spent {
             let _ = tx.try_send((param, values));
         }
     }
 
     /// Drain the inbox until `Shutdown` or until every sender is gone.
-    pub async fn run(mut self, mut inbox: UnboundedReceiver<SchedMsg>) {
+    pub async fn run(mut self, mut inbox: UnboundedReceiver<SchedMsg<S>>) {
         let mut batch = Vec::with_capacity(256);
         while inbox.recv_many(&mut batch, 256).await > 0 {
             for msg in batch.drain(..) {
@@ -259,7 +264,7 @@ impl Scheduler {
     }
 
     /// Apply one message; `false` means stop.
-    pub fn handle(&mut self, msg: SchedMsg) -> bool {
+    pub fn handle(&mut self, msg: SchedMsg<S>) -> bool {
         match msg {
             SchedMsg::Shutdown => return false,
             SchedMsg::Settled { id } => self.on_settled(id),
@@ -310,7 +315,7 @@ impl Scheduler {
         }
     }
 
-    fn on_loan_returned(&mut self, buffers: Vec<BucketBuf>) {
+    fn on_loan_returned(&mut self, buffers: Vec<S::Bucket>) {
         for (slot, buf) in self.buffers.iter_mut().zip(buffers) {
             *slot = Some(buf);
         }
@@ -342,7 +347,7 @@ impl Scheduler {
         self.launch_ready_buckets();
     }
 
-    fn on_ready(&mut self, param: ParamId, kind: PayloadKind, values: Vec<f32>, first: bool, at: Instant) {
+    fn on_ready(&mut self, param: ParamId, kind: PayloadKind, values: S::Values, first: bool, at: Instant) {
         let p = param.index();
         let slot = self.plan.slots[p];
         let st = &mut self.state;
@@ -355,7 +360,7 @@ impl Scheduler {
             st.timeline.push(TimelineEvent::instant(format!("{what} p{}", param.0), Lane::Backward, at));
         }
         st.kind[p] = Some(kind);
-        if self.cfg.check_finite && !gradsync_kernels::all_finite(&values) {
+        if self.cfg.check_finite && !self.store.all_finite(&values) {
             st.nonfinite = true;
         }
         if slot.bucket < st.next_launch {
@@ -363,7 +368,7 @@ impl Scheduler {
             st.late_arrivals += 1;
             let spent = match (&mut st.late[p], kind) {
                 (Some(acc), PayloadKind::Increment) => {
-                    gradsync_kernels::add_assign(acc, &values);
+                    self.store.add_assign(acc, &values);
                     Some(values)
                 }
                 (late, _) => late.replace(values),
@@ -378,7 +383,7 @@ impl Scheduler {
         }
         let buf = self.buffers[slot.bucket].as_mut().expect("unlaunched bucket buffer is home");
         let mode = if kind == PayloadKind::Increment && st.written[p] { WriteMode::Add } else { WriteMode::Set };
-        buf.write(slot.offset, &values, mode);
+        self.store.write(buf, slot.offset, &values, mode);
         st.written[p] = true;
         let spent = if kind == PayloadKind::Accumulated { st.packed[p].replace(values) } else { Some(values) };
         if first && !st.ready[p] {
@@ -404,7 +409,7 @@ impl Scheduler {
         let spec = &self.plan.buckets[b];
         for p in &spec.params {
             if !self.state.written[p.index()] {
-                buf.zero(self.plan.slots[p.index()].offset, self.plan.params[p.index()].numel);
+                self.store.zero(&mut buf, self.plan.slots[p.index()].offset, self.plan.params[p.index()].numel);
             }
         }
         let tag = CollectiveTag { step: self.state.step, kind: CollectiveKind::Bucket { index: b, numel: spec.numel } };
@@ -417,8 +422,8 @@ impl Scheduler {
     }
 
     /// Hand a collective to the communicator thread.
-    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload) {
-        self.state.bytes += payload.bytes() as u64;
+    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload<S>) {
+        self.state.bytes += payload.bytes(&self.store) as u64;
         let job = CommJob { tag, payload, factor: self.cfg.factor, timeout: self.cfg.collective_timeout };
         if self.comm.send(job).is_err() {
             // The communicator thread is gone (it only exits when we drop the

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use gradsync_actors::{CollectiveTag, CommError, Transport};
+use gradsync_actors::{BucketBuf, CollectiveTag, CommError, HostStore, Transport};
 use gradsync_kernels::{self as k, Element};
 
 use crate::BuildError;
@@ -289,6 +289,12 @@ impl LocalEndpoint {
 }
 
 impl Transport for LocalEndpoint {
+    type Store = HostStore;
+
+    fn store(&self) -> HostStore {
+        HostStore
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -300,10 +306,11 @@ impl Transport for LocalEndpoint {
     fn all_reduce_f32(
         &mut self,
         tag: CollectiveTag,
-        shards: &mut [Vec<f32>],
+        bucket: &mut BucketBuf,
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        let shards = &mut bucket.shards;
         if factor == 1.0 {
             self.all_reduce(tag, shards, |_| {}, deadline)
         } else {

@@ -9,17 +9,11 @@ fn tag(step: u64, index: usize, numel: usize) -> CollectiveTag {
 }
 
 /// Rank `rank`'s pieces of a bucket of `numel` values: value `i * (rank + 1)` at flat index `i`.
-fn pieces(rank: usize, numel: usize, world: usize) -> Vec<Vec<f32>> {
-    let buf = gradsync_actors::BucketBuf::zeroed(numel, world);
-    let mut at = 0;
-    buf.shards
-        .iter()
-        .map(|s| {
-            let v = (at..at + s.len()).map(|i| (i * (rank + 1)) as f32).collect();
-            at += s.len();
-            v
-        })
-        .collect()
+fn pieces(rank: usize, numel: usize, world: usize) -> gradsync_actors::BucketBuf {
+    let mut buf = gradsync_actors::BucketBuf::zeroed(numel, world);
+    let values: Vec<f32> = (0..numel).map(|i| (i * (rank + 1)) as f32).collect();
+    buf.write(0, &values, gradsync_actors::bucket_buf::WriteMode::Set);
+    buf
 }
 
 /// Run `rank_body` for every endpoint on its own thread while `meanwhile` runs
@@ -55,7 +49,7 @@ fn every_rank_gets_the_exact_sum_for_many_shapes() {
                     for step in 0..3 {
                         ep.all_reduce_f32(tag(step, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
                     }
-                    p.concat()
+                    p.shards.concat()
                 },
             );
             let ranks_sum: f32 = (1..=world).map(|r| r as f32).sum();
@@ -122,7 +116,7 @@ fn after_reset_stale_pieces_are_ignored_and_sums_are_exact() {
             }
             ep.reset();
             ep.all_reduce_f32(tag(1, 0, 6), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
-            p.concat()
+            p.shards.concat()
         },
     );
     let want: Vec<f32> = (0..6).map(|i| (i * 3) as f32).collect();
