@@ -126,11 +126,22 @@ pub fn run_communicator<T: Transport>(
         let started = Instant::now();
         let deadline = started + job.timeout;
         let mut payload = job.payload;
-        let result = match (&broken, &mut payload) {
+        let rank = transport.rank();
+        // A panicking transport must fail the step, not leave the scheduler
+        // waiting for an answer that never comes.
+        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (&broken, &mut payload) {
             (Some(e), _) => Err(e.clone()),
             (None, CommPayload::Grads(buf)) => transport.all_reduce_f32(job.tag, buf, job.factor, deadline),
             (None, CommPayload::Words(words)) => transport.all_reduce_u64(job.tag, words, deadline),
-        };
+        }));
+        let result = attempt.unwrap_or_else(|panic| {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-text panic payload".to_string());
+            Err(CommError::Panicked { rank, tag: job.tag, why })
+        });
         if let Err(e) = &result {
             broken.get_or_insert_with(|| e.clone());
         }

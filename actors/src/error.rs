@@ -65,16 +65,18 @@ impl fmt::Display for CollectiveTag {
 pub enum CommError {
     /// Some ranks did not join the collective before the deadline.
     #[error(
-        "rank {rank}: {tag} timed out after {waited:?}; ranks {missing:?} never joined. \
+        "rank {rank}: {tag} timed out after {waited:?}; {}. \
          Look at those ranks (out of memory, crashed, stuck in forward); this step is lost: \
-         reset or drop the GradSync"
+         reset or drop the GradSync",
+        missing_text(missing)
     )]
     Timeout {
         /// This rank.
         rank: usize,
         /// The collective.
         tag: CollectiveTag,
-        /// Ranks that never contributed.
+        /// Ranks that never contributed, where the transport can tell (the
+        /// local backend always can; NCCL cannot, and leaves this empty).
         missing: Vec<usize>,
         /// How long this rank waited.
         waited: Duration,
@@ -107,6 +109,32 @@ pub enum CommError {
         /// What that rank issued.
         theirs: CollectiveTag,
     },
+    /// The device or its communication library reported an error.
+    #[error(
+        "rank {rank}: {tag} failed on the device: {why}. The communicator was aborted and the \
+         device state is unknown: drop this GradSync (and on a sticky CUDA error, restart the process)"
+    )]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The collective.
+        tag: CollectiveTag,
+        /// The driver's or NCCL's message.
+        why: String,
+    },
+    /// The transport panicked (a bug); the communicator is unusable.
+    #[error(
+        "rank {rank}: the communicator panicked during {tag}: {why}. This is a bug in the transport, \
+         please report it; drop this GradSync"
+    )]
+    Panicked {
+        /// This rank.
+        rank: usize,
+        /// The collective.
+        tag: CollectiveTag,
+        /// The panic message.
+        why: String,
+    },
     /// The communicator is shutting down.
     #[error("rank {rank}: {tag} cancelled because the GradSync is shutting down")]
     Cancelled {
@@ -117,12 +145,36 @@ pub enum CommError {
     },
 }
 
+fn missing_text(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        "the transport cannot tell which ranks did not join (NCCL): check every rank's log".to_string()
+    } else {
+        format!("ranks {missing:?} never joined")
+    }
+}
+
+/// A store could not allocate bucket memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "could not allocate {bytes} bytes of gradient bucket memory: {why}. \
+     Free device memory (smaller batch, fewer cached tensors) or lower bucket_cap_bytes"
+)]
+pub struct AllocError {
+    /// Bytes asked for.
+    pub bytes: usize,
+    /// The allocator's message.
+    pub why: String,
+}
+
 /// Why a step could not complete.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SyncError {
     /// A collective failed (timeout, a peer gone, a desync seen by the transport).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A correction buffer (or a bucket lost in a failed collective) could not be allocated.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
     /// The control collective showed that ranks issued different collective sequences.
     #[error(
         "step {step}: ranks disagree on the collective sequence (fingerprints by rank: {fingerprints:?}; \

@@ -75,7 +75,7 @@ impl<S: GradStore> Gradients<S> {
     }
 }
 
-impl Gradients<HostStore> {
+impl<S: GradStore<Bucket = BucketBuf>> Gradients<S> {
     /// The averaged gradient of `param`, or `None` if no rank produced one
     /// (unused everywhere) or the id is unknown.
     pub fn get(&self, param: ParamId) -> Option<GradView<'_>> {

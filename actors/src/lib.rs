@@ -39,9 +39,9 @@ pub mod store;
 pub mod telemetry;
 
 pub use arrival::{Arrival, DType, ParamId, Payload, PayloadKind, Step, Token};
-pub use bucket_buf::BucketBuf;
+pub use bucket_buf::{BucketBuf, WriteMode};
 pub use comm::{CommDone, CommJob, CommPayload, Interrupt, Transport};
-pub use error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
+pub use error::{AllocError, CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 pub use gradients::{GradView, Gradients, StepResult};
 pub use plan::{BucketSpec, ParamSpec, Plan, Slot};
 pub use report::{AbortReason, Outcome, Progress, StepReport};

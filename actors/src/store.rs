@@ -26,6 +26,7 @@
 use std::fmt;
 
 use crate::bucket_buf::{BucketBuf, WriteMode};
+use crate::error::AllocError;
 
 /// Storage for payloads and bucket buffers (see the module docs).
 ///
@@ -49,7 +50,7 @@ pub trait GradStore: Clone + Send + Sync + fmt::Debug + 'static {
     /// Number of f32 elements in `bucket`.
     fn bucket_numel(&self, bucket: &Self::Bucket) -> usize;
     /// A zeroed bucket of `numel` elements, split in `pieces` if the store can.
-    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Self::Bucket;
+    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<Self::Bucket, AllocError>;
     /// `acc += more`, element-wise (same lengths).
     fn add_assign(&self, acc: &mut Self::Values, more: &Self::Values);
     /// Combine `src` into `bucket[offset .. offset + len(src)]`.
@@ -82,8 +83,8 @@ impl GradStore for HostStore {
         bucket.numel()
     }
 
-    fn alloc_bucket(&self, numel: usize, pieces: usize) -> BucketBuf {
-        BucketBuf::zeroed(numel, pieces)
+    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<BucketBuf, AllocError> {
+        Ok(BucketBuf::zeroed(numel, pieces))
     }
 
     fn add_assign(&self, acc: &mut Vec<f32>, more: &Vec<f32>) {

@@ -34,7 +34,7 @@ pub mod names {
     pub const CORRECTED_PARAMS: &str = "gradsync_corrected_params_total";
     /// Counter `{rank, aborting_rank, reason}`: ranks that aborted a step, as seen here.
     pub const ABORTS: &str = "gradsync_aborts_total";
-    /// Counter `{rank, error="timeout|peer_gone|desync|cancelled"}`: failed collectives.
+    /// Counter `{rank, error="timeout|peer_gone|desync|device|panicked|cancelled"}`: failed collectives.
     pub const COLLECTIVE_FAILURES: &str = "gradsync_collective_failures_total";
     /// Counter `{rank}`: collectives that failed because a rank missed the deadline.
     pub const TIMEOUTS: &str = "gradsync_timeouts_total";
@@ -86,6 +86,8 @@ pub(crate) fn collective(
             CommError::PeerGone { .. } => "peer_gone",
             CommError::Desync { .. } => "desync",
             CommError::Cancelled { .. } => "cancelled",
+            CommError::Device { .. } => "device",
+            CommError::Panicked { .. } => "panicked",
         };
         metrics::counter!(names::COLLECTIVE_FAILURES, "rank" => rank.to_owned(), "error" => error).increment(1);
         if matches!(e, CommError::Timeout { .. }) {

@@ -134,7 +134,8 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
         check_finite: false,
         record_timeline: false,
     };
-    let mut sched = Scheduler::new(sc, HostStore, Arc::clone(&plan), comm_tx, home_tx);
+    let mut sched =
+        Scheduler::new(sc, HostStore, Arc::clone(&plan), comm_tx, home_tx).expect("host buckets always allocate");
     let mut shard = ParamShard::new(HostStore, 0, 1, &plan, 4, shard_tx);
     let p = plan.num_params();
     let mut times = Vec::new();

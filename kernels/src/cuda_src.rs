@@ -10,7 +10,11 @@
 //! * `gradsync_f32_to_bf16`: on-the-wire compression, round to nearest even
 //!   (NaN stays a quiet NaN, overflow rounds to infinity);
 //! * `gradsync_bf16_accumulate_f32`: `dst += f32(src) * scale`, so reduced
-//!   bf16 data is accumulated in f32.
+//!   bf16 data is accumulated in f32;
+//! * `gradsync_add_f32`, `gradsync_sub_f32`, `gradsync_scale_f32`: the device
+//!   store's element-wise operations (merge an increment, a late supersede's
+//!   difference, the `1 / divisor` scale after NCCL's sum), checked against
+//!   [`crate::add_assign`], [`crate::sub_into`] and [`crate::scale`].
 
 /// The kernels' source, one translation unit.
 pub const KERNELS_CU: &str = r#"
@@ -56,8 +60,36 @@ extern "C" __global__ void gradsync_bf16_accumulate_f32(const unsigned short* sr
         dst[i] += __uint_as_float(((unsigned int)src[i]) << 16) * scale;
     }
 }
+
+extern "C" __global__ void gradsync_add_f32(float* dst, const float* src, unsigned long long n) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        dst[i] += src[i];
+    }
+}
+
+extern "C" __global__ void gradsync_sub_f32(float* dst, const float* a, const float* b, unsigned long long n) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        dst[i] = a[i] - b[i];
+    }
+}
+
+extern "C" __global__ void gradsync_scale_f32(float* x, unsigned long long n, float scale) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        x[i] *= scale;
+    }
+}
 "#;
 
 /// Names of the kernels in [`KERNELS_CU`].
-pub const KERNEL_NAMES: [&str; 4] =
-    ["gradsync_pack_f32", "gradsync_unpack_scale_f32", "gradsync_f32_to_bf16", "gradsync_bf16_accumulate_f32"];
+pub const KERNEL_NAMES: [&str; 7] = [
+    "gradsync_pack_f32",
+    "gradsync_unpack_scale_f32",
+    "gradsync_f32_to_bf16",
+    "gradsync_bf16_accumulate_f32",
+    "gradsync_add_f32",
+    "gradsync_sub_f32",
+    "gradsync_scale_f32",
+];

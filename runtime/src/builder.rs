@@ -76,6 +76,9 @@ pub enum BuildError {
         /// The OS error.
         why: String,
     },
+    /// The bucket buffers could not be allocated.
+    #[error(transparent)]
+    Alloc(#[from] gradsync_actors::error::AllocError),
 }
 
 /// Registers parameters (in forward order) and settings, then starts a [`GradSync`].

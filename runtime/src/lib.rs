@@ -12,8 +12,11 @@
 //! ```
 //!
 //! Backends: [`local`] runs N ranks as threads of one process (tests, examples,
-//! CPU training). The actors themselves live in `gradsync-actors`, the numeric
-//! loops in `gradsync-kernels`.
+//! CPU training); `cuda` (feature `cuda`) keeps gradients in device memory and
+//! all-reduces them with NCCL on a dedicated stream (`GradSync<DeviceStore>`).
+//! Where gradients live is a [`GradStore`]: [`HostStore`] by default. The
+//! actors themselves live in `gradsync-actors`, the numeric loops in
+//! `gradsync-kernels`.
 #![deny(missing_docs)]
 
 mod builder;
@@ -29,9 +32,9 @@ pub mod trace;
 pub use builder::{BuildError, Divisor, GradSyncBuilder};
 pub use gradsync_actors::telemetry::trace_epoch;
 pub use gradsync_actors::{
-    AbortReason, BucketBuf, CollectiveKind, CollectiveTag, CommError, DType, GradView, Gradients, Lane, Outcome,
-    ParamId, Payload, PayloadKind, Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, TimelineEvent,
-    Token, Transport,
+    AbortReason, AllocError, BucketBuf, CollectiveKind, CollectiveTag, CommError, DType, GradStore, GradView,
+    Gradients, HostStore, Lane, Outcome, ParamId, Payload, PayloadKind, Plan, Progress, Rejection, Step, StepReport,
+    StepResult, SyncError, TimelineEvent, Token, Transport, WriteMode,
 };
 pub use hook::GradHook;
 pub use local::{LocalEndpoint, LocalWorld};

@@ -88,7 +88,7 @@ impl<S: GradStore> GradSync<S> {
         let store = transport.store();
         let (sched_tx, sched_rx) = unbounded_channel();
         let (comm_tx, comm_rx) = crossbeam_channel::unbounded();
-        let mut scheduler = Scheduler::new(cfg, store.clone(), Arc::clone(&plan), comm_tx, sched_tx.clone());
+        let mut scheduler = Scheduler::new(cfg, store.clone(), Arc::clone(&plan), comm_tx, sched_tx.clone())?;
         let spent = if b.recycle_payloads {
             let (tx, rx) = crossbeam_channel::bounded(2 * plan.num_params());
             scheduler = scheduler.with_spent_payloads(tx);

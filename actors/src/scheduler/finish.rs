@@ -192,7 +192,10 @@ impl<S: GradStore> Scheduler<S> {
     /// corrections to the early result gives the reduction of the final values.
     fn start_correction(&mut self, late: Vec<ParamId>) {
         let numel: usize = late.iter().map(|p| self.plan.params[p.index()].numel).sum();
-        let mut buf = self.store.alloc_bucket(numel, self.cfg.pieces);
+        let mut buf = match self.store.alloc_bucket(numel, self.cfg.pieces) {
+            Ok(buf) => buf,
+            Err(e) => return self.fail(e.into()),
+        };
         let st = &mut self.state;
         let mut offset = 0;
         for &p in &late {
@@ -242,7 +245,10 @@ impl<S: GradStore> Scheduler<S> {
         for (b, buf) in self.buffers.iter_mut().enumerate() {
             if buf.is_none() {
                 // Lost in the failed collective (pieces held by peers): allocate anew.
-                *buf = Some(self.store.alloc_bucket(self.plan.buckets[b].numel, self.cfg.pieces));
+                match self.store.alloc_bucket(self.plan.buckets[b].numel, self.cfg.pieces) {
+                    Ok(fresh) => *buf = Some(fresh),
+                    Err(e) => return reply.send(Err(e.into())),
+                }
             }
         }
         let mut words = vec![0u64; self.cfg.world];

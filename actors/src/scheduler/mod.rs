@@ -36,7 +36,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use crate::arrival::{ParamId, PayloadKind, Step};
 use crate::bucket_buf::WriteMode;
 use crate::comm::{CommJob, CommPayload};
-use crate::error::{CollectiveKind, CollectiveTag, SyncError};
+use crate::error::{AllocError, CollectiveKind, CollectiveTag, SyncError};
 use crate::messages::{FinishRequest, Reply, SchedMsg, ShardSummary};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
@@ -210,14 +210,17 @@ impl<S: GradStore> Scheduler<S> {
         plan: Arc<crate::plan::Plan>,
         comm: Sender<CommJob<S>>,
         home: UnboundedSender<SchedMsg<S>>,
-    ) -> Self {
-        let buffers = plan.buckets.iter().map(|b| Some(store.alloc_bucket(b.numel, cfg.pieces))).collect();
+    ) -> Result<Self, AllocError> {
+        let mut buffers = Vec::with_capacity(plan.buckets.len());
+        for b in &plan.buckets {
+            buffers.push(Some(store.alloc_bucket(b.numel, cfg.pieces)?));
+        }
         let expect_none = plan.params.iter().map(|p| p.expected_arrivals == Some(0)).collect();
         let state = StepState::new(0, plan.num_params(), plan.buckets.len());
         let rank_label = cfg.rank.to_string();
         crate::telemetry::plan(&rank_label, plan.buckets.len(), plan.bucket_bytes());
         crate::telemetry::trace_epoch();
-        Scheduler {
+        Ok(Scheduler {
             rank_label,
             cfg,
             store,
@@ -233,7 +236,7 @@ impl<S: GradStore> Scheduler<S> {
             resetting: None,
             spent: None,
             state,
-        }
+        })
     }
 
     /// Send payload vectors the scheduler no longer needs to `spent` instead of

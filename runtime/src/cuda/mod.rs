@@ -1,9 +1,32 @@
-//! GPU detection (feature `cuda`).
+//! The CUDA backend (feature `cuda`): gradients in device memory, NCCL on a
+//! dedicated stream.
+//!
+//! ```text
+//! caller's stream:  backward kernel writes grad ──(cudarc write event)──┐
+//! hook:             GradHook<DeviceStore>::increment(step, p, token, grad)   (moves the CudaSlice)
+//! actors:           dedup / count / plan order, exactly as on the host
+//! comm stream:      wait(grad's event) → pack kernel → ncclAllReduce → scale
+//!                   (enqueued by the scheduler and the communicator thread;
+//!                    stream order, not the host, orders pack before reduce)
+//! comm thread:      polls the completion event against the deadline; on
+//!                   timeout it aborts the communicator (the watchdog)
+//! caller:           Gradients::locate → bucket slice; using it on its own
+//!                   stream waits on the all-reduce's event (cudarc tracking)
+//! ```
+//!
+//! * [`store`]: [`DeviceStore`], the [`gradsync_actors::GradStore`] over `CudaSlice<f32>`;
+//! * [`nccl`]: [`NcclEndpoint`], the [`gradsync_actors::Transport`] over NCCL.
 //!
 //! CUDA is loaded at run time, so a binary built with the feature starts on a
 //! machine without a GPU; asking for the GPU there is a clear error, never a
 //! panic inside the driver bindings. Every entry point checks that the driver
 //! library can be loaded *before* touching it.
+
+pub mod nccl;
+pub mod store;
+
+pub use nccl::NcclEndpoint;
+pub use store::DeviceStore;
 
 /// Why the GPU cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -23,6 +46,21 @@ pub enum CudaError {
     /// The kernels did not compile.
     #[error("NVRTC could not compile the gradsync kernels: {0}")]
     Compile(String),
+    /// The NCCL library is not installed.
+    #[error("no NCCL library found (libnccl.so.2); install NCCL or use the local backend")]
+    NoNccl,
+    /// NCCL failed to create the communicator.
+    #[error(
+        "NCCL could not join rank {rank} of {world}: {why}; check that every rank uses the same id and world size"
+    )]
+    Nccl {
+        /// This rank.
+        rank: usize,
+        /// World size.
+        world: usize,
+        /// NCCL's error.
+        why: String,
+    },
 }
 
 /// The cudarc crate, re-exported for binaries that drive the device directly.
@@ -44,6 +82,12 @@ pub struct DeviceKernels {
     pub to_bf16: CudaFunction,
     /// `gradsync_bf16_accumulate_f32(const unsigned short* src, float* dst, unsigned long long n, float scale)`.
     pub bf16_accumulate: CudaFunction,
+    /// `gradsync_add_f32(float* dst, const float* src, unsigned long long n)`: `dst += src`.
+    pub add: CudaFunction,
+    /// `gradsync_sub_f32(float* dst, const float* a, const float* b, unsigned long long n)`: `dst = a - b`.
+    pub sub: CudaFunction,
+    /// `gradsync_scale_f32(float* x, unsigned long long n, float scale)`: `x *= scale`.
+    pub scale: CudaFunction,
 }
 
 impl DeviceKernels {
@@ -62,6 +106,9 @@ impl DeviceKernels {
             unpack_scale: load("gradsync_unpack_scale_f32")?,
             to_bf16: load("gradsync_f32_to_bf16")?,
             bf16_accumulate: load("gradsync_bf16_accumulate_f32")?,
+            add: load("gradsync_add_f32")?,
+            sub: load("gradsync_sub_f32")?,
+            scale: load("gradsync_scale_f32")?,
         })
     }
 }
@@ -112,9 +159,42 @@ pub fn probe() -> Result<CudaInfo, CudaError> {
     Ok(CudaInfo { devices: n as usize })
 }
 
+/// Launch shape for the element-wise kernels (grid-stride loops): 256 threads
+/// per block, enough blocks to cover `n` up to a cap (the loops stride past it).
+pub fn grid_for(n: usize) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Joining a one-rank NCCL world from launcher variables: on a machine
+    /// without a GPU (or without NCCL), a typed error naming what is missing.
+    #[test]
+    fn launch_without_a_gpu_is_a_typed_error() {
+        let env = crate::rendezvous::LaunchEnv {
+            rank: 0,
+            world: 1,
+            local_rank: 0,
+            master: "127.0.0.1:0".parse().expect("valid address"),
+        };
+        match NcclEndpoint::from_launch_env(&env, std::time::Duration::from_secs(5)) {
+            Ok(ep) => assert_eq!(ep.stream().context().ordinal(), 0),
+            Err(nccl::LaunchError::Cuda(e @ (CudaError::NoDriver | CudaError::NoDevice | CudaError::NoNccl))) => {
+                eprintln!("skipping the NCCL check: {e}")
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+        match nccl::new_id() {
+            Ok(id) => assert!(id.iter().any(|&b| b != 0), "an NCCL id is not all zeros"),
+            Err(e) => assert_eq!(e, CudaError::NoNccl),
+        }
+    }
 
     /// On a machine without a GPU this must be a typed error, not a panic.
     #[test]

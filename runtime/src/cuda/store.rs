@@ -1,0 +1,144 @@
+//! [`DeviceStore`]: payloads and buckets as `CudaSlice<f32>` in device memory.
+//!
+//! Every operation is *enqueued* on the communicator's stream and returns at
+//! once; nothing here waits for the GPU. cudarc's event tracking does the
+//! cross-stream ordering: a payload produced on the caller's stream carries a
+//! write event, and passing it to a launch on the comm stream makes that stream
+//! wait for it (the "pack waits on the hook's event" of DESIGN §5). The launch
+//! records a read event on the payload, so freeing it later (its `Drop` frees
+//! on its own stream after waiting for that event) never races the pack.
+//!
+//! Launch failures cannot be returned through [`GradStore`]'s infallible
+//! operations; they are recorded on the CUDA context (`record_err`) and the
+//! next collective reports them as [`gradsync_actors::CommError::Device`].
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
+use gradsync_actors::bucket_buf::WriteMode;
+use gradsync_actors::error::AllocError;
+use gradsync_actors::GradStore;
+
+use super::{grid_for, DeviceKernels};
+
+/// Gradient storage in device memory, operated on one stream (the communicator's).
+#[derive(Debug, Clone)]
+pub struct DeviceStore {
+    /// The communicator's stream: packs here run before the all-reduce that follows.
+    stream: Arc<CudaStream>,
+    /// The element-wise kernels, compiled once.
+    kernels: Arc<DeviceKernels>,
+}
+
+impl DeviceStore {
+    /// A store that enqueues on `stream` (use the communicator's stream).
+    pub fn new(stream: Arc<CudaStream>, kernels: Arc<DeviceKernels>) -> Self {
+        DeviceStore { stream, kernels }
+    }
+
+    /// The compiled kernels.
+    pub fn kernels(&self) -> &DeviceKernels {
+        &self.kernels
+    }
+
+    /// The stream every operation is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Keep a failure for the next collective to report (see the module docs).
+    fn record<T>(&self, result: Result<T, cudarc::driver::DriverError>) {
+        self.stream.context().record_err(result);
+    }
+
+    /// `dst[range] += src`, one launch.
+    fn add_into(&self, dst: &mut CudaSlice<f32>, range: Range<usize>, src: &cudarc::driver::CudaView<'_, f32>) {
+        let n = range.len() as u64;
+        if n == 0 {
+            return;
+        }
+        let mut dst = dst.slice_mut(range);
+        let mut launch = self.stream.launch_builder(&self.kernels.add);
+        launch.arg(&mut dst).arg(src).arg(&n);
+        // SAFETY: the arguments match `gradsync_add_f32(float*, const float*, unsigned long long)`
+        // in type and order, and both views hold exactly `n` elements.
+        self.record(unsafe { launch.launch(grid_for(n as usize)) });
+    }
+}
+
+impl GradStore for DeviceStore {
+    type Values = CudaSlice<f32>;
+    type Bucket = CudaSlice<f32>;
+
+    /// Checking would mean waiting for the device on the hook path.
+    const CHECKS_FINITE: bool = false;
+
+    fn values_len(&self, values: &CudaSlice<f32>) -> usize {
+        values.len()
+    }
+
+    fn bucket_numel(&self, bucket: &CudaSlice<f32>) -> usize {
+        bucket.len()
+    }
+
+    fn alloc_bucket(&self, numel: usize, _pieces: usize) -> Result<CudaSlice<f32>, AllocError> {
+        self.stream
+            .alloc_zeros::<f32>(numel)
+            .map_err(|e| AllocError { bytes: numel * std::mem::size_of::<f32>(), why: e.to_string() })
+    }
+
+    fn add_assign(&self, acc: &mut CudaSlice<f32>, more: &CudaSlice<f32>) {
+        let n = acc.len();
+        self.add_into(acc, 0..n, &more.as_view());
+    }
+
+    fn write(&self, bucket: &mut CudaSlice<f32>, offset: usize, src: &CudaSlice<f32>, mode: WriteMode) {
+        let range = offset..offset + src.len();
+        match mode {
+            WriteMode::Set => {
+                let mut dst = bucket.slice_mut(range);
+                self.record(self.stream.memcpy_dtod(src, &mut dst));
+            }
+            WriteMode::Add => self.add_into(bucket, range, &src.as_view()),
+        }
+    }
+
+    fn write_difference(
+        &self,
+        bucket: &mut CudaSlice<f32>,
+        offset: usize,
+        last: &CudaSlice<f32>,
+        sent: &CudaSlice<f32>,
+    ) {
+        let n = last.len() as u64;
+        if n == 0 {
+            return;
+        }
+        let mut dst = bucket.slice_mut(offset..offset + last.len());
+        let mut launch = self.stream.launch_builder(&self.kernels.sub);
+        launch.arg(&mut dst).arg(last).arg(sent).arg(&n);
+        // SAFETY: the arguments match `gradsync_sub_f32(float*, const float*, const float*,
+        // unsigned long long)` in type and order; all three hold `n` elements.
+        self.record(unsafe { launch.launch(grid_for(n as usize)) });
+    }
+
+    fn zero(&self, bucket: &mut CudaSlice<f32>, offset: usize, len: usize) {
+        if len == 0 {
+            return;
+        }
+        let mut dst = bucket.slice_mut(offset..offset + len);
+        self.record(self.stream.memset_zeros(&mut dst));
+    }
+
+    fn add_from(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        dst_offset: usize,
+        src: &CudaSlice<f32>,
+        src_offset: usize,
+        len: usize,
+    ) {
+        self.add_into(dst, dst_offset..dst_offset + len, &src.slice(src_offset..src_offset + len));
+    }
+}

@@ -1,0 +1,181 @@
+//! The step protocol over a store other than the default one.
+//!
+//! The CUDA backend runs the same actors over `DeviceStore`; without a GPU, a
+//! store with the device store's restriction (its values cannot be checked
+//! for NaN without waiting) shows that nothing in the protocol depends on
+//! `HostStore`, and that the builder refuses a setting such a store cannot
+//! honour.
+
+use std::time::{Duration, Instant};
+
+use gradsync::{
+    AllocError, BucketBuf, BuildError, CollectiveTag, CommError, DType, GradStore, GradSync, HostStore, LocalEndpoint,
+    LocalWorld, Token, Transport, WriteMode,
+};
+
+/// Host memory with a device store's limit: no finite check.
+#[derive(Debug, Clone)]
+struct DeviceLike;
+
+impl GradStore for DeviceLike {
+    type Values = Vec<f32>;
+    type Bucket = BucketBuf;
+    const CHECKS_FINITE: bool = false;
+
+    fn values_len(&self, values: &Vec<f32>) -> usize {
+        HostStore.values_len(values)
+    }
+    fn bucket_numel(&self, bucket: &BucketBuf) -> usize {
+        HostStore.bucket_numel(bucket)
+    }
+    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<BucketBuf, AllocError> {
+        HostStore.alloc_bucket(numel, pieces)
+    }
+    fn add_assign(&self, acc: &mut Vec<f32>, more: &Vec<f32>) {
+        HostStore.add_assign(acc, more)
+    }
+    fn write(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode) {
+        HostStore.write(bucket, offset, src, mode)
+    }
+    fn write_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
+        HostStore.write_difference(bucket, offset, last, sent)
+    }
+    fn zero(&self, bucket: &mut BucketBuf, offset: usize, len: usize) {
+        HostStore.zero(bucket, offset, len)
+    }
+    fn add_from(&self, dst: &mut BucketBuf, dst_offset: usize, src: &BucketBuf, src_offset: usize, len: usize) {
+        HostStore.add_from(dst, dst_offset, src, src_offset, len)
+    }
+}
+
+/// A local endpoint whose buckets come from [`DeviceLike`].
+struct DeviceLikeEndpoint(LocalEndpoint);
+
+impl Transport for DeviceLikeEndpoint {
+    type Store = DeviceLike;
+    fn store(&self) -> DeviceLike {
+        DeviceLike
+    }
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+    fn all_reduce_f32(
+        &mut self,
+        tag: CollectiveTag,
+        bucket: &mut BucketBuf,
+        factor: f32,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        self.0.all_reduce_f32(tag, bucket, factor, deadline)
+    }
+    fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
+        self.0.all_reduce_u64(tag, words, deadline)
+    }
+    fn reset(&mut self) {
+        self.0.reset()
+    }
+}
+
+fn builder() -> gradsync::GradSyncBuilder {
+    let mut b = GradSync::builder();
+    b.param("embed", 5, DType::F32).unwrap();
+    b.param("head", 3, DType::F32).unwrap();
+    b.bucket_cap_bytes(16).collective_timeout(Duration::from_secs(20));
+    b
+}
+
+#[test]
+fn a_store_that_cannot_check_finiteness_refuses_check_finite() {
+    let mut b = builder();
+    b.check_finite(true);
+    let ep = DeviceLikeEndpoint(LocalWorld::connect(1).unwrap().pop().unwrap());
+    match b.build(ep) {
+        Err(BuildError::InvalidSetting { setting, .. }) => assert_eq!(setting, "check_finite"),
+        other => panic!("expected check_finite to be refused, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
+    let world = 3;
+    let b = builder();
+    let syncs: Vec<_> =
+        LocalWorld::connect(world).unwrap().into_iter().map(|ep| b.build(DeviceLikeEndpoint(ep)).unwrap()).collect();
+    let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = syncs
+            .into_iter()
+            .map(|mut sync| {
+                s.spawn(move || {
+                    let r = sync.rank() as f32 + 1.0;
+                    let hook = sync.hook();
+                    let mut out = Vec::new();
+                    for step in 0..3u64 {
+                        let (embed, head) = (sync.param_id("embed").unwrap(), sync.param_id("head").unwrap());
+                        // Two recompute segments, the first re-fired; head superseded late.
+                        hook.increment(step, embed, Token(0), vec![r; 5]).unwrap();
+                        hook.increment(step, embed, Token(0), vec![r; 5]).unwrap();
+                        hook.accumulated(step, head, Token(0), vec![r; 3]).unwrap();
+                        hook.increment(step, embed, Token(1), vec![10.0 * r; 5]).unwrap();
+                        hook.accumulated(step, head, Token(1), vec![2.0 * r; 3]).unwrap();
+                        let result = sync.finish_step(step).unwrap();
+                        let g = result.gradients.expect("applied");
+                        out.push([g.to_vec(embed).unwrap(), g.to_vec(head).unwrap()].concat());
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Mean over ranks 1, 2, 3: embed 11 * 2 = 22, head 2 * 2 = 4.
+    let want = [vec![22.0; 5], vec![4.0; 3]].concat();
+    for (rank, steps) in results.iter().enumerate() {
+        for (step, got) in steps.iter().enumerate() {
+            assert_eq!(got, &want, "rank {rank} step {step}");
+        }
+    }
+}
+
+/// A transport with a bug: it panics in its first data all-reduce.
+struct PanickingEndpoint(LocalEndpoint);
+
+impl Transport for PanickingEndpoint {
+    type Store = HostStore;
+    fn store(&self) -> HostStore {
+        HostStore
+    }
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+    fn all_reduce_f32(&mut self, _: CollectiveTag, _: &mut BucketBuf, _: f32, _: Instant) -> Result<(), CommError> {
+        panic!("transport bug under test");
+    }
+    fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
+        self.0.all_reduce_u64(tag, words, deadline)
+    }
+    fn reset(&mut self) {
+        self.0.reset()
+    }
+}
+
+#[test]
+fn a_panicking_transport_fails_the_step_with_its_message_instead_of_hanging() {
+    let b = builder();
+    let mut sync = b.build(PanickingEndpoint(LocalWorld::connect(1).unwrap().pop().unwrap())).unwrap();
+    let started = Instant::now();
+    let err = sync.finish_step(0).unwrap_err();
+    match err {
+        gradsync::SyncError::Comm(CommError::Panicked { rank: 0, why, .. }) => {
+            assert_eq!(why, "transport bug under test")
+        }
+        other => panic!("expected the panic to be reported, got {other}"),
+    }
+    // The collective timeout is 20 s: the answer must not have waited for it.
+    assert!(started.elapsed() < Duration::from_secs(20), "waited {:?}", started.elapsed());
+}
