@@ -2,7 +2,8 @@
 //!
 //! 1. kernels against their CPU references on fresh random data, outputs
 //!    poisoned first so an unwritten element fails: bf16 compression (exact),
-//!    bf16 accumulate (relative error), pack (exact), unpack with scale (exact);
+//!    bf16 accumulate (relative error), pack (exact), unpack with scale (exact),
+//!    and the device store's add / sub / scale (exact);
 //! 2. a world-1 NCCL all-reduce on a dedicated stream (exact);
 //! 3. pack-kernel bandwidth against a device-to-device copy of the same bytes,
 //!    in the same run;
@@ -10,7 +11,8 @@
 //!    comm stream, timed with events from a common origin.
 //!
 //! Exits 0 with a `SKIP` line where there is no GPU, 1 if any check fails.
-//! `scripts/gpu-check.sh` builds it and runs it.
+//! `scripts/gpu-check.sh` builds it and runs it, then runs the end-to-end
+//! `nccl_sync` example (a GradSync over NCCL with device payloads) on one rank.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -39,13 +41,7 @@ impl Rng {
     }
 }
 
-fn grid(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+use gradsync::cuda::grid_for as grid;
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -93,6 +89,45 @@ fn check_bf16(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -> Che
         return Err(format!("bf16 accumulate: relative error {rel:e} (limit 1e-6)"));
     }
     Ok(format!("bf16 compress exact on {n} values; accumulate relative error {rel:.1e}"))
+}
+
+/// The device store's element-wise kernels against `gradsync_kernels`' loops, bit for bit.
+fn check_store_ops(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -> Check {
+    let n = (8 << 20) + 3;
+    let a: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+    let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+    let (d_a, d_b) = (stream.clone_htod(&a).map_err(err)?, stream.clone_htod(&b).map_err(err)?);
+    let n64 = n as u64;
+    let same = |got: &[f32], want: &[f32]| got.iter().zip(want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+    // add: dst += src
+    let mut d_acc = stream.clone_htod(&a).map_err(err)?;
+    // SAFETY: matches `gradsync_add_f32(float*, const float*, unsigned long long)`; both hold n values.
+    unsafe { stream.launch_builder(&k.add).arg(&mut d_acc).arg(&d_b).arg(&n64).launch(grid(n)) }.map_err(err)?;
+    let mut want = a.clone();
+    gradsync_kernels::add_assign(&mut want, &b);
+    let bad_add = same(&stream.clone_dtoh(&d_acc).map_err(err)?, &want);
+    // sub: dst = a - b, into a poisoned output
+    let mut d_diff = stream.clone_htod(&vec![f32::NAN; n]).map_err(err)?;
+    // SAFETY: matches `gradsync_sub_f32(float*, const float*, const float*, unsigned long long)`.
+    unsafe { stream.launch_builder(&k.sub).arg(&mut d_diff).arg(&d_a).arg(&d_b).arg(&n64).launch(grid(n)) }
+        .map_err(err)?;
+    let mut want = vec![0.0; n];
+    gradsync_kernels::sub_into(&mut want, &a, &b);
+    let bad_sub = same(&stream.clone_dtoh(&d_diff).map_err(err)?, &want);
+    // scale: x *= 1/3
+    let factor = 1.0f32 / 3.0;
+    let mut d_x = stream.clone_htod(&a).map_err(err)?;
+    // SAFETY: matches `gradsync_scale_f32(float*, unsigned long long, float)`.
+    unsafe { stream.launch_builder(&k.scale).arg(&mut d_x).arg(&n64).arg(&factor).launch(grid(n)) }.map_err(err)?;
+    let mut want = a.clone();
+    gradsync_kernels::scale(&mut want, factor);
+    let bad_scale = same(&stream.clone_dtoh(&d_x).map_err(err)?, &want);
+    if bad_add + bad_sub + bad_scale > 0 {
+        return Err(format!(
+            "of {n} values, add {bad_add}, sub {bad_sub}, scale {bad_scale} differ from the CPU loops"
+        ));
+    }
+    Ok(format!("add, sub and scale bit-exact against the CPU loops on {n} values"))
 }
 
 /// Gradients of random sizes, packed by the kernel and by the CPU reference.
@@ -293,6 +328,7 @@ fn main() -> ExitCode {
     let checks: Vec<(&str, Check)> = vec![
         ("kernels: bf16", check_bf16(&main_stream, &kernels, &mut rng)),
         ("kernels: pack/unpack", check_pack_unpack(&main_stream, &kernels, &mut rng)),
+        ("kernels: store ops", check_store_ops(&main_stream, &kernels, &mut rng)),
         ("nccl", check_nccl(&comm, &comm_stream, &mut rng)),
         ("bandwidth", check_bandwidth(&main_stream, &kernels, &mut rng)),
         ("overlap", check_overlap(&ctx, &comm, &kernels, &mut rng)),
