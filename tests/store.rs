@@ -48,19 +48,24 @@ impl GradStore for DeviceLike {
     }
 }
 
-/// A local endpoint whose buckets come from [`DeviceLike`].
-struct DeviceLikeEndpoint(LocalEndpoint);
+/// A local endpoint packed with store `S`; `panic_in_data` simulates a
+/// transport bug in every data all-reduce.
+struct TestEndpoint<S> {
+    inner: LocalEndpoint,
+    store: S,
+    panic_in_data: bool,
+}
 
-impl Transport for DeviceLikeEndpoint {
-    type Store = DeviceLike;
-    fn store(&self) -> DeviceLike {
-        DeviceLike
+impl<S: GradStore<Bucket = BucketBuf>> Transport for TestEndpoint<S> {
+    type Store = S;
+    fn store(&self) -> S {
+        self.store.clone()
     }
     fn rank(&self) -> usize {
-        self.0.rank()
+        self.inner.rank()
     }
     fn world(&self) -> usize {
-        self.0.world()
+        self.inner.world()
     }
     fn all_reduce_f32(
         &mut self,
@@ -69,14 +74,20 @@ impl Transport for DeviceLikeEndpoint {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        self.0.all_reduce_f32(tag, bucket, factor, deadline)
+        assert!(!self.panic_in_data, "transport bug under test");
+        self.inner.all_reduce_f32(tag, bucket, factor, deadline)
     }
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
-        self.0.all_reduce_u64(tag, words, deadline)
+        self.inner.all_reduce_u64(tag, words, deadline)
     }
     fn reset(&mut self) {
-        self.0.reset()
+        self.inner.reset()
     }
+}
+
+fn endpoints<S: Clone>(world: usize, store: S, panic_in_data: bool) -> Vec<TestEndpoint<S>> {
+    let eps = LocalWorld::connect(world).unwrap();
+    eps.into_iter().map(|inner| TestEndpoint { inner, store: store.clone(), panic_in_data }).collect()
 }
 
 fn builder() -> gradsync::GradSyncBuilder {
@@ -91,8 +102,7 @@ fn builder() -> gradsync::GradSyncBuilder {
 fn a_store_that_cannot_check_finiteness_refuses_check_finite() {
     let mut b = builder();
     b.check_finite(true);
-    let ep = DeviceLikeEndpoint(LocalWorld::connect(1).unwrap().pop().unwrap());
-    match b.build(ep) {
+    match b.build(endpoints(1, DeviceLike, false).pop().unwrap()) {
         Err(BuildError::InvalidSetting { setting, .. }) => assert_eq!(setting, "check_finite"),
         other => panic!("expected check_finite to be refused, got {:?}", other.map(|_| ())),
     }
@@ -102,8 +112,7 @@ fn a_store_that_cannot_check_finiteness_refuses_check_finite() {
 fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
     let world = 3;
     let b = builder();
-    let syncs: Vec<_> =
-        LocalWorld::connect(world).unwrap().into_iter().map(|ep| b.build(DeviceLikeEndpoint(ep)).unwrap()).collect();
+    let syncs: Vec<_> = endpoints(world, DeviceLike, false).into_iter().map(|ep| b.build(ep).unwrap()).collect();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = syncs
             .into_iter()
@@ -139,35 +148,10 @@ fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
     }
 }
 
-/// A transport with a bug: it panics in its first data all-reduce.
-struct PanickingEndpoint(LocalEndpoint);
-
-impl Transport for PanickingEndpoint {
-    type Store = HostStore;
-    fn store(&self) -> HostStore {
-        HostStore
-    }
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn world(&self) -> usize {
-        self.0.world()
-    }
-    fn all_reduce_f32(&mut self, _: CollectiveTag, _: &mut BucketBuf, _: f32, _: Instant) -> Result<(), CommError> {
-        panic!("transport bug under test");
-    }
-    fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
-        self.0.all_reduce_u64(tag, words, deadline)
-    }
-    fn reset(&mut self) {
-        self.0.reset()
-    }
-}
-
 #[test]
 fn a_panicking_transport_fails_the_step_with_its_message_instead_of_hanging() {
     let b = builder();
-    let mut sync = b.build(PanickingEndpoint(LocalWorld::connect(1).unwrap().pop().unwrap())).unwrap();
+    let mut sync = b.build(endpoints(1, HostStore, true).pop().unwrap()).unwrap();
     let started = Instant::now();
     let err = sync.finish_step(0).unwrap_err();
     match err {
