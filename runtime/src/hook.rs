@@ -42,6 +42,12 @@ impl<S: GradStore> GradHook<S> {
         GradHook { shared: Arc::new(HookShared { shards, numel, store }) }
     }
 
+    /// The store payloads are measured and packed with.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn store(&self) -> &S {
+        &self.shared.store
+    }
+
     /// Deliver one hook firing of `param` in `step`, identified by `token`.
     pub fn arrive(
         &self,

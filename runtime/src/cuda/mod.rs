@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! caller's stream:  backward kernel writes grad ──(cudarc write event)──┐
-//! hook:             GradHook<DeviceStore>::increment(step, p, token, grad)   (moves the CudaSlice)
+//! hook:             GradHook<DeviceStore>::increment(step, p, token, grad)   (moves the CudaSlice;
+//!                   arrive_after(.., event) where cudarc does not track the producer)
 //! actors:           dedup / count / plan order, exactly as on the host
 //! comm stream:      wait(grad's event) → pack kernel → ncclAllReduce → scale
 //!                   (enqueued by the scheduler and the communicator thread;

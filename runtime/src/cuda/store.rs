@@ -142,3 +142,25 @@ impl GradStore for DeviceStore {
         self.add_into(dst, dst_offset..dst_offset + len, &src.slice(src_offset..src_offset + len));
     }
 }
+
+impl crate::GradHook<DeviceStore> {
+    /// [`crate::GradHook::arrive`] for a gradient whose producer cudarc does not
+    /// track (written through a raw pointer, by another library, or on a
+    /// context with event tracking off): `ready` is an event the caller
+    /// recorded on its compute stream after writing `payload`. The comm
+    /// stream waits on it before anything enqueued later (this gradient's
+    /// pack included); the host does not wait. A failure to enqueue the wait
+    /// is reported by the next collective, like every store failure.
+    pub fn arrive_after(
+        &self,
+        step: gradsync_actors::Step,
+        param: gradsync_actors::ParamId,
+        token: gradsync_actors::Token,
+        payload: gradsync_actors::Payload<CudaSlice<f32>>,
+        ready: &cudarc::driver::CudaEvent,
+    ) -> Result<(), gradsync_actors::Rejection> {
+        let store = self.store();
+        store.record(store.stream.wait(ready));
+        self.arrive(step, param, token, payload)
+    }
+}
