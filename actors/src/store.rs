@@ -106,9 +106,12 @@ impl GradStore for HostStore {
     }
 
     fn add_from(&self, dst: &mut BucketBuf, dst_offset: usize, src: &BucketBuf, src_offset: usize, len: usize) {
-        let mut scratch = vec![0.0; len];
-        src.read(src_offset, &mut scratch);
-        dst.write(dst_offset, &scratch, WriteMode::Add);
+        // Add the source piece by piece: no scratch copy of the correction.
+        let mut at = dst_offset;
+        for piece in src.segments(src_offset, len) {
+            dst.write(at, piece, WriteMode::Add);
+            at += piece.len();
+        }
     }
 
     fn all_finite(&self, values: &Vec<f32>) -> bool {
