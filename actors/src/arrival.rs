@@ -2,15 +2,22 @@
 
 use std::fmt;
 
-/// Index of a registered parameter, in registration order (0, 1, 2, …).
+/// A registered parameter. Ids come from registration (the builder hands
+/// them out, in registration order); they cannot be made up.
 ///
 /// Registration order should follow forward order; the plan fills buckets in
 /// reverse, which is the order in which backward produces gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ParamId(pub u32);
+pub struct ParamId(u32);
 
 impl ParamId {
-    /// The id as a vector index.
+    /// The id of the `index`-th registered parameter (only registration and
+    /// the plan make ids).
+    pub(crate) fn from_index(index: usize) -> ParamId {
+        ParamId(u32::try_from(index).expect("parameter count is checked at registration"))
+    }
+
+    /// Position in registration order (0, 1, 2, …): an index into per-parameter vectors.
     #[inline]
     pub fn index(self) -> usize {
         self.0 as usize
@@ -27,23 +34,25 @@ impl fmt::Display for ParamId {
 ///
 /// Two arrivals with the same `(step, param, token)` are the *same* event (a
 /// re-delivery) and the second is ignored; distinct tokens are distinct
-/// contributions. Typical choices: the recompute segment index, the use index
-/// of a shared weight, or the micro-batch index.
+/// contributions. Tokens are **ordered**: among `Accumulated` arrivals of one
+/// parameter in one step the highest token wins, whatever order they arrive
+/// in, so use a number that grows with the gradient's completeness: the
+/// hook's firing index, or (micro-batch, firing). For `Increment` payloads any
+/// distinct numbers do: the recompute segment, the use of a shared weight,
+/// the micro-batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Token(pub u64);
 
 /// Number of a training step. Steps run 0, 1, 2, … on every rank.
 pub type Step = u64;
 
-/// Element type of a parameter's gradient.
+/// Element type of a parameter's gradient. Only `F32` is implemented; the
+/// type is non-exhaustive so half-precision gradients can be added.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DType {
-    /// 32-bit IEEE float; the only type accepted so far.
+    /// 32-bit IEEE float.
     F32,
-    /// bfloat16; registration is refused until the bf16 path lands.
-    BF16,
-    /// IEEE half; registration is refused until the f16 path lands.
-    F16,
 }
 
 impl DType {
@@ -51,7 +60,6 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
         }
     }
 }
@@ -59,16 +67,26 @@ impl DType {
 /// How a payload combines with earlier payloads of the same parameter and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PayloadKind {
-    /// The whole local gradient so far; a later arrival supersedes an earlier one.
+    /// The whole local gradient so far; the arrival with the highest token wins.
     Accumulated,
     /// One additive contribution; contributions with distinct tokens are summed.
     Increment,
 }
 
+impl PayloadKind {
+    /// A small non-zero code (1 or 2), for a lock-free "one kind per step" check.
+    pub fn code(self) -> u64 {
+        match self {
+            PayloadKind::Accumulated => 1,
+            PayloadKind::Increment => 2,
+        }
+    }
+}
+
 /// A gradient payload. gradsync takes ownership, so the hook does not copy.
 ///
-/// `V` is the store's value type ([`crate::GradStore::Values`]): `Vec<f32>` on
-/// the host, a device buffer with the CUDA backend.
+/// `V` is the store's value type: `Vec<f32>` on the host, a device buffer
+/// with the CUDA backend.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Payload<V = Vec<f32>> {
     /// The parameter's whole local gradient so far (a post-accumulate hook, `.grad`).
@@ -87,7 +105,7 @@ impl<V> Payload<V> {
     }
 
     /// The gradient values, whatever the kind.
-    pub fn as_values(&self) -> &V {
+    pub fn values(&self) -> &V {
         match self {
             Payload::Accumulated(v) | Payload::Increment(v) => v,
         }
@@ -101,23 +119,6 @@ impl<V> Payload<V> {
     }
 }
 
-impl Payload<Vec<f32>> {
-    /// Number of elements carried.
-    pub fn len(&self) -> usize {
-        self.values().len()
-    }
-
-    /// Whether the payload carries no element.
-    pub fn is_empty(&self) -> bool {
-        self.values().is_empty()
-    }
-
-    /// The gradient values.
-    pub fn values(&self) -> &[f32] {
-        self.as_values()
-    }
-}
-
 /// One hook firing: `(step, param, token, payload)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Arrival<V = Vec<f32>> {
@@ -125,7 +126,7 @@ pub struct Arrival<V = Vec<f32>> {
     pub step: Step,
     /// The parameter.
     pub param: ParamId,
-    /// Identity of this firing (see [`Token`]).
+    /// Identity (and, for `Accumulated`, rank) of this firing (see [`Token`]).
     pub token: Token,
     /// The gradient.
     pub payload: Payload<V>,

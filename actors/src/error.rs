@@ -1,12 +1,23 @@
-//! Typed errors of the step protocol and of transports.
+//! Typed errors of registration, of the step protocol and of transports.
 //!
 //! Every message says what happened *and what to do next*; every variant that
 //! involves other ranks names them.
+//!
+//! **What comes after a failed step** (one rule, repeated in each message that
+//! ends a step): a step is consumed by the call that ends it, successful or
+//! not, so `current_step()` moves on. After a failure every later call on that
+//! `GradSync` is refused with [`SyncError::Poisoned`] (consuming no step) until
+//! `reset()` has been called on every rank; `reset()` returns the step all
+//! ranks continue at. The failed step's gradients are lost: run its batch
+//! again under the new step number.
 
 use std::fmt;
 use std::time::Duration;
 
-use crate::arrival::{ParamId, Step};
+use crate::arrival::{DType, ParamId, Step};
+
+/// The recovery rule, appended to every error that ends a step.
+const RECOVER: &str = "this step is lost: call reset() on every rank (or drop the GradSync) before the next step";
 
 /// Which collective of a step a message or an error is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -17,9 +28,16 @@ pub struct CollectiveTag {
     pub kind: CollectiveKind,
 }
 
-/// The three kinds of collective a step issues, in this order.
+/// The kinds of collective gradsync issues, in the order a step issues them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CollectiveKind {
+    /// Once, before the first bucket: every rank's plan digest, so ranks that
+    /// registered different models fail together instead of summing
+    /// unrelated tensors.
+    Plan {
+        /// Length of the agreement vector.
+        len: usize,
+    },
     /// Data bucket `index` of the plan, `numel` values.
     Bucket {
         /// Bucket index in plan order.
@@ -27,12 +45,12 @@ pub enum CollectiveKind {
         /// Values in the bucket.
         numel: usize,
     },
-    /// The small integer control vector (aborts, late and used parameters, fingerprints).
+    /// The small integer control vector (aborts, joins, late and used parameters, fingerprints).
     Control {
         /// Length of the control vector.
         len: usize,
     },
-    /// The correction all-reduce of late parameters.
+    /// The correction all-reduce of late (or retracted) parameters.
     Correction {
         /// Values corrected.
         numel: usize,
@@ -45,9 +63,23 @@ pub enum CollectiveKind {
     },
 }
 
+impl CollectiveKind {
+    /// Short lowercase name (`"bucket"`, `"control"`, …), as used in metric labels.
+    pub fn label(self) -> &'static str {
+        match self {
+            CollectiveKind::Plan { .. } => "plan",
+            CollectiveKind::Bucket { .. } => "bucket",
+            CollectiveKind::Control { .. } => "control",
+            CollectiveKind::Correction { .. } => "correction",
+            CollectiveKind::Reset { .. } => "reset",
+        }
+    }
+}
+
 impl fmt::Display for CollectiveTag {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.kind {
+            CollectiveKind::Plan { len } => write!(f, "plan agreement ({len} words)"),
             CollectiveKind::Bucket { index, numel } => {
                 write!(f, "step {} bucket {} ({} values)", self.step, index, numel)
             }
@@ -66,8 +98,7 @@ pub enum CommError {
     /// Some ranks did not join the collective before the deadline.
     #[error(
         "rank {rank}: {tag} timed out after {waited:?}; {}. \
-         Look at those ranks (out of memory, crashed, stuck in forward); this step is lost: \
-         reset or drop the GradSync",
+         Look at those ranks (out of memory, crashed, stuck in forward); {RECOVER}",
         missing_text(missing)
     )]
     Timeout {
@@ -97,7 +128,7 @@ pub enum CommError {
     /// Two ranks issued different collectives at the same position.
     #[error(
         "rank {rank}: desync at {tag}: rank {peer} issued {theirs} instead. \
-         Every rank must register the same parameters with the same bucket cap and run the same steps"
+         Every rank must register the same parameters with the same bucket cap and run the same steps; {RECOVER}"
     )]
     Desync {
         /// This rank.
@@ -108,6 +139,21 @@ pub enum CommError {
         peer: usize,
         /// What that rank issued.
         theirs: CollectiveTag,
+    },
+    /// A peer sent data this rank cannot use although it named the same collective.
+    #[error(
+        "rank {rank}: during {tag} rank {peer} sent unusable data ({why}); this is a transport bug, \
+         please report it; {RECOVER}"
+    )]
+    Protocol {
+        /// This rank.
+        rank: usize,
+        /// The collective.
+        tag: CollectiveTag,
+        /// The rank that sent it.
+        peer: usize,
+        /// What was wrong.
+        why: String,
     },
     /// The device or its communication library reported an error.
     #[error(
@@ -120,6 +166,17 @@ pub enum CommError {
         /// The collective.
         tag: CollectiveTag,
         /// The driver's or NCCL's message.
+        why: String,
+    },
+    /// The collective library reported an error (a backend outside this
+    /// crate: `torch.distributed`, for example).
+    #[error("rank {rank}: {tag} failed in the collective library: {why}; {RECOVER}")]
+    Backend {
+        /// This rank.
+        rank: usize,
+        /// The collective.
+        tag: CollectiveTag,
+        /// The library's message.
         why: String,
     },
     /// The transport panicked (a bug); the communicator is unusable.
@@ -145,9 +202,25 @@ pub enum CommError {
     },
 }
 
+impl CommError {
+    /// Short lowercase name of the variant, as used in metric labels.
+    pub fn label(&self) -> &'static str {
+        match self {
+            CommError::Timeout { .. } => "timeout",
+            CommError::PeerGone { .. } => "peer_gone",
+            CommError::Desync { .. } => "desync",
+            CommError::Protocol { .. } => "protocol",
+            CommError::Device { .. } => "device",
+            CommError::Backend { .. } => "backend",
+            CommError::Panicked { .. } => "panicked",
+            CommError::Cancelled { .. } => "cancelled",
+        }
+    }
+}
+
 fn missing_text(missing: &[usize]) -> String {
     if missing.is_empty() {
-        "the transport cannot tell which ranks did not join (NCCL): check every rank's log".to_string()
+        "the transport cannot tell which ranks did not join: check every rank's log".to_string()
     } else {
         format!("ranks {missing:?} never joined")
     }
@@ -166,7 +239,68 @@ pub struct AllocError {
     pub why: String,
 }
 
-/// Why a step could not complete.
+/// A registration or configuration the runtime refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BuildError {
+    /// Two parameters were registered under one name.
+    #[error("parameter {name:?} is registered twice: give every parameter a unique name")]
+    DuplicateParam {
+        /// The name.
+        name: String,
+    },
+    /// A parameter with no element.
+    #[error("parameter {name:?} has 0 elements: leave it out, it has no gradient to synchronize")]
+    ZeroSizedParam {
+        /// The name.
+        name: String,
+    },
+    /// The gradient element type has no implementation.
+    #[error("parameter {name:?}: {dtype:?} gradients are not supported; register it as F32")]
+    UnsupportedDType {
+        /// The name.
+        name: String,
+        /// The type asked for.
+        dtype: DType,
+    },
+    /// More parameters than ids can name.
+    #[error("more than {max} parameters registered; group small tensors into flat buffers")]
+    TooManyParams {
+        /// The limit.
+        max: usize,
+    },
+    /// Nothing was registered.
+    #[error("no parameter registered: register every parameter whose gradient must be synchronized")]
+    NoParams,
+    /// A setting that cannot work.
+    #[error("invalid setting {setting}: {why}")]
+    InvalidSetting {
+        /// The setting.
+        setting: &'static str,
+        /// Why it is refused.
+        why: String,
+    },
+    /// A world of zero ranks, or a transport whose rank is outside its world.
+    #[error("invalid world: rank {rank} of {world} ranks; a world needs at least one rank and rank < world")]
+    InvalidWorld {
+        /// The rank reported by the transport.
+        rank: usize,
+        /// The world size reported by the transport.
+        world: usize,
+    },
+    /// An OS thread could not be started.
+    #[error("could not start the {which} thread: {why}; the process may be out of threads or memory")]
+    Spawn {
+        /// Which thread.
+        which: &'static str,
+        /// The OS error.
+        why: String,
+    },
+    /// The bucket buffers could not be allocated.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+}
+
+/// Why a step could not complete, or why a call was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SyncError {
     /// A collective failed (timeout, a peer gone, a desync seen by the transport).
@@ -175,18 +309,22 @@ pub enum SyncError {
     /// A correction buffer (or a bucket lost in a failed collective) could not be allocated.
     #[error(transparent)]
     Alloc(#[from] AllocError),
-    /// The control collective showed that ranks issued different collective sequences.
-    #[error(
-        "step {step}: ranks disagree on the collective sequence (fingerprints by rank: {fingerprints:?}; \
-         ranks {ranks:?} differ from rank 0). Register the same parameters in the same order with the \
-         same bucket cap on every rank"
-    )]
+    /// Ranks issued (or were about to issue) different collective sequences:
+    /// different models, bucket caps or abort policies.
+    #[error("{}; {RECOVER}", desync_text(*step, ranks, groups, *majority))]
     Desync {
         /// The step.
         step: Step,
-        /// Ranks whose fingerprint differs from rank 0's.
+        /// The odd ranks: those outside the largest group of ranks that agree.
+        /// On a tie (no majority), the ranks outside the tied group holding the
+        /// lowest rank.
         ranks: Vec<usize>,
-        /// Every rank's fingerprint.
+        /// Every group of ranks that agree with each other, largest first.
+        groups: Vec<Vec<usize>>,
+        /// Whether one group is larger than every other (if not, `ranks` is a
+        /// tie-break and the message names every side).
+        majority: bool,
+        /// Every rank's fingerprint, by rank.
         fingerprints: Vec<u64>,
     },
     /// `finish_step` named a step other than the current one.
@@ -194,6 +332,18 @@ pub enum SyncError {
     NotCurrentStep {
         /// The step that can be finished now.
         expected: Step,
+        /// The step that was named.
+        got: Step,
+    },
+    /// An earlier wait for a step's result was cancelled and the result is
+    /// still to be collected.
+    #[error(
+        "step {pending} is still finishing in the background (an earlier wait for it was cancelled): \
+         call finish_step({pending}) to collect its result before step {got}"
+    )]
+    FinishPending {
+        /// The step whose result is waiting to be collected.
+        pending: Step,
         /// The step that was named.
         got: Step,
     },
@@ -208,8 +358,19 @@ pub enum SyncError {
         /// The step whose gradients are still held.
         loaned: Step,
     },
-    /// An earlier step failed and left this instance unusable.
-    #[error("this GradSync failed at step {step} ({cause}); call reset() on every rank or drop it")]
+    /// Arrivals of the step are still held in an `ArrivalBatch`.
+    #[error(
+        "step {step} cannot finish while {held} of its arrivals are held in an ArrivalBatch: \
+         call deliver() on every batch (or drop it) before ending the step"
+    )]
+    Undelivered {
+        /// The step being ended.
+        step: Step,
+        /// Arrivals held, over every batch.
+        held: usize,
+    },
+    /// An earlier step failed and left this instance unusable until a reset.
+    #[error("this GradSync failed at step {step} ({cause}); call reset() on every rank, or drop it")]
     Poisoned {
         /// Step of the original failure.
         step: Step,
@@ -229,12 +390,33 @@ pub enum SyncError {
     },
 }
 
-/// Why an arrival was refused on the hook path. Refusals never block and never
-/// touch a sum; they are counted in the [`crate::StepReport`] and logged.
+impl SyncError {
+    /// Whether this error ended a step and leaves the GradSync failed until
+    /// `reset()` on every rank (as opposed to a refused call, such as a wrong
+    /// step number or gradients still held, after which nothing changed).
+    pub fn needs_reset(&self) -> bool {
+        matches!(self, SyncError::Comm(_) | SyncError::Alloc(_) | SyncError::Desync { .. } | SyncError::Poisoned { .. })
+    }
+}
+
+fn desync_text(step: Step, ranks: &[usize], groups: &[Vec<usize>], majority: bool) -> String {
+    let what = "ranks disagree on the collective sequence (the model's parameters, their order and sizes, \
+                the bucket cap or the abort policy)";
+    if majority {
+        format!("step {step}: {what}: ranks {ranks:?} differ from the majority {:?}", groups.first())
+    } else {
+        format!("step {step}: {what}, and no group of ranks is a majority: {groups:?}")
+    }
+}
+
+/// Why an arrival was refused. Refusals never block and never touch a sum;
+/// the hook returns them at once when it can decide, and every refusal is
+/// counted in the [`crate::StepReport`] of the step it names (when that
+/// report is still to come) and in the metrics.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Rejection {
-    /// The parameter id was never registered.
-    #[error("unknown parameter {param}: only ids returned by the builder are valid")]
+    /// The parameter id belongs to another GradSync.
+    #[error("unknown parameter {param}: only ids from this GradSync's builder are valid")]
     UnknownParam {
         /// The id given.
         param: ParamId,
@@ -276,4 +458,18 @@ pub enum Rejection {
     /// The GradSync has been dropped.
     #[error("the GradSync behind this hook has been dropped")]
     Closed,
+}
+
+impl Rejection {
+    /// Short lowercase name of the variant (`"unknown_param"`, `"future_step"`, …).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Rejection::UnknownParam { .. } => "unknown_param",
+            Rejection::WrongLength { .. } => "wrong_length",
+            Rejection::StepFinished { .. } => "step_finished",
+            Rejection::FutureStep { .. } => "future_step",
+            Rejection::MixedKinds { .. } => "mixed_kinds",
+            Rejection::Closed => "closed",
+        }
+    }
 }

@@ -1,22 +1,21 @@
 //! The reduced gradients of a finished step, lent to the caller.
 //!
 //! The bucket buffers are the only copy of the reduced gradients. Instead of
-//! copying them out, the scheduler *lends* them: [`Gradients`] owns them until it
-//! is dropped, and its `Drop` sends them back to the scheduler for the next
-//! step. A step cannot finish while the previous step's loan is alive.
+//! copying them out, the scheduler *lends* them: [`Gradients`] owns them until
+//! it is dropped, and its [`LoanHome`] hands them back for a later step. The
+//! next step does not wait for them (it packs into a second set of buffers,
+//! allocated the first time a loan outlives a step's start), but a step cannot
+//! *finish* while the previous step's loan is alive, so at most two sets exist.
 
 use std::sync::{Arc, Weak};
 
-use tokio::sync::mpsc::UnboundedSender;
-
 use crate::arrival::{ParamId, Step};
 use crate::bucket_buf::BucketBuf;
-use crate::messages::SchedMsg;
 use crate::plan::Plan;
 use crate::report::StepReport;
 use crate::store::{GradStore, HostStore};
 
-/// What `finish_step` returns.
+/// What ending a step returns.
 #[derive(Debug)]
 pub struct StepResult<S: GradStore = HostStore> {
     /// Counts, timings and the outcome (identical outcome on every rank).
@@ -24,6 +23,23 @@ pub struct StepResult<S: GradStore = HostStore> {
     /// The averaged gradients; `None` when the step was skipped, so a skipped
     /// step cannot be applied by accident.
     pub gradients: Option<Gradients<S>>,
+}
+
+/// Where lent bucket buffers go when the loan ends (a one-shot handle; the
+/// wiring makes it post to the scheduler's inbox).
+pub struct LoanHome<B>(Box<dyn FnOnce(Vec<B>) + Send>);
+
+impl<B> LoanHome<B> {
+    /// A home that receives the buffers through `give_back`.
+    pub fn new(give_back: impl FnOnce(Vec<B>) + Send + 'static) -> Self {
+        LoanHome(Box::new(give_back))
+    }
+}
+
+impl<B> std::fmt::Debug for LoanHome<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoanHome")
+    }
 }
 
 /// The averaged gradients of one step (a loan of the bucket buffers).
@@ -34,8 +50,8 @@ pub struct Gradients<S: GradStore = HostStore> {
     buffers: Vec<S::Bucket>,
     /// Per parameter: unused on every rank, so there is no gradient.
     unused_everywhere: Vec<bool>,
-    /// Where the buffers go back on drop.
-    home: UnboundedSender<SchedMsg<S>>,
+    /// Where the buffers go back on drop (taken by `drop`).
+    home: Option<LoanHome<S::Bucket>>,
     /// Lets the caller-side handle see whether the loan is still alive.
     alive: Arc<()>,
 }
@@ -46,9 +62,9 @@ impl<S: GradStore> Gradients<S> {
         plan: Arc<Plan>,
         buffers: Vec<S::Bucket>,
         unused_everywhere: Vec<bool>,
-        home: UnboundedSender<SchedMsg<S>>,
+        home: LoanHome<S::Bucket>,
     ) -> Self {
-        Gradients { step, plan, buffers, unused_everywhere, home, alive: Arc::new(()) }
+        Gradients { step, plan, buffers, unused_everywhere, home: Some(home), alive: Arc::new(()) }
     }
 
     /// A weak handle that dies with this loan (the runtime uses it to refuse
@@ -62,16 +78,32 @@ impl<S: GradStore> Gradients<S> {
         self.step
     }
 
-    /// Where the averaged gradient of `param` lies: its bucket and the element
-    /// range in it; `None` if no rank produced one (unused everywhere) or the
-    /// id is unknown. Store-specific views are built on this.
+    /// Whether `param` has a gradient (`false`: unused on every rank, or an
+    /// id of another GradSync).
+    pub fn has(&self, param: ParamId) -> bool {
+        self.unused_everywhere.get(param.index()).is_some_and(|unused| !unused)
+    }
+
+    /// Where the averaged gradient of `param` lies: its bucket buffer and the
+    /// element range in it; `None` if it has none. Store-specific views (a
+    /// device slice) are built on this.
     pub fn locate(&self, param: ParamId) -> Option<(&S::Bucket, std::ops::Range<usize>)> {
-        if *self.unused_everywhere.get(param.index())? {
+        if !self.has(param) {
             return None;
         }
-        let slot = self.plan.slots[param.index()];
-        let len = self.plan.params[param.index()].numel;
+        let slot = self.plan.slot(param);
+        let len = self.plan.param_numel(param);
         Some((&self.buffers[slot.bucket], slot.offset..slot.offset + len))
+    }
+}
+
+impl<S: GradStore> Gradients<S> {
+    /// Every bucket buffer with its members in slot order (members sit back
+    /// to back from offset 0), for callers that hand out views of whole
+    /// buckets. Members unused everywhere are listed too ([`Gradients::has`]
+    /// says which have a gradient).
+    pub fn buckets(&self) -> impl Iterator<Item = (&S::Bucket, &[ParamId])> + '_ {
+        self.buffers.iter().enumerate().map(|(b, buf)| (buf, self.plan.bucket_params(b)))
     }
 }
 
@@ -83,7 +115,31 @@ impl<S: GradStore<Bucket = BucketBuf>> Gradients<S> {
         Some(GradView { buf, offset: range.start, len: range.len() })
     }
 
-    /// Convenience: the gradient of `param` as a new vector.
+    /// Copy the averaged gradient of `param` into `out` (the caller's own
+    /// buffer, no allocation). Returns `false`, leaving `out` untouched, if
+    /// `param` has no gradient. Panics if `out` does not have the parameter's
+    /// length, like `copy_from_slice`.
+    pub fn copy_into(&self, param: ParamId, out: &mut [f32]) -> bool {
+        match self.get(param) {
+            Some(view) => {
+                view.copy_to(out);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Visit every parameter that has a gradient, in registration order.
+    pub fn for_each(&self, mut visit: impl FnMut(ParamId, GradView<'_>)) {
+        for &p in self.plan.param_ids() {
+            if let Some(view) = self.get(p) {
+                visit(p, view);
+            }
+        }
+    }
+
+    /// The gradient of `param` as a new vector (allocates; prefer
+    /// [`Gradients::copy_into`] in a training loop).
     pub fn to_vec(&self, param: ParamId) -> Option<Vec<f32>> {
         self.get(param).map(|v| v.to_vec())
     }
@@ -91,14 +147,13 @@ impl<S: GradStore<Bucket = BucketBuf>> Gradients<S> {
 
 impl<S: GradStore> Drop for Gradients<S> {
     fn drop(&mut self) {
-        let buffers = std::mem::take(&mut self.buffers);
-        // If the scheduler is gone there is nobody to give them to.
-        let _ = self.home.send(SchedMsg::LoanReturned { buffers });
+        if let Some(LoanHome(give_back)) = self.home.take() {
+            give_back(std::mem::take(&mut self.buffers));
+        }
     }
 }
 
-/// A read-only view of one parameter's averaged gradient. It may span two
-/// bucket pieces, so it is read through [`GradView::segments`] or copied.
+/// A read-only view of one parameter's averaged gradient.
 #[derive(Debug, Clone, Copy)]
 pub struct GradView<'a> {
     buf: &'a BucketBuf,
@@ -117,9 +172,10 @@ impl<'a> GradView<'a> {
         self.len == 0
     }
 
-    /// The values as consecutive contiguous pieces (usually one).
-    pub fn segments(&self) -> impl Iterator<Item = &'a [f32]> + 'a {
-        self.buf.segments(self.offset, self.len)
+    /// The values as consecutive contiguous runs (usually one), for reading
+    /// without a copy.
+    pub fn chunks(&self) -> impl Iterator<Item = &'a [f32]> + 'a {
+        self.buf.chunks(self.offset, self.len)
     }
 
     /// Copy into `out`, which must have [`GradView::len`] values.

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use crate::arrival::{Arrival, ParamId, PayloadKind, Step};
+use crate::arrival::{Arrival, ParamId, PayloadKind, Step, Token};
 use crate::comm::CommDone;
 use crate::error::{Rejection, SyncError};
 use crate::gradients::StepResult;
@@ -15,13 +15,8 @@ use crate::store::{GradStore, HostStore};
 pub enum ShardMsg<S: GradStore = HostStore> {
     /// A hook firing for a parameter owned by this shard.
     Arrival(Arrival<S::Values>),
-    /// A refusal decided on the hook side, to be counted in the step's report.
-    Rejected {
-        /// The step the refused arrival named.
-        step: Step,
-        /// Why it was refused.
-        why: Rejection,
-    },
+    /// Several hook firings delivered together (an `ArrivalBatch`), in order.
+    Arrivals(Vec<Arrival<S::Values>>),
     /// Backward of `step` is over on this rank: forward what is held and report.
     Flush {
         /// The step being finished.
@@ -36,9 +31,22 @@ pub enum ShardMsg<S: GradStore = HostStore> {
     Reset {
         /// The step every rank agreed to restart at.
         step: Step,
+        /// The scheduler's new message generation: later messages carry it.
+        epoch: u32,
     },
     /// Stop the actor.
     Shutdown,
+}
+
+/// What a [`SchedMsg::Ready`] value means for its parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// The value that makes the parameter ready (its expected arrivals are
+    /// in, or backward is over): its bucket stops waiting for it.
+    Complete,
+    /// An arrival after that: merged if the bucket is not launched yet,
+    /// otherwise a late contribution that the correction collective adds.
+    Extra,
 }
 
 /// Inbox of the bucket scheduler.
@@ -50,15 +58,26 @@ pub enum SchedMsg<S: GradStore = HostStore> {
         step: Step,
         /// The parameter.
         param: ParamId,
+        /// The token of the arrival that carried `values` (for `Accumulated`,
+        /// the highest token combined into them).
+        token: Token,
         /// How `values` combines with what is stored.
         kind: PayloadKind,
         /// The values.
         values: S::Values,
-        /// `true` for the value that makes the parameter ready; `false` for an
-        /// arrival after that (merged if the bucket is not launched, late otherwise).
-        first: bool,
+        /// Whether this value completes the parameter or comes after.
+        readiness: Readiness,
         /// When the arrival that completed this message reached its actor.
         at: Instant,
+        /// The shard's generation (see [`ShardMsg::Reset`]).
+        epoch: u32,
+    },
+    /// An arrival was refused (by the hook or by a parameter actor).
+    Rejected {
+        /// The step the refused arrival named.
+        step: Step,
+        /// Why it was refused.
+        why: Rejection,
     },
     /// A shard has forwarded everything of `step`.
     Flushed(ShardSummary),
@@ -67,7 +86,7 @@ pub enum SchedMsg<S: GradStore = HostStore> {
         /// Request id.
         id: u64,
     },
-    /// Finish (or abort) the current step.
+    /// Finish, abort or join the current step.
     Finish(FinishRequest<S>),
     /// Report progress once every shard has settled request `id`.
     Progress {
@@ -99,14 +118,12 @@ pub enum SchedMsg<S: GradStore = HostStore> {
 pub struct ShardSummary {
     /// The step.
     pub step: Step,
+    /// The shard's generation (see [`ShardMsg::Reset`]).
+    pub epoch: u32,
     /// Distinct arrivals accepted.
     pub arrivals: u64,
     /// Duplicate deliveries ignored.
     pub duplicates: u64,
-    /// Arrivals refused.
-    pub rejected: u64,
-    /// The first few refusals, for diagnosis.
-    pub rejections: Vec<Rejection>,
     /// Parameters that had at least one arrival.
     pub used: Vec<ParamId>,
     /// Parameters expected to have no arrival next step (learned or declared):
@@ -114,13 +131,26 @@ pub struct ShardSummary {
     pub expect_none_next: Vec<ParamId>,
 }
 
+/// How this rank ends a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepEnd {
+    /// Backward is over: contribute what arrived.
+    Finish,
+    /// This rank cannot finish the step: contribute zeros (and, under the
+    /// partial policy, retract what was already sent).
+    Abort(AbortReason),
+    /// This rank has run out of data: contribute zeros, every step, until
+    /// every rank has joined.
+    Join,
+}
+
 /// A request to end the current step.
 #[derive(Debug)]
 pub struct FinishRequest<S: GradStore = HostStore> {
     /// The step.
     pub step: Step,
-    /// `Some` when this rank gives up on the step.
-    pub abort: Option<AbortReason>,
+    /// How this rank ends it.
+    pub end: StepEnd,
     /// When the caller asked.
     pub at: Instant,
     /// Where to answer.

@@ -6,30 +6,30 @@
 //!
 //! 1. drops a re-delivery of an already seen `(step, param, token)` (counted as
 //!    a duplicate: applying a sequence twice equals applying it once);
-//! 2. combines the payload with what it holds (`Accumulated` replaces,
-//!    `Increment` adds);
+//! 2. combines the payload with what it holds: `Increment`s add, and among
+//!    `Accumulated` payloads the highest token wins, so the result depends on
+//!    the set of arrivals, never on their order;
 //! 3. once the parameter's *expected* number of distinct arrivals is reached,
-//!    forwards the held value to the scheduler as `Ready { first: true }`;
-//! 4. forwards any later arrival as `Ready { first: false }`, for the scheduler
-//!    to merge (bucket not launched yet) or record as late (launched).
+//!    forwards the held value to the scheduler as [`Readiness::Complete`];
+//! 4. forwards any later arrival as [`Readiness::Extra`], for the scheduler to
+//!    merge (bucket not launched yet) or record as late (launched).
 //!
 //! At `Flush` (the caller's `finish_step`) the shard forwards whatever it still
 //! holds, learns each parameter's expected count for the next step (the
 //! maximum distinct-arrival count over a short window of recent steps, zero
-//! included, unless the caller declared it) and reports a [`ShardSummary`].
-//! A wrong guess only costs overlap: the scheduler's late-arrival correction
-//! keeps the result exact.
+//! included, unless the caller declared it), opens the next step and reports a
+//! [`ShardSummary`]. A wrong guess only costs overlap: the scheduler's
+//! late-arrival correction keeps the result exact.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
-use tracing::{debug, warn};
 
 use crate::arrival::{Arrival, ParamId, Payload, PayloadKind, Step, Token};
 use crate::error::Rejection;
-use crate::messages::{SchedMsg, ShardMsg, ShardSummary};
+use crate::messages::{Readiness, SchedMsg, ShardMsg, ShardSummary};
 use crate::plan::Plan;
 use crate::store::{GradStore, HostStore};
 
@@ -47,20 +47,22 @@ struct ParamState<V> {
     tokens: Vec<Token>,
     /// Kind of the open step's payloads (mixing is refused).
     kind: Option<PayloadKind>,
-    /// Combined value not yet forwarded.
-    held: Option<V>,
+    /// Combined value not yet forwarded, with the token it carries (for
+    /// `Accumulated`, the highest token seen).
+    held: Option<(V, Token)>,
     /// The ready value has gone to the scheduler (or none was expected).
     forwarded: bool,
 }
 
 impl<V> ParamState<V> {
+    /// Record the closed step's distinct-arrival count and set the expected
+    /// count for the next step.
     fn learn(&mut self, window: usize) {
         self.history.push_back(self.tokens.len() as u32);
         while self.history.len() > window {
             self.history.pop_front();
         }
         self.expected = self.declared.unwrap_or_else(|| self.history.iter().copied().max().unwrap_or(1));
-        self.open_step();
     }
 
     /// Forget the closed step's arrivals; a parameter expected to stay unused
@@ -84,6 +86,8 @@ pub struct ParamShard<S: GradStore = HostStore> {
     params: Vec<ParamState<S::Values>>,
     /// The open step: arrivals for other steps are refused.
     step: Step,
+    /// Generation stamped on every message (bumped by each reset).
+    epoch: u32,
     /// Steps of history used to learn expected counts.
     window: usize,
     /// Counters of the open step.
@@ -93,10 +97,11 @@ pub struct ParamShard<S: GradStore = HostStore> {
     /// After a message, keep polling the inbox this long before sleeping
     /// (zero: sleep at once). Trades a busy core for wake-up latency.
     idle_spin: Duration,
-    /// Stamp arrivals with the clock (only the timeline needs it; a clock
-    /// read per arrival is measurable on the hot path). Unstamped arrivals
-    /// carry the shard's creation time.
-    stamp: Option<Instant>,
+    /// Read the clock for every arrival (only the timeline needs it; a clock
+    /// read per arrival is measurable on the hot path).
+    stamp_arrivals: bool,
+    /// What unstamped arrivals carry as their time.
+    created: Instant,
 }
 
 impl<S: GradStore> ParamShard<S> {
@@ -110,16 +115,16 @@ impl<S: GradStore> ParamShard<S> {
         out: UnboundedSender<SchedMsg<S>>,
     ) -> Self {
         let params = plan
-            .params
+            .param_ids()
             .iter()
-            .enumerate()
             .skip(index)
             .step_by(shards)
-            .map(|(i, spec)| {
-                let expected = spec.expected_arrivals.unwrap_or(1);
+            .map(|&id| {
+                let declared = plan.expected_arrivals(id);
+                let expected = declared.unwrap_or(1);
                 ParamState {
-                    id: ParamId(i as u32),
-                    declared: spec.expected_arrivals,
+                    id,
+                    declared,
                     history: VecDeque::new(),
                     expected,
                     tokens: Vec::new(),
@@ -134,17 +139,19 @@ impl<S: GradStore> ParamShard<S> {
             shards,
             params,
             step: 0,
+            epoch: 0,
             window: window.max(1),
             summary: ShardSummary::default(),
             out,
             idle_spin: Duration::ZERO,
-            stamp: Some(Instant::now()),
+            stamp_arrivals: false,
+            created: Instant::now(),
         }
     }
 
     /// Read the clock for every arrival (for timelines); off by default.
     pub fn with_timestamps(mut self, on: bool) -> Self {
-        self.stamp = if on { None } else { Some(Instant::now()) };
+        self.stamp_arrivals = on;
         self
     }
 
@@ -191,10 +198,10 @@ impl<S: GradStore> ParamShard<S> {
     pub fn handle(&mut self, msg: ShardMsg<S>) -> bool {
         match msg {
             ShardMsg::Arrival(a) => self.on_arrival(a),
-            ShardMsg::Rejected { step, why } => self.reject(step, why),
+            ShardMsg::Arrivals(batch) => batch.into_iter().for_each(|a| self.on_arrival(a)),
             ShardMsg::Flush { step } => self.on_flush(step),
             ShardMsg::Settle { id } => self.send(SchedMsg::Settled { id }),
-            ShardMsg::Reset { step } => self.on_reset(step),
+            ShardMsg::Reset { step, epoch } => self.on_reset(step, epoch),
             ShardMsg::Shutdown => return false,
         }
         true
@@ -205,20 +212,14 @@ impl<S: GradStore> ParamShard<S> {
         let _ = self.out.send(msg);
     }
 
-    fn reject(&mut self, step: Step, why: Rejection) {
-        self.summary.rejected += 1;
-        if self.summary.rejections.len() < crate::report::REJECTION_SAMPLES {
-            self.summary.rejections.push(why.clone());
-        }
-        if self.summary.rejected == 1 {
-            warn!(step, open_step = self.step, %why, "gradsync refused an arrival (further refusals this step are logged at debug)");
-        } else {
-            debug!(step, %why, "gradsync refused an arrival");
-        }
+    fn reject(&self, step: Step, why: Rejection) {
+        self.send(SchedMsg::Rejected { step, why });
     }
 
     fn on_arrival(&mut self, a: Arrival<S::Values>) {
         let Arrival { step, param, token, payload } = a;
+        // The hook refuses wrong steps at the call site; these catch an
+        // arrival racing with `finish_step` on another thread.
         if step < self.step {
             return self.reject(step, Rejection::StepFinished { param, step });
         }
@@ -238,32 +239,49 @@ impl<S: GradStore> ParamShard<S> {
         state.tokens.push(token);
         state.kind = Some(kind);
         self.summary.arrivals += 1;
-        let at = self.stamp.unwrap_or_else(Instant::now);
+        let at = if self.stamp_arrivals { Instant::now() } else { self.created };
         if state.forwarded {
             let values = payload.into_values();
-            let _ = self.out.send(SchedMsg::Ready { step, param, kind, values, first: false, at });
+            let _ = self.out.send(SchedMsg::Ready {
+                step,
+                param,
+                token,
+                kind,
+                values,
+                readiness: Readiness::Extra,
+                at,
+                epoch: self.epoch,
+            });
             return;
         }
         match (&mut state.held, payload) {
-            (held @ None, p) => *held = Some(p.into_values()),
-            (Some(h), Payload::Accumulated(v)) => *h = v,
-            (Some(h), Payload::Increment(v)) => self.store.add_assign(h, &v),
+            (held @ None, p) => *held = Some((p.into_values(), token)),
+            (Some((h, t)), Payload::Accumulated(v)) => {
+                // The highest token is the most complete gradient.
+                if token > *t {
+                    (*h, *t) = (v, token);
+                }
+            }
+            (Some((h, _)), Payload::Increment(v)) => self.store.add_assign(h, &v),
         }
         if state.tokens.len() as u32 >= state.expected {
             state.forwarded = true;
-            let values = state.held.take().expect("held value present");
-            let _ = self.out.send(SchedMsg::Ready { step, param, kind, values, first: true, at });
+            let (values, token) = state.held.take().expect("held value present");
+            let readiness = Readiness::Complete;
+            let epoch = self.epoch;
+            let _ = self.out.send(SchedMsg::Ready { step, param, token, kind, values, readiness, at, epoch });
         }
     }
 
     /// Drop the open step's state (its arrivals are abandoned) and open `step`.
     /// Learned expectations are kept: they describe the model, not the failure.
-    fn on_reset(&mut self, step: Step) {
+    fn on_reset(&mut self, step: Step, epoch: u32) {
         for state in &mut self.params {
             state.open_step();
         }
         self.summary = ShardSummary::default();
         self.step = step;
+        self.epoch = epoch;
     }
 
     fn on_flush(&mut self, step: Step) {
@@ -271,15 +289,18 @@ impl<S: GradStore> ParamShard<S> {
         let now = Instant::now();
         let mut summary = std::mem::take(&mut self.summary);
         summary.step = step;
+        summary.epoch = self.epoch;
         for state in &mut self.params {
-            if let (Some(values), Some(kind)) = (state.held.take(), state.kind) {
+            if let (Some((values, token)), Some(kind)) = (state.held.take(), state.kind) {
                 // Fewer arrivals than expected: what came is the whole gradient.
-                let _ = self.out.send(SchedMsg::Ready { step, param: state.id, kind, values, first: true, at: now });
+                let (readiness, param, epoch) = (Readiness::Complete, state.id, self.epoch);
+                let _ = self.out.send(SchedMsg::Ready { step, param, token, kind, values, readiness, at: now, epoch });
             }
             if !state.tokens.is_empty() {
                 summary.used.push(state.id);
             }
             state.learn(self.window);
+            state.open_step();
             if state.expected == 0 {
                 summary.expect_none_next.push(state.id);
             }
@@ -303,10 +324,10 @@ mod tests {
         Plan::build(specs, 1 << 20)
     }
 
-    fn arrival(step: Step, p: u32, t: u64, v: f32, inc: bool) -> ShardMsg {
+    fn arrival(step: Step, p: usize, t: u64, v: f32, inc: bool) -> ShardMsg {
         let values = vec![v, v];
         let payload = if inc { Payload::Increment(values) } else { Payload::Accumulated(values) };
-        ShardMsg::Arrival(Arrival { step, param: ParamId(p), token: Token(t), payload })
+        ShardMsg::Arrival(Arrival { step, param: ParamId::from_index(p), token: Token(t), payload })
     }
 
     fn drain(rx: &mut UnboundedReceiver<SchedMsg>) -> Vec<SchedMsg> {
@@ -317,6 +338,15 @@ mod tests {
         v
     }
 
+    fn readies(msgs: &[SchedMsg]) -> Vec<(Readiness, Token, Vec<f32>)> {
+        msgs.iter()
+            .filter_map(|m| match m {
+                SchedMsg::Ready { readiness, token, values, .. } => Some((*readiness, *token, values.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
     #[test]
     fn duplicates_are_dropped_and_counted() {
         let (tx, mut rx) = unbounded_channel();
@@ -325,31 +355,67 @@ mod tests {
         shard.handle(arrival(0, 0, 7, 1.0, true));
         shard.handle(ShardMsg::Flush { step: 0 });
         let msgs = drain(&mut rx);
-        let readies = msgs.iter().filter(|m| matches!(m, SchedMsg::Ready { .. })).count();
-        assert_eq!(readies, 1);
+        assert_eq!(readies(&msgs).len(), 1);
         let Some(SchedMsg::Flushed(s)) = msgs.last() else { panic!("no summary") };
         assert_eq!((s.arrivals, s.duplicates), (1, 1));
+    }
+
+    #[test]
+    fn a_delivered_batch_is_handled_as_its_arrivals_in_order() {
+        let unwrap = |m: ShardMsg| if let ShardMsg::Arrival(a) = m { a } else { unreachable!() };
+        let (tx, mut rx) = unbounded_channel();
+        let mut shard = ParamShard::new(HostStore, 0, 1, &plan(2), 4, tx);
+        let batch = vec![arrival(0, 1, 0, 2.0, true), arrival(0, 0, 0, 1.0, true), arrival(0, 1, 0, 9.0, true)];
+        shard.handle(ShardMsg::Arrivals(batch.into_iter().map(unwrap).collect()));
+        shard.handle(ShardMsg::Flush { step: 0 });
+        let msgs = drain(&mut rx);
+        let got: Vec<(ParamId, Vec<f32>)> = msgs
+            .iter()
+            .filter_map(|m| {
+                if let SchedMsg::Ready { param, values, .. } = m {
+                    Some((*param, values.clone()))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let (p0, p1) = (ParamId::from_index(0), ParamId::from_index(1));
+        assert_eq!(got, vec![(p1, vec![2.0, 2.0]), (p0, vec![1.0, 1.0])]);
+        let Some(SchedMsg::Flushed(s)) = msgs.last() else { panic!("no summary") };
+        assert_eq!((s.arrivals, s.duplicates), (2, 1));
     }
 
     #[test]
     fn learning_waits_for_the_second_arrival_next_step() {
         let (tx, mut rx) = unbounded_channel();
         let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 4, tx);
-        // Step 0: expected 1, so the first arrival is forwarded, the second is extra.
+        // Step 0: expected 1, so the first arrival completes, the second is extra.
         shard.handle(arrival(0, 0, 0, 1.0, true));
         shard.handle(arrival(0, 0, 1, 2.0, true));
         shard.handle(ShardMsg::Flush { step: 0 });
-        let firsts: Vec<bool> = drain(&mut rx)
-            .into_iter()
-            .filter_map(|m| if let SchedMsg::Ready { first, .. } = m { Some(first) } else { None })
-            .collect();
-        assert_eq!(firsts, vec![true, false]);
+        let kinds: Vec<Readiness> = readies(&drain(&mut rx)).into_iter().map(|r| r.0).collect();
+        assert_eq!(kinds, vec![Readiness::Complete, Readiness::Extra]);
         // Step 1: expected 2, so one message with the summed increments.
         shard.handle(arrival(1, 0, 0, 1.0, true));
         assert!(drain(&mut rx).is_empty(), "must hold the first of two expected arrivals");
         shard.handle(arrival(1, 0, 1, 2.0, true));
-        let msgs = drain(&mut rx);
-        assert!(matches!(&msgs[..], [SchedMsg::Ready { first: true, values, .. }] if values == &vec![3.0, 3.0]));
+        assert_eq!(readies(&drain(&mut rx)), vec![(Readiness::Complete, Token(0), vec![3.0, 3.0])]);
+    }
+
+    /// Finding 4 of the scheduler-v2 issue: the total (token 1) delivered
+    /// before the partial (token 0) must still win.
+    #[test]
+    fn the_highest_accumulated_token_wins_whatever_the_order() {
+        let (tx, mut rx) = unbounded_channel();
+        let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 4, tx);
+        // Teach it two arrivals per step, then deliver them in reverse order.
+        shard.handle(arrival(0, 0, 0, 1.0, false));
+        shard.handle(arrival(0, 0, 1, 2.0, false));
+        shard.handle(ShardMsg::Flush { step: 0 });
+        drain(&mut rx);
+        shard.handle(arrival(1, 0, 1, 7.0, false)); // the total
+        shard.handle(arrival(1, 0, 0, 3.0, false)); // the partial, late from another thread
+        assert_eq!(readies(&drain(&mut rx)), vec![(Readiness::Complete, Token(1), vec![7.0, 7.0])]);
     }
 
     #[test]
@@ -361,14 +427,14 @@ mod tests {
         }
         let msgs = drain(&mut rx);
         let Some(SchedMsg::Flushed(s)) = msgs.last() else { panic!("no summary") };
-        assert_eq!(s.expect_none_next, vec![ParamId(0)]);
+        assert_eq!(s.expect_none_next, vec![ParamId::from_index(0)]);
         // The next arrival is forwarded as extra (the scheduler pre-filled zeros).
         shard.handle(arrival(2, 0, 0, 5.0, false));
-        assert!(matches!(drain(&mut rx)[..], [SchedMsg::Ready { first: false, .. }]));
+        assert!(matches!(readies(&drain(&mut rx))[..], [(Readiness::Extra, ..)]));
     }
 
     #[test]
-    fn wrong_steps_and_mixed_kinds_are_refused() {
+    fn wrong_steps_and_mixed_kinds_are_refused_to_the_scheduler() {
         let (tx, mut rx) = unbounded_channel();
         let mut shard = ParamShard::new(HostStore, 0, 1, &plan(1), 4, tx);
         shard.handle(arrival(3, 0, 0, 1.0, true));
@@ -377,12 +443,18 @@ mod tests {
         shard.handle(arrival(0, 0, 1, 1.0, true));
         shard.handle(arrival(1, 0, 0, 1.0, false));
         shard.handle(arrival(1, 0, 1, 1.0, true));
-        shard.handle(ShardMsg::Flush { step: 1 });
-        let summaries: Vec<ShardSummary> = drain(&mut rx)
+        let refused: Vec<(Step, Rejection)> = drain(&mut rx)
             .into_iter()
-            .filter_map(|m| if let SchedMsg::Flushed(s) = m { Some(s) } else { None })
+            .filter_map(|m| if let SchedMsg::Rejected { step, why } = m { Some((step, why)) } else { None })
             .collect();
-        assert_eq!(summaries[0].rejected, 1, "future step");
-        assert_eq!(summaries[1].rejected, 2, "finished step and mixed kinds");
+        let p = ParamId::from_index(0);
+        assert_eq!(
+            refused,
+            vec![
+                (3, Rejection::FutureStep { param: p, step: 3, current: 0 }),
+                (0, Rejection::StepFinished { param: p, step: 0 }),
+                (1, Rejection::MixedKinds { param: p }),
+            ]
+        );
     }
 }

@@ -1,14 +1,18 @@
-//! The bucket plan: which parameters share a bucket, in which order buckets
-//! are all-reduced, and where each parameter sits inside its bucket.
+//! Registration and the bucket plan: which parameters share a bucket, in which
+//! order buckets are all-reduced, and where each parameter sits inside its bucket.
 //!
 //! Buckets are filled in *reverse* registration order (registration follows
 //! forward order, so backward produces the last-registered gradients first),
 //! capped by bytes, and a parameter is never split across buckets: a parameter
 //! larger than the cap gets a bucket of its own. Every rank builds the same plan
-//! from the same registrations; the plan's [`Plan::fingerprint`] goes into the
-//! control collective so ranks that disagree are caught.
+//! from the same registrations; ranks check that they agree before the first
+//! bucket is reduced (the plan collective) and every step's control collective
+//! carries a digest of the collectives issued.
+
+use std::collections::HashMap;
 
 use crate::arrival::{DType, ParamId};
+use crate::error::BuildError;
 
 /// A registered parameter.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,60 +28,140 @@ pub struct ParamSpec {
     pub expected_arrivals: Option<u32>,
 }
 
+/// Parameters in registration order, with unique names. Hands out the
+/// [`ParamId`]s and builds the [`Plan`].
+#[derive(Debug, Clone, Default)]
+pub struct Registry {
+    params: Vec<ParamSpec>,
+    names: HashMap<String, ParamId>,
+}
+
+impl Registry {
+    /// Register a parameter; its id is its position in registration order.
+    pub fn add(&mut self, name: String, numel: usize, dtype: DType) -> Result<ParamId, BuildError> {
+        if self.names.contains_key(&name) {
+            return Err(BuildError::DuplicateParam { name });
+        }
+        if numel == 0 {
+            return Err(BuildError::ZeroSizedParam { name });
+        }
+        let max = u32::MAX as usize;
+        if self.params.len() >= max {
+            return Err(BuildError::TooManyParams { max });
+        }
+        let id = ParamId::from_index(self.params.len());
+        self.names.insert(name.clone(), id);
+        self.params.push(ParamSpec { name, numel, dtype, expected_arrivals: None });
+        Ok(id)
+    }
+
+    /// Declare how many distinct arrivals `param` has per step.
+    pub fn expect_arrivals(&mut self, param: ParamId, count: u32) -> Result<(), BuildError> {
+        let spec = self.params.get_mut(param.index()).ok_or(BuildError::InvalidSetting {
+            setting: "expect_arrivals",
+            why: format!("parameter {param} was not registered with this builder"),
+        })?;
+        spec.expected_arrivals = Some(count);
+        Ok(())
+    }
+
+    /// The id of a registered name.
+    pub fn id(&self, name: &str) -> Option<ParamId> {
+        self.names.get(name).copied()
+    }
+
+    /// Number of registered parameters.
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Whether nothing is registered.
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+
+    /// The plan for these registrations with buckets of at most `bucket_cap_bytes`.
+    pub fn plan(&self, bucket_cap_bytes: usize) -> Plan {
+        Plan::build(self.params.clone(), bucket_cap_bytes)
+    }
+}
+
 /// Where a parameter lives: its bucket and its flat offset inside it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Slot {
+pub(crate) struct Slot {
     /// Index of the bucket in launch order.
-    pub bucket: usize,
+    pub(crate) bucket: usize,
     /// Element offset inside the bucket.
-    pub offset: usize,
+    pub(crate) offset: usize,
 }
 
 /// One bucket: parameters all-reduced by a single collective.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BucketSpec {
+struct BucketSpec {
     /// Members, in slot order (the order backward is expected to produce them).
-    pub params: Vec<ParamId>,
+    params: Vec<ParamId>,
     /// Total elements.
-    pub numel: usize,
+    numel: usize,
 }
 
-/// The agreed bucket layout of one GradSync instance.
+/// The agreed bucket layout of one GradSync instance: buckets in launch order,
+/// each parameter's bucket and offset. Read-only once built.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     /// Registered parameters, indexed by [`ParamId`].
-    pub params: Vec<ParamSpec>,
+    params: Vec<ParamSpec>,
+    /// Every id, in registration order.
+    ids: Vec<ParamId>,
     /// Buckets in launch order.
-    pub buckets: Vec<BucketSpec>,
+    buckets: Vec<BucketSpec>,
     /// Slot of every parameter, indexed by [`ParamId`].
-    pub slots: Vec<Slot>,
+    slots: Vec<Slot>,
     /// Byte cap the plan was built with.
-    pub bucket_cap_bytes: usize,
+    bucket_cap_bytes: usize,
 }
 
 impl Plan {
     /// Build the plan: reverse registration order, buckets capped at
     /// `bucket_cap_bytes` (at least one parameter per bucket).
-    pub fn build(params: Vec<ParamSpec>, bucket_cap_bytes: usize) -> Plan {
-        let mut buckets: Vec<BucketSpec> = Vec::new();
-        let mut slots = vec![Slot { bucket: 0, offset: 0 }; params.len()];
-        let mut current = BucketSpec { params: Vec::new(), numel: 0 };
+    pub(crate) fn build(params: Vec<ParamSpec>, bucket_cap_bytes: usize) -> Plan {
+        let mut buckets: Vec<Vec<ParamId>> = Vec::new();
+        let mut current: Vec<ParamId> = Vec::new();
         let mut current_bytes = 0usize;
         for (i, spec) in params.iter().enumerate().rev() {
             let bytes = spec.numel * spec.dtype.size();
-            if !current.params.is_empty() && current_bytes + bytes > bucket_cap_bytes {
-                buckets.push(std::mem::replace(&mut current, BucketSpec { params: Vec::new(), numel: 0 }));
+            if !current.is_empty() && current_bytes + bytes > bucket_cap_bytes {
+                buckets.push(std::mem::take(&mut current));
                 current_bytes = 0;
             }
-            slots[i] = Slot { bucket: buckets.len(), offset: current.numel };
-            current.params.push(ParamId(i as u32));
-            current.numel += spec.numel;
+            current.push(ParamId::from_index(i));
             current_bytes += bytes;
         }
-        if !current.params.is_empty() {
+        if !current.is_empty() {
             buckets.push(current);
         }
-        Plan { params, buckets, slots, bucket_cap_bytes }
+        Plan::from_layout(params, buckets, bucket_cap_bytes)
+    }
+
+    /// A plan with the given bucket membership (every parameter in exactly one
+    /// bucket, in slot order). The simulator uses it to keep a real model's
+    /// bucket membership with one value per parameter.
+    pub fn from_layout(params: Vec<ParamSpec>, membership: Vec<Vec<ParamId>>, bucket_cap_bytes: usize) -> Plan {
+        let mut slots = vec![Slot { bucket: usize::MAX, offset: 0 }; params.len()];
+        let buckets = membership
+            .into_iter()
+            .enumerate()
+            .map(|(b, members)| {
+                let mut numel = 0;
+                for p in &members {
+                    slots[p.index()] = Slot { bucket: b, offset: numel };
+                    numel += params[p.index()].numel;
+                }
+                BucketSpec { params: members, numel }
+            })
+            .collect();
+        assert!(slots.iter().all(|s| s.bucket != usize::MAX), "every parameter needs a bucket");
+        let ids = (0..params.len()).map(ParamId::from_index).collect();
+        Plan { params, ids, buckets, slots, bucket_cap_bytes }
     }
 
     /// Number of registered parameters.
@@ -85,19 +169,68 @@ impl Plan {
         self.params.len()
     }
 
+    /// Every parameter's id, in registration order.
+    pub fn param_ids(&self) -> &[ParamId] {
+        &self.ids
+    }
+
+    /// The id of a registered name.
+    pub fn id(&self, name: &str) -> Option<ParamId> {
+        self.params.iter().position(|p| p.name == name).map(ParamId::from_index)
+    }
+
+    /// The parameter's name, or a placeholder for an id of another plan.
+    pub fn param_name(&self, p: ParamId) -> &str {
+        self.params.get(p.index()).map_or("<unknown>", |s| s.name.as_str())
+    }
+
+    /// Number of gradient elements of `p` (0 for an id of another plan).
+    pub fn param_numel(&self, p: ParamId) -> usize {
+        self.params.get(p.index()).map_or(0, |s| s.numel)
+    }
+
+    /// The declared arrivals per step of `p`, if declared.
+    pub fn expected_arrivals(&self, p: ParamId) -> Option<u32> {
+        self.params.get(p.index()).and_then(|s| s.expected_arrivals)
+    }
+
+    /// Number of buckets (collectives per step before the control collective).
+    pub fn num_buckets(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Members of bucket `b`, in slot order.
+    pub fn bucket_params(&self, b: usize) -> &[ParamId] {
+        &self.buckets[b].params
+    }
+
+    /// Number of f32 values of bucket `b`.
+    pub fn bucket_numel(&self, b: usize) -> usize {
+        self.buckets[b].numel
+    }
+
+    /// The bucket `p` is reduced in.
+    pub fn bucket_of(&self, p: ParamId) -> usize {
+        self.slots[p.index()].bucket
+    }
+
+    pub(crate) fn slot(&self, p: ParamId) -> Slot {
+        self.slots[p.index()]
+    }
+
     /// Total gradient elements over all parameters.
     pub fn total_numel(&self) -> usize {
         self.buckets.iter().map(|b| b.numel).sum()
     }
 
-    /// Bytes of bucket storage this plan allocates once (one copy of every gradient).
+    /// Bytes of one set of bucket buffers (one copy of every gradient).
     pub fn bucket_bytes(&self) -> usize {
         self.total_numel() * std::mem::size_of::<f32>()
     }
 
-    /// The parameter's name, or a placeholder for an id outside the plan.
-    pub fn name(&self, p: ParamId) -> &str {
-        self.params.get(p.index()).map_or("<unknown>", |s| s.name.as_str())
+    /// The byte cap the plan was built with.
+    pub fn bucket_cap_bytes(&self) -> usize {
+        self.bucket_cap_bytes
     }
 
     /// A 64-bit FNV-1a digest of the collective sequence this plan produces
@@ -120,7 +253,7 @@ impl Plan {
             h.write(b.numel as u64);
             h.write(b.params.len() as u64);
             for p in &b.params {
-                h.write(u64::from(p.0));
+                h.write(p.index() as u64);
             }
         }
         h.0
@@ -128,7 +261,7 @@ impl Plan {
 }
 
 /// FNV-1a over u64 words: stable across processes (unlike `DefaultHasher`).
-pub(crate) struct Fnv(pub u64);
+pub(crate) struct Fnv(pub(crate) u64);
 
 impl Default for Fnv {
     fn default() -> Self {
@@ -158,7 +291,7 @@ mod tests {
     }
 
     /// One data-driven case: parameter sizes, cap in bytes, expected buckets as member lists.
-    type PlanCase<'a> = (&'a [usize], usize, &'a [&'a [u32]]);
+    type PlanCase<'a> = (&'a [usize], usize, &'a [&'a [usize]]);
 
     #[test]
     fn buckets_fill_in_reverse_order_and_respect_the_cap() {
@@ -171,16 +304,17 @@ mod tests {
         ];
         for (numels, cap, want) in cases {
             let plan = Plan::build(specs(numels), *cap);
-            let got: Vec<Vec<u32>> = plan.buckets.iter().map(|b| b.params.iter().map(|p| p.0).collect()).collect();
-            let want: Vec<Vec<u32>> = want.iter().map(|b| b.to_vec()).collect();
+            let got: Vec<Vec<usize>> =
+                (0..plan.num_buckets()).map(|b| plan.bucket_params(b).iter().map(|p| p.index()).collect()).collect();
+            let want: Vec<Vec<usize>> = want.iter().map(|b| b.to_vec()).collect();
             assert_eq!(got, want, "numels {numels:?} cap {cap}");
-            for (bi, b) in plan.buckets.iter().enumerate() {
+            for b in 0..plan.num_buckets() {
                 let mut off = 0;
-                for p in &b.params {
-                    assert_eq!(plan.slots[p.index()], Slot { bucket: bi, offset: off });
-                    off += plan.params[p.index()].numel;
+                for &p in plan.bucket_params(b) {
+                    assert_eq!(plan.slot(p), Slot { bucket: b, offset: off });
+                    off += plan.param_numel(p);
                 }
-                assert_eq!(off, b.numel);
+                assert_eq!(off, plan.bucket_numel(b));
             }
         }
     }
@@ -198,5 +332,18 @@ mod tests {
         renamed[0].numel = 3;
         renamed[1].numel = 4;
         assert_ne!(a.fingerprint(), Plan::build(renamed, 1 << 20).fingerprint(), "names are part of the plan");
+    }
+
+    #[test]
+    fn registry_refuses_duplicates_and_empty_parameters() {
+        let mut r = Registry::default();
+        let a = r.add("a".into(), 2, DType::F32).unwrap();
+        assert_eq!(a.index(), 0);
+        assert!(matches!(r.add("a".into(), 2, DType::F32), Err(BuildError::DuplicateParam { .. })));
+        assert!(matches!(r.add("z".into(), 0, DType::F32), Err(BuildError::ZeroSizedParam { .. })));
+        assert_eq!(r.id("a"), Some(a));
+        r.expect_arrivals(a, 2).unwrap();
+        assert_eq!(r.plan(64).expected_arrivals(a), Some(2));
+        assert!(r.expect_arrivals(ParamId::from_index(5), 1).is_err());
     }
 }

@@ -1,9 +1,11 @@
 //! What a finished step tells the caller.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use crate::arrival::{ParamId, Step};
 use crate::error::Rejection;
+use crate::timeline::TimelineEvent;
 
 /// How many refusals a step report keeps verbatim (all are counted).
 pub const REJECTION_SAMPLES: usize = 16;
@@ -17,7 +19,7 @@ pub enum AbortReason {
     BadBatch,
     /// A gradient held NaN or Inf.
     NonFinite,
-    /// An application-defined reason (code ≥ 16 is free for applications).
+    /// An application-defined reason.
     Other(u32),
 }
 
@@ -41,24 +43,55 @@ impl AbortReason {
             c => AbortReason::Other(c.saturating_sub(16).min(u64::from(u32::MAX)) as u32),
         }
     }
+
+    /// Short lowercase name (`"out_of_memory"`, `"other_7"`), as used in metric labels.
+    pub fn label(self) -> Cow<'static, str> {
+        match self {
+            AbortReason::OutOfMemory => "out_of_memory".into(),
+            AbortReason::BadBatch => "bad_batch".into(),
+            AbortReason::NonFinite => "non_finite".into(),
+            AbortReason::Other(c) => format!("other_{c}").into(),
+        }
+    }
 }
 
 /// How a step ended, identically on every rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// Gradients are reduced and may be applied.
+    /// Gradients are reduced over every rank that had not joined and may be applied.
     Applied,
-    /// At least one rank aborted: no rank may apply this step's gradients.
+    /// Some ranks aborted under the partial policy: the gradients are averaged
+    /// over the ranks that finished, every rank (the excluded ones too) may
+    /// apply them, and the replicas stay equal.
+    Partial {
+        /// The ranks whose contributions were removed, and why.
+        excluded: Vec<(usize, AbortReason)>,
+    },
+    /// At least one rank aborted (skip policy, or nobody finished): no rank may
+    /// apply this step's gradients.
     Skipped {
         /// The aborting ranks and their reasons, by rank.
         aborted: Vec<(usize, AbortReason)>,
     },
+    /// Every rank had joined (run out of data): there is nothing to apply, and
+    /// `join()` returns.
+    AllJoined,
 }
 
 impl Outcome {
-    /// Whether the gradients may be applied.
+    /// Whether the step's gradients may be applied.
     pub fn is_applied(&self) -> bool {
-        matches!(self, Outcome::Applied)
+        matches!(self, Outcome::Applied | Outcome::Partial { .. })
+    }
+
+    /// Short lowercase name (`"applied"`, `"partial"`, …), as used in metric labels.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Applied => "applied",
+            Outcome::Partial { .. } => "partial",
+            Outcome::Skipped { .. } => "skipped",
+            Outcome::AllJoined => "all_joined",
+        }
     }
 }
 
@@ -69,19 +102,24 @@ pub struct StepReport {
     pub step: Step,
     /// This rank.
     pub rank: usize,
-    /// Applied or skipped (identical on every rank).
+    /// How the step ended (identical on every rank).
     pub outcome: Outcome,
+    /// Ranks whose gradients are in the result (identical on every rank).
+    pub contributors: u32,
+    /// Ranks that had joined (run out of data) and contributed zeros.
+    pub joined: Vec<usize>,
     /// Distinct arrivals accepted on this rank.
     pub arrivals: u64,
     /// Re-deliveries of an already seen `(step, param, token)`, ignored.
     pub duplicates: u64,
-    /// Arrivals refused on the hook path (see [`crate::Rejection`]).
+    /// Refused arrivals that named this step (see [`crate::Rejection`]).
     pub rejected: u64,
-    /// The first refusals of the step (at most [`REJECTION_SAMPLES`]), for diagnosis.
+    /// The first refusals (at most [`REJECTION_SAMPLES`]), for diagnosis.
     pub rejections: Vec<Rejection>,
     /// Arrivals on this rank that came after their bucket was launched.
     pub late_arrivals: u64,
-    /// Parameters corrected after the data buckets (late on at least one rank).
+    /// Parameters corrected after the data buckets (late on at least one
+    /// rank, or retracted from an excluded rank).
     pub corrected: Vec<ParamId>,
     /// Correction collectives issued (0 or 1).
     pub corrections: u32,
@@ -102,13 +140,14 @@ pub struct StepReport {
     pub comm_busy: Duration,
     /// This rank's timeline of the step (arrivals, bucket fills, collectives,
     /// finish); empty unless the builder's `record_timeline` is on.
-    pub timeline: Vec<crate::telemetry::TimelineEvent>,
+    pub timeline: Vec<TimelineEvent>,
 }
 
-/// A snapshot of the current step, taken after every arrival sent so far was processed.
+/// A snapshot of the current step, taken after every arrival sent so far was
+/// processed (and, in the first step, after the ranks agreed on the plan).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Progress {
-    /// The open step (the next one to finish).
+    /// The step the scheduler is working on.
     pub step: Step,
     /// Data buckets handed to the communicator this step.
     pub buckets_launched: usize,

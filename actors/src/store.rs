@@ -11,6 +11,8 @@
 //!              add_assign(late, increment)                  (late increments)
 //!              write_difference(buf, offset, last, sent)    (late supersede → correction)
 //!              add_from(bucket, offset, correction, ...)    (apply the reduced correction)
+//!              scale(bucket, offset, len, factor)           (negate a retracted value; re-divide
+//!                                                            when fewer ranks contributed)
 //! ```
 //!
 //! [`HostStore`] keeps everything in host memory (`Vec<f32>` payloads, sharded
@@ -55,12 +57,27 @@ pub trait GradStore: Clone + Send + Sync + fmt::Debug + 'static {
     fn add_assign(&self, acc: &mut Self::Values, more: &Self::Values);
     /// Combine `src` into `bucket[offset .. offset + len(src)]`.
     fn write(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode);
+    /// Combine `src * factor` into `bucket[offset .. offset + len(src)]`
+    /// (packing for transports that only sum, see
+    /// [`crate::Transport::scale_when_packing`]). The default composes
+    /// `write` and `scale` (an add unscales the slot first, which rounds for
+    /// factors that are not powers of two); stores override it with one exact pass.
+    fn write_scaled(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode, factor: f32) {
+        let len = self.values_len(src);
+        if mode == WriteMode::Add {
+            self.scale(bucket, offset, len, 1.0 / factor);
+        }
+        self.write(bucket, offset, src, mode);
+        self.scale(bucket, offset, len, factor);
+    }
     /// `bucket[offset ..] = last - sent`, element-wise (same lengths).
     fn write_difference(&self, bucket: &mut Self::Bucket, offset: usize, last: &Self::Values, sent: &Self::Values);
     /// Zero `bucket[offset .. offset + len]`.
     fn zero(&self, bucket: &mut Self::Bucket, offset: usize, len: usize);
     /// `dst[dst_offset ..][..len] += src[src_offset ..][..len]`.
     fn add_from(&self, dst: &mut Self::Bucket, dst_offset: usize, src: &Self::Bucket, src_offset: usize, len: usize);
+    /// `bucket[offset .. offset + len] *= factor`.
+    fn scale(&self, bucket: &mut Self::Bucket, offset: usize, len: usize, factor: f32);
     /// Whether every value is finite (only called when [`GradStore::CHECKS_FINITE`]).
     fn all_finite(&self, _values: &Self::Values) -> bool {
         true
@@ -95,10 +112,12 @@ impl GradStore for HostStore {
         bucket.write(offset, src, mode);
     }
 
+    fn write_scaled(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode, factor: f32) {
+        bucket.write_scaled(offset, src, mode, factor);
+    }
+
     fn write_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
-        let mut diff = vec![0.0; last.len()];
-        gradsync_kernels::sub_into(&mut diff, last, sent);
-        bucket.write(offset, &diff, WriteMode::Set);
+        bucket.write_difference(offset, last, sent);
     }
 
     fn zero(&self, bucket: &mut BucketBuf, offset: usize, len: usize) {
@@ -108,10 +127,14 @@ impl GradStore for HostStore {
     fn add_from(&self, dst: &mut BucketBuf, dst_offset: usize, src: &BucketBuf, src_offset: usize, len: usize) {
         // Add the source piece by piece: no scratch copy of the correction.
         let mut at = dst_offset;
-        for piece in src.segments(src_offset, len) {
+        for piece in src.chunks(src_offset, len) {
             dst.write(at, piece, WriteMode::Add);
             at += piece.len();
         }
+    }
+
+    fn scale(&self, bucket: &mut BucketBuf, offset: usize, len: usize, factor: f32) {
+        bucket.scale(offset, len, factor);
     }
 
     fn all_finite(&self, values: &Vec<f32>) -> bool {

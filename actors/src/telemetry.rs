@@ -1,71 +1,197 @@
-//! What the scheduler tells the outside world: Prometheus metrics through the
-//! `metrics` facade, and an optional per-step timeline.
+//! What the scheduler tells the outside world through the `metrics` facade.
 //!
 //! Nothing here runs on the hook path. Counters are added once per step (from
-//! the counts the actors keep anyway) and once per collective, so a recorder
-//! costs a few dozen lookups per step. Without an installed recorder the
-//! `metrics` macros do nothing. Every series carries a `rank` label.
+//! the counts the actors keep anyway), once per collective and once per
+//! refusal, so a recorder costs a few dozen lookups per step. Without an
+//! installed recorder the `metrics` macros do nothing. Every series carries a
+//! `rank` label.
+//!
+//! [`METRICS`] is the one list of series: names, types, units, labels and help
+//! text. The runtime describes the series from it and the README's table is
+//! checked against it.
 
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use metrics::Unit;
 
 use crate::error::{CollectiveKind, CommError};
-use crate::report::{AbortReason, Outcome, StepReport};
+use crate::report::{Outcome, StepReport};
 
-/// Metric names, one place, so the exporter, the docs and the tests agree.
+/// Metric names, as constants for the code that records them.
 pub mod names {
-    /// Counter `{rank, kind="first|duplicate|late|rejected"}`: hook deliveries.
+    /// See [`super::METRICS`].
     pub const ARRIVALS: &str = "gradsync_arrivals_total";
-    /// Counter `{rank}`: data buckets handed to the communicator.
+    /// See [`super::METRICS`].
     pub const BUCKETS_LAUNCHED: &str = "gradsync_buckets_launched_total";
-    /// Counter `{rank, collective="bucket|control|correction|reset"}`: bytes all-reduced.
+    /// See [`super::METRICS`].
     pub const ALLREDUCE_BYTES: &str = "gradsync_allreduce_bytes_total";
-    /// Histogram `{rank, collective}`: time inside one all-reduce.
+    /// See [`super::METRICS`].
     pub const ALLREDUCE_SECONDS: &str = "gradsync_allreduce_duration_seconds";
-    /// Histogram `{rank}`: communication not hidden by backward, per step.
+    /// See [`super::METRICS`].
     pub const EXPOSED_SECONDS: &str = "gradsync_exposed_comm_seconds";
-    /// Histogram `{rank}`: from a step's first message to its result.
+    /// See [`super::METRICS`].
     pub const STEP_SECONDS: &str = "gradsync_step_duration_seconds";
-    /// Counter `{rank, outcome="applied|skipped"}`: finished steps.
+    /// See [`super::METRICS`].
     pub const STEPS: &str = "gradsync_steps_total";
-    /// Counter `{rank}`: correction all-reduces.
+    /// See [`super::METRICS`].
     pub const CORRECTIONS: &str = "gradsync_corrections_total";
-    /// Counter `{rank}`: parameters corrected after a late arrival.
+    /// See [`super::METRICS`].
     pub const CORRECTED_PARAMS: &str = "gradsync_corrected_params_total";
-    /// Counter `{rank, aborting_rank, reason}`: ranks that aborted a step, as seen here.
+    /// See [`super::METRICS`].
     pub const ABORTS: &str = "gradsync_aborts_total";
-    /// Counter `{rank, error="timeout|peer_gone|desync|device|panicked|cancelled"}`: failed collectives.
+    /// See [`super::METRICS`].
     pub const COLLECTIVE_FAILURES: &str = "gradsync_collective_failures_total";
-    /// Counter `{rank}`: collectives that failed because a rank missed the deadline.
+    /// See [`super::METRICS`].
     pub const TIMEOUTS: &str = "gradsync_timeouts_total";
-    /// Gauge `{rank}`: buckets in the current plan.
+    /// See [`super::METRICS`].
     pub const PLAN_BUCKETS: &str = "gradsync_plan_buckets";
-    /// Gauge `{rank}`: bytes of bucket storage of the current plan.
+    /// See [`super::METRICS`].
     pub const PLAN_BYTES: &str = "gradsync_plan_bytes";
 }
+
+/// The type of a series.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Monotonic count.
+    Counter,
+    /// Current value.
+    Gauge,
+    /// Distribution with fixed buckets ([`SECONDS_BUCKETS`]).
+    Histogram,
+}
+
+impl MetricKind {
+    /// Lowercase name, as Prometheus writes it.
+    pub fn label(self) -> &'static str {
+        match self {
+            MetricKind::Counter => "counter",
+            MetricKind::Gauge => "gauge",
+            MetricKind::Histogram => "histogram",
+        }
+    }
+}
+
+/// One series gradsync records.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricDef {
+    /// Prometheus name.
+    pub name: &'static str,
+    /// Type.
+    pub kind: MetricKind,
+    /// Unit.
+    pub unit: Unit,
+    /// Labels besides `rank`, with their values where they are a closed set.
+    pub labels: &'static str,
+    /// Help text.
+    pub help: &'static str,
+}
+
+/// Every series gradsync records.
+pub const METRICS: &[MetricDef] = &[
+    MetricDef {
+        name: names::ARRIVALS,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "kind = first, late, duplicate, rejected",
+        help: "Gradient hook deliveries by kind; first and late partition the distinct arrivals.",
+    },
+    MetricDef {
+        name: names::BUCKETS_LAUNCHED,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "",
+        help: "Data buckets handed to the communicator.",
+    },
+    MetricDef {
+        name: names::ALLREDUCE_BYTES,
+        kind: MetricKind::Counter,
+        unit: Unit::Bytes,
+        labels: "collective = plan, bucket, control, correction, reset",
+        help: "Bytes this rank put into collectives.",
+    },
+    MetricDef {
+        name: names::ALLREDUCE_SECONDS,
+        kind: MetricKind::Histogram,
+        unit: Unit::Seconds,
+        labels: "collective",
+        help: "Time inside one collective.",
+    },
+    MetricDef {
+        name: names::EXPOSED_SECONDS,
+        kind: MetricKind::Histogram,
+        unit: Unit::Seconds,
+        labels: "",
+        help: "Communication per step that backward did not hide (finish_step to result).",
+    },
+    MetricDef {
+        name: names::STEP_SECONDS,
+        kind: MetricKind::Histogram,
+        unit: Unit::Seconds,
+        labels: "",
+        help: "From a step's first gradient to its result.",
+    },
+    MetricDef {
+        name: names::STEPS,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "outcome = applied, partial, skipped, all_joined",
+        help: "Finished steps by outcome.",
+    },
+    MetricDef {
+        name: names::CORRECTIONS,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "",
+        help: "Correction all-reduces (late arrivals, retracted contributions).",
+    },
+    MetricDef {
+        name: names::CORRECTED_PARAMS,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "",
+        help: "Parameters corrected.",
+    },
+    MetricDef {
+        name: names::ABORTS,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "aborting_rank, reason",
+        help: "Aborting ranks seen in skipped or partial steps.",
+    },
+    MetricDef {
+        name: names::COLLECTIVE_FAILURES,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "error = timeout, peer_gone, desync, protocol, device, backend, panicked, cancelled",
+        help: "Failed collectives by error.",
+    },
+    MetricDef {
+        name: names::TIMEOUTS,
+        kind: MetricKind::Counter,
+        unit: Unit::Count,
+        labels: "",
+        help: "Collectives failed because a rank missed the deadline.",
+    },
+    MetricDef {
+        name: names::PLAN_BUCKETS,
+        kind: MetricKind::Gauge,
+        unit: Unit::Count,
+        labels: "",
+        help: "Buckets in the current plan.",
+    },
+    MetricDef {
+        name: names::PLAN_BYTES,
+        kind: MetricKind::Gauge,
+        unit: Unit::Bytes,
+        labels: "",
+        help: "Bytes of one set of bucket buffers of the current plan.",
+    },
+];
 
 /// Histogram boundaries (seconds) of every gradsync histogram: fixed, so the
 /// series of all ranks and all jobs can be aggregated.
 pub const SECONDS_BUCKETS: &[f64] =
     &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
-
-fn collective_label(kind: &CollectiveKind) -> &'static str {
-    match kind {
-        CollectiveKind::Bucket { .. } => "bucket",
-        CollectiveKind::Control { .. } => "control",
-        CollectiveKind::Correction { .. } => "correction",
-        CollectiveKind::Reset { .. } => "reset",
-    }
-}
-
-fn reason_label(reason: AbortReason) -> String {
-    match reason {
-        AbortReason::OutOfMemory => "out_of_memory".into(),
-        AbortReason::BadBatch => "bad_batch".into(),
-        AbortReason::NonFinite => "non_finite".into(),
-        AbortReason::Other(c) => format!("other_{c}"),
-    }
-}
 
 /// Record one finished collective.
 pub(crate) fn collective(
@@ -75,21 +201,13 @@ pub(crate) fn collective(
     took: Duration,
     result: &Result<(), CommError>,
 ) {
-    let collective = collective_label(kind);
+    let collective = kind.label();
     metrics::counter!(names::ALLREDUCE_BYTES, "rank" => rank.to_owned(), "collective" => collective)
         .increment(bytes as u64);
     metrics::histogram!(names::ALLREDUCE_SECONDS, "rank" => rank.to_owned(), "collective" => collective)
         .record(took.as_secs_f64());
     if let Err(e) = result {
-        let error = match e {
-            CommError::Timeout { .. } => "timeout",
-            CommError::PeerGone { .. } => "peer_gone",
-            CommError::Desync { .. } => "desync",
-            CommError::Cancelled { .. } => "cancelled",
-            CommError::Device { .. } => "device",
-            CommError::Panicked { .. } => "panicked",
-        };
-        metrics::counter!(names::COLLECTIVE_FAILURES, "rank" => rank.to_owned(), "error" => error).increment(1);
+        metrics::counter!(names::COLLECTIVE_FAILURES, "rank" => rank.to_owned(), "error" => e.label()).increment(1);
         if matches!(e, CommError::Timeout { .. }) {
             metrics::counter!(names::TIMEOUTS, "rank" => rank.to_owned()).increment(1);
         }
@@ -102,6 +220,11 @@ pub(crate) fn plan(rank: &str, buckets: usize, bytes: usize) {
     metrics::gauge!(names::PLAN_BYTES, "rank" => rank.to_owned()).set(bytes as f64);
 }
 
+/// Record one refused arrival.
+pub(crate) fn rejected(rank: &str) {
+    metrics::counter!(names::ARRIVALS, "rank" => rank.to_owned(), "kind" => "rejected").increment(1);
+}
+
 /// Record a finished step from its report.
 pub(crate) fn step(rank: &str, r: &StepReport, step_time: Duration) {
     let arrivals = |kind: &'static str, n: u64| {
@@ -110,64 +233,17 @@ pub(crate) fn step(rank: &str, r: &StepReport, step_time: Duration) {
     arrivals("first", r.arrivals.saturating_sub(r.late_arrivals));
     arrivals("late", r.late_arrivals);
     arrivals("duplicate", r.duplicates);
-    arrivals("rejected", r.rejected);
     metrics::counter!(names::BUCKETS_LAUNCHED, "rank" => rank.to_owned()).increment(u64::from(r.buckets_launched));
     metrics::histogram!(names::EXPOSED_SECONDS, "rank" => rank.to_owned()).record(r.exposed_comm.as_secs_f64());
     metrics::histogram!(names::STEP_SECONDS, "rank" => rank.to_owned()).record(step_time.as_secs_f64());
     metrics::counter!(names::CORRECTIONS, "rank" => rank.to_owned()).increment(u64::from(r.corrections));
     metrics::counter!(names::CORRECTED_PARAMS, "rank" => rank.to_owned()).increment(r.corrected.len() as u64);
-    let outcome = if r.outcome.is_applied() { "applied" } else { "skipped" };
-    metrics::counter!(names::STEPS, "rank" => rank.to_owned(), "outcome" => outcome).increment(1);
-    if let Outcome::Skipped { aborted } = &r.outcome {
+    metrics::counter!(names::STEPS, "rank" => rank.to_owned(), "outcome" => r.outcome.label()).increment(1);
+    if let Outcome::Skipped { aborted } | Outcome::Partial { excluded: aborted } = &r.outcome {
         for (who, reason) in aborted {
             metrics::counter!(names::ABORTS, "rank" => rank.to_owned(), "aborting_rank" => who.to_string(),
-                "reason" => reason_label(*reason))
+                "reason" => reason.label())
             .increment(1);
-        }
-    }
-}
-
-/// The instant all timelines of this process are measured from.
-pub fn trace_epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-/// Which lane of a rank's timeline an event belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lane {
-    /// The caller's backward: arrivals, finish.
-    Backward,
-    /// The scheduler: buckets filling.
-    Scheduler,
-    /// The communicator thread: collectives.
-    Communicator,
-}
-
-/// One event of a rank's step timeline.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TimelineEvent {
-    /// Short label (`"ready p3"`, `"all-reduce bucket 0"`, `"finish_step"`).
-    pub name: String,
-    /// Lane.
-    pub lane: Lane,
-    /// Start, since [`trace_epoch`].
-    pub start: Duration,
-    /// Length; `None` for an instant.
-    pub duration: Option<Duration>,
-}
-
-impl TimelineEvent {
-    pub(crate) fn instant(name: String, lane: Lane, at: Instant) -> Self {
-        TimelineEvent { name, lane, start: at.saturating_duration_since(trace_epoch()), duration: None }
-    }
-
-    pub(crate) fn span(name: String, lane: Lane, from: Instant, to: Instant) -> Self {
-        TimelineEvent {
-            name,
-            lane,
-            start: from.saturating_duration_since(trace_epoch()),
-            duration: Some(to.saturating_duration_since(from)),
         }
     }
 }

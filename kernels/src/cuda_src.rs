@@ -15,9 +15,13 @@
 //!   store's element-wise operations (merge an increment, a late supersede's
 //!   difference, the `1 / divisor` scale after NCCL's sum), checked against
 //!   [`crate::add_assign`], [`crate::sub_into`] and [`crate::scale`].
+//!
+//! Two translation units: [`STORE_CU`] is what a running GradSync needs (the
+//! NCCL endpoint compiles only it), [`BUCKET_CU`] the fused pack/unpack and
+//! bf16 wire kernels that `gpu-check` measures.
 
-/// The kernels' source, one translation unit.
-pub const KERNELS_CU: &str = r#"
+/// The fused pack / unpack and bf16 wire-format kernels.
+pub const BUCKET_CU: &str = r#"
 struct PackDesc { const float* src; unsigned long long offset; unsigned long long len; };
 struct UnpackDesc { float* dst; unsigned long long offset; unsigned long long len; };
 
@@ -60,7 +64,10 @@ extern "C" __global__ void gradsync_bf16_accumulate_f32(const unsigned short* sr
         dst[i] += __uint_as_float(((unsigned int)src[i]) << 16) * scale;
     }
 }
+"#;
 
+/// The device store's element-wise kernels.
+pub const STORE_CU: &str = r#"
 extern "C" __global__ void gradsync_add_f32(float* dst, const float* src, unsigned long long n) {
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -83,13 +90,9 @@ extern "C" __global__ void gradsync_scale_f32(float* x, unsigned long long n, fl
 }
 "#;
 
-/// Names of the kernels in [`KERNELS_CU`].
-pub const KERNEL_NAMES: [&str; 7] = [
-    "gradsync_pack_f32",
-    "gradsync_unpack_scale_f32",
-    "gradsync_f32_to_bf16",
-    "gradsync_bf16_accumulate_f32",
-    "gradsync_add_f32",
-    "gradsync_sub_f32",
-    "gradsync_scale_f32",
-];
+/// Names of the kernels in [`BUCKET_CU`].
+pub const BUCKET_KERNELS: [&str; 4] =
+    ["gradsync_pack_f32", "gradsync_unpack_scale_f32", "gradsync_f32_to_bf16", "gradsync_bf16_accumulate_f32"];
+
+/// Names of the kernels in [`STORE_CU`].
+pub const STORE_KERNELS: [&str; 3] = ["gradsync_add_f32", "gradsync_sub_f32", "gradsync_scale_f32"];

@@ -4,7 +4,7 @@
 //!
 //! 1. **pack**: a parameter's local gradient is copied ([`copy`]) or added
 //!    ([`add_assign`]) into its slot of a bucket buffer;
-//! 2. **reduce**: during the all-reduce each rank sums its own shard of every
+//! 2. **reduce**: during the all-reduce each rank sums its own piece of every
 //!    rank's bucket and scales it by `1 / divisor` in one pass
 //!    ([`reduce_scaled`]);
 //! 3. **correct**: a late contribution is formed as a difference ([`sub_into`])
@@ -12,13 +12,13 @@
 //!
 //! Every loop works on fixed-width chunks (`LANES` elements) with a scalar tail,
 //! which lets the compiler emit SIMD code without `unsafe` or intrinsics. The
-//! [`cpu`] reference functions are deliberately naive; tests compare the fast
-//! loops against them, and the CUDA kernels (feature `cuda`) will be compared
-//! against them too.
+//! [`cpu`] reference functions are deliberately naive; this crate's tests
+//! compare the fast loops against them.
 //!
 //! This crate knows nothing about actors, buckets or ranks: it sees slices.
 //! [`cuda_src`] holds the CUDA C versions, compiled at run time by the
-//! runtime's `cuda` feature and checked against [`cpu`].
+//! runtime's `cuda` feature; the `gpu-check` binary compares each of them with
+//! its [`cpu`] reference on a GPU.
 #![deny(missing_docs)]
 
 pub mod cuda_src;
@@ -101,6 +101,24 @@ pub fn all_finite(values: &[f32]) -> bool {
         }
     }
     chunks.remainder().iter().all(|x| x.is_finite())
+}
+
+/// `dst[i] = src[i] * factor`: a copy and a scale in one pass. Panics if the lengths differ.
+#[inline]
+pub fn copy_scaled(dst: &mut [f32], src: &[f32], factor: f32) {
+    assert_eq!(dst.len(), src.len(), "copy_scaled: length mismatch");
+    for (d, x) in dst.iter_mut().zip(src) {
+        *d = x * factor;
+    }
+}
+
+/// `dst[i] += src[i] * factor`. Panics if the lengths differ.
+#[inline]
+pub fn add_scaled(dst: &mut [f32], src: &[f32], factor: f32) {
+    assert_eq!(dst.len(), src.len(), "add_scaled: length mismatch");
+    for (d, x) in dst.iter_mut().zip(src) {
+        *d += x * factor;
+    }
 }
 
 /// `dst[i] *= factor`.

@@ -1,32 +1,37 @@
 //! The end of a step: close, drain, control collective, correction, result.
 //!
-//! A step closes once the caller asked to finish (or abort) *and* every
-//! parameter shard has flushed, so every arrival sent before `finish_step` has
-//! been packed. Closing marks the remaining parameters as unused (their slots
-//! are zeroed at launch) and launches every remaining bucket in plan order.
-//! When all data buckets are back, the control collective tells every rank the
-//! same verdict: aborts (step skipped everywhere), fingerprints (desync is an
-//! error), late parameters (one correction all-reduce, exact by linearity) and
-//! parameters unused on every rank (reported as `None`).
+//! A step closes once the caller asked to end it *and* every parameter shard
+//! has flushed, so every arrival sent before `finish_step` has been packed.
+//! Closing marks the remaining parameters as unused (their slots are zeroed at
+//! launch), launches every remaining bucket in plan order and, right behind
+//! them, the control collective. Its answer (which arrives after every data
+//! bucket's) tells every rank the same verdict:
+//! desync (an error naming the odd ranks), aborts (skip, or under the partial
+//! policy exclude the aborting ranks), joins, late parameters (one correction
+//! all-reduce, exact by linearity) and parameters unused on every rank.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Phase, Scheduler, StepState};
+use super::control::{disagreement, ControlVerdict, ControlVote, RankStatus};
+use super::step::{Correction, Lifecycle, StepState};
+use super::Scheduler;
 use crate::arrival::{ParamId, PayloadKind};
 use crate::bucket_buf::WriteMode;
-use crate::comm::{CommDone, CommPayload};
+use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag, SyncError};
-use crate::gradients::{Gradients, StepResult};
-use crate::messages::{FinishRequest, ShardSummary};
+use crate::gradients::{Gradients, LoanHome, StepResult};
+use crate::messages::{FinishRequest, SchedMsg, ShardSummary, StepEnd};
 use crate::plan::Fnv;
+use crate::policy::{AbortPolicy, Divisor};
 use crate::report::{AbortReason, Outcome, StepReport};
 use crate::store::GradStore;
-use crate::telemetry::{Lane, TimelineEvent};
+use crate::timeline::{Lane, TimelineEvent};
 
 impl<S: GradStore> Scheduler<S> {
+    /// The caller ends the current step (finish, abort or join).
     pub(super) fn on_finish(&mut self, req: FinishRequest<S>) {
-        if let Some(f) = &self.failure {
+        if let Lifecycle::Failed(f) = &self.lifecycle {
             let err = if f.step == req.step {
                 f.error.clone()
             } else {
@@ -34,296 +39,323 @@ impl<S: GradStore> Scheduler<S> {
             };
             return req.reply.send(Err(err));
         }
-        if let Some(loaned) = self.loaned {
-            // The shards have flushed already; keep their messages for a retry.
-            return req.reply.send(Err(SyncError::GradientsStillBorrowed { step: req.step, loaned }));
-        }
-        if req.step != self.state.step || self.state.finish.is_some() {
-            let expected = self.state.step;
+        if req.step != self.step.step || !matches!(self.lifecycle, Lifecycle::Open) {
+            // The runtime checks the step before asking, so this is a caller
+            // racing itself (or a reset in progress).
+            let expected = self.step.step;
             return req.reply.send(Err(SyncError::NotCurrentStep { expected, got: req.step }));
         }
-        self.begin();
-        if self.cfg.record_timeline {
-            let ev = TimelineEvent::instant("finish_step".into(), Lane::Backward, req.at);
-            self.state.timeline.push(ev);
+        if !self.begin() {
+            return req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "no bucket memory".into() }));
         }
-        self.state.finish = Some(req);
-        self.close_if_complete();
+        if self.cfg.record_timeline {
+            self.step.timeline.push(TimelineEvent::instant("finish_step".into(), Lane::Backward, req.at));
+        }
+        self.step.end = Some(req.end);
+        self.step.finish_at = Some(req.at);
+        self.lifecycle = Lifecycle::Flushing(req);
+        self.close_if_flushed();
     }
 
     pub(super) fn on_flushed(&mut self, s: ShardSummary) {
-        let st = &mut self.state;
+        let st = &mut self.step;
         st.flushed += 1;
         st.arrivals += s.arrivals;
         st.duplicates += s.duplicates;
-        st.rejected += s.rejected;
-        let room = crate::report::REJECTION_SAMPLES.saturating_sub(st.rejections.len());
-        st.rejections.extend(s.rejections.into_iter().take(room));
         for p in s.used {
-            st.used[p.index()] = true;
+            st.params[p.index()].used = true;
         }
         for p in s.expect_none_next {
-            st.expect_none_next[p.index()] = true;
+            st.params[p.index()].expect_none_next = true;
         }
-        self.close_if_complete();
+        self.close_if_flushed();
     }
 
-    fn close_if_complete(&mut self) {
-        let st = &mut self.state;
-        if st.phase != Phase::Open || st.flushed < self.cfg.shards || st.finish.is_none() {
+    /// Flushing → Draining once every shard has flushed: every parameter not
+    /// ready is unused (zeros); an aborting or joined rank sends zeros from
+    /// here on; every remaining bucket launches.
+    fn close_if_flushed(&mut self) {
+        if !matches!(self.lifecycle, Lifecycle::Flushing(_)) || self.step.flushed < self.cfg.shards {
             return;
         }
-        st.phase = Phase::Draining;
-        if let Some(f) = st.finish.as_mut() {
-            if st.nonfinite && f.abort.is_none() {
-                f.abort = Some(AbortReason::NonFinite);
+        if self.step.nonfinite && self.step.end == Some(StepEnd::Finish) {
+            self.step.end = Some(StepEnd::Abort(AbortReason::NonFinite));
+        }
+        let silent = self.step.end != Some(StepEnd::Finish);
+        for b in self.step.next_launch..self.plan.num_buckets() {
+            for &p in self.plan.bucket_params(b) {
+                let ps = &mut self.step.params[p.index()];
+                // Nothing of a silent rank goes into buckets not launched yet.
+                let unsent = if silent {
+                    ps.written = false;
+                    ps.sent.take()
+                } else {
+                    None
+                };
+                let was_pending = !std::mem::replace(&mut ps.ready, true);
+                if was_pending {
+                    if let super::step::BucketState::Filling { pending, .. } = &mut self.step.buckets[b] {
+                        *pending -= 1;
+                    }
+                }
+                if let Some(v) = unsent {
+                    self.recycle(p, v);
+                }
             }
         }
-        let aborting = st.finish.as_ref().is_some_and(|f| f.abort.is_some());
-        for (b, bucket) in self.plan.buckets.iter().enumerate().skip(st.next_launch) {
-            for p in &bucket.params {
-                let p = p.index();
-                if aborting {
-                    // An aborting rank still issues every collective, with zeros.
-                    st.written[p] = false;
-                }
-                if !st.ready[p] {
-                    st.ready[p] = true;
-                    st.pending[b] -= 1;
-                }
-            }
-        }
+        let Lifecycle::Flushing(req) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
+            unreachable!("checked above")
+        };
+        self.lifecycle = Lifecycle::Draining(req);
         self.launch_ready_buckets();
-        self.start_control_if_drained();
+        self.start_control_once_launched();
     }
 
-    pub(super) fn on_done(&mut self, done: CommDone<S>) {
-        let CommDone { tag, payload, result, started, finished } = done;
-        if self.resetting.is_some() {
-            // Collectives queued before the reset return first; only the
-            // agreement matters now.
-            if let (CollectiveKind::Reset { .. }, CommPayload::Words(words)) = (tag.kind, payload) {
-                self.on_reset_agreed(result.map(|()| words));
-            }
+    /// Draining → Control once every data bucket is launched. The vote
+    /// depends only on what this rank knows at close (late, used and
+    /// retracted parameters, the collectives issued), not on reduced data, so
+    /// it goes out right behind the last bucket; the communicator completes
+    /// collectives in order, so its answer arrives after every bucket's.
+    pub(super) fn start_control_once_launched(&mut self) {
+        if !matches!(self.lifecycle, Lifecycle::Draining(_)) || self.step.next_launch < self.plan.num_buckets() {
             return;
         }
-        self.state.comm_busy += finished.saturating_duration_since(started);
-        let took = finished.saturating_duration_since(started);
-        crate::telemetry::collective(&self.rank_label, &tag.kind, payload.bytes(&self.store), took, &result);
-        if self.cfg.record_timeline {
-            let name = match tag.kind {
-                CollectiveKind::Bucket { index, .. } => format!("all-reduce bucket {index}"),
-                CollectiveKind::Control { .. } => "control".to_string(),
-                CollectiveKind::Correction { .. } => "correction".to_string(),
-                CollectiveKind::Reset { .. } => "reset".to_string(),
-            };
-            self.state.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
-        }
-        if let Err(e) = result {
-            return self.fail(e.into());
-        }
-        match (tag.kind, payload) {
-            (CollectiveKind::Bucket { index, .. }, CommPayload::Grads(buf)) => {
-                self.buffers[index] = Some(buf);
-                self.state.done += 1;
-                if self.before_finish(finished) {
-                    self.state.done_before_finish += 1;
-                }
-                self.start_control_if_drained();
-            }
-            (CollectiveKind::Control { .. }, CommPayload::Words(words)) => self.on_control(&words),
-            (CollectiveKind::Correction { .. }, CommPayload::Grads(buf)) => self.on_correction(&buf),
-            (kind, _) => unreachable!("payload does not match collective {kind:?}"),
-        }
-    }
-
-    fn start_control_if_drained(&mut self) {
-        let st = &self.state;
-        if st.phase != Phase::Draining || st.done < self.plan.buckets.len() {
-            return;
-        }
-        let abort = st.finish.as_ref().and_then(|f| f.abort);
-        let mut late = vec![false; self.plan.num_params()];
-        for (p, l) in st.late.iter().enumerate() {
-            late[p] = l.is_some();
-        }
-        let vote = super::ControlVote {
+        let end = self.step.end.expect("a draining step has an end");
+        let status = match end {
+            StepEnd::Finish => RankStatus::Finished,
+            StepEnd::Abort(r) => RankStatus::Aborted(r),
+            StepEnd::Join => RankStatus::Joined,
+        };
+        let finished = end == StepEnd::Finish;
+        let late: Vec<bool> = self.step.params.iter().map(|p| finished && p.late.is_some()).collect();
+        // Only a rank whose gradients count says what it used: a parameter that
+        // only aborting or joined ranks touched has no gradient.
+        let used: Vec<bool> = self.step.params.iter().map(|p| finished && p.used).collect();
+        let partial = self.cfg.policy == AbortPolicy::Partial;
+        let aborting = matches!(end, StepEnd::Abort(_));
+        // What an aborting rank wrote is in the launched buckets: it is retracted.
+        let retract: Vec<bool> = self.step.params.iter().map(|p| aborting && p.written).collect();
+        let vote = ControlVote {
             rank: self.cfg.rank,
             world: self.cfg.world,
-            abort,
+            status,
             fingerprint: self.sequence_fingerprint(),
             late: &late,
-            used: &st.used,
+            used: &used,
+            retract: partial.then_some(retract.as_slice()),
         };
         let words = vote.encode();
-        let tag = CollectiveTag { step: st.step, kind: CollectiveKind::Control { len: words.len() } };
-        self.state.phase = Phase::Control;
-        self.submit(tag, CommPayload::Words(words));
+        let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Control { len: words.len() } };
+        let Lifecycle::Draining(req) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
+            unreachable!("checked above")
+        };
+        self.lifecycle = Lifecycle::Control(req);
+        self.submit(tag, CommPayload::Words(words), 1.0, self.cfg.collective_timeout);
     }
 
     /// Digest of the collective sequence this rank issued this step.
     fn sequence_fingerprint(&self) -> u64 {
         let mut h = Fnv::default();
         h.write(self.plan.fingerprint());
-        h.write(self.state.step);
-        h.write(self.state.next_launch as u64);
+        h.write(self.step.step);
+        h.write(self.step.next_launch as u64);
         h.0
     }
 
-    fn on_control(&mut self, words: &[u64]) {
-        let verdict = super::ControlVerdict::decode(words, self.cfg.world, self.plan.num_params());
-        let differ = verdict.disagreeing_ranks();
-        if !differ.is_empty() {
-            let step = self.state.step;
-            return self.fail(SyncError::Desync { step, ranks: differ, fingerprints: verdict.fingerprints });
+    /// Control → complete, Correcting or Failed, from the summed votes.
+    pub(super) fn on_control(&mut self, words: &[u64]) {
+        debug_assert_eq!(self.step.reduced, self.plan.num_buckets(), "collectives complete in order");
+        let (world, params) = (self.cfg.world, self.plan.num_params());
+        let partial = self.cfg.policy == AbortPolicy::Partial;
+        let verdict = ControlVerdict::decode(words, world, params, partial);
+        if let Some(d) = disagreement(&verdict.fingerprints) {
+            let step = self.step.step;
+            let error = SyncError::Desync {
+                step,
+                ranks: d.ranks,
+                groups: d.groups,
+                majority: d.majority,
+                fingerprints: verdict.fingerprints,
+            };
+            return self.fail(error);
         }
-        self.state.unused_everywhere = verdict.unused_everywhere;
-        if !verdict.aborted.is_empty() {
-            return self.complete(Outcome::Skipped { aborted: verdict.aborted });
+        let ControlVerdict { aborted, joined, late, unused_everywhere, retract, .. } = verdict;
+        self.step.unused_everywhere = unused_everywhere;
+        self.step.joined = joined.clone();
+        self.joined = joined.len();
+        if joined.len() == world {
+            return self.complete(Outcome::AllJoined, 0);
         }
-        if verdict.late.is_empty() {
-            return self.complete(Outcome::Applied);
+        let excluded = if partial { aborted.len() } else { 0 };
+        let contributors = world - joined.len() - excluded;
+        // A NaN or Inf already summed cannot be subtracted out again.
+        let unretractable = aborted.iter().any(|&(_, why)| why == AbortReason::NonFinite);
+        if !aborted.is_empty() && (!partial || contributors == 0 || unretractable) {
+            return self.complete(Outcome::Skipped { aborted }, 0);
         }
-        self.start_correction(verdict.late);
+        let outcome = if aborted.is_empty() { Outcome::Applied } else { Outcome::Partial { excluded: aborted } };
+        let mut targets = late;
+        targets.extend(retract);
+        targets.sort_unstable();
+        targets.dedup();
+        if targets.is_empty() {
+            return self.complete(outcome, contributors);
+        }
+        self.start_correction(targets, outcome, contributors);
     }
 
-    /// Pack every late parameter's correction (zeros where this rank has none)
-    /// and all-reduce it. All-reduce is linear, so adding the reduced
-    /// corrections to the early result gives the reduction of the final values.
-    fn start_correction(&mut self, late: Vec<ParamId>) {
-        let numel: usize = late.iter().map(|p| self.plan.params[p.index()].numel).sum();
+    /// Pack this rank's correction of every target parameter and all-reduce it.
+    /// All-reduce is linear, so adding the reduced corrections to the early
+    /// result gives the reduction of the final values:
+    ///
+    /// * a rank that finished contributes its late increments, or for a late
+    ///   `Accumulated` value `final - sent`, and zeros elsewhere;
+    /// * a rank that aborted (partial policy) contributes `-sent` where it had
+    ///   written a value into a launched bucket, and zeros elsewhere;
+    /// * a joined rank contributes zeros.
+    fn start_correction(&mut self, targets: Vec<ParamId>, outcome: Outcome, contributors: usize) {
+        let numel: usize = targets.iter().map(|&p| self.plan.param_numel(p)).sum();
         let mut buf = match self.store.alloc_bucket(numel, self.cfg.pieces) {
             Ok(buf) => buf,
             Err(e) => return self.fail(e.into()),
         };
-        let st = &mut self.state;
+        let end = self.step.end.expect("a step in control has an end");
+        let mut offsets = Vec::with_capacity(targets.len());
         let mut offset = 0;
-        for &p in &late {
-            let i = p.index();
-            let n = self.plan.params[i].numel;
-            if let Some(values) = st.late[i].take() {
-                match (st.kind[i], st.packed[i].as_ref()) {
-                    // Superseded after launch: contribute (final - what was sent).
-                    (Some(PayloadKind::Accumulated), Some(sent)) => {
-                        self.store.write_difference(&mut buf, offset, &values, sent)
+        for &p in &targets {
+            let n = self.plan.param_numel(p);
+            let ps = &mut self.step.params[p.index()];
+            match end {
+                StepEnd::Finish => {
+                    if let Some(values) = ps.late.take() {
+                        match (ps.kind, ps.sent.as_ref()) {
+                            // Superseded after launch: contribute (final - what was sent).
+                            (Some(PayloadKind::Accumulated), Some(sent)) => {
+                                self.store.write_difference(&mut buf, offset, &values, sent)
+                            }
+                            // Late increments, or a first value after a zero launch.
+                            _ => self.store.write(&mut buf, offset, &values, WriteMode::Set),
+                        }
+                        self.recycle(p, values);
                     }
-                    // Late increments, or a first value after a zero launch.
-                    _ => self.store.write(&mut buf, offset, &values, WriteMode::Set),
                 }
+                StepEnd::Abort(_) => {
+                    if let (true, Some(sent)) = (ps.written, ps.sent.as_ref()) {
+                        self.store.write(&mut buf, offset, sent, WriteMode::Set);
+                        self.store.scale(&mut buf, offset, n, -1.0);
+                    }
+                }
+                StepEnd::Join => {}
             }
-            st.correcting.push((p, offset));
+            offsets.push((p, offset));
             offset += n;
         }
-        let tag = CollectiveTag { step: st.step, kind: CollectiveKind::Correction { numel } };
-        st.phase = Phase::Correcting;
-        self.submit(tag, CommPayload::Grads(buf));
+        self.step.corrected = targets;
+        let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Correction { numel } };
+        let Lifecycle::Control(req) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
+            unreachable!("a correction follows the control collective")
+        };
+        self.lifecycle = Lifecycle::Correcting(req, Correction { targets: offsets, outcome, contributors });
+        let factor = self.cfg.divisor.factor(self.step.launch_contributors);
+        self.submit(tag, CommPayload::Grads(buf), factor, self.cfg.collective_timeout);
     }
 
-    fn on_correction(&mut self, buf: &S::Bucket) {
-        for &(p, offset) in &self.state.correcting {
-            let slot = self.plan.slots[p.index()];
-            let n = self.plan.params[p.index()].numel;
-            let dst = self.buffers[slot.bucket].as_mut().expect("data buckets are home after draining");
+    /// Correcting → complete: add the reduced corrections into the buckets.
+    pub(super) fn on_correction(&mut self, buf: &S::Bucket) {
+        let Lifecycle::Correcting(_, correction) = &self.lifecycle else {
+            unreachable!("a correction result arrives while correcting")
+        };
+        for &(p, offset) in &correction.targets {
+            let slot = self.plan.slot(p);
+            let n = self.plan.param_numel(p);
+            let dst = self.buffers.current[slot.bucket].as_mut().expect("data buckets are home after draining");
             self.store.add_from(dst, slot.offset, buf, offset, n);
         }
-        self.complete(Outcome::Applied);
+        let (outcome, contributors) = (correction.outcome.clone(), correction.contributors);
+        self.complete(outcome, contributors);
     }
 
-    /// Abandon the open (failed) step and propose `proposed` as the restart step.
-    /// Every rank writes its proposal into its own slot of the agreement vector,
-    /// so the sum tells everyone every proposal; the maximum wins.
-    pub(super) fn on_reset(
-        &mut self,
-        proposed: crate::arrival::Step,
-        reply: crate::messages::Reply<Result<crate::arrival::Step, SyncError>>,
-    ) {
-        if let Some(req) = self.state.finish.take() {
-            req.reply.send(Err(SyncError::Poisoned { step: self.state.step, cause: "reset requested".into() }));
+    /// Answer the caller, lend the buffers if the step applies, open the next step.
+    fn complete(&mut self, outcome: Outcome, contributors: usize) {
+        let req = self.lifecycle.take_finish().expect("a completing step has a finish request");
+        if outcome.is_applied() {
+            self.rescale(contributors);
         }
-        self.deferred.clear();
-        self.loaned = None;
-        for (b, buf) in self.buffers.iter_mut().enumerate() {
-            if buf.is_none() {
-                // Lost in the failed collective (pieces held by peers): allocate anew.
-                match self.store.alloc_bucket(self.plan.buckets[b].numel, self.cfg.pieces) {
-                    Ok(fresh) => *buf = Some(fresh),
-                    Err(e) => return reply.send(Err(e.into())),
-                }
-            }
+        let next_contributors = self.cfg.world - self.joined;
+        let next =
+            StepState::new(self.step.step + 1, self.plan.num_params(), self.plan.num_buckets(), next_contributors);
+        let mut st = std::mem::replace(&mut self.step, next);
+        if let Some(early) = self.early_refusals.remove(&self.step.step) {
+            self.step.refusals.absorb(early);
         }
-        let mut words = vec![0u64; self.cfg.world];
-        words[self.cfg.rank] = proposed + 1;
-        // Identical on every rank whatever it proposes, so proposals never look like a desync.
-        let tag = CollectiveTag { step: 0, kind: CollectiveKind::Reset { len: words.len() } };
-        self.resetting = Some(reply);
-        // Peers reach their reset only after their own failing collective gives up
-        // (at most one deadline after ours), so the agreement waits longer.
-        let timeout = self.cfg.collective_timeout * 3;
-        let job = crate::comm::CommJob::<S> { tag, payload: CommPayload::Words(words), factor: 1.0, timeout };
-        if self.comm.send(job).is_err() {
-            self.on_reset_agreed(Err(crate::error::CommError::Cancelled { rank: self.cfg.rank, tag }));
-        }
-    }
-
-    fn on_reset_agreed(&mut self, result: Result<Vec<u64>, crate::error::CommError>) {
-        let reply = self.resetting.take().expect("a reset is in progress");
-        match result {
-            Ok(words) => {
-                let agreed = words.iter().copied().max().unwrap_or(1).saturating_sub(1);
-                self.failure = None;
-                self.state = StepState::new(agreed, self.plan.num_params(), self.plan.buckets.len());
-                reply.send(Ok(agreed));
-            }
-            Err(e) => {
-                let error = SyncError::from(e);
-                self.failure = Some(super::Failure { step: self.state.step, error: error.clone() });
-                reply.send(Err(error));
-            }
-        }
-    }
-
-    /// Answer the caller, lend the buffers if the step applies, start the next step.
-    fn complete(&mut self, outcome: Outcome) {
-        let next = StepState::new(self.state.step + 1, self.plan.num_params(), self.plan.buckets.len());
-        let st = std::mem::replace(&mut self.state, next);
-        let req = st.finish.expect("a completing step has a finish request");
+        let unused_everywhere: Vec<bool> = st.unused_everywhere.clone();
+        let corrections = u32::from(!st.corrected.is_empty());
         let report = StepReport {
             step: st.step,
             rank: self.cfg.rank,
             outcome: outcome.clone(),
+            contributors: contributors as u32,
+            joined: std::mem::take(&mut st.joined),
             arrivals: st.arrivals,
             duplicates: st.duplicates,
-            rejected: st.rejected,
-            rejections: st.rejections,
+            rejected: st.refusals.count,
+            rejections: std::mem::take(&mut st.refusals.samples),
             late_arrivals: st.late_arrivals,
-            corrected: st.correcting.iter().map(|(p, _)| *p).collect(),
-            corrections: u32::from(!st.correcting.is_empty()),
-            unused_local: st.used.iter().filter(|u| !**u).count() as u32,
-            unused_everywhere: (0..st.unused_everywhere.len())
-                .filter(|&p| st.unused_everywhere[p])
-                .map(|p| ParamId(p as u32))
-                .collect(),
+            corrected: std::mem::take(&mut st.corrected),
+            corrections,
+            unused_local: st.params.iter().filter(|p| !p.used).count() as u32,
+            unused_everywhere: self.plan.param_ids().iter().copied().filter(|p| unused_everywhere[p.index()]).collect(),
             buckets_launched: st.next_launch as u32,
-            buckets_done_before_finish: st.done_before_finish,
+            buckets_done_before_finish: st.reduced_before_finish,
             bytes_launched: st.bytes,
             exposed_comm: Instant::now().saturating_duration_since(req.at),
             comm_busy: st.comm_busy,
-            timeline: st.timeline,
+            timeline: std::mem::take(&mut st.timeline),
         };
-        let step_time = st.began_at.map_or(Duration::ZERO, |t| t.elapsed());
+        let step_time = st.began.map_or(Duration::ZERO, |t| t.elapsed());
         crate::telemetry::step(&self.rank_label, &report, step_time);
-        self.expect_none = st.expect_none_next;
-        for (p, v) in st.packed.into_iter().enumerate().filter_map(|(p, v)| v.map(|v| (p, v))) {
-            self.recycle(ParamId(p as u32), v);
+        self.expect_none = st.params.iter().map(|p| p.expect_none_next).collect();
+        for (p, ps) in st.params.into_iter().enumerate() {
+            let id = self.plan.param_ids()[p];
+            for v in [ps.sent, ps.late].into_iter().flatten() {
+                self.recycle(id, v);
+            }
         }
         let gradients = outcome.is_applied().then(|| {
-            let buffers = self.buffers.iter_mut().map(|b| b.take().expect("buffers are home")).collect();
-            self.loaned = Some(st.step);
-            Gradients::new(st.step, Arc::clone(&self.plan), buffers, st.unused_everywhere, self.home.clone())
+            let buffers = std::mem::take(&mut self.buffers.current)
+                .into_iter()
+                .map(|b| b.expect("buffers are home at completion"))
+                .collect();
+            let home = self.home.clone();
+            let give_back = LoanHome::new(move |buffers| {
+                let _ = home.send(SchedMsg::LoanReturned { buffers });
+            });
+            Gradients::new(st.step, Arc::clone(&self.plan), buffers, unused_everywhere, give_back)
         });
         req.reply.send(Ok(StepResult { report, gradients }));
-        if self.loaned.is_none() {
-            self.replay_deferred();
+        self.replay_next();
+    }
+
+    /// Fewer ranks contributed than the launch factor assumed (a rank joined
+    /// or was excluded this step): re-divide so the result is averaged over
+    /// the ranks that contributed.
+    fn rescale(&mut self, contributors: usize) {
+        let assumed = self.step.launch_contributors;
+        if self.cfg.divisor != Divisor::WorldSize || contributors == assumed || contributors == 0 {
+            return;
+        }
+        let factor = assumed as f32 / contributors as f32;
+        for b in 0..self.plan.num_buckets() {
+            let buf = self.buffers.current[b].as_mut().expect("buffers are home at completion");
+            self.store.scale(buf, 0, self.plan.bucket_numel(b), factor);
+        }
+    }
+
+    /// Re-apply messages held for the step that is now current.
+    pub(super) fn replay_next(&mut self) {
+        let held = std::mem::take(&mut self.next);
+        for msg in held {
+            self.handle(msg);
         }
     }
 }

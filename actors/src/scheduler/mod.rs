@@ -1,46 +1,56 @@
 //! The bucket scheduler: the only place that decides what is launched and when.
 //!
-//! It owns the bucket buffers and the per-step bucket state. Inputs arrive on
-//! one inbox ([`SchedMsg`]): `Ready` values from the parameter actors, `Flushed`
-//! summaries, the caller's `Finish`, `Done` from the communicator thread, and the
-//! buffers coming home when the caller drops its [`crate::Gradients`].
+//! It owns the bucket buffers and the current step's state (`step.rs`). Inputs
+//! arrive on one inbox ([`SchedMsg`]): `Ready` values and `Flushed` summaries
+//! from the parameter actors, refusals, the caller's `Finish`, `Done` from the
+//! communicator thread, resets, and buffers coming home from a loan.
 //!
 //! ```text
-//!  Ready(first) ─▶ pack into slot ─▶ bucket pending -= 1 ─▶ launch buckets in plan order
-//!  Ready(extra) ─▶ bucket not launched? merge into slot : keep as late contribution
-//!  Flushed × shards + Finish ─▶ close: unused → zeros, launch the rest   (finish.rs)
-//!  all data Done ─▶ control collective ─▶ correction collective? ─▶ StepResult
+//!  Ready(complete) ─▶ pack into slot ─▶ bucket pending -= 1 ─▶ launch buckets in plan order   (data.rs)
+//!  Ready(extra)    ─▶ bucket not launched? merge into slot : keep as a late contribution
+//!  Finish + every shard Flushed ─▶ close: unused → zeros, launch the rest, then the control vote
+//!  control Done (after every bucket's) ─▶ correction collective? ─▶ StepResult     (finish.rs)
+//!  Reset ─▶ agreement collective ─▶ open the agreed step                            (reset.rs)
 //! ```
 //!
-//! Ordering invariant: every rank hands the communicator the same sequence
-//! (data buckets strictly in plan order, then control, then an optional
-//! correction decided by the *summed* control words), whatever order its
-//! gradients arrived in. That is what makes dedup, late arrivals and aborts
-//! safe on transports that match collectives by order (NCCL).
+//! Ordering invariant: every rank hands the communicator the same sequence (the
+//! plan agreement once, then per step data buckets strictly in plan order,
+//! control, and a correction decided by the *summed* control words), whatever
+//! order its gradients arrived in. That is what makes dedup, late arrivals and
+//! aborts safe on transports that match collectives by order (NCCL).
 //!
-//! The state machine is synchronous ([`Scheduler::handle`]); [`Scheduler::run`]
-//! drives it from a tokio task.
+//! The state machine is synchronous ([`Scheduler::handle`]); its unit tests
+//! drive it message by message. [`Scheduler::run`] drives it from a tokio task.
 
-mod control;
+pub mod control;
+mod data;
 mod finish;
+mod reset;
+mod step;
+#[cfg(test)]
+mod tests;
 
-pub use control::{ControlVerdict, ControlVote};
-
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
-use crate::arrival::{ParamId, PayloadKind, Step};
-use crate::bucket_buf::WriteMode;
+use crate::arrival::{ParamId, Step};
 use crate::comm::{CommJob, CommPayload};
-use crate::error::{AllocError, CollectiveKind, CollectiveTag, SyncError};
-use crate::messages::{FinishRequest, Reply, SchedMsg, ShardSummary};
+use crate::error::{AllocError, CollectiveTag, Rejection, SyncError};
+use crate::messages::{Reply, SchedMsg};
+use crate::plan::Plan;
+use crate::policy::{AbortPolicy, Divisor};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
-use crate::telemetry::{Lane, TimelineEvent};
+use step::{BufferPool, Failure, Lifecycle, Refusals, StepState};
+
+/// How many future steps' refusals are kept for their reports (beyond that,
+/// refusals naming a far-off step are counted in the metrics only).
+const EARLY_REFUSAL_STEPS: usize = 64;
 
 /// Fixed settings of one scheduler.
 #[derive(Debug, Clone)]
@@ -53,121 +63,19 @@ pub struct SchedulerConfig {
     pub shards: usize,
     /// Pieces per bucket buffer (the transport's preference).
     pub pieces: usize,
-    /// Scale applied to reduced sums: `1 / divisor`.
-    pub factor: f32,
+    /// What the reduced sum is divided by.
+    pub divisor: Divisor,
+    /// What a step some rank aborted means.
+    pub policy: AbortPolicy,
     /// How long one collective may wait for its peers.
     pub collective_timeout: Duration,
     /// Skip the step on every rank when any rank's gradient holds NaN or Inf.
     pub check_finite: bool,
     /// Record a per-step timeline into each report.
     pub record_timeline: bool,
-}
-
-/// Where a step is in its finish protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    /// Backward running: buckets launch as they fill.
-    Open,
-    /// Finish requested and every shard flushed: remaining buckets launched, waiting for them.
-    Draining,
-    /// The control collective is in flight.
-    Control,
-    /// The correction collective is in flight.
-    Correcting,
-}
-
-/// A failure that ended a step; later steps report it as [`SyncError::Poisoned`].
-#[derive(Debug, Clone)]
-struct Failure {
-    step: Step,
-    error: SyncError,
-}
-
-/// Bucket and parameter state of the open step.
-#[derive(Debug)]
-struct StepState<S: GradStore> {
-    step: Step,
-    /// Whether step-start work (pre-ready parameters) is done.
-    begun: bool,
-    phase: Phase,
-    /// Per parameter: its ready value has been packed (or none is expected).
-    ready: Vec<bool>,
-    /// Per parameter: its slot holds this step's data (otherwise zeroed at launch).
-    written: Vec<bool>,
-    /// Per parameter: payload kind seen this step.
-    kind: Vec<Option<PayloadKind>>,
-    /// Per parameter: the `Accumulated` value packed into the slot, kept so a
-    /// late supersede can be turned into a difference.
-    packed: Vec<Option<S::Values>>,
-    /// Per parameter: late contribution (sum of late increments, or the latest
-    /// late `Accumulated` value).
-    late: Vec<Option<S::Values>>,
-    /// Per bucket: members not ready yet.
-    pending: Vec<usize>,
-    /// Buckets `0..next_launch` have been handed to the communicator.
-    next_launch: usize,
-    /// Data buckets whose all-reduce returned.
-    done: usize,
-    done_before_finish: u32,
-    late_arrivals: u64,
-    /// Shards that flushed this step, and what they reported.
-    flushed: usize,
-    arrivals: u64,
-    duplicates: u64,
-    rejected: u64,
-    rejections: Vec<crate::error::Rejection>,
-    /// A NaN or Inf was packed this step (only checked with `check_finite`).
-    nonfinite: bool,
-    used: Vec<bool>,
-    expect_none_next: Vec<bool>,
-    finish: Option<FinishRequest<S>>,
-    bytes: u64,
-    comm_busy: Duration,
-    /// Late parameters being corrected, with their offset in the correction buffer.
-    correcting: Vec<(ParamId, usize)>,
-    unused_everywhere: Vec<bool>,
-    /// When the step's first message arrived.
-    began_at: Option<Instant>,
-    /// Per bucket: when its first value was packed.
-    fill_started: Vec<Option<Instant>>,
-    /// Events of this step (only with `record_timeline`).
-    timeline: Vec<TimelineEvent>,
-}
-
-impl<S: GradStore> StepState<S> {
-    fn new(step: Step, num_params: usize, num_buckets: usize) -> Self {
-        StepState {
-            step,
-            begun: false,
-            phase: Phase::Open,
-            ready: vec![false; num_params],
-            written: vec![false; num_params],
-            kind: vec![None; num_params],
-            packed: std::iter::repeat_with(|| None).take(num_params).collect(),
-            late: std::iter::repeat_with(|| None).take(num_params).collect(),
-            pending: vec![0; num_buckets],
-            next_launch: 0,
-            done: 0,
-            done_before_finish: 0,
-            late_arrivals: 0,
-            flushed: 0,
-            arrivals: 0,
-            duplicates: 0,
-            rejected: 0,
-            rejections: Vec::new(),
-            nonfinite: false,
-            used: vec![false; num_params],
-            expect_none_next: vec![false; num_params],
-            finish: None,
-            bytes: 0,
-            comm_busy: Duration::ZERO,
-            correcting: Vec::new(),
-            unused_everywhere: vec![false; num_params],
-            began_at: None,
-            fill_started: vec![None; num_buckets],
-            timeline: Vec::new(),
-        }
-    }
+    /// Multiply data buckets by their factor while packing; the transport
+    /// only sums them ([`crate::Transport::scale_when_packing`]).
+    pub scale_when_packing: bool,
 }
 
 /// The bucket-scheduler actor of one rank.
@@ -176,67 +84,81 @@ pub struct Scheduler<S: GradStore = HostStore> {
     cfg: SchedulerConfig,
     /// Packs, zeroes and combines gradient values (host loops or device kernels).
     store: S,
-    plan: Arc<crate::plan::Plan>,
+    plan: Arc<Plan>,
     /// Jobs for the communicator thread.
     comm: Sender<CommJob<S>>,
-    /// This actor's own inbox, handed to [`crate::Gradients`] so buffers come home.
+    /// This actor's own inbox, for loans to come home through.
     home: UnboundedSender<SchedMsg<S>>,
-    /// Bucket buffers by bucket index; `None` while in a collective or on loan.
-    buffers: Vec<Option<S::Bucket>>,
-    /// The step whose gradients the caller still holds.
-    loaned: Option<Step>,
-    /// Messages of a later step, held until the current one completes and its
-    /// loan is returned.
-    deferred: VecDeque<SchedMsg<S>>,
+    /// Where the current step is.
+    lifecycle: Lifecycle<S>,
+    /// The current step's bookkeeping.
+    step: StepState<S::Values>,
+    /// Bucket buffers: the current set and spare sets.
+    buffers: BufferPool<S::Bucket>,
+    /// Every rank's plan matched ours (launches wait until it did).
+    plan_agreed: bool,
+    /// Messages of a later step, held until the current one completes.
+    next: VecDeque<SchedMsg<S>>,
     /// Per parameter: treat as ready (zeros) at step start.
     expect_none: Vec<bool>,
+    /// Ranks known to have joined (from the last control verdict).
+    joined: usize,
+    /// Generation of the parameter actors' messages: bumped by every reset so
+    /// that values sent before it are dropped.
+    epoch: u32,
     /// Progress requests: settled shard count and the waiting reply.
     settles: HashMap<u64, (usize, Option<Reply<Progress>>)>,
-    failure: Option<Failure>,
+    /// Refusals naming a step that has not begun, for its report.
+    early_refusals: BTreeMap<Step, Refusals>,
     /// This rank as a metric label.
     rank_label: String,
     /// Where consumed payload vectors go for reuse by the caller (opt-in).
     spent: Option<Sender<(ParamId, S::Values)>>,
-    /// A reset in progress: its agreement collective is in flight.
-    resetting: Option<Reply<Result<Step, SyncError>>>,
-    state: StepState<S>,
+    /// Bytes of bucket buffers allocated, for the caller's memory figure.
+    allocated: Arc<AtomicUsize>,
 }
 
 impl<S: GradStore> Scheduler<S> {
-    /// A scheduler for `plan` packing with `store`; allocates the bucket buffers once.
+    /// A scheduler for `plan` packing with `store`. Allocates one set of bucket
+    /// buffers and submits the plan agreement, the first collective of every
+    /// rank, so it runs while the first forward computes.
     pub fn new(
         cfg: SchedulerConfig,
         store: S,
-        plan: Arc<crate::plan::Plan>,
+        plan: Arc<Plan>,
         comm: Sender<CommJob<S>>,
         home: UnboundedSender<SchedMsg<S>>,
     ) -> Result<Self, AllocError> {
-        let mut buffers = Vec::with_capacity(plan.buckets.len());
-        for b in &plan.buckets {
-            buffers.push(Some(store.alloc_bucket(b.numel, cfg.pieces)?));
-        }
-        let expect_none = plan.params.iter().map(|p| p.expected_arrivals == Some(0)).collect();
-        let state = StepState::new(0, plan.num_params(), plan.buckets.len());
+        let allocated = Arc::new(AtomicUsize::new(0));
+        let expect_none = plan.param_ids().iter().map(|&p| plan.expected_arrivals(p) == Some(0)).collect();
+        let step = StepState::new(0, plan.num_params(), plan.num_buckets(), cfg.world);
         let rank_label = cfg.rank.to_string();
-        crate::telemetry::plan(&rank_label, plan.buckets.len(), plan.bucket_bytes());
-        crate::telemetry::trace_epoch();
-        Ok(Scheduler {
+        crate::telemetry::plan(&rank_label, plan.num_buckets(), plan.bucket_bytes());
+        crate::timeline::trace_epoch();
+        let mut sched = Scheduler {
             rank_label,
             cfg,
             store,
             plan,
             comm,
             home,
-            buffers,
-            loaned: None,
-            deferred: VecDeque::new(),
+            lifecycle: Lifecycle::Open,
+            step,
+            buffers: BufferPool { current: Vec::new(), spare: Vec::new(), sets: 0 },
+            plan_agreed: false,
+            next: VecDeque::new(),
             expect_none,
+            joined: 0,
+            epoch: 0,
             settles: HashMap::new(),
-            failure: None,
-            resetting: None,
+            early_refusals: BTreeMap::new(),
             spent: None,
-            state,
-        })
+            allocated,
+        };
+        let set = sched.allocate_set()?;
+        sched.buffers.current = set.into_iter().map(Some).collect();
+        sched.propose_plan();
+        Ok(sched)
     }
 
     /// Send payload vectors the scheduler no longer needs to `spent` instead of
@@ -247,11 +169,20 @@ impl<S: GradStore> Scheduler<S> {
         self
     }
 
-    /// Hand a consumed payload back to the caller, or free it.
-    pub(crate) fn recycle(&self, param: ParamId, values: S::Values) {
-        if let Some(tx) = &self.spent {
-            let _ = tx.try_send((param, values));
-        }
+    /// Bytes of bucket buffers allocated so far, updated as sets are added.
+    pub fn allocated_bytes(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.allocated)
+    }
+
+    /// Where the current step is in its lifecycle (`"open"`, `"flushing"`,
+    /// `"draining"`, `"control"`, `"correcting"`, `"failed"`, `"resetting"`).
+    pub fn phase(&self) -> &'static str {
+        self.lifecycle.name()
+    }
+
+    /// The step the scheduler is working on.
+    pub fn current_step(&self) -> Step {
+        self.step.step
     }
 
     /// Drain the inbox until `Shutdown` or until every sender is gone.
@@ -275,28 +206,66 @@ impl<S: GradStore> Scheduler<S> {
                 self.settles.entry(id).or_insert((0, None)).1 = Some(reply);
                 self.answer_progress(id);
             }
-            SchedMsg::LoanReturned { buffers } => self.on_loan_returned(buffers),
+            SchedMsg::LoanReturned { buffers } => self.buffers.spare.push(buffers),
+            SchedMsg::Rejected { step, why } => self.on_rejected(step, why),
             SchedMsg::Done(done) => self.on_done(done),
             SchedMsg::Finish(req) => self.on_finish(req),
             SchedMsg::Reset { proposed, reply } => self.on_reset(proposed, reply),
-            msg @ (SchedMsg::Ready { step, .. } | SchedMsg::Flushed(ShardSummary { step, .. })) => {
-                if step < self.state.step {
-                    // Left over from a step abandoned by a reset.
-                } else if self.loaned.is_some() || step != self.state.step || self.resetting.is_some() {
-                    self.deferred.push_back(msg);
-                } else if self.failure.is_none() {
-                    self.begin();
-                    match msg {
-                        SchedMsg::Ready { param, kind, values, first, at, .. } => {
-                            self.on_ready(param, kind, values, first, at)
-                        }
-                        SchedMsg::Flushed(s) => self.on_flushed(s),
-                        _ => unreachable!("matched as Ready or Flushed above"),
-                    }
+            SchedMsg::Ready { step, epoch, .. }
+            | SchedMsg::Flushed(crate::messages::ShardSummary { step, epoch, .. })
+                if epoch != self.epoch || step < self.step.step =>
+            {
+                // Sent before a reset, or left over from an abandoned step.
+                if let SchedMsg::Ready { param, values, .. } = msg {
+                    self.recycle(param, values);
                 }
             }
+            msg @ (SchedMsg::Ready { .. } | SchedMsg::Flushed(_)) => self.on_step_message(msg),
         }
         true
+    }
+
+    /// A `Ready` or `Flushed` of the current step or a later one.
+    fn on_step_message(&mut self, msg: SchedMsg<S>) {
+        let step = match &msg {
+            SchedMsg::Ready { step, .. } => *step,
+            SchedMsg::Flushed(s) => s.step,
+            _ => unreachable!("only Ready and Flushed are step messages"),
+        };
+        if self.failed() {
+            // The step is abandoned; a reset will open a new one.
+            if let SchedMsg::Ready { param, values, .. } = msg {
+                self.recycle(param, values);
+            }
+            return;
+        }
+        if step > self.step.step {
+            // A later step's message: the current step must complete first.
+            return self.next.push_back(msg);
+        }
+        if !self.begin() {
+            return;
+        }
+        match msg {
+            SchedMsg::Ready { param, token, kind, values, readiness, at, .. } => {
+                self.on_ready(param, token, kind, values, readiness, at)
+            }
+            SchedMsg::Flushed(summary) => self.on_flushed(summary),
+            _ => unreachable!("only Ready and Flushed are step messages"),
+        }
+    }
+
+    /// Whether the scheduler is failed or resetting (step messages are dropped).
+    fn failed(&self) -> bool {
+        matches!(self.lifecycle, Lifecycle::Failed(_) | Lifecycle::Resetting(_))
+    }
+
+    /// Answer every progress request that was waiting for the plan agreement.
+    fn answer_waiting_progress(&mut self) {
+        let ids: Vec<u64> = self.settles.keys().copied().collect();
+        for id in ids {
+            self.answer_progress(id);
+        }
     }
 
     fn on_settled(&mut self, id: u64) {
@@ -304,130 +273,74 @@ impl<S: GradStore> Scheduler<S> {
         self.answer_progress(id);
     }
 
+    /// Answer progress request `id` once every shard has settled it and the
+    /// plan agreement is over (before it, launches wait, so a snapshot would
+    /// not show what the arrivals caused).
     fn answer_progress(&mut self, id: u64) {
-        let complete = matches!(self.settles.get(&id), Some((n, Some(_))) if *n >= self.cfg.shards);
-        if complete {
+        let settled = matches!(self.settles.get(&id), Some((n, Some(_))) if *n >= self.cfg.shards);
+        if settled && (self.plan_agreed || self.failed()) {
             let (_, reply) = self.settles.remove(&id).expect("entry present");
-            let s = &self.state;
+            let s = &self.step;
             reply.expect("reply present").send(Progress {
                 step: s.step,
                 buckets_launched: s.next_launch,
-                buckets_done: s.done,
-                params_ready: s.ready.iter().filter(|r| **r).count(),
+                buckets_done: s.reduced,
+                params_ready: s.params.iter().filter(|p| p.ready).count(),
             });
         }
     }
 
-    fn on_loan_returned(&mut self, buffers: Vec<S::Bucket>) {
-        for (slot, buf) in self.buffers.iter_mut().zip(buffers) {
-            *slot = Some(buf);
-        }
-        self.loaned = None;
-        self.replay_deferred();
-    }
-
-    /// Re-apply messages held for the step that is now current.
-    fn replay_deferred(&mut self) {
-        let held = std::mem::take(&mut self.deferred);
-        for msg in held {
-            self.handle(msg);
-        }
-    }
-
-    /// Step-start work: parameters expected to stay unused are ready (zeros).
-    fn begin(&mut self) {
-        if self.state.begun {
-            return;
-        }
-        self.state.begun = true;
-        self.state.began_at = Some(Instant::now());
-        for (b, bucket) in self.plan.buckets.iter().enumerate() {
-            self.state.pending[b] = bucket.params.iter().filter(|p| !self.expect_none[p.index()]).count();
-        }
-        for (p, &none) in self.expect_none.iter().enumerate() {
-            self.state.ready[p] = none;
-        }
-        self.launch_ready_buckets();
-    }
-
-    fn on_ready(&mut self, param: ParamId, kind: PayloadKind, values: S::Values, first: bool, at: Instant) {
-        let p = param.index();
-        let slot = self.plan.slots[p];
-        let st = &mut self.state;
-        if self.cfg.record_timeline {
-            let what = match (first, slot.bucket < st.next_launch) {
-                (_, true) => "late",
-                (true, false) => "ready",
-                (false, false) => "merge",
-            };
-            st.timeline.push(TimelineEvent::instant(format!("{what} p{}", param.0), Lane::Backward, at));
-        }
-        st.kind[p] = Some(kind);
-        if self.cfg.check_finite && !self.store.all_finite(&values) {
-            st.nonfinite = true;
-        }
-        if slot.bucket < st.next_launch {
-            // The bucket is already in (or through) its all-reduce: late.
-            st.late_arrivals += 1;
-            let spent = match (&mut st.late[p], kind) {
-                (Some(acc), PayloadKind::Increment) => {
-                    self.store.add_assign(acc, &values);
-                    Some(values)
-                }
-                (late, _) => late.replace(values),
-            };
-            if let Some(v) = spent {
-                self.recycle(param, v);
-            }
-            return;
-        }
-        if self.cfg.record_timeline {
-            st.fill_started[slot.bucket].get_or_insert_with(Instant::now);
-        }
-        let buf = self.buffers[slot.bucket].as_mut().expect("unlaunched bucket buffer is home");
-        let mode = if kind == PayloadKind::Increment && st.written[p] { WriteMode::Add } else { WriteMode::Set };
-        self.store.write(buf, slot.offset, &values, mode);
-        st.written[p] = true;
-        let spent = if kind == PayloadKind::Accumulated { st.packed[p].replace(values) } else { Some(values) };
-        if first && !st.ready[p] {
-            st.ready[p] = true;
-            st.pending[slot.bucket] -= 1;
-            self.launch_ready_buckets();
-        }
-        if let Some(v) = spent {
-            self.recycle(param, v);
+    /// Count a refused arrival in the report of the step it names, if that
+    /// report is still to come; always in the metrics.
+    fn on_rejected(&mut self, step: Step, why: Rejection) {
+        crate::telemetry::rejected(&self.rank_label);
+        let current = self.step.step;
+        if step == current && !self.failed() {
+            self.step.refusals.add(why);
+        } else if step > current
+            && (self.early_refusals.len() < EARLY_REFUSAL_STEPS || self.early_refusals.contains_key(&step))
+        {
+            self.early_refusals.entry(step).or_default().add(why);
+        } else {
+            tracing::debug!(rank = self.cfg.rank, step, current, %why, "refusal for a step whose report is out");
         }
     }
 
-    /// Launch every bucket that is full and whose predecessors are launched.
-    fn launch_ready_buckets(&mut self) {
-        while self.state.next_launch < self.plan.buckets.len() && self.state.pending[self.state.next_launch] == 0 {
-            self.launch_bucket(self.state.next_launch);
-            self.state.next_launch += 1;
+    /// Hand a consumed payload back to the caller, or free it.
+    fn recycle(&self, param: ParamId, values: S::Values) {
+        if let Some(tx) = &self.spent {
+            let _ = tx.try_send((param, values));
         }
     }
 
-    fn launch_bucket(&mut self, b: usize) {
-        let mut buf = self.buffers[b].take().expect("bucket buffer is home at launch");
-        let spec = &self.plan.buckets[b];
-        for p in &spec.params {
-            if !self.state.written[p.index()] {
-                self.store.zero(&mut buf, self.plan.slots[p.index()].offset, self.plan.params[p.index()].numel);
-            }
+    /// Allocate one set of bucket buffers.
+    fn allocate_set(&mut self) -> Result<Vec<S::Bucket>, AllocError> {
+        let mut set = Vec::with_capacity(self.plan.num_buckets());
+        for b in 0..self.plan.num_buckets() {
+            set.push(self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces)?);
         }
-        let tag = CollectiveTag { step: self.state.step, kind: CollectiveKind::Bucket { index: b, numel: spec.numel } };
-        if self.cfg.record_timeline {
-            let now = Instant::now();
-            let from = self.state.fill_started[b].or(self.state.began_at).unwrap_or(now);
-            self.state.timeline.push(TimelineEvent::span(format!("fill bucket {b}"), Lane::Scheduler, from, now));
+        self.buffers.sets += 1;
+        self.allocated.fetch_add(self.plan.bucket_bytes(), Ordering::Relaxed);
+        Ok(set)
+    }
+
+    /// Make sure the current step has a set of buffers: a spare one, or a new one.
+    fn ensure_buffers(&mut self) -> Result<(), AllocError> {
+        if !self.buffers.current.is_empty() || self.plan.num_buckets() == 0 {
+            return Ok(());
         }
-        self.submit(tag, CommPayload::Grads(buf));
+        let set = match self.buffers.spare.pop() {
+            Some(set) => set,
+            None => self.allocate_set()?,
+        };
+        self.buffers.current = set.into_iter().map(Some).collect();
+        Ok(())
     }
 
     /// Hand a collective to the communicator thread.
-    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload<S>) {
-        self.state.bytes += payload.bytes(&self.store) as u64;
-        let job = CommJob { tag, payload, factor: self.cfg.factor, timeout: self.cfg.collective_timeout };
+    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload<S>, factor: f32, timeout: Duration) {
+        self.step.bytes += payload.bytes(&self.store) as u64;
+        let job = CommJob { tag, payload, factor, timeout };
         if self.comm.send(job).is_err() {
             // The communicator thread is gone (it only exits when we drop the
             // sender, so this is a crash); fail the step instead of waiting forever.
@@ -435,19 +348,22 @@ impl<S: GradStore> Scheduler<S> {
         }
     }
 
-    /// End the step with an error; the instance stays failed.
+    /// End the current step with an error: answer whoever waits (a finish or
+    /// a reset), and stay failed until a reset. The first failure is kept.
     fn fail(&mut self, error: SyncError) {
-        tracing::error!(rank = self.cfg.rank, step = self.state.step, %error, "gradsync step failed");
-        if let Some(req) = self.state.finish.take() {
-            req.reply.send(Err(error.clone()));
+        tracing::error!(rank = self.cfg.rank, step = self.step.step, %error, "gradsync step failed");
+        self.next.clear();
+        match std::mem::replace(&mut self.lifecycle, Lifecycle::Open) {
+            Lifecycle::Flushing(f) | Lifecycle::Draining(f) | Lifecycle::Control(f) | Lifecycle::Correcting(f, _) => {
+                f.reply.send(Err(error.clone()))
+            }
+            Lifecycle::Resetting(reply) => reply.send(Err(error.clone())),
+            Lifecycle::Failed(first) => {
+                self.lifecycle = Lifecycle::Failed(first);
+                return;
+            }
+            Lifecycle::Open => {}
         }
-        if self.failure.is_none() {
-            self.failure = Some(Failure { step: self.state.step, error });
-        }
-    }
-
-    /// Whether `Instant` `at` is before the caller asked to finish.
-    fn before_finish(&self, at: Instant) -> bool {
-        self.state.finish.as_ref().is_none_or(|f| at < f.at)
+        self.lifecycle = Lifecycle::Failed(Failure { step: self.step.step, error });
     }
 }

@@ -1,0 +1,104 @@
+//! Agreements outside the step loop: the plan agreement before the first
+//! bucket, and the reset after a failed step. Both are small u64 collectives
+//! in which every rank writes its own slot, submitted through the same path as
+//! every other collective.
+
+use super::control::disagreement;
+use super::step::{Failure, Lifecycle, StepState};
+use super::Scheduler;
+use crate::arrival::Step;
+use crate::comm::CommPayload;
+use crate::error::{CollectiveKind, CollectiveTag, CommError, SyncError};
+use crate::messages::Reply;
+use crate::plan::Fnv;
+use crate::store::GradStore;
+
+impl<S: GradStore> Scheduler<S> {
+    /// Submit this rank's plan digest (model, bucket layout, abort policy) in
+    /// its own slot of a `W`-word vector: the first collective of every rank.
+    pub(super) fn propose_plan(&mut self) {
+        let mut h = Fnv::default();
+        h.write(self.plan.fingerprint());
+        h.write(self.cfg.policy.code());
+        let mut words = vec![0u64; self.cfg.world];
+        words[self.cfg.rank] = h.0;
+        let tag = CollectiveTag { step: 0, kind: CollectiveKind::Plan { len: words.len() } };
+        self.submit(tag, CommPayload::Words(words), 1.0, self.cfg.collective_timeout);
+    }
+
+    /// The plan agreement returned: launch what waited for it, or fail every
+    /// rank alike, naming the odd ranks, before any gradient is summed.
+    pub(super) fn on_plan_agreed(&mut self, words: &[u64]) {
+        match disagreement(words) {
+            None => {
+                self.plan_agreed = true;
+                self.launch_ready_buckets();
+                self.start_control_once_launched();
+            }
+            Some(d) => self.fail(SyncError::Desync {
+                step: self.step.step,
+                ranks: d.ranks,
+                groups: d.groups,
+                majority: d.majority,
+                fingerprints: words.to_vec(),
+            }),
+        }
+        self.answer_waiting_progress();
+    }
+
+    /// Abandon the current step and propose `proposed` as the restart step.
+    /// Every rank writes its proposal into its own slot of the agreement
+    /// vector, so the sum tells everyone every proposal; the maximum wins.
+    pub(super) fn on_reset(&mut self, proposed: Step, reply: Reply<Result<Step, SyncError>>) {
+        if let Some(req) = self.lifecycle.take_finish() {
+            req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "reset requested".into() }));
+        }
+        self.next.clear();
+        // Buffers lost in a failed collective (pieces held by peers) are replaced.
+        if self.buffers.current.is_empty() {
+            if let Err(e) = self.ensure_buffers() {
+                return reply.send(Err(e.into()));
+            }
+        }
+        for b in 0..self.plan.num_buckets() {
+            if self.buffers.current[b].is_none() {
+                match self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces) {
+                    Ok(fresh) => self.buffers.current[b] = Some(fresh),
+                    Err(e) => return reply.send(Err(e.into())),
+                }
+            }
+        }
+        let mut words = vec![0u64; self.cfg.world];
+        words[self.cfg.rank] = proposed + 1;
+        // Identical on every rank whatever it proposes, so proposals never look like a desync.
+        let tag = CollectiveTag { step: 0, kind: CollectiveKind::Reset { len: words.len() } };
+        self.lifecycle = Lifecycle::Resetting(reply);
+        // Peers reach their reset only after their own failing collective gives up
+        // (at most one deadline after ours), so the agreement waits longer.
+        let timeout = self.cfg.collective_timeout * 3;
+        // If the communicator is gone, `submit` fails the scheduler, which answers `reply`.
+        self.submit(tag, CommPayload::Words(words), 1.0, timeout);
+    }
+
+    /// The reset agreement returned: open the agreed step (a new generation
+    /// of actor messages), or stay failed.
+    pub(super) fn on_reset_agreed(&mut self, result: Result<Vec<u64>, CommError>) {
+        let Lifecycle::Resetting(reply) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
+            unreachable!("an agreement result arrives while resetting")
+        };
+        match result {
+            Ok(words) => {
+                let agreed = words.iter().copied().max().unwrap_or(1).saturating_sub(1);
+                self.epoch += 1;
+                let contributors = self.cfg.world - self.joined;
+                self.step = StepState::new(agreed, self.plan.num_params(), self.plan.num_buckets(), contributors);
+                reply.send(Ok(agreed));
+            }
+            Err(e) => {
+                let error = SyncError::from(e);
+                self.lifecycle = Lifecycle::Failed(Failure { step: self.step.step, error: error.clone() });
+                reply.send(Err(error));
+            }
+        }
+    }
+}
