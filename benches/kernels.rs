@@ -1,7 +1,7 @@
 //! Criterion suites for the data path: the pack/unpack loops on a bucket and
 //! the local all-reduce against a plain memcpy of the same bytes.
 //!
-//! * `pack/...`: copying one gradient into its (sharded) bucket slot, adding a
+//! * `pack/...`: copying one gradient into its bucket slot (across pieces), adding a
 //!   second contribution, and reading it back (unpack);
 //! * `reduce/...`: the reduce step of the reduce-scatter (4 sources, scaled);
 //! * `allreduce_vs_memcpy/...`: a 64 MiB bucket all-reduced by 4 local ranks,
@@ -11,7 +11,8 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use gradsync::{BucketBuf, CollectiveKind, CollectiveTag, LocalWorld, Transport};
+use gradsync::backend::{BucketBuf, CollectiveKind, CollectiveTag, Transport, WriteMode};
+use gradsync::LocalWorld;
 
 fn pack(c: &mut Criterion) {
     let mut g = c.benchmark_group("pack");
@@ -20,10 +21,10 @@ fn pack(c: &mut Criterion) {
         let mut buf = BucketBuf::zeroed(numel + 13, 4);
         g.throughput(Throughput::Bytes((numel * 4) as u64));
         g.bench_with_input(BenchmarkId::new("set", numel), &numel, |b, _| {
-            b.iter(|| buf.write(7, &src, gradsync_actors::bucket_buf::WriteMode::Set))
+            b.iter(|| buf.write(7, &src, WriteMode::Set))
         });
         g.bench_with_input(BenchmarkId::new("add", numel), &numel, |b, _| {
-            b.iter(|| buf.write(7, &src, gradsync_actors::bucket_buf::WriteMode::Add))
+            b.iter(|| buf.write(7, &src, WriteMode::Add))
         });
         let mut out = vec![0.0; numel];
         g.bench_with_input(BenchmarkId::new("unpack", numel), &numel, |b, _| b.iter(|| buf.read(7, &mut out)));
@@ -43,7 +44,7 @@ fn reduce(c: &mut Criterion) {
 }
 
 fn gradsync_kernels_reduce(dst: &mut [f32], srcs: &[&[f32]]) {
-    gradsync_actors::bucket_buf::reduce_scaled(dst, srcs, 0.25);
+    gradsync_kernels::reduce_scaled(dst, srcs, 0.25);
 }
 
 /// Slowest rank's time for `iters` all-reduces of `numel` values on `world` threads.

@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use gradsync::{DType, GradSync, LocalWorld, ParamId, Token};
+use gradsync::{DType, GradSync, LocalWorld, Token};
 
 /// A 1-rank world of `params` one-value parameters in buckets of `cap_bytes`.
 fn world_of_one(params: usize, cap_bytes: usize, timeline: bool) -> GradSync {
@@ -28,6 +28,7 @@ fn hook_call(c: &mut Criterion) {
     const PARAMS: usize = 4096;
     let mut sync = world_of_one(PARAMS, 64 << 10, false);
     let hook = sync.hook();
+    let ids = sync.param_ids().to_vec();
     let mut step = 0;
     c.bench_function("hook_call", |b| {
         b.iter_custom(|iters| {
@@ -37,9 +38,9 @@ fn hook_call(c: &mut Criterion) {
                 let n = left.min(PARAMS);
                 let mut payloads: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0]).collect();
                 let t = Instant::now();
-                for p in 0..n {
+                for &id in &ids[..n] {
                     let payload = payloads.pop().expect("one payload per call");
-                    hook.increment(step, ParamId(p as u32), Token(0), payload).unwrap();
+                    hook.increment(step, id, Token(0), payload).unwrap();
                 }
                 timed += t.elapsed();
                 drop(sync.finish_step(step).unwrap());
@@ -56,6 +57,7 @@ fn pipeline(c: &mut Criterion) {
     for params in [100usize, 1_000, 10_000] {
         let mut sync = world_of_one(params, 64 << 10, false);
         let hook = sync.hook();
+        let ids = sync.param_ids().to_vec();
         let mut step = 0;
         group.throughput(Throughput::Elements(params as u64));
         group.bench_with_input(BenchmarkId::from_parameter(params), &params, |b, &params| {
@@ -66,7 +68,7 @@ fn pipeline(c: &mut Criterion) {
                     let t = Instant::now();
                     for p in (0..params).rev() {
                         let payload = payloads.pop().expect("one payload per parameter");
-                        hook.increment(step, ParamId(p as u32), Token(0), payload).unwrap();
+                        hook.increment(step, ids[p], Token(0), payload).unwrap();
                     }
                     let r = sync.finish_step(step).unwrap();
                     timed += t.elapsed();
@@ -85,7 +87,8 @@ fn hook_to_launch(c: &mut Criterion) {
     // One parameter per bucket, so every hook call completes a bucket.
     let mut sync = world_of_one(PARAMS, 4, true);
     let hook = sync.hook();
-    let epoch = gradsync::trace_epoch();
+    let ids = sync.param_ids().to_vec();
+    let epoch = gradsync::trace::trace_epoch();
     let mut step = 0;
     c.bench_function("hook_to_launch", |bench| {
         bench.iter_custom(|iters| {
@@ -101,7 +104,7 @@ fn hook_to_launch(c: &mut Criterion) {
                         std::hint::spin_loop();
                     }
                     called.push(Instant::now().saturating_duration_since(epoch));
-                    hook.increment(step, ParamId(p as u32), Token(0), vec![1.0]).unwrap();
+                    hook.increment(step, ids[p], Token(0), vec![1.0]).unwrap();
                 }
                 let r = sync.finish_step(step).unwrap();
                 let launches = r

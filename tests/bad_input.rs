@@ -3,8 +3,8 @@
 
 mod common;
 
-use common::{build_world, on_ranks};
-use gradsync::{BuildError, DType, GradSync, LocalWorld, ParamId, Rejection, SyncError, Token};
+use common::{build_world, on_ranks, pid};
+use gradsync::{BuildError, DType, GradSync, LocalWorld, Rejection, SyncError, Token};
 
 #[test]
 fn registration_errors_are_typed() {
@@ -12,47 +12,52 @@ fn registration_errors_are_typed() {
     b.param("w", 4, DType::F32).unwrap();
     assert!(matches!(b.param("w", 4, DType::F32), Err(BuildError::DuplicateParam { .. })));
     assert!(matches!(b.param("z", 0, DType::F32), Err(BuildError::ZeroSizedParam { .. })));
-    assert!(matches!(b.param("h", 4, DType::BF16), Err(BuildError::UnsupportedDType { .. })));
-    assert!(matches!(b.expect_arrivals(ParamId(9), 1), Err(BuildError::InvalidSetting { .. })));
+    assert!(matches!(b.expect_arrivals(pid(9), 1), Err(BuildError::InvalidSetting { .. })));
     assert!(matches!(LocalWorld::connect(0), Err(BuildError::InvalidWorld { world: 0, .. })));
     let empty = GradSync::builder();
     let ep = LocalWorld::connect(1).unwrap().pop().unwrap();
     assert!(matches!(empty.build(ep), Err(BuildError::NoParams)));
 }
 
+/// Every refusal the hook can decide is returned at the call site, and
+/// counted in the report of the step it names while that report is to come.
 #[test]
 fn hook_refusals_are_returned_and_counted() {
     let syncs = build_world(2, &[3, 3], |_| {});
     let reports = on_ranks(syncs, |_, mut sync| {
         let hook = sync.hook();
+        assert_eq!(hook.increment(0, pid(7), Token(0), vec![1.0; 3]), Err(Rejection::UnknownParam { param: pid(7) }));
         assert_eq!(
-            hook.increment(0, ParamId(7), Token(0), vec![1.0; 3]),
-            Err(Rejection::UnknownParam { param: ParamId(7) })
+            hook.increment(0, pid(0), Token(0), vec![1.0; 2]),
+            Err(Rejection::WrongLength { param: pid(0), expected: 3, got: 2 })
         );
-        assert_eq!(
-            hook.increment(0, ParamId(0), Token(0), vec![1.0; 2]),
-            Err(Rejection::WrongLength { param: ParamId(0), expected: 3, got: 2 })
-        );
-        // Refused on the actor side: a future step.
-        hook.increment(5, ParamId(0), Token(0), vec![1.0; 3]).unwrap();
-        hook.increment(0, ParamId(1), Token(0), vec![2.0; 3]).unwrap();
+        for future in [5, u64::MAX] {
+            assert_eq!(
+                hook.increment(future, pid(0), Token(0), vec![1.0; 3]),
+                Err(Rejection::FutureStep { param: pid(0), step: future, current: 0 })
+            );
+        }
+        hook.increment(0, pid(1), Token(0), vec![2.0; 3]).unwrap();
         let r = sync.finish_step(0).unwrap();
-        // After finish: an arrival for the finished step is refused in step 1.
-        hook.increment(0, ParamId(1), Token(1), vec![2.0; 3]).unwrap();
+        // After finish: an arrival for the finished step is refused at once.
+        assert_eq!(
+            hook.increment(0, pid(1), Token(1), vec![2.0; 3]),
+            Err(Rejection::StepFinished { param: pid(1), step: 0 })
+        );
         let g = r.gradients.unwrap();
-        assert_eq!(g.to_vec(ParamId(1)).unwrap(), vec![2.0; 3], "refusals never touch a sum");
-        assert!(g.to_vec(ParamId(0)).is_none(), "refused arrivals do not make a parameter used");
+        assert_eq!(g.to_vec(pid(1)).unwrap(), vec![2.0; 3], "refusals never touch a sum");
+        assert!(g.to_vec(pid(0)).is_none(), "refused arrivals do not make a parameter used");
         drop(g);
         let r1 = sync.finish_step(1).unwrap();
         (r.report, r1.report)
     });
     for (step0, step1) in reports {
-        assert_eq!(step0.rejected, 3);
-        assert_eq!(step0.rejections.len(), 3);
-        assert!(step0.rejections.contains(&Rejection::UnknownParam { param: ParamId(7) }));
-        assert!(step0.rejections.contains(&Rejection::WrongLength { param: ParamId(0), expected: 3, got: 2 }));
-        assert!(step0.rejections.contains(&Rejection::FutureStep { param: ParamId(0), step: 5, current: 0 }));
-        assert_eq!(step1.rejections, vec![Rejection::StepFinished { param: ParamId(1), step: 0 }]);
+        // Step 0's report names the refusals of step 0; the future steps' wait
+        // for their own reports; the late arrival's step had reported already.
+        assert_eq!(step0.rejected, 2);
+        assert!(step0.rejections.contains(&Rejection::UnknownParam { param: pid(7) }));
+        assert!(step0.rejections.contains(&Rejection::WrongLength { param: pid(0), expected: 3, got: 2 }));
+        assert_eq!(step1.rejected, 0);
     }
 }
 
@@ -63,13 +68,16 @@ fn mixing_payload_kinds_in_a_step_is_refused_without_touching_the_sum() {
     });
     let out = on_ranks(syncs, |_, mut sync| {
         let hook = sync.hook();
-        hook.increment(0, ParamId(0), Token(0), vec![1.0, 1.0]).unwrap();
-        hook.accumulated(0, ParamId(0), Token(1), vec![100.0, 100.0]).unwrap();
+        hook.increment(0, pid(0), Token(0), vec![1.0, 1.0]).unwrap();
+        assert_eq!(
+            hook.accumulated(0, pid(0), Token(1), vec![100.0, 100.0]),
+            Err(Rejection::MixedKinds { param: pid(0) })
+        );
         let r = sync.finish_step(0).unwrap();
-        (r.report.rejections.clone(), r.gradients.unwrap().to_vec(ParamId(0)).unwrap())
+        (r.report.rejections.clone(), r.gradients.unwrap().to_vec(pid(0)).unwrap())
     });
     for (rejections, g) in out {
-        assert_eq!(rejections, vec![Rejection::MixedKinds { param: ParamId(0) }]);
+        assert_eq!(rejections, vec![Rejection::MixedKinds { param: pid(0) }]);
         assert_eq!(g, vec![2.0, 2.0]);
     }
 }
@@ -113,9 +121,9 @@ fn finishing_while_the_previous_gradients_are_held_is_an_error() {
         let err = sync.finish_step(1).unwrap_err();
         assert_eq!(err, SyncError::GradientsStillBorrowed { step: 1, loaned: 0 });
         drop(held);
-        sync.hook().increment(1, ParamId(0), Token(0), vec![1.0, 2.0]).unwrap();
+        sync.hook().increment(1, pid(0), Token(0), vec![1.0, 2.0]).unwrap();
         let r = sync.finish_step(1).unwrap();
-        assert_eq!(r.gradients.unwrap().to_vec(ParamId(0)).unwrap(), vec![1.0, 2.0]);
+        assert_eq!(r.gradients.unwrap().to_vec(pid(0)).unwrap(), vec![1.0, 2.0]);
     });
 }
 
@@ -124,5 +132,5 @@ fn hooks_outliving_their_gradsync_get_closed() {
     let sync = build_world(1, &[2], |_| {}).pop().unwrap();
     let hook = sync.hook();
     drop(sync);
-    assert_eq!(hook.increment(0, ParamId(0), Token(0), vec![0.0; 2]), Err(Rejection::Closed));
+    assert_eq!(hook.increment(0, pid(0), Token(0), vec![0.0; 2]), Err(Rejection::Closed));
 }

@@ -1,8 +1,10 @@
 //! Property test: for random worlds, plans, arrival patterns and orders, every
 //! rank's reduced gradient equals the directly computed reference exactly; and
 //! with random `abort_step` points and NaNs injected on random ranks, every
-//! rank reports the same skipped outcome (naming the same ranks) and no
-//! gradient is lent for the skipped step.
+//! rank reports the same outcome naming the same ranks: under the skip policy
+//! no gradient is lent for the step, under the partial policy every rank gets
+//! exactly the sum over the ranks that finished (what the aborting ranks had
+//! already sent is retracted).
 //!
 //! Data is integer-valued f32 and the divisor is `Sum`, so every sum is exact
 //! whatever the reduction order. Cases: 500 by default, `GRADSYNC_PROPTEST_CASES`
@@ -10,8 +12,8 @@
 
 mod common;
 
-use common::{build_world, on_ranks, summed_reference, Sent};
-use gradsync::{AbortReason, Divisor, Outcome, ParamId, Payload};
+use common::{build_world, on_ranks, pid, summed_reference, Sent};
+use gradsync::{AbortPolicy, AbortReason, Divisor, Outcome, Payload};
 use proptest::prelude::*;
 
 /// One rank's script for one step: events in delivery order.
@@ -50,6 +52,8 @@ struct Case {
     fates: Vec<Vec<Fate>>,
     /// Payload kind per parameter (true = Increment).
     kinds: Vec<bool>,
+    /// Abort policy: partial (true) or skip.
+    partial: bool,
 }
 
 fn fate(n_params: usize) -> impl Strategy<Value = Fate> {
@@ -102,8 +106,15 @@ fn rank_step(numels: Vec<usize>, kinds: Vec<bool>) -> impl Strategy<Value = Vec<
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..=8, proptest::collection::vec(1usize..12, 1..7), 4usize..160, 1usize..=3, proptest::bool::weighted(0.3))
-        .prop_flat_map(|(world, numels, cap_bytes, steps, faulty)| {
+    (
+        1usize..=8,
+        proptest::collection::vec(1usize..12, 1..7),
+        4usize..160,
+        1usize..=3,
+        proptest::bool::weighted(0.3),
+        any::<bool>(),
+    )
+        .prop_flat_map(|(world, numels, cap_bytes, steps, faulty, partial)| {
             let n = numels.len();
             proptest::collection::vec(any::<bool>(), n).prop_flat_map(move |kinds| {
                 let step = proptest::collection::vec(rank_step(numels.clone(), kinds.clone()), world);
@@ -120,6 +131,7 @@ fn case() -> impl Strategy<Value = Case> {
                     steps,
                     fates,
                     kinds: kinds.clone(),
+                    partial,
                 })
             })
         })
@@ -134,8 +146,9 @@ fn nan_arrival(case: &Case, param: usize) -> Sent {
 }
 
 fn check(case: &Case) -> Result<(), TestCaseError> {
+    let policy = if case.partial { AbortPolicy::Partial } else { AbortPolicy::Skip };
     let syncs = build_world(case.world, &case.numels, |b| {
-        b.bucket_cap_bytes(case.cap_bytes).divisor(Divisor::Sum).check_finite(true);
+        b.bucket_cap_bytes(case.cap_bytes).divisor(Divisor::Sum).check_finite(true).abort_policy(policy);
     });
     let results = on_ranks(syncs, |rank, mut sync| {
         let mut out = Vec::new();
@@ -162,7 +175,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
                 Fate::Normal => sync.finish_step(step_no).unwrap(),
             };
             let values: Option<Vec<Option<Vec<f32>>>> =
-                r.gradients.as_ref().map(|g| (0..case.numels.len()).map(|p| g.to_vec(ParamId(p as u32))).collect());
+                r.gradients.as_ref().map(|g| (0..case.numels.len()).map(|p| g.to_vec(pid(p))).collect());
             out.push((r.report.clone(), values));
         }
         out
@@ -177,7 +190,9 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
                 Fate::Nan { .. } => Some((r, AbortReason::NonFinite)),
             })
             .collect();
-        if !aborted.is_empty() {
+        // Skipped: the skip policy, nobody finished, or a NaN (it cannot be retracted).
+        let nan = aborted.iter().any(|(_, why)| *why == AbortReason::NonFinite);
+        if !aborted.is_empty() && (!case.partial || aborted.len() == case.world || nan) {
             for (rank, rank_results) in results.iter().enumerate() {
                 let (report, values) = &rank_results[step];
                 let want = Outcome::Skipped { aborted: aborted.clone() };
@@ -186,9 +201,17 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
             }
             continue;
         }
+        let excluded: Vec<usize> = aborted.iter().map(|(r, _)| *r).collect();
+        let want_outcome =
+            if aborted.is_empty() { Outcome::Applied } else { Outcome::Partial { excluded: aborted.clone() } };
+        // The reference sums the ranks that finished; an excluded rank contributes nothing.
         let sent: Vec<Vec<Sent>> = per_rank
             .iter()
-            .map(|evs| {
+            .enumerate()
+            .map(|(rank, evs)| {
+                if excluded.contains(&rank) {
+                    return Vec::new();
+                }
                 evs.iter().filter_map(|e| if let Event::Arrive(s) = e { Some(s.clone()) } else { None }).collect()
             })
             .collect();
@@ -196,12 +219,14 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
         for (rank, rank_results) in results.iter().enumerate() {
             let (report, values) = &rank_results[step];
             let values = values.as_ref().expect("an applied step lends its gradients");
-            prop_assert_eq!(&report.outcome, &Outcome::Applied);
+            prop_assert_eq!(&report.outcome, &want_outcome);
             prop_assert_eq!(&report.corrected, corrected0, "ranks disagree on corrections");
-            let distinct: std::collections::HashSet<(usize, u64)> =
-                sent[rank].iter().map(|s| (s.param, s.token)).collect();
-            prop_assert_eq!(report.arrivals, distinct.len() as u64);
-            prop_assert_eq!(report.duplicates, (sent[rank].len() - distinct.len()) as u64);
+            if !excluded.contains(&rank) {
+                let distinct: std::collections::HashSet<(usize, u64)> =
+                    sent[rank].iter().map(|s| (s.param, s.token)).collect();
+                prop_assert_eq!(report.arrivals, distinct.len() as u64);
+                prop_assert_eq!(report.duplicates, (sent[rank].len() - distinct.len()) as u64);
+            }
             for (p, &numel) in case.numels.iter().enumerate() {
                 let want = summed_reference(&sent, p, numel);
                 prop_assert_eq!(&values[p], &want, "step {} rank {} param {}", step, rank, p);

@@ -7,8 +7,9 @@ mod common;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{build_world, on_ranks, Sent};
-use gradsync::{AbortReason, CollectiveKind, CommError, DType, GradSync, LocalWorld, Outcome, ParamId, SyncError};
+use common::{build_world, on_ranks, pid, Sent};
+use gradsync::backend::{CollectiveKind, CommError};
+use gradsync::{AbortReason, DType, GradSync, LocalWorld, Outcome, SyncError};
 
 #[test]
 fn an_aborting_rank_makes_every_rank_skip_and_the_next_step_is_exact() {
@@ -31,7 +32,7 @@ fn an_aborting_rank_makes_every_rank_skip_and_the_next_step_is_exact() {
             Sent::inc(p, 0, vec![(rank * 4) as f32; 4]).deliver(&sync, 1);
         }
         let r1 = sync.finish_step(1).unwrap();
-        let g = r1.gradients.as_ref().unwrap().to_vec(ParamId(0)).unwrap();
+        let g = r1.gradients.as_ref().unwrap().to_vec(pid(0)).unwrap();
         (r0.report.outcome, g)
     });
     for (outcome, g) in out {
@@ -101,7 +102,7 @@ fn a_stalled_rank_is_named_within_the_deadline_and_reset_recovers() {
             Sent::inc(p, 0, vec![(rank + 1) as f32; 8]).deliver(&sync, restart);
         }
         let r = sync.finish_step(restart).unwrap();
-        (err, restart, r.gradients.as_ref().unwrap().to_vec(ParamId(0)).unwrap())
+        (err, restart, r.gradients.as_ref().unwrap().to_vec(pid(0)).unwrap())
     });
     for (rank, (err, restart, g)) in out.into_iter().enumerate() {
         assert!(matches!(err, SyncError::Comm(_)), "rank {rank}: {err}");
@@ -190,19 +191,23 @@ fn ranks_with_different_models_get_a_desync_naming_the_rank() {
     }
 }
 
-/// Ranks with different bucket layouts are caught by the transport at the
-/// first bucket, naming the other rank.
+/// Ranks with different bucket layouts are caught by the plan agreement,
+/// before the first bucket (which NCCL could not check): with two ranks there
+/// is no majority, so each side is named and the error says so.
 #[test]
-fn ranks_with_different_bucket_caps_get_a_desync_from_the_transport() {
+fn ranks_with_different_bucket_caps_get_a_desync_before_any_bucket() {
     let out = two_ranks_disagreeing(|rank, b| {
         b.param("a", 4, DType::F32).unwrap();
         b.param("b", 4, DType::F32).unwrap();
         b.bucket_cap_bytes(if rank == 0 { 16 } else { 1 << 20 });
     });
     for (rank, err) in out.into_iter().enumerate() {
-        assert!(
-            matches!(&err, SyncError::Comm(CommError::Desync { peer, .. }) if *peer == 1 - rank),
-            "rank {rank}: {err}"
-        );
+        match &err {
+            SyncError::Desync { ranks, groups, majority, .. } => {
+                assert_eq!((ranks, groups, majority), (&vec![1], &vec![vec![0], vec![1]], &false), "rank {rank}");
+                assert!(err.to_string().contains("no group of ranks is a majority"), "{err}");
+            }
+            other => panic!("rank {rank}: expected a desync, got {other}"),
+        }
     }
 }

@@ -59,7 +59,7 @@ fn endpoint_counts_what_the_job_does() {
         b.bucket_cap_bytes(64);
     });
     let plan_bytes = syncs[0].plan().bucket_bytes() as f64;
-    let buckets = syncs[0].plan().buckets.len() as f64;
+    let buckets = syncs[0].plan().num_buckets() as f64;
     let steps = 20u64;
     let running = AtomicBool::new(true);
     let scrapes_during = std::thread::scope(|s| {

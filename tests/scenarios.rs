@@ -6,8 +6,8 @@
 
 mod common;
 
-use common::{build_world, on_ranks, summed_reference, wait_for, Sent};
-use gradsync::{Divisor, GradSync, LocalWorld, ParamId, StepReport};
+use common::{build_world, on_ranks, pid, summed_reference, wait_for, Sent};
+use gradsync::{Divisor, GradSync, LocalWorld, StepReport};
 
 /// Values that differ per rank, step and parameter, all small integers.
 fn vals(rank: usize, step: u64, param: usize, salt: u64, n: usize) -> Vec<f32> {
@@ -40,7 +40,7 @@ fn run_scenario(
             }
             let r = sync.finish_step(step).unwrap();
             let g = r.gradients.as_ref().unwrap();
-            let values: Vec<_> = (0..numels.len()).map(|p| g.to_vec(ParamId(p as u32))).collect();
+            let values: Vec<_> = (0..numels.len()).map(|p| g.to_vec(pid(p))).collect();
             out.push((r.report.clone(), values));
         }
         out
@@ -85,7 +85,7 @@ fn weight_shared_by_two_checkpointed_segments() {
         ]
     });
     for per_rank in &reports {
-        assert_eq!(per_rank[0].corrected, vec![ParamId(0)], "step 0 corrects the shared weight");
+        assert_eq!(per_rank[0].corrected, vec![pid(0)], "step 0 corrects the shared weight");
         assert_eq!(per_rank[1].corrections, 0, "step 1 waits for the learned second arrival");
         assert_eq!(per_rank[2].corrections, 0);
     }
@@ -132,7 +132,7 @@ fn checkpointing_with_unused_parameters() {
     });
     for per_rank in &reports {
         for r in per_rank {
-            assert_eq!(r.unused_everywhere, vec![ParamId(1)]);
+            assert_eq!(r.unused_everywhere, vec![pid(1)]);
         }
     }
 }
@@ -209,8 +209,8 @@ fn two_instances_on_one_world_concurrently() {
                         let ga = ra.gradients.unwrap();
                         let gb = rb.gradients.unwrap();
                         out.push((
-                            (0..3).map(|p| ga.to_vec(ParamId(p)).unwrap()).collect::<Vec<_>>(),
-                            (0..3).map(|p| gb.to_vec(ParamId(p)).unwrap()).collect::<Vec<_>>(),
+                            (0..3).map(|p| ga.to_vec(pid(p)).unwrap()).collect::<Vec<_>>(),
+                            (0..3).map(|p| gb.to_vec(pid(p)).unwrap()).collect::<Vec<_>>(),
                         ));
                     }
                     out
@@ -249,8 +249,8 @@ fn early_bucket_completes_before_finish() {
         let r = sync.finish_step(0).unwrap();
         let g = r.gradients.as_ref().unwrap();
         // Averaged over 4 ranks: (0+1+2+3)/4 = 1.5, exact in binary.
-        assert_eq!(g.to_vec(ParamId(2)).unwrap(), vec![1.5; 8]);
-        assert_eq!(g.to_vec(ParamId(0)).unwrap(), vec![2.0; 8]);
+        assert_eq!(g.to_vec(pid(2)).unwrap(), vec![1.5; 8]);
+        assert_eq!(g.to_vec(pid(0)).unwrap(), vec![2.0; 8]);
         r.report.clone()
     });
     for r in reports {
@@ -273,7 +273,7 @@ fn learned_count_removes_the_correction() {
         ]
     });
     for per_rank in &reports {
-        assert_eq!(per_rank[0].corrected, vec![ParamId(1)]);
+        assert_eq!(per_rank[0].corrected, vec![pid(1)]);
         assert_eq!(per_rank[0].corrections, 1);
         assert!(per_rank[0].late_arrivals >= 1);
         assert_eq!(per_rank[1].corrections, 0);
@@ -297,10 +297,10 @@ fn recycled_payloads_come_back_and_reuse_keeps_sums_exact() {
                 let mut v = pool[p].pop().inspect(|_| reused += 1);
                 let v = v.get_or_insert_with(|| vec![0.0; n]);
                 v.fill((rank + step as usize) as f32);
-                sync.hook().increment(step, ParamId(p as u32), gradsync::Token(0), std::mem::take(v)).unwrap();
+                sync.hook().increment(step, pid(p), gradsync::Token(0), std::mem::take(v)).unwrap();
             }
             let r = sync.finish_step(step).unwrap();
-            results.push(r.gradients.as_ref().unwrap().to_vec(ParamId(0)).unwrap());
+            results.push(r.gradients.as_ref().unwrap().to_vec(pid(0)).unwrap());
             drop(r);
             for (p, v) in sync.take_spent() {
                 pool[p.index()].push(v);
@@ -333,7 +333,7 @@ fn async_finish_and_memory_figure() {
             Sent::inc(1, 0, vec![rank as f32; 6]).deliver(&sync, 0);
             Sent::inc(0, 0, vec![1.0; 4]).deliver(&sync, 0);
             let r = sync.finish_step_async(0).await.unwrap();
-            r.gradients.as_ref().unwrap().to_vec(ParamId(1)).unwrap()
+            r.gradients.as_ref().unwrap().to_vec(pid(1)).unwrap()
         })
     });
     assert_eq!(out, vec![vec![1.0; 6], vec![1.0; 6]]);
@@ -363,7 +363,7 @@ fn hooks_from_many_threads_race_and_stay_exact() {
                         for p in (0..PARAMS).rev() {
                             for token in [t, (t + 1) % THREADS] {
                                 let v = vec![value(rank, step, p, token); numels[p]];
-                                hook.increment(step, ParamId(p as u32), gradsync::Token(token), v).unwrap();
+                                hook.increment(step, pid(p), gradsync::Token(token), v).unwrap();
                             }
                         }
                     });
@@ -373,7 +373,7 @@ fn hooks_from_many_threads_race_and_stay_exact() {
             let g = r.gradients.as_ref().unwrap();
             for (p, &n) in numels.iter().enumerate() {
                 let want: f32 = (0..2).flat_map(|rk| (0..THREADS).map(move |tk| value(rk, step, p, tk))).sum();
-                assert_eq!(g.to_vec(ParamId(p as u32)).unwrap(), vec![want; n], "step {step} param {p}");
+                assert_eq!(g.to_vec(pid(p)).unwrap(), vec![want; n], "step {step} param {p}");
             }
             reports.push((r.report.arrivals, r.report.duplicates));
         }

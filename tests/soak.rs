@@ -8,8 +8,8 @@ mod common;
 
 use std::time::Instant;
 
-use common::{build_world, on_ranks, Sent};
-use gradsync::{AbortReason, Outcome, ParamId};
+use common::{build_world, on_ranks, pid, Sent};
+use gradsync::{AbortReason, Outcome};
 
 /// Resident set size of this process in bytes (Linux), or 0 where unknown.
 fn rss_bytes() -> u64 {
@@ -54,9 +54,9 @@ fn hundred_thousand_steps_with_aborts() {
                 continue;
             }
             let g = r.gradients.as_ref().expect("applied");
-            assert_eq!(g.get(ParamId(1)).unwrap().to_vec(), vec![k + 1.0; 256], "step {step}");
-            assert_eq!(g.get(ParamId(2)).unwrap().to_vec(), vec![0.5; 64], "step {step}");
-            assert_eq!(g.get(ParamId(3)).map(|v| v.to_vec()), (step % 2 == 1).then(|| vec![1.0; 16]));
+            assert_eq!(g.get(pid(1)).unwrap().to_vec(), vec![k + 1.0; 256], "step {step}");
+            assert_eq!(g.get(pid(2)).unwrap().to_vec(), vec![0.5; 64], "step {step}");
+            assert_eq!(g.get(pid(3)).map(|v| v.to_vec()), (step % 2 == 1).then(|| vec![1.0; 16]));
             if rank == 0 && step % 10_000 == 0 {
                 eprintln!(
                     "soak: step {step}/{steps}, {:.1} s, rss {} KiB",

@@ -8,10 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use gradsync::{
-    AllocError, BucketBuf, BuildError, CollectiveTag, CommError, DType, GradStore, GradSync, HostStore, LocalEndpoint,
-    LocalWorld, Token, Transport, WriteMode,
-};
+use gradsync::backend::{AllocError, BucketBuf, CollectiveTag, CommError, GradStore, HostStore, Transport, WriteMode};
+use gradsync::{BuildError, DType, GradSync, LocalEndpoint, LocalWorld, Token};
 
 /// Host memory with a device store's limit: no finite check.
 #[derive(Debug, Clone)]
@@ -46,14 +44,19 @@ impl GradStore for DeviceLike {
     fn add_from(&self, dst: &mut BucketBuf, dst_offset: usize, src: &BucketBuf, src_offset: usize, len: usize) {
         HostStore.add_from(dst, dst_offset, src, src_offset, len)
     }
+    fn scale(&self, bucket: &mut BucketBuf, offset: usize, len: usize, factor: f32) {
+        HostStore.scale(bucket, offset, len, factor)
+    }
 }
 
 /// A local endpoint packed with store `S`; `panic_in_data` simulates a
-/// transport bug in every data all-reduce.
+/// transport bug in every data all-reduce; `sums_only` asks for buckets
+/// scaled while packing (as the torch binding does).
 struct TestEndpoint<S> {
     inner: LocalEndpoint,
     store: S,
     panic_in_data: bool,
+    sums_only: bool,
 }
 
 impl<S: GradStore<Bucket = BucketBuf>> Transport for TestEndpoint<S> {
@@ -83,11 +86,14 @@ impl<S: GradStore<Bucket = BucketBuf>> Transport for TestEndpoint<S> {
     fn reset(&mut self) {
         self.inner.reset()
     }
+    fn scale_when_packing(&self) -> bool {
+        self.sums_only
+    }
 }
 
 fn endpoints<S: Clone>(world: usize, store: S, panic_in_data: bool) -> Vec<TestEndpoint<S>> {
     let eps = LocalWorld::connect(world).unwrap();
-    eps.into_iter().map(|inner| TestEndpoint { inner, store: store.clone(), panic_in_data }).collect()
+    eps.into_iter().map(|inner| TestEndpoint { inner, store: store.clone(), panic_in_data, sums_only: false }).collect()
 }
 
 fn builder() -> gradsync::GradSyncBuilder {
@@ -108,12 +114,14 @@ fn a_store_that_cannot_check_finiteness_refuses_check_finite() {
     }
 }
 
-#[test]
-fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
-    let world = 3;
+/// Three steps of recompute duplicates and late supersedes on every rank of
+/// `eps`; each rank's gradients `[embed.., head..]` per step.
+fn recompute_steps<S: GradStore<Values = Vec<f32>, Bucket = BucketBuf> + Clone + Send + 'static>(
+    eps: Vec<TestEndpoint<S>>,
+) -> Vec<Vec<Vec<f32>>> {
     let b = builder();
-    let syncs: Vec<_> = endpoints(world, DeviceLike, false).into_iter().map(|ep| b.build(ep).unwrap()).collect();
-    let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+    let syncs: Vec<_> = eps.into_iter().map(|ep| b.build(ep).unwrap()).collect();
+    std::thread::scope(|s| {
         let handles: Vec<_> = syncs
             .into_iter()
             .map(|mut sync| {
@@ -138,14 +146,37 @@ fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    // Mean over ranks 1, 2, 3: embed 11 * 2 = 22, head 2 * 2 = 4.
-    let want = [vec![22.0; 5], vec![4.0; 3]].concat();
+    })
+}
+
+fn assert_every_step(results: &[Vec<Vec<f32>>], want: &[f32]) {
     for (rank, steps) in results.iter().enumerate() {
         for (step, got) in steps.iter().enumerate() {
-            assert_eq!(got, &want, "rank {rank} step {step}");
+            assert_eq!(got, want, "rank {rank} step {step}");
         }
     }
+}
+
+#[test]
+fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
+    let results = recompute_steps(endpoints(3, DeviceLike, false));
+    // Mean over ranks 1, 2, 3: embed 11 * 2 = 22, head 2 * 2 = 4.
+    assert_every_step(&results, &[vec![22.0; 5], vec![4.0; 3]].concat());
+}
+
+#[test]
+fn buckets_scaled_while_packing_average_exactly_on_both_stores() {
+    // World 2: the factor 1/2 is exact, so scaling before or after the sum
+    // must agree bit for bit. DeviceLike packs through the trait's default
+    // `write_scaled`, HostStore through its fused kernel.
+    fn sums_only<S>(mut eps: Vec<TestEndpoint<S>>) -> Vec<TestEndpoint<S>> {
+        eps.iter_mut().for_each(|ep| ep.sums_only = true);
+        eps
+    }
+    // Mean over ranks 1, 2: embed 11 * 1.5, head 2 * 1.5.
+    let want = [vec![16.5; 5], vec![3.0; 3]].concat();
+    assert_every_step(&recompute_steps(sums_only(endpoints(2, DeviceLike, false))), &want);
+    assert_every_step(&recompute_steps(sums_only(endpoints(2, HostStore, false))), &want);
 }
 
 #[test]

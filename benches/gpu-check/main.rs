@@ -102,14 +102,14 @@ fn check_store_ops(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -
     // add: dst += src
     let mut d_acc = stream.clone_htod(&a).map_err(err)?;
     // SAFETY: matches `gradsync_add_f32(float*, const float*, unsigned long long)`; both hold n values.
-    unsafe { stream.launch_builder(&k.add).arg(&mut d_acc).arg(&d_b).arg(&n64).launch(grid(n)) }.map_err(err)?;
+    unsafe { stream.launch_builder(&k.store.add).arg(&mut d_acc).arg(&d_b).arg(&n64).launch(grid(n)) }.map_err(err)?;
     let mut want = a.clone();
     gradsync_kernels::add_assign(&mut want, &b);
     let bad_add = same(&stream.clone_dtoh(&d_acc).map_err(err)?, &want);
     // sub: dst = a - b, into a poisoned output
     let mut d_diff = stream.clone_htod(&vec![f32::NAN; n]).map_err(err)?;
     // SAFETY: matches `gradsync_sub_f32(float*, const float*, const float*, unsigned long long)`.
-    unsafe { stream.launch_builder(&k.sub).arg(&mut d_diff).arg(&d_a).arg(&d_b).arg(&n64).launch(grid(n)) }
+    unsafe { stream.launch_builder(&k.store.sub).arg(&mut d_diff).arg(&d_a).arg(&d_b).arg(&n64).launch(grid(n)) }
         .map_err(err)?;
     let mut want = vec![0.0; n];
     gradsync_kernels::sub_into(&mut want, &a, &b);
@@ -118,7 +118,8 @@ fn check_store_ops(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -
     let factor = 1.0f32 / 3.0;
     let mut d_x = stream.clone_htod(&a).map_err(err)?;
     // SAFETY: matches `gradsync_scale_f32(float*, unsigned long long, float)`.
-    unsafe { stream.launch_builder(&k.scale).arg(&mut d_x).arg(&n64).arg(&factor).launch(grid(n)) }.map_err(err)?;
+    unsafe { stream.launch_builder(&k.store.scale).arg(&mut d_x).arg(&n64).arg(&factor).launch(grid(n)) }
+        .map_err(err)?;
     let mut want = a.clone();
     gradsync_kernels::scale(&mut want, factor);
     let bad_scale = same(&stream.clone_dtoh(&d_x).map_err(err)?, &want);

@@ -6,9 +6,22 @@
 
 use std::time::{Duration, Instant};
 
-use gradsync::{CollectiveKind, CollectiveTag, LocalWorld, Transport};
+use gradsync::backend::{BucketBuf, CollectiveKind, CollectiveTag, Transport};
+use gradsync::LocalWorld;
 
-use crate::Flags;
+/// Settings of `allreduce`.
+#[derive(Debug, clap::Args)]
+pub struct AllreduceArgs {
+    /// Bucket size in MiB.
+    #[arg(long, default_value_t = 64)]
+    mib: usize,
+    /// Ranks (threads of this process).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    world: u64,
+    /// Timed rounds of each measurement (at least 3).
+    #[arg(long, default_value_t = 15)]
+    rounds: usize,
+}
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -23,9 +36,9 @@ fn allreduce_times(numel: usize, world: usize, rounds: usize) -> Vec<Duration> {
             .into_iter()
             .map(|mut ep| {
                 s.spawn(move || {
-                    let mut buf = gradsync::BucketBuf::zeroed(numel, world);
-                    for (j, piece) in buf.shards.iter_mut().enumerate() {
-                        piece.fill((ep.rank() + j) as f32);
+                    let mut buf = BucketBuf::zeroed(numel, world);
+                    for j in 0..buf.num_pieces() {
+                        buf.piece_mut(j).fill((ep.rank() + j) as f32);
                     }
                     let mut times = Vec::new();
                     for step in 0..rounds as u64 {
@@ -60,10 +73,8 @@ fn memcpy_times(numel: usize, threads: usize, rounds: usize) -> Vec<Duration> {
         .collect()
 }
 
-pub fn command(f: &Flags) -> Result<(), String> {
-    let mib: usize = f.parse("--mib", 64)?;
-    let world: usize = f.parse("--world", 4usize)?.max(1);
-    let rounds: usize = f.parse("--rounds", 15)?.max(3);
+pub fn command(a: &AllreduceArgs) -> Result<(), String> {
+    let (mib, world, rounds) = (a.mib, a.world as usize, a.rounds.max(3));
     let numel = (mib << 20) / 4;
     let bytes = (numel * 4) as f64;
     let (mut ar, mut mc, mut mcw) = (Vec::new(), Vec::new(), Vec::new());

@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use gradsync::{DType, GradSync, Lane, LocalWorld, ParamId, Token};
+use gradsync::trace::{trace_epoch, Lane};
+use gradsync::{DType, GradSync, LocalWorld, Token};
 
 fn world_of_one(params: usize, timeline: bool, cap: usize, spin: Duration) -> GradSync {
     let mut b = GradSync::builder();
@@ -21,12 +22,13 @@ fn world_of_one(params: usize, timeline: bool, cap: usize, spin: Duration) -> Gr
 pub fn throughput(params: usize, steps: usize) -> f64 {
     let mut sync = world_of_one(params, false, 64 << 10, Duration::ZERO);
     let hook = sync.hook();
+    let ids = sync.param_ids().to_vec();
     let mut rates = Vec::new();
     for step in 0..steps as u64 {
         let mut payloads: Vec<Vec<f32>> = (0..params).map(|_| vec![1.0]).collect();
         let t = Instant::now();
         for p in (0..params).rev() {
-            hook.increment(step, ParamId(p as u32), Token(0), payloads.pop().unwrap()).unwrap();
+            hook.increment(step, ids[p], Token(0), payloads.pop().unwrap()).unwrap();
         }
         drop(sync.finish_step(step).unwrap());
         rates.push(params as f64 / t.elapsed().as_secs_f64());
@@ -41,7 +43,8 @@ pub fn hook_to_launch(samples: usize, spin: Duration) -> Vec<Duration> {
     const PARAMS: usize = 64;
     let mut sync = world_of_one(PARAMS, true, 4, spin);
     let hook = sync.hook();
-    let epoch = gradsync::trace_epoch();
+    let ids = sync.param_ids().to_vec();
+    let epoch = trace_epoch();
     let mut latencies = Vec::new();
     for step in 0..samples as u64 {
         let mut called = Vec::with_capacity(PARAMS);
@@ -52,7 +55,7 @@ pub fn hook_to_launch(samples: usize, spin: Duration) -> Vec<Duration> {
                 std::hint::spin_loop();
             }
             called.push(Instant::now().saturating_duration_since(epoch));
-            hook.increment(step, ParamId(p as u32), Token(0), vec![1.0]).unwrap();
+            hook.increment(step, ids[p], Token(0), vec![1.0]).unwrap();
         }
         let r = sync.finish_step(step).unwrap();
         let launches: Vec<Duration> = r

@@ -1,12 +1,12 @@
-//! gradsync's benchmark binary.
+//! gradsync's benchmark binary (feature `sim`, for the simulator's door).
 //!
 //! ```text
-//! cargo run --release --bin gradsync-bench -- overlap [--model bert-large|gpt2|resnet50] [--world 4]
-//!     [--tflops auto|X] [--steps 6] [--recompute] [--segment-layers 2] [--bucket-mb 25] [--json]
-//! cargo run --release --bin gradsync-bench -- sim [--model ...] [--preset h100-nvlink|ib-multinode]
+//! cargo run --release --features sim --bin gradsync-bench -- overlap [--model bert-large|gpt2|resnet50]
+//!     [--world 4] [--tflops X] [--steps 6] [--recompute] [--segment-layers 2] [--bucket-mb 25] [--json]
+//! cargo run --release --features sim --bin gradsync-bench -- sim [--model ...] [--preset h100-nvlink|ib-multinode]
 //!     [--ranks 8,16,...,1024] [--bucket-mb 25] [--recompute] [--json] [--svg FILE]
-//! cargo run --release --bin gradsync-bench -- hooks
-//! cargo run --release --bin gradsync-bench -- allreduce [--mib 64] [--world 4]
+//! cargo run --release --features sim --bin gradsync-bench -- hooks
+//! cargo run --release --features sim --bin gradsync-bench -- allreduce [--mib 64] [--world 4]
 //! ```
 //!
 //! Every comparison is measured in one run, interleaved, and printed as a ratio.
@@ -19,45 +19,87 @@ mod sim;
 
 use std::process::ExitCode;
 
+use clap::{Parser, Subcommand, ValueEnum};
 use models::ModelSpec;
+use serde_json::json;
 
-const USAGE: &str = "usage: gradsync-bench <overlap|sim|hooks|allreduce> [options]  (see --help of each)";
+/// Benchmarks of gradsync: overlap against its peers' policies, the
+/// simulator, the hook path and the local all-reduce.
+#[derive(Debug, Parser)]
+#[command(name = "gradsync-bench")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
 
-/// Flags as `--name value` pairs or bare `--switch`es.
-struct Flags(Vec<String>);
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// A training step emulated on the local world (compute slept), per policy.
+    Overlap(OverlapArgs),
+    /// SIMULATED scaling: the real scheduler on a virtual clock and a cost model.
+    Sim(sim::SimArgs),
+    /// Hook path: arrival throughput and hook-to-launch latency.
+    Hooks,
+    /// The local all-reduce against memcpy of the same bytes.
+    Allreduce(allreduce::AllreduceArgs),
+}
 
-impl Flags {
-    fn value(&self, name: &str) -> Option<&str> {
-        self.0.iter().position(|a| a == name).and_then(|i| self.0.get(i + 1)).map(String::as_str)
-    }
-    fn has(&self, name: &str) -> bool {
-        self.0.iter().any(|a| a == name)
-    }
-    fn parse<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T, String> {
-        match self.value(name) {
-            None => Ok(default),
-            Some(v) => v.parse().map_err(|_| format!("{name}: cannot parse {v:?}")),
+/// A model with real parameter shapes.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModelName {
+    /// BERT-large with its pre-training heads (tied MLM decoder).
+    BertLarge,
+    /// GPT-2 124M with the LM head tied to the token embedding.
+    Gpt2,
+    /// ResNet-50.
+    Resnet50,
+}
+
+impl ModelName {
+    fn spec(self) -> ModelSpec {
+        match self {
+            ModelName::BertLarge => models::bert_large(),
+            ModelName::Gpt2 => models::gpt2(),
+            ModelName::Resnet50 => models::resnet50(),
         }
-    }
-    fn model(&self) -> Result<ModelSpec, String> {
-        let name = self.value("--model").unwrap_or("bert-large");
-        ModelSpec::by_name(name).ok_or(format!("--model: unknown model {name:?} (bert-large, gpt2, resnet50)"))
     }
 }
 
+/// Settings of `overlap`.
+#[derive(Debug, clap::Args)]
+struct OverlapArgs {
+    /// The model whose parameter shapes and FLOPs are emulated.
+    #[arg(long, value_enum, default_value = "bert-large")]
+    model: ModelName,
+    /// Ranks (threads of this process).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    world: u64,
+    /// Emulated device rate in TFLOP/s (default: calibrated so compute ≈ communication).
+    #[arg(long)]
+    tflops: Option<f64>,
+    /// Steps per policy.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Reentrant recompute: segment by segment, a tied weight arrives twice.
+    #[arg(long)]
+    recompute: bool,
+    /// Layers per recompute segment.
+    #[arg(long, default_value_t = 2)]
+    segment_layers: usize,
+    /// Bucket cap in MiB.
+    #[arg(long, default_value_t = 25)]
+    bucket_mb: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(cmd) = args.first().cloned() else {
-        eprintln!("{USAGE}");
-        return ExitCode::from(2);
-    };
-    let flags = Flags(args[1..].to_vec());
-    let result = match cmd.as_str() {
-        "overlap" => cmd_overlap(&flags),
-        "sim" => sim::command(&flags),
-        "hooks" => cmd_hooks(),
-        "allreduce" => allreduce::command(&flags),
-        _ => Err(USAGE.to_string()),
+    let result = match Cli::parse().cmd {
+        Cmd::Overlap(args) => cmd_overlap(&args),
+        Cmd::Sim(args) => sim::command(&args),
+        Cmd::Hooks => cmd_hooks(),
+        Cmd::Allreduce(args) => allreduce::command(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -68,19 +110,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn cmd_overlap(f: &Flags) -> Result<(), String> {
-    let tflops = match f.value("--tflops") {
-        None | Some("auto") => None,
-        Some(v) => Some(v.parse::<f64>().map_err(|_| format!("--tflops: {v:?} is not a number"))?),
-    };
+fn cmd_overlap(a: &OverlapArgs) -> Result<(), String> {
     let cfg = overlap::OverlapCfg {
-        model: f.model()?,
-        world: f.parse("--world", 4usize)?.max(1),
-        tflops,
-        steps: f.parse("--steps", 6usize)?.max(1),
-        recompute: f.has("--recompute"),
-        segment_layers: f.parse("--segment-layers", 2usize)?,
-        bucket_cap_bytes: f.parse("--bucket-mb", 25usize)? << 20,
+        model: a.model.spec(),
+        world: a.world as usize,
+        tflops: a.tflops,
+        steps: a.steps as usize,
+        recompute: a.recompute,
+        segment_layers: a.segment_layers,
+        bucket_cap_bytes: a.bucket_mb << 20,
     };
     eprintln!(
         "overlap: {} ({} params, {} MB of f32 gradients), world {}, recompute {}, {} steps per policy",
@@ -93,30 +131,20 @@ fn cmd_overlap(f: &Flags) -> Result<(), String> {
     );
     let rep = overlap::run(&cfg);
     let no_sync = rep.results.iter().find(|(p, _)| *p == overlap::Policy::NoSync).map(|(_, r)| r.step_median());
-    if f.has("--json") {
-        let mut policies: Vec<String> = rep
-            .results
-            .iter()
-            .map(|(p, r)| {
-                format!(
-                    "\"{}\": {{\"step_s_median\": {:.6}, \"exposed_comm_s_median\": {:.6}, \"step_s\": {:?}}}",
-                    p.name(),
-                    r.step_median(),
-                    r.exposed_median(),
-                    r.step_s
-                )
-            })
-            .collect();
-        policies.push(format!("\"ideal\": {{\"step_s_median\": {:.6}}}", rep.ideal_s));
-        println!(
-            "{{\"model\": \"{}\", \"world\": {}, \"recompute\": {}, \"tflops\": {:.4}, \"compute_s\": {:.6}, \"policies\": {{{}}}}}",
-            cfg.model.name,
-            cfg.world,
-            cfg.recompute,
-            rep.tflops,
-            rep.compute_s,
-            policies.join(", ")
-        );
+    if a.json {
+        let mut policies = serde_json::Map::new();
+        for (p, r) in &rep.results {
+            policies.insert(
+                p.name().into(),
+                json!({"step_s_median": r.step_median(), "exposed_comm_s_median": r.exposed_median(), "step_s": r.step_s}),
+            );
+        }
+        policies.insert("ideal".into(), json!({"step_s_median": rep.ideal_s}));
+        let out = json!({
+            "model": cfg.model.name, "world": cfg.world, "recompute": cfg.recompute,
+            "tflops": rep.tflops, "compute_s": rep.compute_s, "policies": policies,
+        });
+        println!("{out}");
         return Ok(());
     }
     println!(

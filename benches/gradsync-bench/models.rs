@@ -120,16 +120,6 @@ impl ModelSpec {
         }
         (out, t)
     }
-
-    /// Look a model up by name.
-    pub fn by_name(name: &str) -> Option<ModelSpec> {
-        match name {
-            "resnet50" => Some(resnet50()),
-            "bert-large" => Some(bert_large()),
-            "gpt2" => Some(gpt2()),
-            _ => None,
-        }
-    }
 }
 
 /// torchvision ResNet-50, batch 32 at 224×224.

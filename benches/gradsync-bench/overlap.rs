@@ -15,7 +15,8 @@
 
 use std::time::{Duration, Instant};
 
-use gradsync::{DType, Divisor, GradSync, GradSyncBuilder, LocalWorld, ParamId, Token};
+use gradsync::{DType, Divisor, GradSync, GradSyncBuilder, LocalWorld, Token};
+use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::models::ModelSpec;
 
@@ -83,9 +84,8 @@ fn counts(schedule: &[Emission], params: usize) -> Vec<u32> {
 
 fn builder(cfg: &OverlapCfg, policy: Policy, declared: &[u32]) -> GradSyncBuilder {
     let mut b = GradSync::builder();
-    for p in &cfg.model.params {
-        b.param(p.name.clone(), p.numel, DType::F32).expect("valid model");
-    }
+    let ids: Vec<_> =
+        cfg.model.params.iter().map(|p| b.param(p.name.clone(), p.numel, DType::F32).expect("valid model")).collect();
     let cap = if policy == Policy::NoSync { usize::MAX } else { cfg.bucket_cap_bytes };
     b.bucket_cap_bytes(cap)
         .divisor(Divisor::WorldSize)
@@ -93,7 +93,7 @@ fn builder(cfg: &OverlapCfg, policy: Policy, declared: &[u32]) -> GradSyncBuilde
         .recycle_payloads(true);
     if policy == Policy::DdpStatic {
         for (p, &c) in declared.iter().enumerate() {
-            b.expect_arrivals(ParamId(p as u32), c).expect("registered");
+            b.expect_arrivals(ids[p], c).expect("registered");
         }
     }
     b
@@ -120,6 +120,7 @@ fn rank_step(
     pool: &mut Pool,
 ) -> (Duration, Duration) {
     let hook = sync.hook();
+    let ids = sync.param_ids().to_vec();
     let start = Instant::now();
     let mut deferred = Vec::new();
     for e in schedule {
@@ -132,11 +133,11 @@ fn rank_step(
         if defer_all {
             deferred.push((e.param, e.token, payload));
         } else {
-            hook.increment(step, ParamId(e.param as u32), Token(e.token), payload).expect("valid arrival");
+            hook.increment(step, ids[e.param], Token(e.token), payload).expect("valid arrival");
         }
     }
     for (p, token, payload) in deferred {
-        hook.increment(step, ParamId(p as u32), Token(token), payload).expect("valid arrival");
+        hook.increment(step, ids[p], Token(token), payload).expect("valid arrival");
     }
     let result = sync.finish_step(step).expect("step succeeds");
     assert!(result.report.outcome.is_applied());
@@ -196,12 +197,15 @@ fn run_policies(cfg: &OverlapCfg, tflops: f64, policies: &[Policy], progress: bo
             per_rank[r].push(b.build(ep).expect("valid settings"));
         }
     }
+    // A progress bar on a terminal; nothing when stderr is not one.
+    let bar = if progress { ProgressBar::new(cfg.steps as u64) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("  {bar:30} step {pos}/{len}, {elapsed}").expect("a valid template"));
     let timings: Vec<Vec<Vec<(Duration, Duration)>>> = std::thread::scope(|s| {
         let handles: Vec<_> = per_rank
             .into_iter()
             .enumerate()
             .map(|(rank, mut syncs)| {
-                let schedule = &schedule;
+                let (schedule, bar) = (&schedule, &bar);
                 s.spawn(move || {
                     let mut t = vec![Vec::new(); policies.len()];
                     let mut pool: Pool = vec![Vec::new(); cfg.model.params.len()];
@@ -210,8 +214,8 @@ fn run_policies(cfg: &OverlapCfg, tflops: f64, policies: &[Policy], progress: bo
                             let defer = policy == Policy::NoSync || (policy == Policy::DdpStatic && step == 0);
                             t[i].push(rank_step(&mut syncs[i], &cfg.model, schedule, step, defer, &mut pool));
                         }
-                        if progress && rank == 0 {
-                            eprint!("\r  step {}/{}", step + 1, cfg.steps);
+                        if rank == 0 {
+                            bar.inc(1);
                         }
                     }
                     t
@@ -220,9 +224,7 @@ fn run_policies(cfg: &OverlapCfg, tflops: f64, policies: &[Policy], progress: bo
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
-    if progress {
-        eprintln!();
-    }
+    bar.finish_and_clear();
     policies
         .iter()
         .enumerate()

@@ -22,19 +22,62 @@
 //! about 40% of an H100's 989 dense bf16 TFLOP/s).
 
 use std::collections::BinaryHeap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gradsync_actors::comm::{CommDone, CommJob, CommPayload};
-use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg};
-use gradsync_actors::param::ParamShard;
-use gradsync_actors::scheduler::{Scheduler, SchedulerConfig};
-use gradsync_actors::{
-    Arrival, BucketSpec, CollectiveKind, DType, HostStore, ParamId, ParamSpec, Payload, Plan, Slot, Token,
+use clap::ValueEnum;
+use gradsync::backend::CollectiveKind;
+use gradsync::sim::{
+    mirror_vote, wire, ActorConfig, Arrival, CommDone, CommJob, CommPayload, FinishRequest, HostStore, ParamSpec,
+    Registry, Reply, SchedMsg, SchedulerConfig, ShardMsg, StepEnd,
 };
+use gradsync::{AbortPolicy, DType, Divisor, ParamId, Payload, Plan, Token};
+use serde_json::json;
 
 use crate::models::ModelSpec;
-use crate::Flags;
+use crate::ModelName;
+
+/// Settings of `sim`.
+#[derive(Debug, clap::Args)]
+pub struct SimArgs {
+    /// The model whose parameter shapes and FLOPs are simulated.
+    #[arg(long, value_enum, default_value = "bert-large")]
+    model: ModelName,
+    /// The cluster's cost model.
+    #[arg(long, value_enum, default_value = "ib-multinode")]
+    preset: PresetName,
+    /// Rank counts, comma-separated (default: powers of two from 8 to the preset's limit or 1024).
+    #[arg(long, value_delimiter = ',')]
+    ranks: Vec<usize>,
+    /// Device rate in TFLOP/s.
+    #[arg(long, default_value_t = 400.0)]
+    tflops: f64,
+    /// Reentrant recompute: segment by segment, a tied weight arrives twice.
+    #[arg(long)]
+    recompute: bool,
+    /// Layers per recompute segment.
+    #[arg(long, default_value_t = 2)]
+    segment_layers: usize,
+    /// Bucket cap in MiB.
+    #[arg(long, default_value_t = 25)]
+    bucket_mb: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write the efficiency curves as an SVG chart.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+/// The presets below, by name.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PresetName {
+    /// One node of 8 H100 SXM on NVLink 4.
+    H100Nvlink,
+    /// Nodes of 8 H100 with one NDR InfiniBand NIC per GPU.
+    IbMultinode,
+}
 
 /// A cluster's collective cost model.
 #[derive(Debug, Clone, Copy)]
@@ -71,33 +114,27 @@ impl Preset {
 /// The real plan's bucket membership with one value per parameter, and each
 /// bucket's real size in bytes.
 fn virtual_plan(model: &ModelSpec, cap: usize, declared: Option<&[u32]>) -> (Plan, Vec<f64>) {
-    let specs: Vec<ParamSpec> = model
-        .params
+    let mut registry = Registry::default();
+    for (i, p) in model.params.iter().enumerate() {
+        let id = registry.add(p.name.clone(), p.numel, DType::F32).expect("a valid model");
+        if let Some(d) = declared {
+            registry.expect_arrivals(id, d[i]).expect("registered");
+        }
+    }
+    let real = registry.plan(cap);
+    let bytes: Vec<f64> = (0..real.num_buckets()).map(|b| real.bucket_numel(b) as f64 * 4.0).collect();
+    let membership: Vec<Vec<ParamId>> = (0..real.num_buckets()).map(|b| real.bucket_params(b).to_vec()).collect();
+    let specs = real
+        .param_ids()
         .iter()
-        .enumerate()
-        .map(|(i, p)| ParamSpec {
-            name: p.name.clone(),
-            numel: p.numel,
+        .map(|&p| ParamSpec {
+            name: real.param_name(p).to_string(),
+            numel: 1,
             dtype: DType::F32,
-            expected_arrivals: declared.map(|d| d[i]),
+            expected_arrivals: real.expected_arrivals(p),
         })
         .collect();
-    let real = Plan::build(specs.clone(), cap);
-    let bytes: Vec<f64> = real.buckets.iter().map(|b| b.numel as f64 * 4.0).collect();
-    let mut slots = vec![Slot { bucket: 0, offset: 0 }; specs.len()];
-    let buckets = real
-        .buckets
-        .iter()
-        .enumerate()
-        .map(|(bi, b)| {
-            for (off, p) in b.params.iter().enumerate() {
-                slots[p.index()] = Slot { bucket: bi, offset: off };
-            }
-            BucketSpec { params: b.params.clone(), numel: b.params.len() }
-        })
-        .collect();
-    let params = specs.into_iter().map(|s| ParamSpec { numel: 1, ..s }).collect();
-    (Plan { params, buckets, slots, bucket_cap_bytes: cap }, bytes)
+    (Plan::from_layout(specs, membership, cap), bytes)
 }
 
 /// A policy in the simulation.
@@ -121,23 +158,36 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
     let late_bytes: f64 =
         model.params.iter().zip(model.uses()).filter(|(_, u)| *u > 1).map(|(p, _)| p.numel as f64 * 4.0).sum();
     let plan = Arc::new(plan);
+    let ids = plan.param_ids().to_vec();
     let (comm_tx, comm_rx) = crossbeam_channel::unbounded::<CommJob>();
-    let (home_tx, mut home_rx) = tokio::sync::mpsc::unbounded_channel::<SchedMsg>();
-    let (shard_tx, mut shard_rx) = tokio::sync::mpsc::unbounded_channel::<SchedMsg>();
-    let sc = SchedulerConfig {
-        rank: 0,
-        world: n,
-        shards: 1,
-        pieces: 1,
-        factor: 1.0 / n as f32,
-        collective_timeout: Duration::from_secs(3600),
-        check_finite: false,
-        record_timeline: false,
+    let cfg = ActorConfig {
+        scheduler: SchedulerConfig {
+            rank: 0,
+            world: n,
+            shards: 1,
+            pieces: 1,
+            divisor: Divisor::WorldSize,
+            policy: AbortPolicy::Skip,
+            collective_timeout: Duration::from_secs(3600),
+            check_finite: false,
+            record_timeline: false,
+            scale_when_packing: false,
+        },
+        learning_window: 4,
+        idle_spin: Duration::ZERO,
+        recycle_payloads: false,
     };
-    let mut sched =
-        Scheduler::new(sc, HostStore, Arc::clone(&plan), comm_tx, home_tx).expect("host buckets always allocate");
-    let mut shard = ParamShard::new(HostStore, 0, 1, &plan, 4, shard_tx);
-    let p = plan.num_params();
+    let actors = wire(&cfg, HostStore, Arc::clone(&plan), comm_tx).expect("host buckets always allocate");
+    let (mut sched, mut inbox) = actors.scheduler;
+    let (mut shard, _) = actors.shards.into_iter().next().expect("one shard");
+    // The plan agreement: identical on every simulated rank.
+    let mut agreement = comm_rx.try_recv().expect("the plan agreement is the first collective");
+    if let CommPayload::Words(w) = &mut agreement.payload {
+        mirror_vote(w, n, 1);
+    }
+    let now = Instant::now();
+    let done = CommDone { tag: agreement.tag, payload: agreement.payload, result: Ok(()), started: now, finished: now };
+    sched.handle(SchedMsg::Done(done));
     let mut times = Vec::new();
     for step in 0..steps {
         // Virtual-time events: (time, order, what). Earlier time first; arrivals before finish.
@@ -165,7 +215,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                     let (_, param, token) = sched_times[i];
                     let a = Arrival {
                         step,
-                        param: ParamId(param as u32),
+                        param: ids[param],
                         token: Token(token),
                         payload: Payload::Increment(vec![1.0]),
                     };
@@ -173,12 +223,12 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                 }
                 Ev::Finish => {
                     shard.handle(ShardMsg::Flush { step });
-                    while let Ok(m) = shard_rx.try_recv() {
+                    while let Ok(m) = inbox.try_recv() {
                         sched.handle(m);
                     }
                     let req = FinishRequest {
                         step,
-                        abort: None,
+                        end: StepEnd::Finish,
                         at: Instant::now(),
                         reply: reply.take().expect("one finish"),
                     };
@@ -188,7 +238,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                     let job = in_flight[id as usize].take().expect("job in flight");
                     let mut payload = job.payload;
                     if let CommPayload::Words(w) = &mut payload {
-                        symmetric_sum(w, n, p);
+                        mirror_vote(w, n, 2); // the control vote of n identical ranks
                     }
                     let now_i = Instant::now();
                     sched.handle(SchedMsg::Done(CommDone {
@@ -200,15 +250,16 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                     }));
                 }
             }
-            while let Ok(m) = shard_rx.try_recv() {
+            while let Ok(m) = inbox.try_recv() {
                 sched.handle(m);
             }
             while let Ok(job) = comm_rx.try_recv() {
                 let bytes = match job.tag.kind {
                     CollectiveKind::Bucket { index, .. } => bucket_bytes[index],
-                    CollectiveKind::Control { len } => len as f64 * 8.0,
                     CollectiveKind::Correction { .. } => late_bytes,
-                    CollectiveKind::Reset { len } => len as f64 * 8.0,
+                    CollectiveKind::Plan { len } | CollectiveKind::Control { len } | CollectiveKind::Reset { len } => {
+                        len as f64 * 8.0
+                    }
                 };
                 let start = comm_free.max(now);
                 comm_free = start + ns(preset.allreduce(bytes, n));
@@ -220,25 +271,12 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                 break now;
             }
         };
-        while let Ok(m) = home_rx.try_recv() {
+        while let Ok(m) = inbox.try_recv() {
             sched.handle(m); // the loan of the gradients comes home
         }
         times.push(end as f64 / 1e9);
     }
     times
-}
-
-/// The control words of N identical ranks: every rank slot holds rank 0's
-/// value, and per-parameter counts are N times this rank's.
-fn symmetric_sum(words: &mut [u64], n: usize, p: usize) {
-    let (abort, fp) = (words[0], words[n]);
-    for r in 0..n {
-        words[r] = abort;
-        words[n + r] = fp;
-    }
-    for w in &mut words[2 * n..2 * n + 2 * p] {
-        *w *= n as u64;
-    }
 }
 
 /// Simulated step times at one rank count.
@@ -266,26 +304,25 @@ struct SimCfg {
     bucket_cap: usize,
 }
 
-pub fn command(f: &Flags) -> Result<(), String> {
-    let model = f.model()?;
-    let preset_name = f.value("--preset").unwrap_or("ib-multinode");
-    let preset = PRESETS.iter().find(|p| p.name == preset_name).ok_or(format!("--preset: unknown {preset_name:?}"))?;
-    let default_ranks: Vec<usize> = (3..=10).map(|k| 1 << k).filter(|&r| r <= preset.max_ranks).collect();
-    let ranks: Vec<usize> = match f.value("--ranks") {
-        None => default_ranks,
-        Some(v) => v
-            .split(',')
-            .map(|x| x.trim().parse().map_err(|_| format!("--ranks: bad {x:?}")))
-            .collect::<Result<_, _>>()?,
+pub fn command(a: &SimArgs) -> Result<(), String> {
+    let model = a.model.spec();
+    let preset = match a.preset {
+        PresetName::H100Nvlink => &PRESETS[0],
+        PresetName::IbMultinode => &PRESETS[1],
+    };
+    let ranks: Vec<usize> = if a.ranks.is_empty() {
+        (3..=10).map(|k| 1 << k).filter(|&r| r <= preset.max_ranks).collect()
+    } else {
+        a.ranks.clone()
     };
     if let Some(&r) = ranks.iter().find(|&&r| r > preset.max_ranks || r == 0) {
         return Err(format!("preset {} describes 1..={} ranks, not {r}", preset.name, preset.max_ranks));
     }
     let cfg = SimCfg {
-        tflops: f.parse("--tflops", 400.0)?,
-        recompute: f.has("--recompute"),
-        segment_layers: f.parse("--segment-layers", 2)?,
-        bucket_cap: f.parse("--bucket-mb", 25usize)? << 20,
+        tflops: a.tflops,
+        recompute: a.recompute,
+        segment_layers: a.segment_layers,
+        bucket_cap: a.bucket_mb << 20,
     };
     let compute = model.backward_schedule(cfg.tflops, cfg.recompute, cfg.segment_layers).1;
     let total_bytes = model.numel() as f64 * 4.0;
@@ -306,23 +343,23 @@ pub fn command(f: &Flags) -> Result<(), String> {
         })
         .collect();
     let eff = |t: f64| compute / t;
-    if f.has("--json") {
-        let per = |sel: &dyn Fn(&Row) -> f64| -> String {
-            let v: Vec<String> = rows
-                .iter()
-                .map(|r| {
-                    format!("{{\"ranks\": {}, \"step_s\": {:.6}, \"efficiency\": {:.4}}}", r.ranks, sel(r), eff(sel(r)))
-                })
-                .collect();
-            format!("[{}]", v.join(", "))
+    if a.json {
+        let per = |sel: &dyn Fn(&Row) -> f64| -> Vec<serde_json::Value> {
+            rows.iter().map(|r| json!({"ranks": r.ranks, "step_s": sel(r), "efficiency": eff(sel(r))})).collect()
         };
-        println!(
-            "{{\"simulated\": true, \"model\": \"{}\", \"preset\": \"{}\", \"recompute\": {}, \"tflops\": {}, \"compute_s\": {:.6}, \"policies\": {{\"gradsync\": {}, \"no_sync\": {}, \"ddp_static\": {}, \"ideal\": {}}}, \"bucket_sweep\": {{\"ranks\": {}, \"points\": [{}]}}}}",
-            model.name, preset.name, cfg.recompute, cfg.tflops, compute,
-            per(&|r| Row::steady(&r.gradsync)), per(&|r| r.no_sync), per(&|r| Row::steady(&r.ddp_static)), per(&|r| r.ideal),
-            sweep_n,
-            sweep.iter().map(|(mb, t)| format!("{{\"bucket_mb\": {mb}, \"step_s\": {t:.6}}}")).collect::<Vec<_>>().join(", ")
-        );
+        let out = json!({
+            "simulated": true, "model": model.name, "preset": preset.name, "recompute": cfg.recompute,
+            "tflops": cfg.tflops, "compute_s": compute,
+            "policies": {
+                "gradsync": per(&|r| Row::steady(&r.gradsync)), "no_sync": per(&|r| r.no_sync),
+                "ddp_static": per(&|r| Row::steady(&r.ddp_static)), "ideal": per(&|r| r.ideal),
+            },
+            "bucket_sweep": {
+                "ranks": sweep_n,
+                "points": sweep.iter().map(|(mb, t)| json!({"bucket_mb": mb, "step_s": t})).collect::<Vec<_>>(),
+            },
+        });
+        println!("{out}");
     } else {
         println!(
             "SIMULATED ({} cost model, not a measurement): {}, recompute {}, {:.0} TFLOP/s per device, backward {:.1} ms",
@@ -346,7 +383,7 @@ pub fn command(f: &Flags) -> Result<(), String> {
             println!("  {mb:>4} MB buckets: step {:.2} ms, efficiency {:.3}", t * 1e3, eff(*t));
         }
     }
-    if let Some(path) = f.value("--svg") {
+    if let Some(path) = &a.svg {
         let series: Vec<(&str, Vec<(usize, f64)>)> = vec![
             ("no_sync", rows.iter().map(|r| (r.ranks, eff(r.no_sync))).collect()),
             ("ddp_static", rows.iter().map(|r| (r.ranks, eff(Row::steady(&r.ddp_static)))).collect()),
@@ -354,8 +391,8 @@ pub fn command(f: &Flags) -> Result<(), String> {
             ("gradsync", rows.iter().map(|r| (r.ranks, eff(Row::steady(&r.gradsync)))).collect()),
         ];
         let title = format!("SIMULATED scaling efficiency: {} on {}", model.name, preset.name);
-        std::fs::write(path, svg(&title, &series)).map_err(|e| format!("--svg {path}: {e}"))?;
-        eprintln!("wrote {path}");
+        std::fs::write(path, svg(&title, &series)).map_err(|e| format!("--svg {}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
     }
     Ok(())
 }

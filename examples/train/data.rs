@@ -50,7 +50,7 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// Examples `range` of this batch (a rank's shard).
+    /// Examples `range` of this batch (a rank's slice of the global batch).
     pub fn slice(&self, range: std::ops::Range<usize>) -> Batch {
         Batch {
             prev2: self.prev2[range.clone()].to_vec(),

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example train -- [--ranks 4] [--steps 300] [--mode overlap|no-sync|strict]
-//!                                        [--recompute on|off] [--seed 7] [--batch 128]
+//!                                        [--recompute on|off] [--seed 7] [--batch 128] [--log-every 25]
 //!                                        [--metrics-addr 127.0.0.1:9464] [--linger SECS] [--trace FILE]
 //! ```
 //!
@@ -12,8 +12,9 @@
 //! `--linger` keeps the process, and so the endpoint, up after training;
 //! `--trace` writes every rank's step timeline as Chrome trace JSON (Perfetto).
 //!
-//! Prints a line per step (mean loss over ranks, step time, what gradsync saw),
-//! a summary, the activation memory kept with and without recompute, and last
+//! Prints a line every `--log-every` steps (mean loss over ranks, step time,
+//! what gradsync saw) with a progress bar in between (on a terminal), a
+//! summary, the activation memory kept with and without recompute, and last
 //! `equivalence: max |param - reference| = … OK` against the same model trained
 //! in one process on the whole batch (exit status 1 if it is not within tolerance).
 
@@ -25,6 +26,8 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
 use model::ModelCfg;
 use session::{max_abs_diff, Mode, StepLine, TrainCfg};
 
@@ -33,71 +36,81 @@ use session::{max_abs_diff, Mode, StepLine, TrainCfg};
 /// means), so they differ by float rounding, amplified a little by training.
 const TOLERANCE: f32 = 1e-4;
 
-fn usage() -> &'static str {
-    "usage: train [--ranks N] [--steps N] [--mode overlap|no-sync|strict] [--recompute on|off] [--seed N] \
-     [--batch N] [--metrics-addr ADDR] [--linger SECS] [--trace FILE]"
+/// How gradients reach the all-reduce.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModeArg {
+    /// gradsync: every segment's gradients go out as soon as they exist.
+    Overlap,
+    /// The usual workaround: backward with no sync, then one fused all-reduce.
+    NoSync,
+    /// DDP's rule: a second arrival for a parameter in one step is an error.
+    Strict,
 }
 
-/// Settings of the run around the training itself.
-struct RunOpts {
+/// Whether backward recomputes segment by segment.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+/// Data-parallel training of a small decoder with a tied embedding on
+/// threads of this process, checked against a one-process reference.
+#[derive(Debug, Parser)]
+#[command(name = "train")]
+struct Args {
+    /// Data-parallel ranks (threads).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    ranks: u64,
+    /// Training steps.
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// How gradients reach the all-reduce.
+    #[arg(long, value_enum, default_value = "overlap")]
+    mode: ModeArg,
+    /// Reentrant recompute (segment by segment) or a full backward.
+    #[arg(long, value_enum, default_value = "on")]
+    recompute: OnOff,
+    /// Seed of the weights and the data.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Sequences per rank and step.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    /// Print a step line every N steps (and the first and last step).
+    #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: u64,
+    /// Serve Prometheus metrics at this loopback address while training.
+    #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
-    linger: Duration,
+    /// Keep the process (and the metrics endpoint) up this many seconds after training.
+    #[arg(long, default_value_t = 0)]
+    linger: u64,
+    /// Write every rank's step timeline as Chrome trace JSON to this file.
+    #[arg(long)]
     trace: Option<std::path::PathBuf>,
 }
 
-fn parse_args() -> Result<(TrainCfg, RunOpts), String> {
-    let mut cfg = TrainCfg {
-        ranks: 4,
-        steps: 300,
-        mode: Mode::Overlap,
-        recompute: true,
-        seed: 7,
-        batch_per_rank: 128,
-        model: ModelCfg { vocab: 48, dim: 64, hidden: 256, blocks: 4 },
-        lr: 0.1,
-        momentum: 0.9,
-        bucket_cap_bytes: 256 << 10,
-        record_timeline: false,
-    };
-    let mut opts = RunOpts { metrics_addr: None, linger: Duration::ZERO, trace: None };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or(format!("{flag} needs a value\n{}", usage()));
-        let number = |v: String| v.parse::<u64>().map_err(|_| format!("{flag}: {v:?} is not a number"));
-        match flag.as_str() {
-            "--ranks" => cfg.ranks = number(value()?)?.max(1) as usize,
-            "--steps" => cfg.steps = number(value()?)?,
-            "--seed" => cfg.seed = number(value()?)?,
-            "--batch" => cfg.batch_per_rank = number(value()?)?.max(1) as usize,
-            "--mode" => {
-                cfg.mode = match value()?.as_str() {
-                    "overlap" => Mode::Overlap,
-                    "no-sync" => Mode::NoSync,
-                    "strict" => Mode::Strict,
-                    other => return Err(format!("--mode: unknown mode {other:?}\n{}", usage())),
-                }
-            }
-            "--recompute" => {
-                cfg.recompute = match value()?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    other => return Err(format!("--recompute: expected on or off, got {other:?}")),
-                }
-            }
-            "--metrics-addr" => {
-                let v = value()?;
-                opts.metrics_addr = Some(v.parse().map_err(|_| format!("--metrics-addr: {v:?} is not HOST:PORT"))?);
-            }
-            "--linger" => opts.linger = Duration::from_secs(number(value()?)?),
-            "--trace" => {
-                opts.trace = Some(value()?.into());
-                cfg.record_timeline = true;
-            }
-            "-h" | "--help" => return Err(usage().to_string()),
-            other => return Err(format!("unknown flag {other:?}\n{}", usage())),
+impl Args {
+    fn train_cfg(&self) -> TrainCfg {
+        TrainCfg {
+            ranks: self.ranks as usize,
+            steps: self.steps,
+            mode: match self.mode {
+                ModeArg::Overlap => Mode::Overlap,
+                ModeArg::NoSync => Mode::NoSync,
+                ModeArg::Strict => Mode::Strict,
+            },
+            recompute: matches!(self.recompute, OnOff::On),
+            seed: self.seed,
+            batch_per_rank: self.batch as usize,
+            model: ModelCfg { vocab: 48, dim: 64, hidden: 256, blocks: 4 },
+            lr: 0.1,
+            momentum: 0.9,
+            bucket_cap_bytes: 256 << 10,
+            record_timeline: self.trace.is_some(),
         }
     }
-    Ok((cfg, opts))
 }
 
 fn ms(d: Duration) -> f64 {
@@ -105,13 +118,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn main() -> ExitCode {
-    let (cfg, opts) = match parse_args() {
-        Ok(parsed) => parsed,
-        Err(msg) => {
-            eprintln!("{msg}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
+    let cfg = args.train_cfg();
     let m = cfg.model;
     println!(
         "gradsync train: {} ranks (local thread world), mode {:?}, recompute {}, {} steps, batch {}x{}, \
@@ -127,7 +135,7 @@ fn main() -> ExitCode {
         m.hidden,
         m.blocks
     );
-    if let Some(addr) = opts.metrics_addr {
+    if let Some(addr) = args.metrics_addr {
         match gradsync::metrics::install_prometheus(addr, false) {
             Ok(_) => println!("metrics: http://{addr}/metrics"),
             Err(e) => {
@@ -138,8 +146,8 @@ fn main() -> ExitCode {
     }
     let (tx, rx) = mpsc::channel::<StepLine>();
     let printer = std::thread::spawn({
-        let (ranks, steps) = (cfg.ranks, cfg.steps);
-        move || print_steps(rx, ranks, steps)
+        let (ranks, steps, every) = (cfg.ranks, cfg.steps, args.log_every);
+        move || print_steps(rx, ranks, steps, every)
     });
     let started = std::time::Instant::now();
     let out = session::train(&cfg, tx);
@@ -153,7 +161,7 @@ fn main() -> ExitCode {
     };
     println!("trained in {:.1} s", started.elapsed().as_secs_f64());
     println!("{totals}");
-    if let Some(path) = &opts.trace {
+    if let Some(path) = &args.trace {
         let written = std::fs::File::create(path).and_then(|f| trace.write_json(std::io::BufWriter::new(f)));
         match written {
             Ok(()) => println!(
@@ -192,11 +200,11 @@ fn main() -> ExitCode {
         "equivalence: max |param - reference| = {diff:e} (tolerance {TOLERANCE:e}) {}",
         if ok { "OK" } else { "FAILED" }
     );
-    if !opts.linger.is_zero() {
-        if let Some(addr) = opts.metrics_addr {
-            println!("lingering {} s so http://{addr}/metrics can be scraped", opts.linger.as_secs());
+    if args.linger > 0 {
+        if let Some(addr) = args.metrics_addr {
+            println!("lingering {} s so http://{addr}/metrics can be scraped", args.linger);
         }
-        std::thread::sleep(opts.linger);
+        std::thread::sleep(Duration::from_secs(args.linger));
     }
     if ok {
         ExitCode::SUCCESS
@@ -205,8 +213,14 @@ fn main() -> ExitCode {
     }
 }
 
-/// Print one line per step once every rank reported it; return the summary.
-fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> (String, gradsync::ChromeTrace) {
+/// Print a line every `every` steps once every rank reported it, with a
+/// progress bar between them (drawn only on a terminal); return the summary.
+fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64, every: u64) -> (String, gradsync::ChromeTrace) {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} steps, {elapsed} elapsed, eta {eta}")
+            .expect("a valid template"),
+    );
     let mut trace = gradsync::ChromeTrace::new();
     let mut pending: std::collections::BTreeMap<u64, Vec<StepLine>> = Default::default();
     let (mut dups, mut late, mut corrected_steps, mut overlapped, mut launched) = (0u64, 0u64, 0u64, 0u64, 0u64);
@@ -231,7 +245,12 @@ fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> (Strin
         overlapped += u64::from(r0.buckets_done_before_finish);
         launched += u64::from(r0.buckets_launched);
         exposed.push(ms(r0.exposed_comm));
-        println!(
+        bar.inc(1);
+        if step % every != 0 && step + 1 != steps {
+            continue;
+        }
+        // `suspend` prints whether or not the bar is drawn (it is not off a terminal).
+        let line = format!(
             "step {:>4}/{steps}  loss {loss:.4}  step {:>6.1} ms  exposed comm {:>5.2} ms  buckets overlapped {}/{}  \
              late {}  corrected {:?}",
             step + 1,
@@ -240,9 +259,11 @@ fn print_steps(rx: mpsc::Receiver<StepLine>, ranks: usize, steps: u64) -> (Strin
             r0.buckets_done_before_finish,
             r0.buckets_launched,
             r0.late_arrivals,
-            r0.corrected.iter().map(|p| p.0).collect::<Vec<_>>()
+            r0.corrected.iter().map(|p| p.index()).collect::<Vec<_>>()
         );
+        bar.suspend(|| println!("{line}"));
     }
+    bar.finish_and_clear();
     exposed.sort_by(f64::total_cmp);
     let median = exposed.get(exposed.len() / 2).copied().unwrap_or_default();
     let summary = format!(

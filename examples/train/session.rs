@@ -1,10 +1,11 @@
 //! A data-parallel training session on the local thread world, and the
 //! single-process reference it must match.
 //!
-//! Each rank thread owns an identical replica and a shard of every global
+//! Each rank thread owns an identical replica and a slice of every global
 //! batch; its backward hands gradients to gradsync as `Accumulated` payloads
 //! (the rank's running `.grad`, like a post-accumulate-grad hook), one arrival
-//! per segment that touched the parameter, token = segment index. After
+//! per segment that touched the parameter, token = the parameter's firing
+//! index in the step (0, 1, …: the highest token is the most complete). After
 //! `finish_step` every rank applies the averaged gradient with the same SGD
 //! update as the reference, so all replicas and the reference stay equal up
 //! to floating-point summation order.
@@ -13,7 +14,7 @@ use std::collections::HashSet;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradsync::{Divisor, GradSync, LocalWorld, ParamId, StepReport, Token};
+use gradsync::{Divisor, GradSync, LocalWorld, StepReport, Token};
 
 use crate::data::{Batch, MarkovTask};
 use crate::model::{ActivationBytes, Model, ModelCfg};
@@ -167,8 +168,11 @@ fn run_rank(
 ) -> RankOutput {
     let model = Model::new(cfg.model, cfg.seed)?;
     let hook = sync.hook();
+    let ids = sync.param_ids().to_vec();
     let n = model.len();
     let mut velocity: Vec<Vec<f32>> = (0..n).map(|i| vec![0.0; model.numel(i)]).collect();
+    // The averaged gradients are copied here every step: allocated once.
+    let mut averaged: Vec<Vec<f32>> = (0..n).map(|i| vec![0.0; model.numel(i)]).collect();
     let mut activations = ActivationBytes::default();
     let global = cfg.batch_per_rank * cfg.ranks;
     for step in 0..cfg.steps {
@@ -177,9 +181,11 @@ fn run_rank(
             task.batch(step, global, cfg.seed).slice(rank * cfg.batch_per_rank..(rank + 1) * cfg.batch_per_rank);
         // The rank's running `.grad` per parameter.
         let mut local: Vec<Option<Vec<f32>>> = vec![None; n];
+        // Each parameter's firings so far this step: its next token.
+        let mut fired = vec![0u64; n];
         let mut seen = HashSet::new();
         let mut failure: Option<TrainError> = None;
-        let mut deliver = |p: usize, segment: u64, grad: Vec<f32>| {
+        let mut deliver = |p: usize, grad: Vec<f32>| {
             if failure.is_some() {
                 return;
             }
@@ -196,13 +202,14 @@ fn run_rank(
             };
             if cfg.mode != Mode::NoSync {
                 // Hook refusals are counted in the step report; none are expected here.
-                let _ = hook.accumulated(step, ParamId(p as u32), Token(segment), acc.clone());
+                let _ = hook.accumulated(step, ids[p], Token(fired[p]), acc.clone());
             }
+            fired[p] += 1;
         };
         let loss = if cfg.recompute {
-            let (loss, mem) = model.recompute_backward(&batch, |segment, grads| {
+            let (loss, mem) = model.recompute_backward(&batch, |_segment, grads| {
                 for (p, g) in grads {
-                    deliver(p, segment, g);
+                    deliver(p, g);
                 }
             })?;
             activations = mem;
@@ -211,7 +218,7 @@ fn run_rank(
             let (loss, grads, kept) = model.full_backward(&batch)?;
             activations.full = kept;
             for (p, g) in grads.into_iter().enumerate().rev() {
-                deliver(p, 0, g);
+                deliver(p, g);
             }
             loss
         };
@@ -222,15 +229,15 @@ fn run_rank(
             // One fused all-reduce after backward: every gradient now, one bucket.
             for (p, g) in local.into_iter().enumerate().rev() {
                 let g = g.unwrap_or_else(|| vec![0.0; model.numel(p)]);
-                let _ = hook.accumulated(step, ParamId(p as u32), Token(0), g);
+                let _ = hook.accumulated(step, ids[p], Token(0), g);
             }
         }
         let result = sync.finish_step(step)?;
         let grads = result.gradients.as_ref().expect("no rank aborts in this example");
         let mut values = model.values()?;
         for (p, w) in values.iter_mut().enumerate() {
-            if let Some(g) = grads.get(ParamId(p as u32)) {
-                sgd(w, &mut velocity[p], &g.to_vec(), cfg.lr, cfg.momentum);
+            if grads.copy_into(ids[p], &mut averaged[p]) {
+                sgd(w, &mut velocity[p], &averaged[p], cfg.lr, cfg.momentum);
             }
         }
         for (p, w) in values.into_iter().enumerate() {

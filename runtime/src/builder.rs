@@ -1,97 +1,25 @@
 //! Registering parameters and choosing settings before a [`GradSync`] starts.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
-use gradsync_actors::{DType, ParamId, ParamSpec};
+use gradsync_actors::plan::Registry;
+use gradsync_actors::{AbortPolicy, BuildError, DType, Divisor, GradStore, ParamId, Transport};
 
 use crate::sync::GradSync;
-use crate::Transport;
-use gradsync_actors::GradStore;
-
-/// What the reduced sum is divided by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Divisor {
-    /// The number of ranks (DDP's default): gradients are averaged.
-    WorldSize,
-    /// No division: gradients are summed.
-    Sum,
-    /// A fixed divisor (for example the global number of micro-batches).
-    Fixed(u32),
-}
-
-/// A registration or configuration the runtime refuses.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BuildError {
-    /// Two parameters were registered under one name.
-    #[error("parameter {name:?} is registered twice: give every parameter a unique name")]
-    DuplicateParam {
-        /// The name.
-        name: String,
-    },
-    /// A parameter with no element.
-    #[error("parameter {name:?} has 0 elements: leave it out, it has no gradient to synchronize")]
-    ZeroSizedParam {
-        /// The name.
-        name: String,
-    },
-    /// The gradient element type has no implementation yet.
-    #[error("parameter {name:?}: {dtype:?} gradients are not supported yet; register it as F32")]
-    UnsupportedDType {
-        /// The name.
-        name: String,
-        /// The type asked for.
-        dtype: DType,
-    },
-    /// More parameters than ids can name.
-    #[error("more than {max} parameters registered; group small tensors into flat buffers")]
-    TooManyParams {
-        /// The limit.
-        max: usize,
-    },
-    /// Nothing was registered.
-    #[error("no parameter registered: register every parameter whose gradient must be synchronized")]
-    NoParams,
-    /// A setting that cannot work.
-    #[error("invalid setting {setting}: {why}")]
-    InvalidSetting {
-        /// The setting.
-        setting: &'static str,
-        /// Why it is refused.
-        why: String,
-    },
-    /// A world of zero ranks, or a transport whose rank is outside its world.
-    #[error("invalid world: rank {rank} of {world} ranks; a world needs at least one rank and rank < world")]
-    InvalidWorld {
-        /// The rank reported by the transport.
-        rank: usize,
-        /// The world size reported by the transport.
-        world: usize,
-    },
-    /// An OS thread could not be started.
-    #[error("could not start the {which} thread: {why}; the process may be out of threads or memory")]
-    Spawn {
-        /// Which thread.
-        which: &'static str,
-        /// The OS error.
-        why: String,
-    },
-    /// The bucket buffers could not be allocated.
-    #[error(transparent)]
-    Alloc(#[from] gradsync_actors::error::AllocError),
-}
 
 /// Registers parameters (in forward order) and settings, then starts a [`GradSync`].
 ///
 /// Every rank must register the same parameters in the same order with the
-/// same bucket cap; the control collective detects ranks that do not.
+/// same bucket cap and abort policy; the ranks check that they agree before
+/// the first bucket is reduced and fail together, naming the odd ranks, if
+/// they do not.
 #[derive(Debug, Clone)]
 pub struct GradSyncBuilder {
-    pub(crate) params: Vec<ParamSpec>,
-    names: HashMap<String, ParamId>,
+    pub(crate) registry: Registry,
     pub(crate) bucket_cap_bytes: usize,
     pub(crate) collective_timeout: Duration,
     pub(crate) divisor: Divisor,
+    pub(crate) abort_policy: AbortPolicy,
     pub(crate) param_shards: usize,
     pub(crate) learning_window: usize,
     pub(crate) check_finite: bool,
@@ -103,11 +31,11 @@ pub struct GradSyncBuilder {
 impl Default for GradSyncBuilder {
     fn default() -> Self {
         GradSyncBuilder {
-            params: Vec::new(),
-            names: HashMap::new(),
+            registry: Registry::default(),
             bucket_cap_bytes: 25 << 20,
             collective_timeout: Duration::from_secs(300),
             divisor: Divisor::WorldSize,
+            abort_policy: AbortPolicy::Skip,
             param_shards: 2,
             learning_window: 4,
             check_finite: false,
@@ -122,34 +50,13 @@ impl GradSyncBuilder {
     /// Register a parameter whose gradient has `numel` elements of `dtype`.
     /// Register in forward order; the returned id names it in hooks and results.
     pub fn param(&mut self, name: impl Into<String>, numel: usize, dtype: DType) -> Result<ParamId, BuildError> {
-        let name = name.into();
-        if self.names.contains_key(&name) {
-            return Err(BuildError::DuplicateParam { name });
-        }
-        if numel == 0 {
-            return Err(BuildError::ZeroSizedParam { name });
-        }
-        if dtype != DType::F32 {
-            return Err(BuildError::UnsupportedDType { name, dtype });
-        }
-        let max = u32::MAX as usize;
-        if self.params.len() >= max {
-            return Err(BuildError::TooManyParams { max });
-        }
-        let id = ParamId(self.params.len() as u32);
-        self.names.insert(name.clone(), id);
-        self.params.push(ParamSpec { name, numel, dtype, expected_arrivals: None });
-        Ok(id)
+        self.registry.add(name.into(), numel, dtype)
     }
 
     /// Declare how many distinct arrivals `param` has per step (0 = never used),
     /// instead of learning it. A wrong declaration costs overlap, never exactness.
     pub fn expect_arrivals(&mut self, param: ParamId, count: u32) -> Result<&mut Self, BuildError> {
-        let spec = self.params.get_mut(param.index()).ok_or(BuildError::InvalidSetting {
-            setting: "expect_arrivals",
-            why: format!("parameter {param} was not registered with this builder"),
-        })?;
-        spec.expected_arrivals = Some(count);
+        self.registry.expect_arrivals(param, count)?;
         Ok(self)
     }
 
@@ -167,9 +74,15 @@ impl GradSyncBuilder {
         self
     }
 
-    /// What the reduced sum is divided by (default: the world size).
+    /// What the reduced sum is divided by (default: the ranks that contributed).
     pub fn divisor(&mut self, divisor: Divisor) -> &mut Self {
         self.divisor = divisor;
+        self
+    }
+
+    /// What a step some rank aborted means for every rank (default: skipped everywhere).
+    pub fn abort_policy(&mut self, policy: AbortPolicy) -> &mut Self {
+        self.abort_policy = policy;
         self
     }
 
@@ -186,9 +99,8 @@ impl GradSyncBuilder {
     }
 
     /// Check every gradient for NaN and Inf (one vectorized scan per payload).
-    /// When any rank finds one, every rank skips the step together, as
-    /// mixed-precision loss scaling does, and the report names the ranks
-    /// (`AbortReason::NonFinite`). Off by default.
+    /// When any rank finds one, that rank aborts the step (`AbortReason::NonFinite`),
+    /// as mixed-precision loss scaling does. Off by default.
     pub fn check_finite(&mut self, on: bool) -> &mut Self {
         self.check_finite = on;
         self
@@ -223,32 +135,31 @@ impl GradSyncBuilder {
 
     /// The id of a registered name.
     pub fn id(&self, name: &str) -> Option<ParamId> {
-        self.names.get(name).copied()
+        self.registry.id(name)
     }
 
     /// Start the actors and the communicator thread on `transport` (this rank's
     /// endpoint of a world).
     pub fn build<T: Transport>(&self, transport: T) -> Result<GradSync<T::Store>, BuildError> {
-        if self.params.is_empty() {
+        if self.registry.is_empty() {
             return Err(BuildError::NoParams);
         }
+        let invalid = |setting: &'static str, why: &str| Err(BuildError::InvalidSetting { setting, why: why.into() });
         if self.param_shards == 0 {
-            let why = "at least one shard is needed".to_string();
-            return Err(BuildError::InvalidSetting { setting: "param_shards", why });
+            return invalid("param_shards", "at least one shard is needed");
         }
         if self.collective_timeout.is_zero() {
-            let why = "a zero timeout fails every collective".to_string();
-            return Err(BuildError::InvalidSetting { setting: "collective_timeout", why });
+            return invalid("collective_timeout", "a zero timeout fails every collective");
         }
         if self.divisor == Divisor::Fixed(0) {
-            let why = "division by zero".to_string();
-            return Err(BuildError::InvalidSetting { setting: "divisor", why });
+            return invalid("divisor", "division by zero");
         }
         if self.check_finite && !<T::Store as GradStore>::CHECKS_FINITE {
-            let why = "this backend's gradients live on a device and cannot be checked without \
-                       waiting for it; check the loss for NaN instead"
-                .to_string();
-            return Err(BuildError::InvalidSetting { setting: "check_finite", why });
+            return invalid(
+                "check_finite",
+                "this backend's gradients live on a device and cannot be checked without \
+                 waiting for it; check the loss for NaN instead",
+            );
         }
         let (rank, world) = (transport.rank(), transport.world());
         if world == 0 || rank >= world {

@@ -1,8 +1,9 @@
-//! The public API of gradsync.
+//! The public API of gradsync (re-exported by the `gradsync` crate).
 //!
 //! A training loop builds one [`GradSync`] per rank (the same registrations on
-//! every rank), hands [`GradHook`] clones to its autograd hooks, and calls
-//! [`GradSync::finish_step`] once backward is over. What flows through:
+//! every rank), hands [`GradHook`] clones to its autograd hooks, and ends each
+//! step with [`GradSync::finish_step`] (or [`abort_step`](GradSync::abort_step),
+//! or [`join`](GradSync::join) when out of data). What flows through:
 //!
 //! ```text
 //! GradSyncBuilder::param(...) ─▶ Plan (buckets, reverse registration order)
@@ -11,12 +12,10 @@
 //!                                                  { StepReport, Option<Gradients> }
 //! ```
 //!
-//! Backends: [`local`] runs N ranks as threads of one process (tests, examples,
-//! CPU training); `cuda` (feature `cuda`) keeps gradients in device memory and
-//! all-reduces them with NCCL on a dedicated stream (`GradSync<DeviceStore>`).
-//! Where gradients live is a [`GradStore`]: [`HostStore`] by default. The
-//! actors themselves live in `gradsync-actors`, the numeric loops in
-//! `gradsync-kernels`.
+//! Worlds: [`LocalWorld`] runs N ranks as threads of one process (tests,
+//! examples, CPU training); `cuda` (feature `cuda`) keeps gradients in device
+//! memory and all-reduces them with NCCL; the PyTorch package plugs in
+//! `torch.distributed`. Writing a world of your own is [`backend`]'s subject.
 #![deny(missing_docs)]
 
 mod builder;
@@ -29,14 +28,33 @@ pub mod rendezvous;
 mod sync;
 pub mod trace;
 
-pub use builder::{BuildError, Divisor, GradSyncBuilder};
-pub use gradsync_actors::telemetry::trace_epoch;
+pub use builder::GradSyncBuilder;
 pub use gradsync_actors::{
-    AbortReason, AllocError, BucketBuf, CollectiveKind, CollectiveTag, CommError, DType, GradStore, GradView,
-    Gradients, HostStore, Lane, Outcome, ParamId, Payload, PayloadKind, Plan, Progress, Rejection, Step, StepReport,
-    StepResult, SyncError, TimelineEvent, Token, Transport, WriteMode,
+    AbortPolicy, AbortReason, BuildError, DType, Divisor, GradView, Gradients, Outcome, ParamId, Payload, PayloadKind,
+    Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token,
 };
-pub use hook::GradHook;
+pub use hook::{ArrivalBatch, GradHook};
 pub use local::{LocalEndpoint, LocalWorld};
-pub use sync::GradSync;
+pub use sync::{GradSync, JoinReport};
 pub use trace::ChromeTrace;
+
+/// For backend authors: what a world (a [`Transport`](backend::Transport))
+/// and a gradient storage (a [`GradStore`](backend::GradStore)) implement.
+///
+/// A transport is one rank's endpoint of a communicator. The GradSync moves it
+/// onto a dedicated communicator thread and calls it one collective at a
+/// time, in the same order on every rank: the plan agreement, then per step
+/// every bucket in plan order, the control vector and at most one correction.
+/// Each call names its position with a [`CollectiveTag`](backend::CollectiveTag)
+/// (compare it where the wire can carry it) and has a deadline; a transport
+/// reports failures as [`CommError`](backend::CommError)s naming the ranks it
+/// can. Buckets come from the transport's [`GradStore`](backend::GradStore):
+/// [`HostStore`](backend::HostStore) keeps them in host memory as
+/// [`BucketBuf`](backend::BucketBuf)s split into [`Transport::pieces`](backend::Transport::pieces)
+/// pieces.
+pub mod backend {
+    pub use gradsync_actors::bucket_buf::{BucketBuf, PieceLengthError, WriteMode};
+    pub use gradsync_actors::comm::{Interrupt, Transport};
+    pub use gradsync_actors::error::{AllocError, CollectiveKind, CollectiveTag, CommError};
+    pub use gradsync_actors::store::{GradStore, HostStore};
+}

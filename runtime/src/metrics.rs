@@ -10,10 +10,10 @@
 
 use std::net::SocketAddr;
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-pub use gradsync_actors::telemetry::{names, SECONDS_BUCKETS};
+pub use gradsync_actors::telemetry::{names, MetricDef, MetricKind, METRICS, SECONDS_BUCKETS};
 
 /// The Prometheus endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -29,26 +29,25 @@ pub enum MetricsError {
     Exporter(String),
 }
 
-/// Help text and units of every gradsync series, for the installed recorder.
+/// Help text and units of every gradsync series ([`METRICS`]), for the installed recorder.
 pub fn describe() {
-    describe_counter!(
-        names::ARRIVALS,
-        Unit::Count,
-        "Gradient hook deliveries by kind: first, late, duplicate, rejected."
-    );
-    describe_counter!(names::BUCKETS_LAUNCHED, Unit::Count, "Data buckets handed to the communicator.");
-    describe_counter!(names::ALLREDUCE_BYTES, Unit::Bytes, "Bytes this rank put into all-reduces, by collective.");
-    describe_histogram!(names::ALLREDUCE_SECONDS, Unit::Seconds, "Time inside one all-reduce, by collective.");
-    describe_histogram!(names::EXPOSED_SECONDS, Unit::Seconds, "Communication per step not hidden by backward.");
-    describe_histogram!(names::STEP_SECONDS, Unit::Seconds, "From a step's first gradient to its result.");
-    describe_counter!(names::STEPS, Unit::Count, "Finished steps by outcome: applied or skipped.");
-    describe_counter!(names::CORRECTIONS, Unit::Count, "Correction all-reduces after late arrivals.");
-    describe_counter!(names::CORRECTED_PARAMS, Unit::Count, "Parameters corrected after a late arrival.");
-    describe_counter!(names::ABORTS, Unit::Count, "Aborting ranks seen in skipped steps, by rank and reason.");
-    describe_counter!(names::COLLECTIVE_FAILURES, Unit::Count, "Failed collectives by error.");
-    describe_counter!(names::TIMEOUTS, Unit::Count, "Collectives failed because a rank missed the deadline.");
-    describe_gauge!(names::PLAN_BUCKETS, Unit::Count, "Buckets in the current plan.");
-    describe_gauge!(names::PLAN_BYTES, Unit::Bytes, "Bytes of bucket storage of the current plan.");
+    for m in METRICS {
+        match m.kind {
+            MetricKind::Counter => describe_counter!(m.name, m.unit, m.help),
+            MetricKind::Gauge => describe_gauge!(m.name, m.unit, m.help),
+            MetricKind::Histogram => describe_histogram!(m.name, m.unit, m.help),
+        }
+    }
+}
+
+/// The README's metrics table, rendered from [`METRICS`] (a test keeps the
+/// README equal to it).
+pub fn markdown_table() -> String {
+    let mut out = String::from("| metric | type | labels (besides `rank`) | meaning |\n|---|---|---|---|\n");
+    for m in METRICS {
+        out += &format!("| `{}` | {} | {} | {} |\n", m.name, m.kind.label(), m.labels, m.help);
+    }
+    out
 }
 
 /// Install a Prometheus recorder as the process's global recorder and serve

@@ -8,30 +8,67 @@
 //!   a crossbeam channel (NCCL communicators are `!Send`, so they live on one
 //!   thread; a blocked collective never stalls a tokio worker).
 //!
+//! Ending a step sends a request and waits for its result; the request and
+//! the wait are separate, so a cancelled wait (an async future dropped by a
+//! `timeout`) leaves the result to be collected by the next call for that step.
+//!
 //! Dropping the GradSync stops the scheduler, interrupts a collective in
 //! progress and joins both threads: nothing is leaked and nothing hangs.
 
-use std::sync::Weak;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg};
-use gradsync_actors::param::ParamShard;
-use gradsync_actors::scheduler::{Scheduler, SchedulerConfig};
+use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg, StepEnd};
+use gradsync_actors::scheduler::SchedulerConfig;
+use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
-    AbortReason, GradStore, HostStore, Interrupt, ParamId, Plan, Progress, Step, StepResult, SyncError, Transport,
+    AbortReason, BuildError, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step, StepResult,
+    SyncError, Transport,
 };
-use std::sync::Arc;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 
-use crate::builder::{BuildError, Divisor, GradSyncBuilder};
+use crate::builder::GradSyncBuilder;
 use crate::hook::GradHook;
+
+/// The answer to a request to end a step.
+type Answer<S> = oneshot::Receiver<Result<StepResult<S>, SyncError>>;
+
+/// A step whose end was requested and whose result is not collected yet.
+#[derive(Debug)]
+struct Pending<S: GradStore> {
+    step: Step,
+    answer: Answer<S>,
+}
+
+/// What [`GradSync::join`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JoinReport {
+    /// The first step this rank shadowed.
+    pub first_step: Step,
+    /// Steps shadowed with zeros, the last one included (when every rank had joined).
+    pub steps: u64,
+}
 
 /// One rank's gradient synchronizer.
 ///
 /// Give [`GradSync::hook`] clones to autograd hooks; call
 /// [`GradSync::finish_step`] when backward is over on this rank (or
-/// [`GradSync::abort_step`] when this rank cannot finish it).
+/// [`GradSync::abort_step`] when this rank cannot finish it, or
+/// [`GradSync::join`] when it has run out of data).
+///
+/// **Failures.** A step is consumed by the call that ends it, successful or
+/// not, so [`GradSync::current_step`] moves on either way. After a failed step
+/// (a timeout, a desync, a peer gone: [`SyncError::needs_reset`]) every later
+/// call is refused with [`SyncError::Poisoned`], consuming no step, until
+/// [`GradSync::reset`] has been called on every rank; `reset` returns the step
+/// all ranks continue at. The failed step's gradients are lost: run its batch
+/// again under the new step number.
 ///
 /// `S` is where gradients live: host memory by default (the local backend),
 /// device memory with the CUDA backend.
@@ -44,10 +81,17 @@ pub struct GradSync<S: GradStore = HostStore> {
     /// Parameter-shard inboxes (also inside `hook`), for flush and settle markers.
     shards: Vec<UnboundedSender<ShardMsg<S>>>,
     sched: UnboundedSender<SchedMsg<S>>,
-    /// The step `finish_step` accepts next.
+    /// The open step: the one arrivals are for and the next to end.
     next_step: Step,
+    /// A step whose end was requested but whose result was not collected.
+    pending: Option<Pending<S>>,
+    /// The step that failed and why, once this rank learned it: calls are
+    /// refused (consuming no step) until a reset.
+    failed: Option<(Step, String)>,
     /// The last applied step's gradients: alive while the caller holds them.
     loan: Option<(Step, Weak<()>)>,
+    /// Resets so far: the parameter actors' message generation.
+    epoch: u32,
     /// Id of the next progress request.
     next_request: u64,
     /// Longest wait for an answer from the local actors.
@@ -55,6 +99,8 @@ pub struct GradSync<S: GradStore = HostStore> {
     interrupt: Option<Interrupter>,
     /// Consumed payloads coming back for reuse (with `recycle_payloads`).
     spent: Option<crossbeam_channel::Receiver<(ParamId, S::Values)>>,
+    /// Bytes of bucket buffers the scheduler has allocated.
+    allocated: Arc<AtomicUsize>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -68,45 +114,32 @@ impl GradSync {
 impl<S: GradStore> GradSync<S> {
     pub(crate) fn start<T: Transport<Store = S>>(b: &GradSyncBuilder, transport: T) -> Result<Self, BuildError> {
         let (rank, world) = (transport.rank(), transport.world());
-        let plan = Arc::new(Plan::build(b.params.clone(), b.bucket_cap_bytes));
-        let factor = match b.divisor {
-            Divisor::WorldSize => 1.0 / world as f32,
-            Divisor::Sum => 1.0,
-            Divisor::Fixed(n) => 1.0 / n as f32,
-        };
-        let cfg = SchedulerConfig {
-            rank,
-            world,
-            shards: b.param_shards,
-            pieces: transport.pieces(),
-            factor,
-            collective_timeout: b.collective_timeout,
-            check_finite: b.check_finite,
-            record_timeline: b.record_timeline,
+        let plan = Arc::new(b.registry.plan(b.bucket_cap_bytes));
+        let cfg = ActorConfig {
+            scheduler: SchedulerConfig {
+                rank,
+                world,
+                shards: b.param_shards,
+                pieces: transport.pieces(),
+                divisor: b.divisor,
+                policy: b.abort_policy,
+                collective_timeout: b.collective_timeout,
+                check_finite: b.check_finite,
+                record_timeline: b.record_timeline,
+                scale_when_packing: transport.scale_when_packing(),
+            },
+            learning_window: b.learning_window,
+            idle_spin: b.idle_spin,
+            recycle_payloads: b.recycle_payloads,
         };
         let interrupt = transport.interrupter().map(Interrupter);
         let store = transport.store();
-        let (sched_tx, sched_rx) = unbounded_channel();
         let (comm_tx, comm_rx) = crossbeam_channel::unbounded();
-        let mut scheduler = Scheduler::new(cfg, store.clone(), Arc::clone(&plan), comm_tx, sched_tx.clone())?;
-        let spent = if b.recycle_payloads {
-            let (tx, rx) = crossbeam_channel::bounded(2 * plan.num_params());
-            scheduler = scheduler.with_spent_payloads(tx);
-            Some(rx)
-        } else {
-            None
-        };
-        let mut shard_txs = Vec::with_capacity(b.param_shards);
-        let mut shard_actors = Vec::with_capacity(b.param_shards);
-        for i in 0..b.param_shards {
-            let (tx, rx) = unbounded_channel();
-            shard_txs.push(tx);
-            let shard = ParamShard::new(store.clone(), i, b.param_shards, &plan, b.learning_window, sched_tx.clone());
-            shard_actors.push((shard.with_idle_spin(b.idle_spin).with_timestamps(b.record_timeline), rx));
-        }
+        let actors = wiring::wire(&cfg, store.clone(), Arc::clone(&plan), comm_tx)?;
         let spawn_err = |which: &'static str| move |e: std::io::Error| BuildError::Spawn { which, why: e.to_string() };
         let runtime = tokio::runtime::Builder::new_current_thread().build().map_err(spawn_err("actor runtime"))?;
-        let actors = std::thread::Builder::new()
+        let (shard_actors, (scheduler, sched_rx)) = (actors.shards, actors.scheduler);
+        let actor_thread = std::thread::Builder::new()
             .name(format!("gradsync-actors-r{rank}"))
             .spawn(move || {
                 runtime.block_on(async move {
@@ -117,28 +150,40 @@ impl<S: GradStore> GradSync<S> {
                 });
             })
             .map_err(spawn_err("actor"))?;
-        let done_tx = sched_tx.clone();
-        let comm = std::thread::Builder::new()
+        let completed = wiring::completions(actors.scheduler_inbox.clone());
+        let comm_thread = std::thread::Builder::new()
             .name(format!("gradsync-comm-r{rank}"))
-            .spawn(move || gradsync_actors::comm::run_communicator(transport, comm_rx, done_tx))
+            .spawn(move || gradsync_actors::comm::run_communicator(transport, comm_rx, completed))
             .map_err(spawn_err("communicator"))?;
-        let numel = plan.params.iter().map(|p| p.numel).collect();
-        let buckets = plan.buckets.len() as u32;
+        let numel = plan.param_ids().iter().map(|&p| plan.param_numel(p)).collect();
+        let buckets = plan.num_buckets() as u32;
+        let mut bucket_ends = vec![false; plan.num_params()];
+        for b in 0..plan.num_buckets() {
+            if let Some(last) = plan.bucket_params(b).last() {
+                bucket_ends[last.index()] = true;
+            }
+        }
+        let (shards, sched) = (actors.shard_inboxes.clone(), actors.scheduler_inbox.clone());
+        let hook = GradHook::new(shards, sched, numel, bucket_ends, store);
         Ok(GradSync {
             rank,
             world,
-            hook: GradHook::new(shard_txs.clone(), numel, store),
+            hook,
             plan,
-            shards: shard_txs,
-            sched: sched_tx,
+            shards: actors.shard_inboxes,
+            sched: actors.scheduler_inbox,
             next_step: 0,
+            pending: None,
+            failed: None,
             loan: None,
+            epoch: 0,
             next_request: 0,
             // Every collective of a step may use its full timeout before failing.
-            answer_timeout: b.collective_timeout * (buckets + 3) + Duration::from_secs(10),
+            answer_timeout: b.collective_timeout * (buckets + 4) + Duration::from_secs(10),
             interrupt,
-            spent,
-            threads: vec![actors, comm],
+            spent: actors.spent,
+            allocated: actors.allocated,
+            threads: vec![actor_thread, comm_thread],
         })
     }
 
@@ -162,23 +207,29 @@ impl<S: GradStore> GradSync<S> {
         &self.plan
     }
 
-    /// The id of a registered parameter name.
-    pub fn param_id(&self, name: &str) -> Option<ParamId> {
-        self.plan.params.iter().position(|p| p.name == name).map(|i| ParamId(i as u32))
+    /// Every registered parameter's id, in registration order.
+    pub fn param_ids(&self) -> &[ParamId] {
+        self.plan.param_ids()
     }
 
-    /// The step `finish_step` accepts next (the open step).
+    /// The id of a registered parameter name.
+    pub fn param_id(&self, name: &str) -> Option<ParamId> {
+        self.plan.id(name)
+    }
+
+    /// The open step: the one hooks deliver to and the next one to end.
     pub fn current_step(&self) -> Step {
         self.next_step
     }
 
     /// Memory gradsync holds beyond the caller's gradients: the bucket buffers
-    /// (one copy of every gradient, allocated once per plan) plus per-parameter
-    /// metadata. `Accumulated` payloads handed over are the caller's gradients
-    /// and are kept until the step finishes; they are not counted here.
+    /// (one set per plan; a second set once a step started while the
+    /// previous step's gradients were still held) plus per-parameter metadata.
+    /// Payloads handed over are the caller's gradients and are kept at most
+    /// until their step finishes; they are not counted here.
     pub fn memory_bytes(&self) -> usize {
-        let per_param = 4 * std::mem::size_of::<usize>() + 64;
-        self.plan.bucket_bytes() + self.plan.num_params() * per_param
+        let per_param = 4 * std::mem::size_of::<usize>() + 96;
+        self.allocated.load(Ordering::Relaxed) + self.plan.num_params() * per_param
     }
 
     /// Backward of `step` is over on this rank: launch what is left, run the
@@ -186,64 +237,111 @@ impl<S: GradStore> GradSync<S> {
     /// return the report and the averaged gradients. Blocks; use
     /// [`GradSync::finish_step_async`] inside an async runtime.
     pub fn finish_step(&mut self, step: Step) -> Result<StepResult<S>, SyncError> {
-        self.end_step(step, None)
+        self.end_step(step, StepEnd::Finish)
     }
 
     /// This rank cannot finish `step` (out of memory, bad batch): its remaining
-    /// collectives carry zeros and every rank's result is `Outcome::Skipped`
-    /// naming this rank. Nobody hangs; the next step proceeds normally.
+    /// collectives carry zeros. Under the default policy every rank's result
+    /// is `Outcome::Skipped` naming this rank; under `AbortPolicy::Partial` the
+    /// other ranks' average applies on every rank (`Outcome::Partial`). Nobody
+    /// hangs; the next step proceeds normally.
     pub fn abort_step(&mut self, step: Step, reason: AbortReason) -> Result<StepResult<S>, SyncError> {
-        self.end_step(step, Some(reason))
+        self.end_step(step, StepEnd::Abort(reason))
     }
 
-    fn end_step(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult<S>, SyncError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.request_end(step, abort, Reply::Blocking(tx))?;
-        let answer = self.await_answer(&rx, step).and_then(|answer| answer);
-        self.record_loan(answer)
-    }
-
-    /// Async form of [`GradSync::finish_step`].
+    /// Async form of [`GradSync::finish_step`]. Cancel-safe: if the future is
+    /// dropped before it completes, the step still completes in the
+    /// background, and the next `finish_step(step)` (blocking or async)
+    /// returns its result without sending a new request. Until then, ending
+    /// any other step is refused with [`SyncError::FinishPending`].
     pub async fn finish_step_async(&mut self, step: Step) -> Result<StepResult<S>, SyncError> {
-        self.end_step_async(step, None).await
+        self.end_step_async(step, StepEnd::Finish).await
     }
 
-    /// Async form of [`GradSync::abort_step`].
+    /// Async form of [`GradSync::abort_step`] (cancel-safe, like [`GradSync::finish_step_async`]).
     pub async fn abort_step_async(&mut self, step: Step, reason: AbortReason) -> Result<StepResult<S>, SyncError> {
-        self.end_step_async(step, Some(reason)).await
+        self.end_step_async(step, StepEnd::Abort(reason)).await
     }
 
-    async fn end_step_async(&mut self, step: Step, abort: Option<AbortReason>) -> Result<StepResult<S>, SyncError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.request_end(step, abort, Reply::Async(tx))?;
-        let answer = rx.await.unwrap_or(Err(SyncError::Closed));
-        self.record_loan(answer)
+    /// This rank has run out of data (uneven inputs, DDP's `join`): from the
+    /// open step on it contributes zeros to every step of the ranks still
+    /// training, until every rank has joined, then returns. Each of those
+    /// steps is averaged over the ranks that contributed, and every rank's
+    /// report names the joined ranks. Call it when the data loader is
+    /// exhausted; the gradients of the shadowed steps are not lent to this rank.
+    pub fn join(&mut self) -> Result<JoinReport, SyncError> {
+        let first_step = self.next_step;
+        let mut steps = 0;
+        loop {
+            let step = self.next_step;
+            let result = self.end_step(step, StepEnd::Join)?;
+            steps += 1;
+            if result.report.outcome == Outcome::AllJoined {
+                return Ok(JoinReport { first_step, steps });
+            }
+        }
     }
 
-    /// Validate on the caller's side, then flush the shards and ask the scheduler.
-    fn request_end(
-        &mut self,
-        step: Step,
-        abort: Option<AbortReason>,
-        reply: Reply<Result<StepResult<S>, SyncError>>,
-    ) -> Result<(), SyncError> {
+    fn end_step(&mut self, step: Step, end: StepEnd) -> Result<StepResult<S>, SyncError> {
+        self.request_end(step, end)?;
+        let pending = self.pending.as_mut().expect("a request is pending");
+        match block_on_timeout(&mut pending.answer, self.answer_timeout) {
+            Some(answer) => self.collect(answer),
+            None => Err(SyncError::Unresponsive { step, waited: self.answer_timeout }),
+        }
+    }
+
+    async fn end_step_async(&mut self, step: Step, end: StepEnd) -> Result<StepResult<S>, SyncError> {
+        self.request_end(step, end)?;
+        let pending = self.pending.as_mut().expect("a request is pending");
+        // Dropping this future here leaves `pending` in place: cancel-safe.
+        let answer = (&mut pending.answer).await;
+        self.collect(answer)
+    }
+
+    /// Ask the actors to end `step`, unless its end was already asked for and
+    /// is waiting to be collected.
+    fn request_end(&mut self, step: Step, end: StepEnd) -> Result<(), SyncError> {
+        if let Some(p) = &self.pending {
+            return if p.step == step { Ok(()) } else { Err(SyncError::FinishPending { pending: p.step, got: step }) };
+        }
+        if let Some((failed, cause)) = &self.failed {
+            return Err(SyncError::Poisoned { step: *failed, cause: cause.clone() });
+        }
         if step != self.next_step {
             return Err(SyncError::NotCurrentStep { expected: self.next_step, got: step });
         }
         self.ensure_not_borrowed(step)?;
+        let held = self.hook.held();
+        if held > 0 {
+            return Err(SyncError::Undelivered { step, held });
+        }
         let at = Instant::now();
+        // Arrivals for `step` are refused from now on; the shards move on at the flush.
+        self.next_step += 1;
+        self.hook.open(self.next_step);
         for shard in &self.shards {
             shard.send(ShardMsg::Flush { step }).map_err(|_| SyncError::Closed)?;
         }
-        // The shards have moved on to step + 1, whatever the answer.
-        self.next_step += 1;
-        let req = FinishRequest { step, abort, at, reply };
-        self.sched.send(SchedMsg::Finish(req)).map_err(|_| SyncError::Closed)
+        let (tx, answer) = oneshot::channel();
+        let req = FinishRequest { step, end, at, reply: Reply::Async(tx) };
+        self.sched.send(SchedMsg::Finish(req)).map_err(|_| SyncError::Closed)?;
+        self.pending = Some(Pending { step, answer });
+        Ok(())
     }
 
-    fn record_loan(&mut self, answer: Result<StepResult<S>, SyncError>) -> Result<StepResult<S>, SyncError> {
-        if let Ok(result) = &answer {
-            self.loan = result.gradients.as_ref().map(|g| (result.report.step, g.liveness()));
+    /// The pending step's answer arrived: clear it and remember a loan.
+    fn collect(
+        &mut self,
+        answer: Result<Result<StepResult<S>, SyncError>, oneshot::error::RecvError>,
+    ) -> Result<StepResult<S>, SyncError> {
+        let step = self.pending.take().map_or(self.next_step, |p| p.step);
+        let answer = answer.unwrap_or(Err(SyncError::Closed));
+        match &answer {
+            Ok(result) => self.loan = result.gradients.as_ref().map(|g| (result.report.step, g.liveness())),
+            Err(SyncError::Poisoned { step, cause }) => self.failed = Some((*step, cause.clone())),
+            Err(e) if e.needs_reset() => self.failed = Some((step, e.to_string())),
+            Err(_) => {}
         }
         answer
     }
@@ -251,22 +349,27 @@ impl<S: GradStore> GradSync<S> {
     /// Recover from a failed step (a timeout, a desync): every rank whose
     /// GradSync failed calls `reset`; the ranks agree in one collective on the
     /// step to restart at (the largest step any of them had reached), which is
-    /// returned. Gradients of the abandoned step, and arrivals sent between the
-    /// failure and `reset`, are discarded: run that step's backward again.
+    /// returned. Gradients of the abandoned step, a result not collected yet,
+    /// and arrivals sent between the failure and `reset` are discarded: run
+    /// that batch again.
     ///
     /// A rank that is gone (crashed) cannot agree: `reset` then fails naming it,
     /// and the survivors must drop their GradSync and build a new world.
     pub fn reset(&mut self) -> Result<Step, SyncError> {
         let proposed = self.next_step;
         self.ensure_not_borrowed(proposed)?;
+        self.pending = None;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.sched.send(SchedMsg::Reset { proposed, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
         let agreed = self.await_answer(&rx, proposed)??;
+        self.epoch += 1;
         for shard in &self.shards {
-            shard.send(ShardMsg::Reset { step: agreed }).map_err(|_| SyncError::Closed)?;
+            shard.send(ShardMsg::Reset { step: agreed, epoch: self.epoch }).map_err(|_| SyncError::Closed)?;
         }
         self.next_step = agreed;
+        self.hook.reopen(agreed);
         self.loan = None;
+        self.failed = None;
         Ok(agreed)
     }
 
@@ -277,8 +380,8 @@ impl<S: GradStore> GradSync<S> {
         self.spent.as_ref().map(|rx| rx.try_iter().collect()).unwrap_or_default()
     }
 
-    /// The open step's progress, after every arrival sent so far was processed:
-    /// buckets launched and completed, parameters ready. Blocks briefly.
+    /// The current step's progress, after every arrival sent so far was
+    /// processed: buckets launched and completed, parameters ready. Blocks briefly.
     pub fn progress(&mut self) -> Result<Progress, SyncError> {
         let id = self.next_request;
         self.next_request += 1;
@@ -306,6 +409,31 @@ impl<S: GradStore> GradSync<S> {
             }
             _ => Ok(()),
         }
+    }
+}
+
+/// Poll `future` on this thread until it completes or `timeout` passes,
+/// parking between polls. Works inside and outside an async runtime (it
+/// blocks the calling thread, as a blocking call does).
+fn block_on_timeout<F: Future + Unpin>(future: &mut F, timeout: Duration) -> Option<F::Output> {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let deadline = Instant::now() + timeout;
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(out) = Pin::new(&mut *future).poll(&mut cx) {
+            return Some(out);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        std::thread::park_timeout(left);
     }
 }
 

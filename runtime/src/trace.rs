@@ -1,20 +1,23 @@
 //! Per-step timelines as Chrome trace JSON (opens in Perfetto and chrome://tracing).
 //!
 //! Turn on `GradSyncBuilder::record_timeline`, feed every rank's
-//! [`crate::StepReport`] to a [`ChromeTrace`], and write it. Each
-//! rank is a process (`pid` = rank) with three threads: backward (arrivals,
+//! [`crate::StepReport`] to a [`ChromeTrace`], and write it. Each rank is a
+//! process (`pid` = rank) with one thread per [`Lane`]: backward (arrivals,
 //! `finish_step`), scheduler (buckets filling), communicator (all-reduces,
-//! control, corrections). Times are microseconds since the process's trace epoch.
+//! control, corrections). Times are microseconds since [`trace_epoch`].
 
+use std::collections::BTreeSet;
 use std::io::{self, Write};
 
-use gradsync_actors::{Lane, StepReport, TimelineEvent};
+pub use gradsync_actors::timeline::{trace_epoch, Lane, TimelineEvent};
+use gradsync_actors::StepReport;
+use serde_json::{json, Value};
 
 /// Timeline events of many ranks and steps.
 #[derive(Debug, Default, Clone)]
 pub struct ChromeTrace {
     events: Vec<(usize, u64, TimelineEvent)>,
-    ranks: std::collections::BTreeSet<usize>,
+    ranks: BTreeSet<usize>,
 }
 
 fn lane_tid(lane: Lane) -> u32 {
@@ -23,21 +26,6 @@ fn lane_tid(lane: Lane) -> u32 {
         Lane::Scheduler => 2,
         Lane::Communicator => 3,
     }
-}
-
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 impl ChromeTrace {
@@ -64,49 +52,41 @@ impl ChromeTrace {
         self.events.is_empty()
     }
 
-    /// Write `{"traceEvents": [...]}`.
-    pub fn write_json(&self, mut out: impl Write) -> io::Result<()> {
-        writeln!(out, "{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
-        let mut first = true;
-        let mut sep = |out: &mut dyn Write| -> io::Result<()> {
-            if !std::mem::take(&mut first) {
-                writeln!(out, ",")?;
-            }
-            Ok(())
-        };
+    /// The trace as a JSON value: `{"displayTimeUnit": "ms", "traceEvents": [...]}`.
+    pub fn to_json(&self) -> Value {
+        let mut events = Vec::with_capacity(self.events.len() + 4 * self.ranks.len());
         for &rank in &self.ranks {
-            sep(&mut out)?;
-            write!(
-                out,
-                "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{rank},\"args\":{{\"name\":\"rank {rank}\"}}}}"
-            )?;
-            for (lane, name) in
-                [(Lane::Backward, "backward"), (Lane::Scheduler, "scheduler"), (Lane::Communicator, "communicator")]
-            {
-                sep(&mut out)?;
-                write!(
-                    out,
-                    "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{rank},\"tid\":{},\"args\":{{\"name\":\"{name}\"}}}}",
-                    lane_tid(lane)
-                )?;
+            events.push(
+                json!({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": format!("rank {rank}")}}),
+            );
+            for lane in Lane::ALL {
+                events.push(json!({
+                    "ph": "M", "name": "thread_name", "pid": rank, "tid": lane_tid(lane), "args": {"name": lane.label()}
+                }));
             }
         }
         for (rank, step, ev) in &self.events {
-            sep(&mut out)?;
             let ts = ev.start.as_secs_f64() * 1e6;
-            let (tid, name) = (lane_tid(ev.lane), json_str(&ev.name));
+            let mut e = json!({
+                "name": ev.name, "pid": rank, "tid": lane_tid(ev.lane), "ts": ts, "args": {"step": step}
+            });
             match ev.duration {
-                Some(d) => write!(
-                    out,
-                    "{{\"ph\":\"X\",\"name\":{name},\"pid\":{rank},\"tid\":{tid},\"ts\":{ts:.3},\"dur\":{:.3},\"args\":{{\"step\":{step}}}}}",
-                    d.as_secs_f64() * 1e6
-                )?,
-                None => write!(
-                    out,
-                    "{{\"ph\":\"i\",\"s\":\"t\",\"name\":{name},\"pid\":{rank},\"tid\":{tid},\"ts\":{ts:.3},\"args\":{{\"step\":{step}}}}}"
-                )?,
+                Some(d) => {
+                    e["ph"] = json!("X");
+                    e["dur"] = json!(d.as_secs_f64() * 1e6);
+                }
+                None => {
+                    e["ph"] = json!("i");
+                    e["s"] = json!("t");
+                }
             }
+            events.push(e);
         }
-        writeln!(out, "\n]}}")
+        json!({"displayTimeUnit": "ms", "traceEvents": events})
+    }
+
+    /// Write the trace as JSON.
+    pub fn write_json(&self, out: impl Write) -> io::Result<()> {
+        serde_json::to_writer(out, &self.to_json()).map_err(io::Error::other)
     }
 }

@@ -6,13 +6,20 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use gradsync::{GradSync, GradSyncBuilder, LocalWorld, ParamId, Payload, Token};
+use gradsync::{DType, GradSync, GradSyncBuilder, LocalWorld, ParamId, Payload, Token};
+
+/// The id of the `index`-th registered parameter (ids are positions in
+/// registration order, so it names that parameter in every test world).
+pub fn pid(index: usize) -> ParamId {
+    let mut b = GradSync::builder();
+    (0..=index).map(|i| b.param(format!("x{i}"), 1, DType::F32).unwrap()).last().unwrap()
+}
 
 /// One GradSync per rank, all with the same registrations.
 pub fn build_world(world: usize, numels: &[usize], configure: impl Fn(&mut GradSyncBuilder)) -> Vec<GradSync> {
     let mut b = GradSync::builder();
     for (i, &n) in numels.iter().enumerate() {
-        b.param(format!("p{i}"), n, gradsync::DType::F32).unwrap();
+        b.param(format!("p{i}"), n, DType::F32).unwrap();
     }
     b.collective_timeout(Duration::from_secs(20));
     configure(&mut b);
@@ -45,22 +52,29 @@ impl Sent {
         Sent { param, token, payload: Payload::Accumulated(values) }
     }
     pub fn deliver(&self, sync: &GradSync, step: u64) {
-        sync.hook().arrive(step, ParamId(self.param as u32), Token(self.token), self.payload.clone()).unwrap();
+        sync.hook().arrive(step, pid(self.param), Token(self.token), self.payload.clone()).unwrap();
     }
 }
 
 /// The local gradient a rank's arrivals define, computed directly from the
 /// semantics: re-deliveries of a token are ignored, `Increment`s of distinct
-/// tokens are summed, the last distinct `Accumulated` wins. `None` if unused.
+/// tokens are summed, and among `Accumulated`s the highest token wins whatever
+/// the delivery order. `None` if unused.
 pub fn local_gradient(sent: &[Sent], param: usize, numel: usize) -> Option<Vec<f32>> {
     let mut seen = HashSet::new();
     let mut out: Option<Vec<f32>> = None;
+    let mut best_token: Option<u64> = None;
     for s in sent.iter().filter(|s| s.param == param) {
         if !seen.insert(s.token) {
             continue;
         }
         match &s.payload {
-            Payload::Accumulated(v) => out = Some(v.clone()),
+            Payload::Accumulated(v) => {
+                if best_token.is_none_or(|t| s.token > t) {
+                    best_token = Some(s.token);
+                    out = Some(v.clone());
+                }
+            }
             Payload::Increment(v) => {
                 let acc = out.get_or_insert_with(|| vec![0.0; numel]);
                 for (a, x) in acc.iter_mut().zip(v) {

@@ -71,18 +71,24 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 
-/// The gradsync kernels ([`gradsync_kernels::cuda_src`]), compiled with NVRTC
-/// for the context's device at first use and loaded.
+/// Compile one CUDA C source for `ctx`'s device with NVRTC and load it.
+fn compile_module(ctx: &Arc<CudaContext>, source: &str) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+    // SAFETY: only tries to dlopen the NVRTC library and reports success.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let ptx = cudarc::nvrtc::compile_ptx(source).map_err(|e| CudaError::Compile(e.to_string()))?;
+    ctx.load_module(ptx).map_err(|e| CudaError::Driver(e.to_string()))
+}
+
+fn load(module: &Arc<cudarc::driver::CudaModule>, name: &str) -> Result<CudaFunction, CudaError> {
+    module.load_function(name).map_err(|e| CudaError::Driver(format!("{name}: {e}")))
+}
+
+/// The device store's kernels ([`gradsync_kernels::cuda_src::STORE_CU`]),
+/// compiled with NVRTC for the context's device when an endpoint connects.
 #[derive(Debug, Clone)]
-pub struct DeviceKernels {
-    /// `gradsync_pack_f32(const PackDesc* descs, float* bucket)`.
-    pub pack: CudaFunction,
-    /// `gradsync_unpack_scale_f32(const UnpackDesc* descs, const float* bucket, float scale)`.
-    pub unpack_scale: CudaFunction,
-    /// `gradsync_f32_to_bf16(const float* src, unsigned short* dst, unsigned long long n)`.
-    pub to_bf16: CudaFunction,
-    /// `gradsync_bf16_accumulate_f32(const unsigned short* src, float* dst, unsigned long long n, float scale)`.
-    pub bf16_accumulate: CudaFunction,
+pub struct StoreKernels {
     /// `gradsync_add_f32(float* dst, const float* src, unsigned long long n)`: `dst += src`.
     pub add: CudaFunction,
     /// `gradsync_sub_f32(float* dst, const float* a, const float* b, unsigned long long n)`: `dst = a - b`.
@@ -91,25 +97,44 @@ pub struct DeviceKernels {
     pub scale: CudaFunction,
 }
 
+impl StoreKernels {
+    /// Compile and load the store's kernels for `ctx`'s device.
+    pub fn compile(ctx: &Arc<CudaContext>) -> Result<StoreKernels, CudaError> {
+        let module = compile_module(ctx, gradsync_kernels::cuda_src::STORE_CU)?;
+        Ok(StoreKernels {
+            add: load(&module, "gradsync_add_f32")?,
+            sub: load(&module, "gradsync_sub_f32")?,
+            scale: load(&module, "gradsync_scale_f32")?,
+        })
+    }
+}
+
+/// Every gradsync kernel: the store's and the fused bucket / bf16 kernels
+/// ([`gradsync_kernels::cuda_src::BUCKET_CU`]) that `gpu-check` measures.
+#[derive(Debug, Clone)]
+pub struct DeviceKernels {
+    /// The store's element-wise kernels.
+    pub store: StoreKernels,
+    /// `gradsync_pack_f32(const PackDesc* descs, float* bucket)`.
+    pub pack: CudaFunction,
+    /// `gradsync_unpack_scale_f32(const UnpackDesc* descs, const float* bucket, float scale)`.
+    pub unpack_scale: CudaFunction,
+    /// `gradsync_f32_to_bf16(const float* src, unsigned short* dst, unsigned long long n)`.
+    pub to_bf16: CudaFunction,
+    /// `gradsync_bf16_accumulate_f32(const unsigned short* src, float* dst, unsigned long long n, float scale)`.
+    pub bf16_accumulate: CudaFunction,
+}
+
 impl DeviceKernels {
-    /// Compile and load the kernels for `ctx`'s device.
+    /// Compile and load every kernel for `ctx`'s device.
     pub fn compile(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, CudaError> {
-        // SAFETY: only tries to dlopen the NVRTC library and reports success.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(CudaError::NoNvrtc);
-        }
-        let ptx = cudarc::nvrtc::compile_ptx(gradsync_kernels::cuda_src::KERNELS_CU)
-            .map_err(|e| CudaError::Compile(e.to_string()))?;
-        let module = ctx.load_module(ptx).map_err(|e| CudaError::Driver(e.to_string()))?;
-        let load = |name: &str| module.load_function(name).map_err(|e| CudaError::Driver(format!("{name}: {e}")));
+        let module = compile_module(ctx, gradsync_kernels::cuda_src::BUCKET_CU)?;
         Ok(DeviceKernels {
-            pack: load("gradsync_pack_f32")?,
-            unpack_scale: load("gradsync_unpack_scale_f32")?,
-            to_bf16: load("gradsync_f32_to_bf16")?,
-            bf16_accumulate: load("gradsync_bf16_accumulate_f32")?,
-            add: load("gradsync_add_f32")?,
-            sub: load("gradsync_sub_f32")?,
-            scale: load("gradsync_scale_f32")?,
+            store: StoreKernels::compile(ctx)?,
+            pack: load(&module, "gradsync_pack_f32")?,
+            unpack_scale: load(&module, "gradsync_unpack_scale_f32")?,
+            to_bf16: load(&module, "gradsync_f32_to_bf16")?,
+            bf16_accumulate: load(&module, "gradsync_bf16_accumulate_f32")?,
         })
     }
 }

@@ -27,7 +27,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut
 use cudarc::nccl::{result as nccl, sys};
 use gradsync_actors::{CollectiveTag, CommError, Interrupt, Transport};
 
-use super::{grid_for, CudaError, DeviceKernels, DeviceStore};
+use super::{grid_for, CudaError, DeviceStore, StoreKernels};
 use crate::rendezvous::{LaunchEnv, RendezvousError, ID_BYTES};
 
 /// Polls of the completion event before the watchdog starts sleeping between polls.
@@ -117,7 +117,7 @@ impl NcclEndpoint {
         }
         let driver = |e: cudarc::driver::DriverError| CudaError::Driver(e.to_string());
         ctx.bind_to_thread().map_err(driver)?;
-        let kernels = Arc::new(DeviceKernels::compile(ctx)?);
+        let kernels = Arc::new(StoreKernels::compile(ctx)?);
         let stream = ctx.new_stream().map_err(driver)?;
         let done = ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(driver)?;
         let unique = sys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };

@@ -4,7 +4,7 @@
 //! once; nothing here waits for the GPU. cudarc's event tracking does the
 //! cross-stream ordering: a payload produced on the caller's stream carries a
 //! write event, and passing it to a launch on the comm stream makes that stream
-//! wait for it (the "pack waits on the hook's event" of DESIGN §5). The launch
+//! wait for it (the pack waits on the hook's event). The launch
 //! records a read event on the payload, so freeing it later (its `Drop` frees
 //! on its own stream after waiting for that event) never races the pack.
 //!
@@ -20,7 +20,7 @@ use gradsync_actors::bucket_buf::WriteMode;
 use gradsync_actors::error::AllocError;
 use gradsync_actors::GradStore;
 
-use super::{grid_for, DeviceKernels};
+use super::{grid_for, StoreKernels};
 
 /// Gradient storage in device memory, operated on one stream (the communicator's).
 #[derive(Debug, Clone)]
@@ -28,17 +28,17 @@ pub struct DeviceStore {
     /// The communicator's stream: packs here run before the all-reduce that follows.
     stream: Arc<CudaStream>,
     /// The element-wise kernels, compiled once.
-    kernels: Arc<DeviceKernels>,
+    kernels: Arc<StoreKernels>,
 }
 
 impl DeviceStore {
     /// A store that enqueues on `stream` (use the communicator's stream).
-    pub fn new(stream: Arc<CudaStream>, kernels: Arc<DeviceKernels>) -> Self {
+    pub fn new(stream: Arc<CudaStream>, kernels: Arc<StoreKernels>) -> Self {
         DeviceStore { stream, kernels }
     }
 
     /// The compiled kernels.
-    pub fn kernels(&self) -> &DeviceKernels {
+    pub fn kernels(&self) -> &StoreKernels {
         &self.kernels
     }
 
@@ -140,6 +140,19 @@ impl GradStore for DeviceStore {
         len: usize,
     ) {
         self.add_into(dst, dst_offset..dst_offset + len, &src.slice(src_offset..src_offset + len));
+    }
+
+    fn scale(&self, bucket: &mut CudaSlice<f32>, offset: usize, len: usize, factor: f32) {
+        let n = len as u64;
+        if n == 0 || factor == 1.0 {
+            return;
+        }
+        let mut dst = bucket.slice_mut(offset..offset + len);
+        let mut launch = self.stream.launch_builder(&self.kernels.scale);
+        launch.arg(&mut dst).arg(&n).arg(&factor);
+        // SAFETY: the arguments match `gradsync_scale_f32(float*, unsigned long long, float)`
+        // in type and order; the view holds `n` elements.
+        self.record(unsafe { launch.launch(grid_for(len)) });
     }
 }
 

@@ -15,10 +15,12 @@
 //! piece, the memory-traffic minimum for a shared-memory all-reduce. Every
 //! message carries the sender's collective sequence number and tag, so a rank
 //! that issued a different collective at the same position is reported as a
-//! desync, and every wait has a deadline after which the ranks that never
-//! contributed are named. An endpoint that is dropped (its rank's GradSync
-//! shut down, or its thread panicked) tells every peer, so survivors fail at
-//! once with an error naming it instead of waiting for the deadline.
+//! desync (and the rank that sees it tells every peer, so all of them report
+//! the desync rather than a peer leaving), and every wait has a deadline after
+//! which the ranks that never contributed are named. An endpoint that is
+//! dropped (its rank's GradSync shut down, or its thread panicked) tells every
+//! peer, so survivors fail at once with an error naming it instead of waiting
+//! for the deadline.
 //!
 //! After a failure, [`Transport::reset`] starts a new *epoch*: messages of
 //! earlier epochs still in flight are dropped, and sequence numbers restart.
@@ -27,10 +29,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use gradsync_actors::{BucketBuf, CollectiveTag, CommError, HostStore, Transport};
+use gradsync_actors::{BucketBuf, BuildError, CollectiveTag, CommError, HostStore, Transport};
 use gradsync_kernels::{self as k, Element};
-
-use crate::BuildError;
 
 /// Which half of the all-reduce a message belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +92,16 @@ enum Wire {
     /// The sender's endpoint was dropped: it will never contribute again.
     Gone {
         from: usize,
+    },
+    /// The sender saw rank `odd` issue `theirs` where it issued `ours`: every
+    /// rank fails with the desync instead of waiting for pieces that will not
+    /// come (or seeing the sender leave).
+    Desync {
+        from: usize,
+        epoch: u64,
+        ours: CollectiveTag,
+        odd: usize,
+        theirs: CollectiveTag,
     },
     /// Wake a waiting collective and make it fail with `Cancelled` (shutdown).
     Interrupt,
@@ -159,30 +169,54 @@ impl Drop for LocalEndpoint {
     }
 }
 
-/// Wakes a rank's communicator out of a wait so it can shut down.
-#[derive(Debug, Clone)]
-pub struct Interrupter(Sender<Wire>);
-
-impl Interrupter {
-    /// Make the current (or next) wait fail with `Cancelled`.
-    pub fn interrupt(&self) {
-        let _ = self.0.send(Wire::Interrupt);
-    }
-}
-
 impl LocalEndpoint {
-    /// A handle that interrupts this endpoint's waits.
-    pub fn interrupter(&self) -> Interrupter {
-        Interrupter(self.peers[self.rank].clone())
+    /// Tell every peer that `odd` issued `theirs` where this rank issued `ours`.
+    fn announce_desync(&self, ours: CollectiveTag, odd: usize, theirs: CollectiveTag) {
+        for (j, peer) in self.peers.iter().enumerate() {
+            if j != self.rank {
+                let _ = peer.send(Wire::Desync { from: self.rank, epoch: self.epoch, ours, odd, theirs });
+            }
+        }
     }
 
     fn send(&mut self, to: usize, seq: u64, tag: CollectiveTag, leg: Leg, piece: Piece) -> Result<(), CommError> {
         let wire = Wire::Piece { from: self.rank, epoch: self.epoch, seq, tag, leg, piece };
-        self.peers[to].send(wire).map_err(|_| {
+        if self.peers[to].send(wire).is_err() {
             // Its inbox is closed: it will never contribute again.
             self.gone[to] = true;
-            CommError::PeerGone { rank: self.rank, peer: to, tag }
-        })
+            return Err(self.peer_gone(to, tag));
+        }
+        Ok(())
+    }
+
+    /// The error for `peer` having left during `tag`: a desync notice already
+    /// in the inbox explains the departure better (a rank that noticed a
+    /// desync and exited), so it wins over `PeerGone`.
+    fn peer_gone(&mut self, peer: usize, tag: CollectiveTag) -> CommError {
+        self.stash.extend(self.inbox.try_iter());
+        let notice = self.stash.iter().find_map(|w| match *w {
+            Wire::Desync { from, epoch, ours, odd, theirs } if epoch == self.epoch => Some((from, ours, odd, theirs)),
+            _ => None,
+        });
+        match notice {
+            Some((from, ours, odd, theirs)) => self.desync_from_notice(tag, from, ours, odd, theirs),
+            None => CommError::PeerGone { rank: self.rank, peer, tag },
+        }
+    }
+
+    /// This rank's view of a desync that rank `from` noticed between itself
+    /// (having issued `ours`) and rank `odd` (having issued `theirs`): the rank
+    /// that differs from *us* is whichever of the two issued something else.
+    fn desync_from_notice(
+        &self,
+        tag: CollectiveTag,
+        from: usize,
+        ours: CollectiveTag,
+        odd: usize,
+        theirs: CollectiveTag,
+    ) -> CommError {
+        let (peer, theirs) = if odd == self.rank || tag == theirs { (from, ours) } else { (odd, theirs) };
+        CommError::Desync { rank: self.rank, tag, peer, theirs }
     }
 
     /// Receive one piece from every other rank for collective `seq`, leg `leg`.
@@ -196,7 +230,7 @@ impl LocalEndpoint {
     ) -> Result<Vec<(usize, Vec<T>)>, CommError> {
         let mut got: Vec<Option<Vec<T>>> = (0..self.world).map(|_| None).collect();
         if let Some(peer) = (0..self.world).find(|&j| self.gone[j]) {
-            return Err(CommError::PeerGone { rank: self.rank, peer, tag });
+            return Err(self.peer_gone(peer, tag));
         }
         let mut missing = self.world - 1;
         let mut stashed = std::mem::take(&mut self.stash).into_iter();
@@ -216,11 +250,16 @@ impl LocalEndpoint {
             };
             let (from, wepoch, wseq, wtag, wleg, piece) = match wire {
                 Wire::Interrupt => return Err(CommError::Cancelled { rank: self.rank, tag }),
+                Wire::Desync { from, epoch, ours, odd, theirs } if epoch == self.epoch => {
+                    self.stash.extend(stashed);
+                    return Err(self.desync_from_notice(tag, from, ours, odd, theirs));
+                }
+                Wire::Desync { .. } => continue, // about an earlier epoch
                 Wire::Gone { from } => {
                     self.gone[from] = true;
                     if got[from].is_none() {
                         self.stash.extend(stashed);
-                        return Err(CommError::PeerGone { rank: self.rank, peer: from, tag });
+                        return Err(self.peer_gone(from, tag));
                     }
                     continue;
                 }
@@ -237,7 +276,11 @@ impl LocalEndpoint {
             }
             let piece = match T::unwrap(piece) {
                 Some(p) if wtag == tag => p,
-                _ => return Err(CommError::Desync { rank: self.rank, tag, peer: from, theirs: wtag }),
+                _ => {
+                    self.stash.extend(stashed);
+                    self.announce_desync(tag, from, wtag);
+                    return Err(CommError::Desync { rank: self.rank, tag, peer: from, theirs: wtag });
+                }
             };
             if got[from].replace(piece).is_none() {
                 missing -= 1;
@@ -269,9 +312,8 @@ impl LocalEndpoint {
         let received = self.collect::<T>(seq, tag, Leg::Scatter, deadline, started)?;
         let own = &mut pieces[me];
         if let Some((peer, bad)) = received.iter().find(|(_, p)| p.len() != own.len()) {
-            let theirs = CollectiveTag { step: tag.step, kind: tag.kind };
-            tracing::error!(rank = me, peer, len = bad.len(), want = own.len(), "piece length differs");
-            return Err(CommError::Desync { rank: me, tag, peer: *peer, theirs });
+            let why = format!("a piece of {} values where {} were expected", bad.len(), own.len());
+            return Err(CommError::Protocol { rank: me, tag, peer: *peer, why });
         }
         {
             let sources: Vec<&[T]> = received.iter().map(|(_, p)| p.as_slice()).collect();
@@ -310,12 +352,24 @@ impl Transport for LocalEndpoint {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let shards = &mut bucket.shards;
-        if factor == 1.0 {
-            self.all_reduce(tag, shards, |_| {}, deadline)
+        // Move the pieces out (no copy), reduce, and put them back in place.
+        let mut pieces: Vec<Vec<f32>> = (0..bucket.num_pieces()).map(|j| bucket.take_piece(j)).collect();
+        let result = if factor == 1.0 {
+            self.all_reduce(tag, &mut pieces, |_| {}, deadline)
         } else {
-            self.all_reduce(tag, shards, |d| k::scale(d, factor), deadline)
+            self.all_reduce(tag, &mut pieces, |d| k::scale(d, factor), deadline)
+        };
+        if result.is_ok() {
+            for (j, piece) in pieces.into_iter().enumerate() {
+                bucket.restore_piece(j, piece).map_err(|e| CommError::Protocol {
+                    rank: self.rank,
+                    tag,
+                    peer: j,
+                    why: e.to_string(),
+                })?;
+            }
         }
+        result
     }
 
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
@@ -342,8 +396,10 @@ impl Transport for LocalEndpoint {
     }
 
     fn interrupter(&self) -> Option<gradsync_actors::Interrupt> {
-        let handle = LocalEndpoint::interrupter(self);
-        Some(Box::new(move || handle.interrupt()))
+        let own_inbox = self.peers[self.rank].clone();
+        Some(Box::new(move || {
+            let _ = own_inbox.send(Wire::Interrupt);
+        }))
     }
 }
 

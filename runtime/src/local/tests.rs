@@ -49,7 +49,7 @@ fn every_rank_gets_the_exact_sum_for_many_shapes() {
                     for step in 0..3 {
                         ep.all_reduce_f32(tag(step, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
                     }
-                    p.shards.concat()
+                    p.chunks(0, p.numel()).flatten().copied().collect::<Vec<f32>>()
                 },
             );
             let ranks_sum: f32 = (1..=world).map(|r| r as f32).sum();
@@ -116,7 +116,7 @@ fn after_reset_stale_pieces_are_ignored_and_sums_are_exact() {
             }
             ep.reset();
             ep.all_reduce_f32(tag(1, 0, 6), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
-            p.shards.concat()
+            p.chunks(0, p.numel()).flatten().copied().collect::<Vec<f32>>()
         },
     );
     let want: Vec<f32> = (0..6).map(|i| (i * 3) as f32).collect();
@@ -156,5 +156,34 @@ fn control_words_sum_with_wrapping() {
     );
     for w in out {
         assert_eq!(w, vec![6, u64::MAX - 2, 15, 0, 3]);
+    }
+}
+
+/// Finding 3 of the scheduler-v2 issue, at the transport: rank 2 issues a
+/// different collective, and rank 0 leaves the moment it notices. Rank 1
+/// must still learn the desync (naming rank 2), not just that rank 0 left.
+#[test]
+fn a_rank_that_notices_a_desync_tells_the_others_before_it_leaves() {
+    let eps = LocalWorld::connect(3).unwrap();
+    let errs = on_endpoints(
+        eps,
+        || {},
+        |mut ep| {
+            let numel = if ep.rank == 2 { 6 } else { 4 };
+            if ep.rank == 1 {
+                // Let rank 0 notice and leave first.
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let mut p = pieces(ep.rank, numel, 3);
+            let e = ep.all_reduce_f32(tag(0, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(5))).unwrap_err();
+            drop(ep); // a program that exits on error
+            e
+        },
+    );
+    for (rank, e) in errs.into_iter().enumerate() {
+        let CommError::Desync { peer, .. } = e else { panic!("rank {rank}: expected a desync, got {e}") };
+        if rank != 2 {
+            assert_eq!(peer, 2, "rank {rank} names the odd rank");
+        }
     }
 }
