@@ -1,0 +1,55 @@
+"""gradsync: exact, overlapped gradient all-reduce for data-parallel training.
+
+The runtime (Rust, ``gradsync._native``) all-reduces gradients while backward
+runs and stays exact when activation recompute, shared weights, unused
+parameters or repeated forwards make gradient hooks fire twice, late, or never.
+
+PyTorch users want :class:`gradsync.torch.DistributedDataParallel`, a drop-in
+for ``torch.nn.parallel.DistributedDataParallel``::
+
+    from gradsync.torch import DistributedDataParallel as DDP
+    model = DDP(model)
+
+This package also offers the exceptions (see :mod:`gradsync._errors`), the
+per-step report, and the Prometheus exporter.
+"""
+
+from gradsync._errors import (
+    ClosedError,
+    CommunicationError,
+    ConfigError,
+    DesyncError,
+    GradientLayoutError,
+    GradsyncError,
+    PeerGoneError,
+    PoisonedError,
+    RejectedError,
+    StepFailedError,
+    StepOrderError,
+    TimeoutError,
+    UnfinishedStepError,
+)
+from gradsync._native import Session, Step, StepReport, install_prometheus, version
+
+__version__ = version()
+
+__all__ = [
+    "ClosedError",
+    "CommunicationError",
+    "ConfigError",
+    "DesyncError",
+    "GradientLayoutError",
+    "GradsyncError",
+    "PeerGoneError",
+    "PoisonedError",
+    "RejectedError",
+    "Session",
+    "Step",
+    "StepFailedError",
+    "StepOrderError",
+    "StepReport",
+    "TimeoutError",
+    "UnfinishedStepError",
+    "install_prometheus",
+    "version",
+]

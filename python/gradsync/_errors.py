@@ -1,0 +1,108 @@
+"""gradsync's exceptions.
+
+Every error the runtime reports keeps the runtime's message verbatim (it says
+what happened and what to do next) and carries attributes naming the ranks
+and steps involved::
+
+    GradsyncError
+    ├── ConfigError (ValueError)        bad registration or setting
+    ├── RejectedError (ValueError)      a gradient the runtime refused (.reason)
+    ├── GradientLayoutError (ValueError) a gradient gradsync cannot read (sparse)
+    ├── StepOrderError                  a step ended out of order or twice
+    ├── UnfinishedStepError             backward ended where gradsync could not see it
+    ├── ClosedError                     used after close()
+    └── StepFailedError                 the step is lost: reset() on every rank (.step)
+        ├── TimeoutError (TimeoutError) a rank missed the deadline (.missing_ranks)
+        ├── PeerGoneError               a rank left (.peer)
+        ├── DesyncError                 ranks disagree (.ranks, .groups, .majority)
+        ├── CommunicationError          the collective library failed
+        └── PoisonedError               an earlier step failed and no reset followed
+"""
+
+import builtins
+
+
+class GradsyncError(Exception):
+    """Base class of every gradsync error."""
+
+
+class ConfigError(GradsyncError, ValueError):
+    """A registration or a setting gradsync refuses (duplicate names, bad policy, ...)."""
+
+
+class RejectedError(GradsyncError, ValueError):
+    """A gradient the runtime refused; ``reason`` names why (``"future_step"``, ...)."""
+
+    reason: str = ""
+
+
+class GradientLayoutError(GradsyncError, ValueError):
+    """A gradient gradsync cannot read as dense memory (sparse gradients)."""
+
+
+class StepOrderError(GradsyncError):
+    """A step was ended out of order, twice, or while an earlier result waits to be collected."""
+
+
+class UnfinishedStepError(GradsyncError):
+    """Gradients were handed over but the step never ended: backward ran where the
+    wrapper cannot see its end (``torch.autograd.grad``, a nested backward).
+    Call ``finish_step()`` after such a backward."""
+
+
+class ClosedError(GradsyncError):
+    """The wrapper or session was closed."""
+
+
+class StepFailedError(GradsyncError):
+    """The step failed on every rank and its gradients are lost; call ``reset()``
+    on every rank (or close) before the next step. ``step`` names the step."""
+
+    step = None
+
+
+class TimeoutError(StepFailedError, builtins.TimeoutError):
+    """A rank did not join a collective before the deadline; ``missing_ranks``
+    names the ranks that never contributed (where they can be told)."""
+
+    missing_ranks: "list[int]" = []
+    collective = None
+
+
+class PeerGoneError(StepFailedError):
+    """A rank left the communicator (its process ended); ``peer`` names it."""
+
+    peer = None
+
+
+class DesyncError(StepFailedError):
+    """Ranks registered different models (or bucket caps, or policies); ``ranks``
+    are the odd ones out, ``groups`` every group of agreeing ranks, and
+    ``majority`` says whether one group outnumbers the others."""
+
+    ranks: "list[int]" = []
+    groups: "list[list[int]]" = []
+    majority = False
+
+
+class CommunicationError(StepFailedError):
+    """The collective library (gloo, NCCL) reported an error."""
+
+    collective = None
+
+
+class PoisonedError(StepFailedError):
+    """An earlier step failed on this rank and ``reset()`` has not been called."""
+
+
+class _CollectiveFailed(Exception):
+    """Raised by a communicator to the runtime; never reaches user code.
+
+    ``kind`` is ``"timeout"``, ``"peer_gone"`` or ``"backend"``; ``missing``
+    lists the ranks behind this collective, ``peer`` a rank known to be gone."""
+
+    def __init__(self, kind, message, missing=(), peer=None):
+        super().__init__(message)
+        self.kind = kind
+        self.missing = list(missing)
+        self.peer = peer

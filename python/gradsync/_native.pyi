@@ -1,0 +1,99 @@
+"""Type stubs of gradsync's native extension (the Rust runtime)."""
+
+from os import PathLike
+from typing import Any, Optional, Protocol, Union
+
+class Communicator(Protocol):
+    """What a :class:`Session` runs its collectives through (``gradsync.torch``
+    provides one over ``torch.distributed``)."""
+
+    def all_reduce(
+        self, addr: int, numel: int, dtype: str, factor: float, tag: str, kind: str, timeout_s: float
+    ) -> None: ...
+    def start(self, addr: int, numel: int, dtype: str, factor: float, tag: str, kind: str, timeout_s: float) -> None: ...
+    def wait_oldest(self) -> None: ...
+    def discard(self) -> None: ...
+    def reset(self) -> None: ...
+
+class StepReport:
+    """What one rank learned about one step (identical outcome on every rank)."""
+
+    step: int
+    rank: int
+    outcome: str
+    aborted: list[tuple[int, str]]
+    contributors: int
+    joined: list[int]
+    arrivals: int
+    duplicates: int
+    rejected: int
+    rejections: list[str]
+    late_arrivals: int
+    corrected: list[int]
+    corrections: int
+    unused_local: int
+    unused_everywhere: list[int]
+    buckets_launched: int
+    buckets_done_before_finish: int
+    bytes_launched: int
+    exposed_comm_s: float
+    comm_busy_s: float
+    def to_dict(self) -> dict[str, Any]: ...
+
+class Step:
+    """A finished step: its report and, when it applies, the averaged gradients."""
+
+    @property
+    def report(self) -> StepReport: ...
+    @property
+    def applied(self) -> bool: ...
+    def has(self, param: int) -> bool: ...
+    def copy_into_ptr(self, param: int, addr: int) -> bool: ...
+    def address(self, param: int) -> Optional[int]: ...
+    def buckets(self) -> list[tuple[int, int, list[int]]]: ...
+    def release(self) -> None: ...
+
+class Session:
+    """One rank's gradient synchronizer over ``communicator``."""
+
+    def __init__(
+        self,
+        communicator: Communicator,
+        rank: int,
+        world: int,
+        names: list[str],
+        numels: list[int],
+        dtypes: list[str],
+        *,
+        bucket_cap_bytes: int = ...,
+        timeout_s: float = ...,
+        abort_policy: str = ...,
+        divisor: Optional[Union[str, int]] = ...,
+        record_timeline: bool = ...,
+        param_shards: int = ...,
+        in_flight: int = ...,
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def current_step(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def arrive_ptr(self, step: int, param: int, token: int, addr: int) -> None:
+        """Hand over a copy of ``param``'s whole local gradient so far, read from ``addr``."""
+    def give(self, step: int, param: int, token: int, tensor: Any, addr: int) -> None:
+        """Hand over ``tensor`` (one additive contribution, read in place until the step ends)."""
+    def finish(self, step: int) -> Step: ...
+    def abort(self, step: int, reason: Union[str, int]) -> Step: ...
+    def join(self) -> tuple[int, int]: ...
+    def reset(self) -> int: ...
+    def progress(self) -> dict[str, int]: ...
+    def write_timeline(self, path: Union[str, PathLike[str]]) -> int: ...
+    def close(self) -> None: ...
+
+def install_prometheus(addr: str, allow_remote: bool = False) -> None: ...
+def version() -> str: ...

@@ -1,0 +1,160 @@
+"""The runtime's collectives over ``torch.distributed``.
+
+gradsync's communicator thread (a Rust OS thread) calls :meth:`TorchCommunicator.all_reduce`
+for every collective: the plan agreement, the buckets in plan order, the
+control vector, a correction. The bucket arrives as an address; it becomes a
+tensor without a copy and is summed in place by gloo on a process group of
+gradsync's own:
+
+* The group is a ``ProcessGroupGloo`` over a ``PrefixStore`` of the default
+  store, unique to one wrapped model, so gradsync's collectives never
+  interleave with the program's own (on the default group or any other) and a
+  reset can open a fresh group (new prefix) on every rank without the global
+  call order ``dist.new_group`` imposes.
+* Every collective has a deadline (gloo's per-operation timeout).
+* Before each collective this rank writes its position ``epoch:seq`` to the
+  store. When a collective times out, the ranks whose position is behind this
+  one are the ones that never joined: the error names them.
+
+The interpreter lock is released while gloo waits, so backward keeps running
+on the caller's thread.
+"""
+
+import collections
+import ctypes
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from gradsync._errors import _CollectiveFailed
+
+_CTYPES = {"float32": (ctypes.c_float, torch.float32), "int64": (ctypes.c_int64, torch.int64)}
+
+# Substrings of gloo's messages when a peer process is gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def _position(text):
+    epoch, seq = text.split(":")
+    return int(epoch), int(seq)
+
+
+class TorchCommunicator:
+    """One rank's end of gradsync's private gloo group (see the module docs).
+
+    ``store`` is the job's store (the default group's), ``prefix`` a key
+    prefix unique to the wrapped model and identical on every rank.
+    """
+
+    def __init__(self, *, store, prefix, rank, world, timeout_s, wire_dtype=torch.float32):
+        self.rank = rank
+        # Data buckets travel in this type (bfloat16 halves the bytes); the
+        # control vector and corrections always travel exactly.
+        self._wire = wire_dtype
+        self.world = world
+        self._store = store
+        self._prefix = prefix
+        # Each operation has its own deadline (AllreduceOptions.timeout). This one
+        # bounds connecting a group: after a failure, ranks reach their reset up
+        # to a deadline apart, and the reset agreement waits three deadlines.
+        self._timeout = datetime.timedelta(seconds=3 * timeout_s)
+        self._epoch = 0
+        self._seq = 0
+        self._arrays = {}
+        # Started collectives, oldest first: (work, tensor, wire tensor, factor, position, tag).
+        self._flight = collections.deque()
+        self._group = self._new_group()
+
+    def _new_group(self):
+        store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
+        return dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)
+
+    def _key(self, rank):
+        return f"{self._prefix}/position/{rank}"
+
+    def _tensor(self, addr, numel, dtype):
+        ctype, torch_dtype = _CTYPES[dtype]
+        array_type = self._arrays.get((ctype, numel))
+        if array_type is None:
+            array_type = self._arrays[(ctype, numel)] = ctype * numel
+        # The runtime guarantees `addr` holds `numel` elements for this call;
+        # the tensor shares that memory and does not outlive the call.
+        return torch.frombuffer(array_type.from_address(addr), dtype=torch_dtype)
+
+    def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
+        """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in
+        place, then multiply by ``factor``; within ``timeout_s`` seconds."""
+        self.start(addr, numel, dtype, factor, tag, kind, timeout_s)
+        self.wait_oldest()
+
+    def start(self, addr, numel, dtype, factor, tag, kind, timeout_s):
+        """Start :meth:`all_reduce` and return; :meth:`wait_oldest` finishes it
+        (collectives finish in the order they started). The memory at
+        ``addr`` stays valid until then."""
+        self._seq += 1
+        mine = (self._epoch, self._seq)
+        self._store.set(self._key(self.rank), f"{mine[0]}:{mine[1]}")
+        tensor = self._tensor(addr, numel, dtype)
+        wire = tensor.to(self._wire) if kind == "bucket" and tensor.dtype != self._wire else tensor
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            work = self._group.allreduce([wire], opts)
+        except RuntimeError as e:
+            raise self._failure(e, mine, tag) from None
+        self._flight.append((work, tensor, wire, factor, mine, tag))
+
+    def wait_oldest(self):
+        """Finish the oldest started collective: wait, copy back from the wire
+        type, scale."""
+        work, tensor, wire, factor, mine, tag = self._flight.popleft()
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._failure(e, mine, tag) from None
+        if wire is not tensor:
+            tensor.copy_(wire)
+        if factor != 1.0:
+            tensor.mul_(factor)
+
+    def discard(self):
+        """Forget the started collectives (they failed with an earlier one;
+        :meth:`reset` follows)."""
+        self._flight.clear()
+
+    def _behind(self, mine):
+        """Ranks whose last position is before ``mine`` (never joined this collective)."""
+        behind = []
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            key = self._key(rank)
+            try:
+                if not self._store.check([key]) or _position(self._store.get(key).decode()) < mine:
+                    behind.append(rank)
+            except Exception:  # the store itself is unreachable: nothing to say
+                return []
+        return behind
+
+    def _failure(self, error, mine, tag):
+        message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        behind = self._behind(mine)
+        lowered = message.lower()
+        # gloo says "Timed out waiting ..." or, when the deadline closed a pair
+        # first, "Application timeout caused pair closure".
+        if "timed out" in lowered or "timeout" in lowered:
+            return _CollectiveFailed("timeout", f"{tag}: {message}", missing=behind)
+        if any(s in message for s in _PEER_GONE) and len(behind) == 1:
+            return _CollectiveFailed("peer_gone", f"{tag}: {message}", peer=behind[0])
+        detail = f"; ranks {behind} had not reached it" if behind else ""
+        return _CollectiveFailed("backend", f"{tag}: {message}{detail}")
+
+    def reset(self):
+        """Start a new epoch on a fresh group (after a failed collective, the
+        old group's connections hold half-finished messages)."""
+        self._flight.clear()
+        self._epoch += 1
+        self._seq = 0
+        self._group = self._new_group()

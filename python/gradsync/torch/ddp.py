@@ -1,0 +1,514 @@
+"""``DistributedDataParallel``: gradsync under PyTorch's DDP interface.
+
+What happens in one step::
+
+    forward          the wrapped module runs; its outputs pass through a sink
+                     whose backward marks "backward reached this model"
+    backward         every parameter's post-accumulate-grad hook hands its
+                     .grad (the whole local gradient so far) to the runtime,
+                     token = the hook's firing index in the step; buckets are
+                     all-reduced while backward goes on
+    end of backward  in the *outermost* backward pass, a callback ends the
+                     step: remaining buckets, control, corrections; then the
+                     averaged gradients are written into .grad
+
+So, as with DDP, ``.grad`` holds the averaged gradient when ``loss.backward()``
+returns, but a parameter whose hook fires twice (reentrant checkpointing,
+shared weights, two forwards before one backward) is exact instead of an
+error, and a parameter that is unused on some ranks, or every rank, needs no
+``find_unused_parameters``.
+"""
+
+import contextlib
+import ctypes
+import datetime
+import itertools
+import logging
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from gradsync._errors import (
+    ClosedError,
+    ConfigError,
+    GradientLayoutError,
+    UnfinishedStepError,
+)
+from gradsync._native import Session
+from gradsync.torch import _autograd
+from gradsync.torch._comm import TorchCommunicator
+
+log = logging.getLogger("gradsync.torch")
+
+_STRIDED = torch.strided
+_current_task = torch._C._current_graph_task_id
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# Wrappers alive in this process, for the optimizer check.
+_LIVE = weakref.WeakSet()
+# Wrappers built per process group, in order: every rank builds them in the
+# same order (as with DDP), so the n-th wrapper has the same prefix everywhere.
+_BUILT = {}
+_OPTIMIZER_HOOK = None
+
+
+def _check_before_optimizer_step(optimizer, args, kwargs):
+    """An optimizer step must not apply gradients a wrapper never averaged."""
+    for ddp in list(_LIVE):
+        ddp._raise_if_unfinished("optimizer.step()")
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """Identity on the wrapped model's outputs; its backward tells the wrapper
+    that backward has reached the model (so it can find the outermost pass)."""
+
+    @staticmethod
+    def forward(ctx, ddp_ref, *tensors):
+        ctx.set_materialize_grads(False)
+        ctx.ddp_ref = ddp_ref
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ddp = ctx.ddp_ref()
+        if ddp is not None:
+            ddp._backward_activity()
+        return (None, *grads)
+
+
+class _OpenStep:
+    """The wrapper's record of the step gradients are being collected for.
+
+    A plain object, replaced at every step: attribute writes on an
+    ``nn.Module`` go through ``Module.__setattr__`` (several microseconds), too
+    slow for a hook that runs once per gradient."""
+
+    __slots__ = ("number", "fired", "out", "arrivals", "sync_pending", "task_seen", "end_queued_for")
+
+    def __init__(self, number, params):
+        self.number = number
+        # Hook firings so far, per parameter: the next firing's token.
+        self.fired = [0] * params
+        # Per parameter, the tensor that receives the averaged gradient (when not a bucket view).
+        self.out = [None] * params
+        self.arrivals = 0
+        # A forward under grad asked for a synchronized step.
+        self.sync_pending = False
+        # The autograd task last seen (the check for a new backward pass is one comparison).
+        self.task_seen = None
+        # The outermost task whose end will end the step.
+        self.end_queued_for = None
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data parallelism for ``module``, a drop-in for
+    ``torch.nn.parallel.DistributedDataParallel``.
+
+    Build one per rank after ``torch.distributed.init_process_group`` (every
+    rank wraps its models in the same order). ``process_group`` selects the
+    ranks (default: all); gradsync runs its collectives on a gloo group of its
+    own over those ranks. ``bucket_cap_mb`` caps a bucket (default 25).
+    ``broadcast_buffers`` sends rank 0's buffers to every rank at each
+    forward, as DDP does.
+
+    Accepted for compatibility and not needed: ``find_unused_parameters``,
+    ``static_graph``, ``gradient_as_bucket_view``, ``check_reduction``,
+    ``device_ids``, ``output_device``, ``dim`` (gradsync finds unused
+    parameters and repeated hooks by itself, with overlap from the first step).
+
+    gradsync's own settings:
+
+    * ``timeout``: how long a collective waits for the other ranks (seconds or
+      ``timedelta``; default 300 s); a rank that does not join is named.
+    * ``abort_policy``: ``"skip"`` (default): a step some rank aborted is
+      applied by no rank; ``"partial"``: the ranks that finished apply it,
+      averaged over themselves (and so does the aborting rank).
+    * ``record_timeline``: keep every step's timeline for :meth:`write_timeline`.
+    * ``wire_dtype``: ``"bfloat16"`` sends the data buckets as bfloat16 (half
+      the bytes, like DDP's ``bf16_compress_hook``; the sum loses precision),
+      ``"float32"`` (default) sends them as they are. Control words and
+      corrections always travel exactly.
+
+    Gradients of float32 parameters are reduced as they are; float64, float16
+    and bfloat16 gradients are converted to float32 for the reduction and back
+    (float64 loses precision beyond float32). Non-contiguous gradients are
+    copied; sparse gradients are refused. CUDA parameters are staged through
+    host memory (correct, not fast).
+    """
+
+    def __init__(
+        self,
+        module,
+        device_ids=None,
+        output_device=None,
+        dim=0,
+        broadcast_buffers=True,
+        process_group=None,
+        bucket_cap_mb=None,
+        find_unused_parameters=False,
+        check_reduction=False,
+        gradient_as_bucket_view=False,
+        static_graph=False,
+        *,
+        timeout=None,
+        abort_policy="skip",
+        record_timeline=False,
+        wire_dtype="float32",
+    ):
+        super().__init__()
+        if isinstance(module, DistributedDataParallel) or getattr(module, "_gradsync_wrapper", None) is not None:
+            raise ConfigError("this module is already wrapped by gradsync: wrap it once")
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            raise ConfigError("this module is already wrapped by torch's DistributedDataParallel: wrap the plain module")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("call torch.distributed.init_process_group(...) before wrapping (torchrun sets it up)")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the module has no parameter that requires grad: there is nothing to synchronize")
+        devices = sorted({str(p.device) for _, p in named})
+        if len(devices) > 1:
+            by_device = {d: [n for n, p in named if str(p.device) == d][:3] for d in devices}
+            raise ConfigError(f"parameters live on several devices {by_device}: put the module on one device")
+        for name, p in named:
+            if p.dtype not in _DTYPES:
+                raise ConfigError(f"parameter {name!r} has dtype {p.dtype}: only floating-point gradients are averaged")
+        self.module = module
+        self._params = [p for _, p in named]
+        self._names = [n for n, _ in named]
+        self._device = self._params[0].device
+        if self._device.type == "meta":
+            raise ConfigError("the module is on the meta device: materialize its parameters first")
+        self._staging = self._device.type != "cpu"
+        timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 300.0)
+        group = process_group if process_group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
+        if self._rank < 0:
+            raise ConfigError("this process is not a member of process_group")
+        key = "-".join(map(str, dist.get_process_group_ranks(group)))
+        nth = _BUILT[key] = _BUILT.get(key, 0) + 1
+        prefix = f"gradsync/{key}/{nth}"
+        wires = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if wire_dtype not in wires:
+            raise ConfigError(f"wire_dtype {wire_dtype!r}: use \"float32\" or \"bfloat16\"")
+        store = dist.distributed_c10d._get_default_store()
+        self._comm = TorchCommunicator(
+            store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, wire_dtype=wires[wire_dtype]
+        )
+        # Broadcasts of the program's thread (model states), apart from the runtime's collectives.
+        self._states = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"{prefix}/states", store), self._rank, self._world, datetime.timedelta(seconds=timeout_s)
+        )
+        self._broadcast_buffers = broadcast_buffers
+        self._broadcast([t.detach() for t in itertools.chain(module.parameters(), module.buffers())])
+        cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * (1 << 20))
+        session = Session(
+            self._comm,
+            self._rank,
+            self._world,
+            self._names,
+            [p.numel() for p in self._params],
+            [_DTYPES[p.dtype] for p in self._params],
+            bucket_cap_bytes=max(cap, 1),
+            timeout_s=timeout_s,
+            abort_policy=abort_policy,
+            record_timeline=record_timeline,
+        )
+        self._session = session
+        self._give = session.give
+        self._open = _OpenStep(0, len(self._params))
+        self._require_sync = True
+        self._closed = False
+        self._host = {}
+        self._arrays = {}
+        self._layouts = {}
+        # Parameters whose averaged gradient can be a view of the bucket memory.
+        self._viewable = [
+            not self._staging and p.dtype == torch.float32 and p.is_contiguous() for p in self._params
+        ]
+        self._copied = [i for i, v in enumerate(self._viewable) if not v]
+        self.last_report = None
+        ref = weakref.ref(self)
+        self._ref = ref
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
+        module._gradsync_wrapper = ref
+        _LIVE.add(self)
+        global _OPTIMIZER_HOOK
+        if _OPTIMIZER_HOOK is None:
+            _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_before_optimizer_step)
+
+    # ---- forward and the end of backward --------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        if self._closed:
+            raise ClosedError("this gradsync DistributedDataParallel was closed")
+        self._raise_if_unfinished("forward")
+        if self._broadcast_buffers:
+            buffers = [b for b in self.module.buffers()]
+            if buffers:
+                self._broadcast(buffers)
+        if torch.is_grad_enabled():
+            if self._require_sync:
+                self._open.sync_pending = True
+            if _autograd.current_task() != -1:
+                # Recomputed inside backward (the model in a reentrant checkpoint):
+                # the backward running now may be the outermost one.
+                self._backward_activity()
+        output = self.module(*inputs, **kwargs)
+        if not torch.is_grad_enabled():
+            return output
+        leaves, spec = pytree.tree_flatten(output)
+        marked = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not marked:
+            return output
+        passed = _EndOfBackward.apply(self._ref, *[leaves[i] for i in marked])
+        for i, t in zip(marked, passed):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _backward_activity(self):
+        """Backward (or a recomputed forward inside it) reached this model: if
+        this is the outermost pass, end the step when it ends."""
+        task = _autograd.current_task()
+        step = self._open
+        if task == step.task_seen:
+            return
+        step.task_seen = task
+        if step.end_queued_for != task and _autograd.in_outermost_backward():
+            step.end_queued_for = task
+            _autograd.at_end_of_current_task(self._end_of_backward)
+
+    def _end_of_backward(self):
+        step = self._open
+        step.end_queued_for = None
+        step.task_seen = None
+        if step.sync_pending and not self._closed:
+            self._finish()
+
+    def _make_hook(self, index):
+        ref = self._ref
+
+        def hook(param):
+            ddp = ref()
+            if ddp is not None:
+                ddp._on_grad(index, param)
+
+        return hook
+
+    def _on_grad(self, index, param):
+        # The hot path: one call per gradient; keep lookups to a minimum.
+        if self._closed:
+            return
+        grad = param.grad
+        if grad.layout is not _STRIDED:
+            raise GradientLayoutError(
+                f"parameter {self._names[index]!r} has a {grad.layout} gradient: gradsync reduces dense "
+                "gradients; use a dense embedding (sparse=False)"
+            )
+        step = self._open
+        if _current_task() != step.task_seen:
+            self._backward_activity()
+        # Move the gradient out: autograd starts a fresh .grad for any later
+        # contribution, so every hand-over is an increment and nothing is
+        # copied here (the runtime reads the tensor in place).
+        param.grad = None
+        if self._staging:
+            given = grad.detach().to("cpu")
+        elif grad.is_contiguous():
+            given = grad
+        else:
+            given = grad.contiguous()
+        if not self._viewable[index] and step.out[index] is None:
+            step.out[index] = grad  # receives the averaged gradient at the end of the step
+        fired = step.fired
+        token = fired[index]
+        fired[index] = token + 1
+        self._give(step.number, index, token, given, given.data_ptr())
+        step.arrivals += 1
+
+    # ---- ending steps ----------------------------------------------------------------------
+
+    def finish_step(self):
+        """End the step now. Needed only where the wrapper cannot see the end of
+        backward: after ``torch.autograd.grad`` or a backward nested inside
+        another one. Does nothing if no gradient arrived and no forward
+        asked for a synchronized step since the last one ended. Returns the
+        step's report, or ``None``."""
+        if self._closed:
+            raise ClosedError("this gradsync DistributedDataParallel was closed")
+        step = self._open
+        if not (step.sync_pending or step.arrivals):
+            return None
+        return self._finish()
+
+    def _finish(self):
+        return self._apply(self._session.finish(self._open.number))
+
+    def abort_step(self, reason="out_of_memory"):
+        """This rank cannot finish the step (call it in the ``except`` that
+        caught the OOM or the bad batch): every rank's step is skipped, or
+        with ``abort_policy="partial"`` averaged over the ranks that finished.
+        Nobody blocks. ``reason``: ``"out_of_memory"``, ``"bad_batch"``,
+        ``"non_finite"`` or an integer code. Returns the step's report."""
+        if self._closed:
+            raise ClosedError("this gradsync DistributedDataParallel was closed")
+        return self._apply(self._session.abort(self._open.number, reason))
+
+    def join(self):
+        """This rank has run out of data: contribute zeros to the other ranks'
+        steps until every rank has joined (each of those steps is averaged over
+        the ranks that contributed). Returns ``{"first_step", "steps"}``."""
+        if self._closed:
+            raise ClosedError("this gradsync DistributedDataParallel was closed")
+        first, steps = self._session.join()
+        self._new_step()
+        return {"first_step": first, "steps": steps}
+
+    def reset(self):
+        """After a failed step (``gradsync.StepFailedError``), on every rank:
+        agree on the step to continue at and clear the failed step's state."""
+        step = self._session.reset()
+        self._new_step()
+        return step
+
+    def _apply(self, result):
+        report = result.report
+        self.last_report = report
+        viewed = False
+        try:
+            if result.applied:
+                viewed = self._view_grads(result, set(report.unused_everywhere))
+                for i in self._copied:
+                    if result.has(i):
+                        self._write_grad(result, i, self._params[i])
+            else:
+                # Skipped on every rank: no optimizer may apply this step.
+                for p in self._params:
+                    p.grad = None
+                if report.outcome == "skipped":
+                    log.warning("gradsync step %d skipped: ranks %s aborted", report.step, report.aborted)
+        finally:
+            if not viewed:
+                result.release()
+            self._new_step()
+        return report
+
+    def _view_grads(self, result, unused):
+        """Give every float32 CPU parameter its averaged gradient as a view of
+        the step's bucket memory: no copy. Each view keeps the step's buffers
+        on loan until it is freed (as ``zero_grad()`` does). Returns whether
+        any view was made."""
+        made = False
+        for b, (addr, numel, members) in enumerate(result.buckets()):
+            layout = self._layouts.get(b)
+            if layout is None:
+                layout = self._layouts[b] = self._bucket_layout(members)
+            sizes, shapes = layout
+            array = self._array_type(numel).from_address(addr)
+            array._gradsync_step = result  # the loan lives as long as any view of it
+            views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
+            params, viewable = self._params, self._viewable
+            for i, shape, view in zip(members, shapes, views):
+                if viewable[i] and i not in unused:
+                    params[i].grad = view if shape is None else view.view(shape)
+                    made = True
+        return made
+
+    def _bucket_layout(self, members):
+        """A bucket's member sizes, and the shape each view takes (``None``: flat already)."""
+        params = [self._params[i] for i in members]
+        return [p.numel() for p in params], [None if p.dim() == 1 else p.shape for p in params]
+
+    def _write_grad(self, result, index, p):
+        """Copy ``p``'s averaged gradient into a tensor of its own type and layout."""
+        grad = self._open.out[index]
+        if grad is None:  # unused on this rank, used on another
+            grad = p.grad if p.grad is not None else torch.empty_like(p, memory_format=torch.preserve_format)
+        p.grad = grad
+        if not self._staging and grad.is_contiguous():
+            result.copy_into_ptr(index, grad.data_ptr())
+            return
+        host = self._host.get(index)
+        if host is None:
+            host = self._host[index] = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+        result.copy_into_ptr(index, host.data_ptr())
+        grad.copy_(host)
+
+    def _array_type(self, numel):
+        array = self._arrays.get(numel)
+        if array is None:
+            array = self._arrays[numel] = ctypes.c_float * numel
+        return array
+
+    def _new_step(self):
+        self._open = _OpenStep(self._session.current_step, len(self._params))
+
+    def _raise_if_unfinished(self, before):
+        step = self._open
+        if step.sync_pending and step.arrivals and not self._closed and step.end_queued_for is None:
+            raise UnfinishedStepError(
+                f"step {step.number}: gradients arrived from a backward whose end gradsync could not see "
+                f"(torch.autograd.grad, or a backward nested in another), and {before} was called before "
+                "the step ended: call model.finish_step() after that backward, so that .grad holds the "
+                "average instead of this rank's own gradient"
+            )
+
+    # ---- the rest of the DDP surface ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over several backward passes (micro-batches);
+        the first backward outside the context ends the step with the sum.
+        Unlike DDP's, gradients are still handed over as they are produced, so
+        the last micro-batch's backward overlaps the all-reduce."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def write_timeline(self, path):
+        """Write every step's timeline as Chrome trace JSON (open it in
+        https://ui.perfetto.dev); needs ``record_timeline=True``."""
+        return self._session.write_timeline(path)
+
+    @property
+    def current_step(self):
+        """The step gradients are being collected for."""
+        return self._open.number
+
+    @property
+    def session(self):
+        """The underlying :class:`gradsync.Session` (progress, memory figures)."""
+        return self._session
+
+    def close(self):
+        """Stop gradsync's threads and remove the hooks; later use raises ``ClosedError``."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._session.close()
+        _LIVE.discard(self)
+        if getattr(self.module, "_gradsync_wrapper", None) is self._ref:
+            del self.module._gradsync_wrapper
+
+    def _broadcast(self, tensors):
+        """Rank 0's values into ``tensors`` on every rank (on the states group)."""
+        if self._world == 1 or not tensors:
+            return
+        flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
+        moved = flat.to("cpu") if flat.device.type != "cpu" else flat
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._states.broadcast([moved], opts).wait()
+        if moved is not flat:
+            flat.copy_(moved)
+        with torch.no_grad():
+            for t, v in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                t.copy_(v)

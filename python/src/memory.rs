@@ -1,0 +1,99 @@
+//! Reading gradients out of, and writing averaged gradients into, memory the
+//! Python side owns (a tensor's storage, given as an address).
+//!
+//! gradsync reduces in f32. Gradients of other float types are converted on
+//! the way in and back on the way out: `float64` loses precision beyond f32
+//! for the reduction (the result is rounded back), `float16` and `bfloat16`
+//! are exact in f32.
+
+use gradsync_runtime::GradView;
+use half::{bf16, f16};
+
+/// The element type of a parameter's gradient memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    F64,
+    F16,
+    BF16,
+}
+
+impl Elem {
+    /// From the names `gradsync.torch` uses (`"float32"`, …).
+    pub fn parse(name: &str) -> Option<Elem> {
+        match name {
+            "float32" => Some(Elem::F32),
+            "float64" => Some(Elem::F64),
+            "float16" => Some(Elem::F16),
+            "bfloat16" => Some(Elem::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// An address the caller vouches for: `numel` elements of `elem`, live,
+/// aligned and not written by anyone else for the duration of the call.
+#[derive(Debug, Clone, Copy)]
+pub struct Raw {
+    pub addr: usize,
+    pub numel: usize,
+    pub elem: Elem,
+}
+
+/// `out[i] = f32(src[i])`.
+pub fn read(src: Raw, out: &mut Vec<f32>) {
+    out.clear();
+    out.reserve(src.numel);
+    // SAFETY: `Raw`'s contract: `addr` holds `numel` initialized elements of
+    // `elem`, properly aligned (a tensor's data pointer always is), alive and
+    // unchanged until this function returns. The slices end before it does.
+    unsafe {
+        match src.elem {
+            Elem::F32 => out.extend_from_slice(std::slice::from_raw_parts(src.addr as *const f32, src.numel)),
+            Elem::F64 => {
+                out.extend(std::slice::from_raw_parts(src.addr as *const f64, src.numel).iter().map(|&x| x as f32))
+            }
+            Elem::F16 => {
+                out.extend(std::slice::from_raw_parts(src.addr as *const f16, src.numel).iter().map(|x| x.to_f32()))
+            }
+            Elem::BF16 => {
+                out.extend(std::slice::from_raw_parts(src.addr as *const bf16, src.numel).iter().map(|x| x.to_f32()))
+            }
+        }
+    }
+}
+
+/// Write the averaged gradient `view` into `dst` (converted to its type).
+pub fn write(view: GradView<'_>, dst: Raw) {
+    assert_eq!(view.len(), dst.numel, "destination size checked by the caller");
+    // SAFETY: `Raw`'s contract, for writing: `addr` holds `numel` elements of
+    // `elem`, aligned, alive and touched by nobody else until this returns;
+    // the slice ends before it does.
+    unsafe {
+        match dst.elem {
+            Elem::F32 => {
+                let out = std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.numel);
+                view.copy_to(out);
+            }
+            Elem::F64 => {
+                write_converted(view, std::slice::from_raw_parts_mut(dst.addr as *mut f64, dst.numel), f64::from)
+            }
+            Elem::F16 => {
+                write_converted(view, std::slice::from_raw_parts_mut(dst.addr as *mut f16, dst.numel), f16::from_f32)
+            }
+            Elem::BF16 => {
+                write_converted(view, std::slice::from_raw_parts_mut(dst.addr as *mut bf16, dst.numel), bf16::from_f32)
+            }
+        }
+    }
+}
+
+fn write_converted<T>(view: GradView<'_>, out: &mut [T], convert: impl Fn(f32) -> T) {
+    let mut at = 0;
+    for chunk in view.chunks() {
+        for (o, &x) in out[at..at + chunk.len()].iter_mut().zip(chunk) {
+            *o = convert(x);
+        }
+        at += chunk.len();
+    }
+}

@@ -1,0 +1,73 @@
+"""Rank-side cases of ``test_bad_input.py``: every misuse gets a clear
+exception on the spot, never a crash or a hang."""
+
+import torch
+import torch.nn as nn
+
+import gradsync
+from gradsync.torch import DistributedDataParallel as DDP
+
+
+def expect(exc, fn):
+    try:
+        fn()
+    except exc as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError(f"expected {exc.__name__}")
+
+
+def misuse(rank, world):
+    seen = {}
+    # Sparse gradients are refused, from backward, naming the parameter.
+    emb = DDP(nn.Embedding(10, 4, sparse=True).double())
+    seen["sparse"] = expect(gradsync.GradientLayoutError, lambda: emb(torch.tensor([1, 2])).sum().backward())
+    emb.close()
+    # Parameters on several devices.
+    two = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    two[1].to("meta")
+    seen["devices"] = expect(gradsync.ConfigError, lambda: DDP(two))
+    # Wrapping twice, by gradsync or over torch's DDP.
+    lin = nn.Linear(3, 3)
+    wrapped = DDP(lin)
+    seen["twice"] = expect(gradsync.ConfigError, lambda: DDP(lin))
+    seen["wrapper"] = expect(gradsync.ConfigError, lambda: DDP(wrapped))
+    # Using the wrapper after close.
+    wrapped.close()
+    seen["closed_forward"] = expect(gradsync.ClosedError, lambda: wrapped(torch.ones(1, 3)))
+    seen["closed_finish"] = expect(gradsync.ClosedError, wrapped.finish_step)
+    seen["closed_abort"] = expect(gradsync.ClosedError, wrapped.abort_step)
+    # After close the module can be wrapped again.
+    again = DDP(lin)
+    again(torch.ones(1, 3)).sum().backward()
+    seen["rewrapped_step"] = again.last_report.step
+    again.close()
+    # Parameters that cannot be averaged, and nothing to synchronize.
+    seen["complex"] = expect(gradsync.ConfigError, lambda: DDP(nn.Linear(2, 2).to(torch.complex64)))
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    seen["frozen"] = expect(gradsync.ConfigError, lambda: DDP(frozen))
+    # Settings the runtime refuses.
+    seen["policy"] = expect(gradsync.ConfigError, lambda: DDP(nn.Linear(2, 2), abort_policy="sometimes"))
+    return seen
+
+
+def native_misuse(rank, world):
+    """The native session refuses bad registrations with ConfigError."""
+
+    class NoComm:
+        def all_reduce(self, *args):
+            raise AssertionError("never reached")
+
+        def reset(self):
+            pass
+
+    seen = {}
+    seen["lengths"] = expect(gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a"], [1, 2], ["float32"]))
+    seen["duplicate"] = expect(
+        gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a", "a"], [1, 1], ["float32"] * 2)
+    )
+    seen["dtype"] = expect(gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a"], [1], ["int8"]))
+    seen["timeout"] = expect(
+        gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a"], [1], ["float32"], timeout_s=0)
+    )
+    seen["world"] = expect(gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 3, 2, ["a"], [1], ["float32"]))
+    return seen

@@ -1,0 +1,228 @@
+"""Rank-side cases of ``test_features.py``: accumulation, two wrapped models,
+gradient dtypes and layouts, explicit ends of steps, and what a run reports."""
+
+import copy
+import json
+import os
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import gradsync
+from cases import max_diff
+from gradsync.torch import DistributedDataParallel as DDP
+
+
+def batch(step, rank, rows=6, cols=10, dtype=torch.float64):
+    return torch.randn(rows, cols, dtype=dtype, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 30 ms: compute that a bucket launched
+    before it can overlap."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+
+        time.sleep(0.03)
+        return g
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        return SlowBackward.apply(x)
+
+
+def mlp(dtype=torch.float64, seed=23, slow=False):
+    torch.manual_seed(seed)
+    middle = [Slow()] if slow else []
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), *middle, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
+
+
+def averaged_reference(model, world, step, micro=1, rows=6, scale=1.0):
+    """Every rank's micro-batches through one copy of ``model``, gradients / world."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    for r in range(world):
+        for m in range(micro):
+            (ref(batch(step * micro + m, r, rows)).sum() * scale).backward()
+    return [p.grad / world for p in ref.parameters()]
+
+
+def accumulation(rank, world, micro=3, steps=3):
+    """Gradient accumulation over micro-batches with ``no_sync()``: the sum of
+    every micro-batch of every rank, averaged; the last micro-batch's backward
+    overlaps the reduction (buckets reduced before the step ends)."""
+    model = mlp(slow=True)
+    wrapped = DDP(copy.deepcopy(model), bucket_cap_mb=0.0005)
+    worst, overlapped = 0.0, []
+    for step in range(steps):
+        wrapped.zero_grad()
+        with wrapped.no_sync():
+            for m in range(micro - 1):
+                wrapped(batch(step * micro + m, rank)).sum().backward()
+                assert wrapped.current_step == step, "no_sync must not end the step"
+        wrapped(batch(step * micro + micro - 1, rank)).sum().backward()
+        want = averaged_reference(model, world, step, micro)
+        worst = max(worst, max((p.grad - w).abs().max().item() for p, w in zip(wrapped.parameters(), want)))
+        overlapped.append(wrapped.last_report.buckets_done_before_finish)
+    wrapped.close()
+    return {"max_diff": worst, "overlapped": overlapped, "buckets": wrapped.last_report.buckets_launched}
+
+
+def two_models(rank, world, steps=3):
+    """``A(B(x))`` with each model wrapped separately (each has its own group)."""
+    torch.manual_seed(29)
+    a_ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).double()
+    b_ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).double()
+    a, b = DDP(copy.deepcopy(a_ref)), DDP(copy.deepcopy(b_ref))
+    worst = 0.0
+    for step in range(steps):
+        a.zero_grad(), b.zero_grad(), a_ref.zero_grad(), b_ref.zero_grad()
+        a(b(batch(step, rank, 4, 8))).pow(2).sum().backward()
+        for r in range(world):
+            a_ref(b_ref(batch(step, r, 4, 8))).pow(2).sum().backward()
+        for ref, w in ((a_ref, a), (b_ref, b)):
+            for p in ref.parameters():
+                p.grad = p.grad / world
+            worst = max(worst, max_diff(ref, w))
+            for p in ref.parameters():
+                p.grad = p.grad * world
+    reports = (a.last_report.step, b.last_report.step)
+    a.close(), b.close()
+    return {"max_diff": worst, "steps": reports}
+
+
+def dtypes(rank, world):
+    """float32, float16 and bfloat16 parameters, and a non-contiguous gradient."""
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        torch.manual_seed(31)
+        lin = nn.Linear(4, 4).to(dtype)
+        wrapped = DDP(copy.deepcopy(lin))
+        x = torch.full((2, 4), float(rank + 1), dtype=dtype)
+        wrapped(x).sum().backward()
+        ref = copy.deepcopy(lin)
+        for r in range(world):
+            ref(torch.full((2, 4), float(r + 1), dtype=dtype)).sum().backward()
+        diff = max((p.grad.float() - q.grad.float() / world).abs().max().item() for p, q in zip(wrapped.parameters(), ref.parameters()))
+        out[str(dtype)] = (str(wrapped.module.weight.grad.dtype), diff)
+        wrapped.close()
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(12.0, dtype=torch.float64).reshape(3, 4).t())  # non-contiguous
+
+        def forward(self, x):
+            return x @ self.w
+
+    model = Transposed()
+    wrapped = DDP(model)
+    wrapped(torch.full((2, 4), float(rank + 1), dtype=torch.float64)).sum().backward()
+    want = sum(torch.full((2, 4), float(r + 1), dtype=torch.float64).t() @ torch.ones(2, 3, dtype=torch.float64) for r in range(world)) / world
+    out["non_contiguous"] = (wrapped.module.w.grad.is_contiguous(), (wrapped.module.w.grad - want).abs().max().item())
+    wrapped.close()
+    return out
+
+
+class Segments(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def explicit_finish(rank, world):
+    """Where the wrapper cannot see backward's end (the wrapped model inside
+    a checkpoint nested in another checkpoint), the gradients stay local until
+    ``finish_step()``; forgetting it is an error at the next forward and at
+    ``optimizer.step()``."""
+    torch.manual_seed(37)
+    base = Segments().double()
+    wrapped = DDP(copy.deepcopy(base))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+
+    def nested(x):
+        inner = lambda t: checkpoint(wrapped, t, use_reentrant=True)  # noqa: E731
+        return checkpoint(inner, x, use_reentrant=True)
+
+    x = batch(0, rank, 4, 6).requires_grad_()
+    nested(x).sum().backward()
+    errors = []
+    for call in (lambda: wrapped(x), opt.step):
+        try:
+            call()
+        except gradsync.UnfinishedStepError as e:
+            errors.append(str(e))
+    report = wrapped.finish_step()
+    ref = copy.deepcopy(base)
+    for r in range(world):
+        ref(batch(0, r, 4, 6)).sum().backward()
+    diff = max((p.grad - q.grad / world).abs().max().item() for p, q in zip(wrapped.parameters(), ref.parameters()))
+    # A model checkpointed whole at the top level needs no explicit call.
+    wrapped.zero_grad()
+    checkpoint(wrapped, x, use_reentrant=True).sum().backward()
+    auto = wrapped.last_report.step
+    again = wrapped.finish_step()  # nothing left to end: a no-op
+    wrapped.close()
+    return {"errors": errors, "report_step": report.step, "max_diff": diff, "auto_step": auto, "again": again}
+
+
+def observability(rank, world, trace_dir, metrics_port):
+    """The report as a Python object, the timeline as Chrome trace JSON, and
+    the Prometheus endpoint (rank 0 serves it)."""
+    if rank == 0:
+        gradsync.install_prometheus(f"127.0.0.1:{metrics_port}")
+    model = mlp()
+    wrapped = DDP(model, record_timeline=True, bucket_cap_mb=0.0005)
+    for step in range(3):
+        wrapped.zero_grad()
+        wrapped(batch(step, rank)).sum().backward()
+    report = wrapped.last_report.to_dict()
+    path = os.path.join(trace_dir, f"timeline-{rank}.json")
+    events = wrapped.write_timeline(path)
+    with open(path) as f:
+        trace = json.load(f)
+    scraped = None
+    if rank == 0:
+        import urllib.request
+
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    memory = wrapped.session.memory_bytes
+    wrapped.close()
+    closed = None
+    try:
+        wrapped(batch(0, rank))
+    except gradsync.ClosedError as e:
+        closed = str(e)
+    return {"report": report, "events": events, "trace_events": len(trace["traceEvents"]), "scraped": scraped,
+            "memory": memory, "closed": closed}
+
+
+def training_converges(rank, world, steps=40):
+    """A few steps of SGD: every replica stays identical and the loss falls."""
+    model = mlp(seed=41)
+    wrapped = DDP(model)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    target = lambda x: 0.3 * x.sum(dim=1, keepdim=True)  # noqa: E731
+    for step in range(steps):
+        x = batch(step, rank, 16)
+        opt.zero_grad()
+        loss = (wrapped(x) - target(x)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    flat = torch.cat([p.detach().flatten() for p in wrapped.parameters()])
+    wrapped.close()
+    return {"first": sum(losses[:3]) / 3, "last": sum(losses[-3:]) / 3, "params": flat}

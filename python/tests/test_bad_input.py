@@ -1,0 +1,43 @@
+"""Bad input gets a clear exception, never a crash or a hang."""
+
+import pytest
+import torch
+
+import bad_input
+import gradsync
+from gradsync.torch import DistributedDataParallel as DDP
+
+
+def test_misuse_is_refused_with_a_clear_message(world2):
+    for rank, seen in enumerate(world2.run(bad_input.misuse)):
+        assert "sparse" in seen["sparse"] and "'weight'" in seen["sparse"], seen["sparse"]
+        assert "several devices" in seen["devices"], seen["devices"]
+        assert "already wrapped" in seen["twice"] and "already wrapped" in seen["wrapper"]
+        for key in ("closed_forward", "closed_finish", "closed_abort"):
+            assert "closed" in seen[key], seen[key]
+        assert seen["rewrapped_step"] == 0
+        assert "complex" in seen["complex"]
+        assert "nothing to synchronize" in seen["frozen"]
+        assert "sometimes" in seen["policy"]
+
+
+def test_native_session_refuses_bad_registrations(world2):
+    seen = world2.run(bad_input.native_misuse)[0]
+    assert "one entry per parameter" in seen["lengths"]
+    assert "registered twice" in seen["duplicate"]
+    assert "int8" in seen["dtype"]
+    assert "must be positive" in seen["timeout"]
+    assert "invalid world" in seen["world"]
+
+
+def test_wrapping_without_a_process_group_says_what_to_do():
+    with pytest.raises(gradsync.ConfigError, match="init_process_group"):
+        DDP(torch.nn.Linear(2, 2))
+
+
+def test_exceptions_form_one_hierarchy():
+    assert issubclass(gradsync.TimeoutError, gradsync.StepFailedError)
+    assert issubclass(gradsync.TimeoutError, TimeoutError)
+    assert issubclass(gradsync.DesyncError, gradsync.StepFailedError)
+    assert issubclass(gradsync.ConfigError, ValueError)
+    assert all(issubclass(e, gradsync.GradsyncError) for e in (gradsync.ClosedError, gradsync.UnfinishedStepError))
