@@ -1,0 +1,307 @@
+"""gradsync against torch's DistributedDataParallel, measured in one run.
+
+    .venv/bin/python benches/torch/vs_ddp.py [--world 2] [--tokens-per-rank 64] [--steps 30]
+                                             [--reentrant] [--tiny-params N] [--json]
+
+Spawns ``--world`` processes on loopback (gloo, one thread per rank). Every
+rank builds the same model once per policy and runs the policies interleaved,
+step by step (the order rotates every step), so a noisy machine affects them
+alike:
+
+* ``gradsync``    gradsync.torch.DistributedDataParallel (overlapped, exact);
+* ``ddp``         torch DDP, overlapped (non-reentrant checkpointing: with
+                  reentrant checkpointing DDP raises on the tied embedding);
+* ``ddp_static``  torch DDP with ``static_graph=True`` (what DDP offers for
+                  reentrant checkpointing: no overlap in the first step);
+* ``no_sync``     backward without communication, then one fused all-reduce
+                  (the usual workaround);
+* ``local``       no communication at all (the bound overlap approaches);
+* ``gradsync_bf16`` gradsync with bfloat16 buckets on the wire (opt-in).
+
+A step is forward + backward + communication + SGD; its time is the slower
+rank's. The model (default): a tied 2048x1024 embedding and head, 4
+checkpointed Linear+Tanh blocks of 1024 (6.3 M parameters). ``--tiny-params
+N`` replaces it with N parameters of 16 values, to measure the per-parameter
+overhead. The end checks that the synchronized policies' parameters agree,
+and times the Python hook call into the runtime on its own.
+
+With ``--json`` the last line of stdout is one JSON object:
+``{"policies": {"gradsync": {"step_s_median": s, ...}, ...}, "agree": {...}, "hook_call_us_median": x, ...}``.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"]
+
+
+class TiedBlocks(nn.Module):
+    """Tied embedding/head and ``blocks`` checkpointed Linear+Tanh blocks."""
+
+    def __init__(self, vocab=2048, dim=1024, blocks=4, reentrant=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(blocks))
+        self.reentrant = reentrant
+
+    def _block(self, i, x):
+        return torch.tanh(self.blocks[i](x))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        if self.reentrant:
+            x = x + 0 * self.embed.weight[:1]  # reentrant checkpoints need an input that requires grad
+        for i in range(len(self.blocks)):
+            x = checkpoint(self._block, i, x, use_reentrant=self.reentrant)
+        return F.linear(x, self.embed.weight)
+
+
+class TinyParams(nn.Module):
+    """``n`` parameters of 16 values, each used once: overhead per parameter."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(16) * 0.1) for _ in range(n))
+
+    def forward(self, x):
+        return sum((x * p).sum() for p in self.ps)
+
+
+def make_model(args):
+    torch.manual_seed(1234)
+    if args.tiny_params:
+        return TinyParams(args.tiny_params)
+    return TiedBlocks(reentrant=args.reentrant)
+
+
+def batch(args, step, rank):
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    if args.tiny_params:
+        return torch.randn(16, generator=g), None
+    tokens = torch.randint(0, 2048, (args.tokens_per_rank,), generator=g)
+    return tokens, torch.randint(0, 2048, (args.tokens_per_rank,), generator=g)
+
+
+def loss_of(args, model, data):
+    x, y = data
+    if args.tiny_params:
+        return model(x)
+    return F.cross_entropy(model(x), y)
+
+
+class FusedAllReduce:
+    """The no_sync workaround: one all-reduce of every gradient after backward."""
+
+    def __init__(self, model, group):
+        self.params = list(model.parameters())
+        self.group = group
+
+    def sync(self):
+        grads = [p.grad for p in self.params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.group)
+        flat /= dist.get_world_size(self.group)
+        for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(v)
+
+
+def build(policy, args, group):
+    """The policy's model (and what steps it)."""
+    import gradsync.torch as gt
+
+    model = make_model(args)
+    cap = args.bucket_mb
+    if policy in ("gradsync", "gradsync_bf16"):
+        wire = "bfloat16" if policy == "gradsync_bf16" else "float32"
+        return gt.DistributedDataParallel(model, bucket_cap_mb=cap, wire_dtype=wire), None
+    if policy == "ddp":
+        return nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap), None
+    if policy == "ddp_static":
+        return nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap, static_graph=True), None
+    if policy == "no_sync":
+        return model, FusedAllReduce(model, group)
+    return model, None  # local
+
+
+def hook_call_us(samples=20_000):
+    """Median time of one Python call into the runtime's hook (16 float32
+    values: the copy is negligible), over a 1-rank session."""
+    import gradsync
+
+    class Alone:  # a 1-rank communicator: nothing to sum
+        def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
+            pass
+
+        def reset(self):
+            pass
+
+    n = 256
+    session = gradsync.Session(Alone(), 0, 1, [f"p{i}" for i in range(n)], [16] * n, ["float32"] * n)
+    t = torch.zeros(16)
+    addr = t.data_ptr()
+    times = []
+    step = 0
+    for _ in range(samples // n):
+        for i in range(n):
+            t0 = time.perf_counter_ns()
+            session.arrive_ptr(step, i, 0, addr)
+            times.append(time.perf_counter_ns() - t0)
+        session.finish(step).release()
+        step += 1
+    session.close()
+    return statistics.median(times) / 1000
+
+
+def rank_main(rank, args, port, out_q):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
+                            timeout=datetime.timedelta(seconds=300))
+    policies = [p for p in args.policies if not (p == "ddp" and args.reentrant)]
+    runners = {}
+    for policy in policies:
+        group = dist.new_group(backend="gloo")
+        runners[policy] = build(policy, args, group)
+    opts = {p: torch.optim.SGD(runners[p][0].parameters(), lr=args.lr) for p in policies}
+    times = {p: [] for p in policies}
+    exposed = {p: [] for p in policies}
+    losses = {p: [] for p in policies}
+    for step in range(args.steps):
+        order = policies[step % len(policies):] + policies[: step % len(policies)]
+        data = batch(args, step, rank)
+        for policy in order:
+            model, fused = runners[policy]
+            dist.barrier()  # every rank starts the policy's step together
+            t0 = time.perf_counter()
+            opts[policy].zero_grad()
+            loss = loss_of(args, model, data)
+            loss.backward()
+            if fused is not None:
+                fused.sync()
+            opts[policy].step()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            times[policy].append(took.item())
+            report = getattr(model, "last_report", None)
+            exposed[policy].append(report.exposed_comm_s if report is not None else float("nan"))
+            losses[policy].append(loss.item())
+        if rank == 0 and args.progress and (step + 1) % max(1, args.steps // 10) == 0:
+            print(f"  step {step + 1}/{args.steps}", file=sys.stderr, flush=True)
+    # The synchronized policies must have trained the same parameters.
+    def flat(p):
+        model = runners[p][0]
+        module = model.module if hasattr(model, "module") else model
+        return torch.cat([q.detach().flatten() for q in module.parameters()])
+
+    base = flat("no_sync") if "no_sync" in policies else None
+    agree = {}
+    if base is not None:
+        for p in policies:
+            if p not in ("local", "no_sync"):
+                agree[p] = (flat(p) - base).abs().max().item()
+    for p in policies:
+        if p.startswith("gradsync"):
+            runners[p][0].close()
+    result = None
+    if rank == 0:
+        warm = args.warmup
+        result = {
+            "world": args.world,
+            "tokens_per_rank": args.tokens_per_rank,
+            "tiny_params": args.tiny_params,
+            "reentrant": args.reentrant,
+            "steps": args.steps,
+            "warmup": warm,
+            "bucket_mb": args.bucket_mb,
+            "policies": {
+                p: {
+                    "step_s_median": statistics.median(times[p][warm:]),
+                    "step_s_first": times[p][0],
+                    "exposed_comm_s_median": statistics.median(exposed[p][warm:]) if p.startswith("gradsync") else None,
+                    "loss_first": losses[p][0],
+                    "loss_last": losses[p][-1],
+                    "losses": losses[p] if args.losses else None,
+                    "step_s": times[p],
+                }
+                for p in policies
+            },
+            "agree": agree,
+        }
+        if args.reentrant:
+            result["policies"]["ddp"] = {"step_s_median": None, "note": "raises with reentrant checkpointing"}
+    out_q.put(result)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description="gradsync vs torch DDP, interleaved in one run")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--tokens-per-rank", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    ap.add_argument("--reentrant", action="store_true", help="reentrant checkpointing (DDP needs static_graph)")
+    ap.add_argument("--tiny-params", type=int, default=0, help="N parameters of 16 values instead of the model")
+    ap.add_argument("--bucket-mb", type=float, default=4.0, help="bucket cap of gradsync and DDP")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--losses", action="store_true", help="keep every step's loss in the JSON")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-hook-timing", action="store_true")
+    args = ap.parse_args()
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    args.progress = sys.stderr.isatty()
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=rank_main, args=(r, args, port, out_q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = [out_q.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    result = next(r for r in results if r is not None)
+    if not args.no_hook_timing:
+        result["hook_call_us_median"] = hook_call_us()
+    pol = result["policies"]
+    ref = pol.get("no_sync", {}).get("step_s_median")
+    what = f"{args.tiny_params} tiny parameters" if args.tiny_params else f"{args.tokens_per_rank} tokens/rank"
+    print(f"world {args.world}, {what}, {'reentrant' if args.reentrant else 'non-reentrant'} checkpointing, "
+          f"{args.steps} steps (medians without the first {args.warmup}), slower rank:")
+    for p, r in pol.items():
+        s = r.get("step_s_median")
+        if s is None:
+            print(f"  {p:<14} {r.get('note', 'not run')}")
+            continue
+        ratio = f"{s / ref:5.2f}x no_sync" if ref else ""
+        print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
+              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
+    if result["agree"]:
+        print("  parameters vs no_sync: " + ", ".join(f"{p} {d:.1e}" for p, d in result["agree"].items()))
+    if "hook_call_us_median" in result:
+        print(f"  Python hook call into the runtime: {result['hook_call_us_median']:.2f} µs median")
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
