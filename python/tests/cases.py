@@ -120,6 +120,36 @@ def first_line(error):
     return f"{type(error).__name__}: {text[: cut + 1] if cut > 0 else text}"
 
 
+class Outcome:
+    """One case's result under ``impl``, as a ``with`` block: ``ok`` with the
+    largest difference recorded, or, for torch's DDP only, the error that
+    ended it (DDP's failures are results of the comparison; gradsync's are
+    test failures and propagate). Closes ``wrapped`` on the way out."""
+
+    def __init__(self, impl, wrapped):
+        self.impl = impl
+        self.wrapped = wrapped
+        self.worst = 0.0
+        self.result = None
+
+    def record(self, diff):
+        self.worst = max(self.worst, diff)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        close(self.wrapped)
+        if error is None:
+            self.result = {"status": "ok", "max_diff": self.worst}
+            return False
+        if self.impl == "gradsync" or not isinstance(error, Exception):
+            return False
+        self.result = {"status": "error", "error": first_line(error)}
+        return True
+
+
+
 def max_diff(reference, wrapped, allow_none=False):
     """Largest |reference grad - wrapped grad|; asserts PyTorch's tolerances
     unless ``allow_none`` lets a parameter without gradient pass."""
@@ -141,30 +171,21 @@ def checkpointing(rank, world, model, impl, use_reentrant=True, run_checkpoint=F
     torch.manual_seed(31415)
     base = MODELS[model](use_reentrant).double()
     reference = copy.deepcopy(base)
-    wrapped = None
-    try:
-        wrapped = wrap(copy.deepcopy(base), impl, bucket_cap_mb=1, **wrap_kwargs)
+    wrapped = wrap(copy.deepcopy(base), impl, bucket_cap_mb=1, **wrap_kwargs)
+    with Outcome(impl, wrapped) as outcome:
         ddp_bs = 16
         inp = torch.rand((ddp_bs * world, 20), dtype=torch.float64, requires_grad=True)
         target = torch.randn((ddp_bs * world, 20), dtype=torch.float64)
         mine = slice(rank * ddp_bs, (rank + 1) * ddp_bs)
         loss = nn.MSELoss()
-        worst = 0.0
         for _ in range(iters):
             reference.zero_grad(set_to_none=False)
             wrapped.zero_grad(set_to_none=False)
             for m, x, y in ((reference, inp, target), (wrapped, inp[mine], target[mine])):
                 out = checkpoint(m, x, use_reentrant=use_reentrant) if run_checkpoint else m(x)
                 loss(out, y).backward()
-            worst = max(worst, max_diff(reference, wrapped, allow_none_grads))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:  # DDP's failures are results
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        if wrapped is not None:
-            close(wrapped)
+            outcome.record(max_diff(reference, wrapped, allow_none_grads))
+    return outcome.result
 
 
 def describe(outcome, tol=ATOL):
@@ -197,9 +218,8 @@ def static_graph_multi_forward(rank, world, impl, **wrap_kwargs):
     model = Net().double()
     local = copy.deepcopy(model)
     wrapped = wrap(model, impl, **wrap_kwargs)
-    try:
+    with Outcome(impl, wrapped) as outcome:
         inp = torch.ones(2, 10, dtype=torch.float64)
-        worst = 0.0
         for _ in range(3):
             wrapped.zero_grad()
             local.zero_grad()
@@ -208,14 +228,8 @@ def static_graph_multi_forward(rank, world, impl, **wrap_kwargs):
                 (local(inp).sum() + local(inp).sum()).backward()
             for p in local.parameters():
                 p.grad = p.grad / world
-            worst = max(worst, max_diff(local, wrapped))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        close(wrapped)
+            outcome.record(max_diff(local, wrapped))
+    return outcome.result
 
 
 class ControlFlowModel(nn.Module):
@@ -265,8 +279,7 @@ def control_flow(rank, world, impl, rank_dependent, steps=6, **wrap_kwargs):
         return ControlFlowModel(r, rank_dependent).double()
 
     wrapped = wrap(make(rank), impl, **wrap_kwargs)
-    try:
-        worst = 0.0
+    with Outcome(impl, wrapped) as outcome:
         for i in range(steps):
             batches = [torch.ones(20, 10, dtype=torch.float64) if i % 2 else
                        torch.randn(20, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * i + r))
@@ -274,14 +287,8 @@ def control_flow(rank, world, impl, rank_dependent, steps=6, **wrap_kwargs):
             want = per_rank_reference(make, world, batches, lambda m, x: m(x).sum())
             wrapped.zero_grad()
             wrapped(batches[rank]).sum().backward()
-            worst = max(worst, compare_to(want, wrapped))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        close(wrapped)
+            outcome.record(compare_to(want, wrapped))
+    return outcome.result
 
 
 class UnusedModel(nn.Module):
@@ -308,21 +315,14 @@ def unused_parameters(rank, world, impl, **wrap_kwargs):
         return UnusedModel(r).double()
 
     wrapped = wrap(make(rank), impl, **wrap_kwargs)
-    try:
+    with Outcome(impl, wrapped) as outcome:
         batches = [torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
         want = per_rank_reference(make, world, batches, lambda m, x: m(x).pow(2).sum())
-        worst = 0.0
         for _ in range(3):
             wrapped.zero_grad()
             wrapped(batches[rank]).pow(2).sum().backward()
-            worst = max(worst, compare_to(want, wrapped))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        close(wrapped)
+            outcome.record(compare_to(want, wrapped))
+    return outcome.result
 
 
 class OutsideForward(nn.Module):
@@ -348,21 +348,14 @@ def parameter_used_outside_forward(rank, world, impl, **wrap_kwargs):
         return (m(x) * module.scale).sum() + module.scale.pow(2).sum()
 
     wrapped = wrap(make(rank), impl, **wrap_kwargs)
-    try:
+    with Outcome(impl, wrapped) as outcome:
         batches = [torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
         want = per_rank_reference(make, world, batches, loss)
-        worst = 0.0
         for _ in range(3):
             wrapped.zero_grad()
             loss(wrapped, batches[rank]).backward()
-            worst = max(worst, compare_to(want, wrapped))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        close(wrapped)
+            outcome.record(compare_to(want, wrapped))
+    return outcome.result
 
 
 # ---- the cases of the issue's "Why" ---------------------------------------------------------
@@ -444,23 +437,16 @@ def shared_weight_between_segments(rank, world, impl, iters=4, **wrap_kwargs):
     base = SharedBetweenSegments().double()
     reference = copy.deepcopy(base)
     wrapped = wrap(copy.deepcopy(base), impl, **wrap_kwargs)
-    try:
+    with Outcome(impl, wrapped) as outcome:
         inp = torch.randn(8 * world, 12, dtype=torch.float64, requires_grad=True)
         mine = slice(8 * rank, 8 * (rank + 1))
-        worst = 0.0
         for _ in range(iters):
             reference.zero_grad()
             wrapped.zero_grad()
             reference(inp).pow(2).mean().backward()
             wrapped(inp[mine]).pow(2).mean().backward()
-            worst = max(worst, max_diff(reference, wrapped))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        close(wrapped)
+            outcome.record(max_diff(reference, wrapped))
+    return outcome.result
 
 
 def two_forwards_reentrant(rank, world, impl, iters=3, **wrap_kwargs):
@@ -469,24 +455,17 @@ def two_forwards_reentrant(rank, world, impl, iters=3, **wrap_kwargs):
     base = CheckpointOnceModule(use_reentrant=True).double()
     reference = copy.deepcopy(base)
     wrapped = wrap(copy.deepcopy(base), impl, **wrap_kwargs)
-    try:
+    with Outcome(impl, wrapped) as outcome:
         a = torch.randn(4 * world, 20, dtype=torch.float64, requires_grad=True)
         b = torch.randn(4 * world, 20, dtype=torch.float64, requires_grad=True)
         mine = slice(4 * rank, 4 * (rank + 1))
-        worst = 0.0
         for _ in range(iters):
             reference.zero_grad()
             wrapped.zero_grad()
             (reference(a).pow(2).mean() + reference(b).sum() / (4 * world)).backward()
             (wrapped(a[mine]).pow(2).mean() + wrapped(b[mine]).sum() / 4).backward()
-            worst = max(worst, max_diff(reference, wrapped))
-        return {"status": "ok", "max_diff": worst}
-    except Exception as e:
-        if impl == "gradsync":
-            raise
-        return {"status": "error", "error": first_line(e)}
-    finally:
-        close(wrapped)
+            outcome.record(max_diff(reference, wrapped))
+    return outcome.result
 
 
 class OutOfMemory(torch.autograd.Function):
