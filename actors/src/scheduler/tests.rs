@@ -125,6 +125,23 @@ impl Rank {
         self.send(SchedMsg::Done(done));
     }
 
+    /// An increment for `p` whose bucket launches at once and is reduced as
+    /// this rank's own values (the peers sent zeros).
+    fn inc_reduced(&mut self, step: Step, p: usize, v: f32) {
+        self.inc(step, p, v);
+        let bucket = self.job();
+        self.done(bucket);
+    }
+
+    /// Finish `step` with `used` flushed: the answer to come, and the control
+    /// collective the scheduler submits next.
+    fn finish_to_control(&mut self, step: Step, used: &[usize]) -> (Answer, CommJob) {
+        let answer = self.end(step, StepEnd::Finish);
+        self.flushed(step, used);
+        let control = self.job();
+        (answer, control)
+    }
+
     /// Complete the plan agreement as if every rank had the same plan.
     fn agree_plan(&mut self) {
         let mut job = self.job();
@@ -277,9 +294,7 @@ fn a_late_accumulated_value_is_corrected_by_its_difference() {
     let bucket = r.job();
     r.ready(0, 0, 1, PayloadKind::Accumulated, 3.0, Readiness::Extra); // after launch: late
     r.done(bucket);
-    let answer = r.end(0, StepEnd::Finish);
-    r.flushed(0, &[0]);
-    let control = r.job();
+    let (answer, control) = r.finish_to_control(0, &[0]);
     r.done(control);
     assert_eq!(r.sched.phase(), "correcting");
     let correction = r.job();
@@ -431,12 +446,8 @@ fn a_failure_poisons_until_a_reset_agrees_on_the_restart_step() {
 fn a_desync_names_the_minority() {
     let mut r = rank(4, 1, &[2]);
     r.agree_plan();
-    r.inc(0, 0, 1.0);
-    let bucket = r.job();
-    r.done(bucket);
-    let answer = r.end(0, StepEnd::Finish);
-    r.flushed(0, &[0]);
-    let control = r.job();
+    r.inc_reduced(0, 0, 1.0);
+    let (answer, control) = r.finish_to_control(0, &[0]);
     let (n, u) = ([false], [true]);
     r.control(
         control,
@@ -562,9 +573,7 @@ fn joined_ranks_are_left_out_of_the_divisor_until_every_rank_has_joined() {
     let b = r.job();
     assert_eq!(b.factor, 1.0 / 3.0);
     r.reduce_bucket(b, (3.0 + 6.0 + 0.0) / 3.0);
-    let answer = r.end(0, StepEnd::Finish);
-    r.flushed(0, &[0]);
-    let control = r.job();
+    let (answer, control) = r.finish_to_control(0, &[0]);
     r.control(
         control,
         &[peer(1, RankStatus::Finished, &[false], &[true]), peer(2, RankStatus::Joined, &[false], &[false])],
@@ -598,12 +607,8 @@ fn joined_ranks_are_left_out_of_the_divisor_until_every_rank_has_joined() {
 fn the_next_steps_messages_wait_until_the_current_step_completes() {
     let mut r = rank(1, 0, &[2]);
     r.agree_plan();
-    r.inc(0, 0, 1.0);
-    let b = r.job();
-    r.done(b);
-    let answer = r.end(0, StepEnd::Finish);
-    r.flushed(0, &[0]);
-    let control = r.job();
+    r.inc_reduced(0, 0, 1.0);
+    let (answer, control) = r.finish_to_control(0, &[0]);
     r.inc(1, 0, 2.0); // step 1 begins while step 0 is in its control collective
     r.no_job();
     r.done(control);
@@ -636,12 +641,8 @@ fn a_collective_tag_names_step_kind_and_size() {
 fn a_non_finite_abort_is_skipped_even_under_the_partial_policy() {
     let mut r = rank_with(3, 0, &[2], 8, AbortPolicy::Partial, Divisor::WorldSize);
     r.agree_plan();
-    r.inc(0, 0, 1.0);
-    let b = r.job();
-    r.done(b);
-    let answer = r.end(0, StepEnd::Finish);
-    r.flushed(0, &[0]);
-    let control = r.job();
+    r.inc_reduced(0, 0, 1.0);
+    let (answer, control) = r.finish_to_control(0, &[0]);
     let (none, one) = ([false], [true]);
     r.control(
         control,
