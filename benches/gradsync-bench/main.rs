@@ -65,6 +65,24 @@ impl ModelName {
     }
 }
 
+/// What `overlap` and `sim` share: how backward runs, how it is bucketed,
+/// and how the result is printed.
+#[derive(Debug, clap::Args)]
+pub struct Workload {
+    /// Reentrant recompute: segment by segment, a tied weight arrives twice.
+    #[arg(long)]
+    pub recompute: bool,
+    /// Layers per recompute segment.
+    #[arg(long, default_value_t = 2)]
+    pub segment_layers: usize,
+    /// Bucket cap in MiB.
+    #[arg(long, default_value_t = 25)]
+    pub bucket_mb: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// Settings of `overlap`.
 #[derive(Debug, clap::Args)]
 struct OverlapArgs {
@@ -80,18 +98,8 @@ struct OverlapArgs {
     /// Steps per policy.
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
-    /// Reentrant recompute: segment by segment, a tied weight arrives twice.
-    #[arg(long)]
-    recompute: bool,
-    /// Layers per recompute segment.
-    #[arg(long, default_value_t = 2)]
-    segment_layers: usize,
-    /// Bucket cap in MiB.
-    #[arg(long, default_value_t = 25)]
-    bucket_mb: usize,
-    /// Print one JSON object instead of the table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    workload: Workload,
 }
 
 fn main() -> ExitCode {
@@ -116,9 +124,9 @@ fn cmd_overlap(a: &OverlapArgs) -> Result<(), String> {
         world: a.world as usize,
         tflops: a.tflops,
         steps: a.steps as usize,
-        recompute: a.recompute,
-        segment_layers: a.segment_layers,
-        bucket_cap_bytes: a.bucket_mb << 20,
+        recompute: a.workload.recompute,
+        segment_layers: a.workload.segment_layers,
+        bucket_cap_bytes: a.workload.bucket_mb << 20,
     };
     eprintln!(
         "overlap: {} ({} params, {} MB of f32 gradients), world {}, recompute {}, {} steps per policy",
@@ -131,7 +139,7 @@ fn cmd_overlap(a: &OverlapArgs) -> Result<(), String> {
     );
     let rep = overlap::run(&cfg);
     let no_sync = rep.results.iter().find(|(p, _)| *p == overlap::Policy::NoSync).map(|(_, r)| r.step_median());
-    if a.json {
+    if a.workload.json {
         let mut policies = serde_json::Map::new();
         for (p, r) in &rep.results {
             policies.insert(

@@ -36,7 +36,7 @@ use gradsync::{AbortPolicy, DType, Divisor, ParamId, Payload, Plan, Token};
 use serde_json::json;
 
 use crate::models::ModelSpec;
-use crate::ModelName;
+use crate::{ModelName, Workload};
 
 /// Settings of `sim`.
 #[derive(Debug, clap::Args)]
@@ -53,18 +53,8 @@ pub struct SimArgs {
     /// Device rate in TFLOP/s.
     #[arg(long, default_value_t = 400.0)]
     tflops: f64,
-    /// Reentrant recompute: segment by segment, a tied weight arrives twice.
-    #[arg(long)]
-    recompute: bool,
-    /// Layers per recompute segment.
-    #[arg(long, default_value_t = 2)]
-    segment_layers: usize,
-    /// Bucket cap in MiB.
-    #[arg(long, default_value_t = 25)]
-    bucket_mb: usize,
-    /// Print one JSON object instead of the table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    workload: Workload,
     /// Write the efficiency curves as an SVG chart.
     #[arg(long)]
     svg: Option<PathBuf>,
@@ -320,9 +310,9 @@ pub fn command(a: &SimArgs) -> Result<(), String> {
     }
     let cfg = SimCfg {
         tflops: a.tflops,
-        recompute: a.recompute,
-        segment_layers: a.segment_layers,
-        bucket_cap: a.bucket_mb << 20,
+        recompute: a.workload.recompute,
+        segment_layers: a.workload.segment_layers,
+        bucket_cap: a.workload.bucket_mb << 20,
     };
     let compute = model.backward_schedule(cfg.tflops, cfg.recompute, cfg.segment_layers).1;
     let total_bytes = model.numel() as f64 * 4.0;
@@ -343,7 +333,7 @@ pub fn command(a: &SimArgs) -> Result<(), String> {
         })
         .collect();
     let eff = |t: f64| compute / t;
-    if a.json {
+    if a.workload.json {
         let per = |sel: &dyn Fn(&Row) -> f64| -> Vec<serde_json::Value> {
             rows.iter().map(|r| json!({"ranks": r.ranks, "step_s": sel(r), "efficiency": eff(sel(r))})).collect()
         };
