@@ -64,6 +64,27 @@ impl PyTransport {
         })
     }
 
+    /// Start one collective: the whole of it with a window of one (nothing
+    /// stays in flight), otherwise `start` it and remember it for
+    /// `wait_oldest`.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        tag: CollectiveTag,
+        addr: usize,
+        numel: usize,
+        dtype: &str,
+        factor: f32,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        if self.window == 1 {
+            return self.call("all_reduce", tag, addr, numel, dtype, factor, deadline);
+        }
+        self.call("start", tag, addr, numel, dtype, factor, deadline)?;
+        self.started.push_back((tag, Instant::now()));
+        Ok(())
+    }
+
     /// A Python failure as the runtime's error: the communicator raises
     /// `_CollectiveFailed` with `kind` (`"timeout"`, `"peer_gone"`, `"backend"`),
     /// `missing` and `peer`; anything else is a backend error.
@@ -140,22 +161,12 @@ impl Transport for PyTransport {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        if self.window == 1 {
-            return self.all_reduce_f32(tag, bucket, factor, deadline);
-        }
         let piece = bucket.piece_mut(0);
-        self.call("start", tag, piece.as_mut_ptr() as usize, piece.len(), "float32", factor, deadline)?;
-        self.started.push_back((tag, Instant::now()));
-        Ok(())
+        self.start(tag, piece.as_mut_ptr() as usize, piece.len(), "float32", factor, deadline)
     }
 
     fn start_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
-        if self.window == 1 {
-            return self.all_reduce_u64(tag, words, deadline);
-        }
-        self.call("start", tag, words.as_mut_ptr() as usize, words.len(), "int64", 1.0, deadline)?;
-        self.started.push_back((tag, Instant::now()));
-        Ok(())
+        self.start(tag, words.as_mut_ptr() as usize, words.len(), "int64", 1.0, deadline)
     }
 
     fn wait_oldest(&mut self) -> Result<(), CommError> {
