@@ -188,6 +188,13 @@ def checkpointing(rank, world, model, impl, use_reentrant=True, run_checkpoint=F
     return outcome.result
 
 
+def check(outcomes):
+    """Every rank of a gradsync run is ok and within PyTorch's tolerance."""
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["status"] == "ok"
+        assert outcome["max_diff"] <= ATOL, f"rank {rank}: gradients off by {outcome['max_diff']}"
+
+
 def describe(outcome, tol=ATOL):
     """An outcome as a table cell."""
     if outcome["status"] == "ok":

@@ -7,17 +7,12 @@ changes after the first step, and a rank that runs out of memory in backward.
 from cases import (
     ATOL,
     changing_graph,
+    check,
     describe,
     oom_on_one_rank,
     shared_weight_between_segments,
     two_forwards_reentrant,
 )
-
-
-def check(outcomes):
-    for rank, outcome in enumerate(outcomes):
-        assert outcome["status"] == "ok"
-        assert outcome["max_diff"] <= ATOL, f"rank {rank}: gradients off by {outcome['max_diff']}"
 
 
 def test_weight_shared_between_reentrant_segments(world2, side_by_side):
