@@ -147,6 +147,44 @@ fn holding_gradients_keeps_the_next_steps_overlap() {
     });
 }
 
+/// Any number of steps' gradients may be held at once (a training loop that
+/// keeps `.grad` references for logging): every later step still finishes,
+/// each held result keeps exactly its own step's values, and each held set
+/// of buffers comes back for reuse when dropped, so memory stops growing.
+#[test]
+fn steps_finish_while_earlier_gradients_are_held_and_each_keeps_its_values() {
+    let syncs = build_world(2, &[4, 4], |b| {
+        b.bucket_cap_bytes(16);
+    });
+    on_ranks(syncs, |rank, mut sync| {
+        let mut held = Vec::new();
+        for step in 0..4u64 {
+            // Integer payloads: rank r sends (step + 1) * (r + 1), so the mean is exact.
+            let value = ((step + 1) * (rank as u64 + 1)) as f32;
+            Sent::inc(1, 0, vec![value; 4]).deliver(&sync, step);
+            Sent::inc(0, 0, vec![value; 4]).deliver(&sync, step);
+            held.push(sync.finish_step(step).expect("a held result never refuses the next step"));
+        }
+        let two_sets = 2 * sync.plan().bucket_bytes();
+        assert!(sync.memory_bytes() >= two_sets * 2, "four held results and the open step's set are counted");
+        for (step, r) in held.iter().enumerate() {
+            let mean = (step as f32 + 1.0) * 1.5;
+            let g = r.gradients.as_ref().unwrap();
+            assert_eq!(g.to_vec(pid(0)).unwrap(), vec![mean; 4], "step {step} keeps its own values");
+            assert_eq!(g.to_vec(pid(1)).unwrap(), vec![mean; 4], "step {step} keeps its own values");
+        }
+        drop(held);
+        let settled = sync.memory_bytes();
+        for step in 4..10u64 {
+            Sent::inc(1, 0, vec![1.0; 4]).deliver(&sync, step);
+            Sent::inc(0, 0, vec![1.0; 4]).deliver(&sync, step);
+            let r = sync.finish_step(step).unwrap();
+            assert_eq!(r.gradients.unwrap().to_vec(pid(0)).unwrap(), vec![1.0; 4]);
+        }
+        assert_eq!(sync.memory_bytes(), settled, "returned sets are reused, nothing more is allocated");
+    });
+}
+
 /// Finding 7: a failed step is consumed; every later call says `Poisoned`
 /// and what to do; a reset on every rank recovers.
 #[test]

@@ -347,17 +347,6 @@ pub enum SyncError {
         /// The step that was named.
         got: Step,
     },
-    /// The gradients of the previous step are still borrowed.
-    #[error(
-        "step {step} cannot finish while the Gradients of step {loaned} are still alive: \
-         drop them (after applying) before finishing the next step"
-    )]
-    GradientsStillBorrowed {
-        /// The step being finished.
-        step: Step,
-        /// The step whose gradients are still held.
-        loaned: Step,
-    },
     /// Arrivals of the step are still held in an `ArrivalBatch`.
     #[error(
         "step {step} cannot finish while {held} of its arrivals are held in an ArrivalBatch: \

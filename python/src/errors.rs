@@ -48,10 +48,9 @@ pub fn sync_error(py: Python<'_>, e: &SyncError) -> PyErr {
             ],
         ),
         SyncError::Poisoned { step, .. } => raise(py, "PoisonedError", message, &[("step", obj(py, *step))]),
-        SyncError::NotCurrentStep { .. }
-        | SyncError::FinishPending { .. }
-        | SyncError::GradientsStillBorrowed { .. }
-        | SyncError::Undelivered { .. } => raise(py, "StepOrderError", message, &[]),
+        SyncError::NotCurrentStep { .. } | SyncError::FinishPending { .. } | SyncError::Undelivered { .. } => {
+            raise(py, "StepOrderError", message, &[])
+        }
         SyncError::Closed => raise(py, "ClosedError", message, &[]),
         SyncError::Alloc(_) | SyncError::Unresponsive { .. } => raise(py, "StepFailedError", message, &[]),
     }

@@ -326,6 +326,20 @@ impl Session {
         Ok((joined.first_step, joined.steps))
     }
 
+    /// One step of `join`: this rank is out of data and contributes zeros
+    /// to the other ranks' open step; returns that step's report (outcome
+    /// `"all_joined"` once every rank shadowed it). For torch's `Join`
+    /// context manager, which counts the ranks still training itself.
+    fn shadow_step(&mut self, py: Python<'_>) -> PyResult<Py<StepReport>> {
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        let report = py.detach(|| sync.shadow_step()).map_err(|e| errors::sync_error(py, &e))?;
+        if let Some(trace) = &mut self.trace {
+            trace.add(&report);
+        }
+        Py::new(py, StepReport::new(&report))
+    }
+
     /// After a failed step, on every rank: agree on the step to continue at.
     fn reset(&mut self, py: Python<'_>) -> PyResult<u64> {
         let sync = self.sync(py)?;
@@ -392,8 +406,9 @@ impl Drop for Session {
 }
 
 /// A finished step: its report, and (when it applies) the averaged
-/// gradients, lent until [`Step::release`] or garbage collection.
-#[pyclass(module = "gradsync._native")]
+/// gradients, lent until [`Step::release`] or garbage collection. Weakly
+/// referenceable, so a wrapper can tell whether views of it are still alive.
+#[pyclass(module = "gradsync._native", weakref)]
 struct Step {
     report: Py<StepReport>,
     /// Behind a lock only because Python objects must be shareable between threads.

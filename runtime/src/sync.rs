@@ -18,7 +18,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,8 +27,8 @@ use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg, StepEn
 use gradsync_actors::scheduler::SchedulerConfig;
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
-    AbortReason, BuildError, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step, StepResult,
-    SyncError, Transport,
+    AbortReason, BuildError, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step, StepReport,
+    StepResult, SyncError, Transport,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
@@ -88,8 +88,6 @@ pub struct GradSync<S: GradStore = HostStore> {
     /// The step that failed and why, once this rank learned it: calls are
     /// refused (consuming no step) until a reset.
     failed: Option<(Step, String)>,
-    /// The last applied step's gradients: alive while the caller holds them.
-    loan: Option<(Step, Weak<()>)>,
     /// Resets so far: the parameter actors' message generation.
     epoch: u32,
     /// Id of the next progress request.
@@ -175,7 +173,6 @@ impl<S: GradStore> GradSync<S> {
             next_step: 0,
             pending: None,
             failed: None,
-            loan: None,
             epoch: 0,
             next_request: 0,
             // Every collective of a step may use its full timeout before failing.
@@ -223,8 +220,11 @@ impl<S: GradStore> GradSync<S> {
     }
 
     /// Memory gradsync holds beyond the caller's gradients: the bucket buffers
-    /// (one set per plan; a second set once a step started while the
-    /// previous step's gradients were still held) plus per-parameter metadata.
+    /// plus per-parameter metadata. There is one set of buffers per step
+    /// whose [`Gradients`](crate::Gradients) are alive, plus the set the open step packs into:
+    /// holding a step's gradients never stalls or refuses a later step, and
+    /// a set comes back for reuse when its `Gradients` is dropped, so a caller
+    /// that drops each step's gradients before the next step ends needs two.
     /// Payloads handed over are the caller's gradients and are kept at most
     /// until their step finishes; they are not counted here.
     pub fn memory_bytes(&self) -> usize {
@@ -273,13 +273,23 @@ impl<S: GradStore> GradSync<S> {
         let first_step = self.next_step;
         let mut steps = 0;
         loop {
-            let step = self.next_step;
-            let result = self.end_step(step, StepEnd::Join)?;
+            let report = self.shadow_step()?;
             steps += 1;
-            if result.report.outcome == Outcome::AllJoined {
+            if report.outcome == Outcome::AllJoined {
                 return Ok(JoinReport { first_step, steps });
             }
         }
+    }
+
+    /// One step of [`GradSync::join`]: this rank is out of data and
+    /// contributes zeros to the open step of the ranks still training, then
+    /// returns that step's report (`Outcome::AllJoined` once every rank
+    /// shadowed the same step). For callers that count the ranks still
+    /// training themselves, as torch's `Join` context manager does: call it
+    /// once per step the others run, on every joined rank.
+    pub fn shadow_step(&mut self) -> Result<StepReport, SyncError> {
+        let step = self.next_step;
+        Ok(self.end_step(step, StepEnd::Join)?.report)
     }
 
     fn end_step(&mut self, step: Step, end: StepEnd) -> Result<StepResult<S>, SyncError> {
@@ -311,7 +321,6 @@ impl<S: GradStore> GradSync<S> {
         if step != self.next_step {
             return Err(SyncError::NotCurrentStep { expected: self.next_step, got: step });
         }
-        self.ensure_not_borrowed(step)?;
         let held = self.hook.held();
         if held > 0 {
             return Err(SyncError::Undelivered { step, held });
@@ -330,7 +339,7 @@ impl<S: GradStore> GradSync<S> {
         Ok(())
     }
 
-    /// The pending step's answer arrived: clear it and remember a loan.
+    /// The pending step's answer arrived: clear it (and remember a failure).
     fn collect(
         &mut self,
         answer: Result<Result<StepResult<S>, SyncError>, oneshot::error::RecvError>,
@@ -338,7 +347,7 @@ impl<S: GradStore> GradSync<S> {
         let step = self.pending.take().map_or(self.next_step, |p| p.step);
         let answer = answer.unwrap_or(Err(SyncError::Closed));
         match &answer {
-            Ok(result) => self.loan = result.gradients.as_ref().map(|g| (result.report.step, g.liveness())),
+            Ok(_) => {}
             Err(SyncError::Poisoned { step, cause }) => self.failed = Some((*step, cause.clone())),
             Err(e) if e.needs_reset() => self.failed = Some((step, e.to_string())),
             Err(_) => {}
@@ -357,7 +366,6 @@ impl<S: GradStore> GradSync<S> {
     /// and the survivors must drop their GradSync and build a new world.
     pub fn reset(&mut self) -> Result<Step, SyncError> {
         let proposed = self.next_step;
-        self.ensure_not_borrowed(proposed)?;
         self.pending = None;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.sched.send(SchedMsg::Reset { proposed, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
@@ -368,7 +376,6 @@ impl<S: GradStore> GradSync<S> {
         }
         self.next_step = agreed;
         self.hook.reopen(agreed);
-        self.loan = None;
         self.failed = None;
         Ok(agreed)
     }
@@ -399,16 +406,6 @@ impl<S: GradStore> GradSync<S> {
             std::sync::mpsc::RecvTimeoutError::Timeout => SyncError::Unresponsive { step, waited: self.answer_timeout },
             std::sync::mpsc::RecvTimeoutError::Disconnected => SyncError::Closed,
         })
-    }
-
-    /// Refuse to start ending `step` while the last applied step's gradients are held.
-    fn ensure_not_borrowed(&self, step: Step) -> Result<(), SyncError> {
-        match &self.loan {
-            Some((loaned, alive)) if alive.strong_count() > 0 => {
-                Err(SyncError::GradientsStillBorrowed { step, loaned: *loaned })
-            }
-            _ => Ok(()),
-        }
     }
 }
 
