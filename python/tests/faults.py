@@ -129,6 +129,6 @@ def uneven_inputs(rank, world, batches=(4, 2, 3)):
         worst = max(worst, max((p.grad - q.grad / len(live)).abs().max().item()
                                for p, q in zip(wrapped.parameters(), ref.parameters())))
         contributors.append(wrapped.last_report.contributors)
-    joined = wrapped.join()
+    joined = wrapped.join_now()
     wrapped.close()
     return {"max_diff": worst, "contributors": contributors, "joined": joined}

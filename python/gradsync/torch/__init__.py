@@ -1,14 +1,24 @@
 """gradsync for PyTorch.
 
 :class:`DistributedDataParallel` is a drop-in for
-``torch.nn.parallel.DistributedDataParallel``: the same constructor, ``.grad``
-averaged when ``loss.backward()`` returns, ``no_sync()`` for gradient
-accumulation, plus what DDP cannot do: reentrant checkpointing, shared
-weights, parameters unused on some or all ranks and several forwards per
-backward, all exact with overlap from the first step; ``abort_step()`` after an
-out-of-memory error; ``join()`` for uneven inputs; errors that name ranks.
+``torch.nn.parallel.DistributedDataParallel`` (and a subclass of it): the same
+constructor, ``.grad`` averaged when ``loss.backward()`` returns, ``no_sync()``
+for gradient accumulation, ``with model.join():`` for uneven inputs, torch's
+built-in comm hooks, ``torch.compile`` in either order, plus what DDP cannot
+do: reentrant checkpointing, shared weights, parameters unused on some or all
+ranks and several forwards per backward, all exact with overlap from the first
+step; ``abort_step()`` after an out-of-memory error; errors that name ranks.
+
+Code that builds torch's class itself (HF ``Trainer`` through Accelerate,
+Lightning's ``ddp`` strategy) gets gradsync after one line::
+
+    gradsync.torch.replace_ddp()
+
+(:func:`restore_ddp` undoes it; for Lightning there is also
+:class:`gradsync.torch.lightning.GradsyncDDPStrategy`.)
 """
 
+from gradsync.torch._replace import ddp_replaced, replace_ddp, restore_ddp
 from gradsync.torch.ddp import DistributedDataParallel
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "ddp_replaced", "replace_ddp", "restore_ddp"]

@@ -66,6 +66,10 @@ class TorchCommunicator:
         self._flight = collections.deque()
         self._group = self._new_group()
 
+    def set_wire(self, dtype):
+        """Send the data buckets of later steps as ``dtype`` (set on every rank alike)."""
+        self._wire = dtype
+
     def _new_group(self):
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
         return dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)

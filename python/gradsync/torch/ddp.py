@@ -17,19 +17,34 @@ returns, but a parameter whose hook fires twice (reentrant checkpointing,
 shared weights, two forwards before one backward) is exact instead of an
 error, and a parameter that is unused on some ranks, or every rank, needs no
 ``find_unused_parameters``.
+
+What ``.grad`` is after a step (DDP's rules, with DDP's default
+``gradient_as_bucket_view=False`` as the model):
+
+* a parameter whose ``.grad`` existed when backward began (kept by
+  ``zero_grad(set_to_none=False)``, scaled or clipped in place, or a tensor
+  you assigned) gets the average written into that same tensor: every
+  reference to it, and every view of it, sees the average;
+* a parameter whose ``.grad`` was ``None`` (``zero_grad()``, the default)
+  gets a new tensor; a reference kept from an earlier step keeps that step's
+  average, unchanged, for as long as you hold it. The new tensor is a view of
+  gradsync's bucket memory (no copy) when nothing holds the previous step's
+  views, and a copy otherwise, so holding references never blocks a step and
+  never makes gradsync keep more than one extra set of buckets.
 """
 
 import contextlib
 import ctypes
 import datetime
+import functools
 import itertools
 import logging
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils import _pytree as pytree
 
 from gradsync._errors import (
     ClosedError,
@@ -38,7 +53,7 @@ from gradsync._errors import (
     UnfinishedStepError,
 )
 from gradsync._native import Session
-from gradsync.torch import _autograd
+from gradsync.torch import _autograd, _comm_hooks, _outputs
 from gradsync.torch._comm import TorchCommunicator
 
 log = logging.getLogger("gradsync.torch")
@@ -46,6 +61,8 @@ log = logging.getLogger("gradsync.torch")
 _STRIDED = torch.strided
 _current_task = torch._C._current_graph_task_id
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 
 # Wrappers alive in this process, for the optimizer check.
 _LIVE = weakref.WeakSet()
@@ -61,22 +78,30 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
         ddp._raise_if_unfinished("optimizer.step()")
 
 
-class _EndOfBackward(torch.autograd.Function):
-    """Identity on the wrapped model's outputs; its backward tells the wrapper
-    that backward has reached the model (so it can find the outermost pass)."""
+def _backward_reached(ref):
+    """Backward reached a wrapped model's outputs (see ``_outputs``)."""
+    ddp = ref()
+    if ddp is not None:
+        ddp._backward_activity()
 
-    @staticmethod
-    def forward(ctx, ddp_ref, *tensors):
-        ctx.set_materialize_grads(False)
-        ctx.ddp_ref = ddp_ref
-        return tensors
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ddp = ctx.ddp_ref()
-        if ddp is not None:
-            ddp._backward_activity()
-        return (None, *grads)
+class _ShadowStep(JoinHook):
+    """What ``Join`` runs on a rank whose inputs ran out: each main hook
+    contributes zeros to one step of the ranks still training."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+
+    def main_hook(self):
+        ddp = self.ddp
+        ddp._raise_if_unfinished("join")
+        ddp.last_report = ddp._session.shadow_step()
+        ddp._new_step()
+
+    def post_hook(self, is_last_joiner):
+        # Ranks that joined early skipped optimizer steps: take the last
+        # joiner's parameters and buffers, as DDP does.
+        self.ddp._sync_final_model(is_last_joiner)
 
 
 class _OpenStep:
@@ -86,14 +111,21 @@ class _OpenStep:
     ``nn.Module`` go through ``Module.__setattr__`` (several microseconds), too
     slow for a hook that runs once per gradient."""
 
-    __slots__ = ("number", "fired", "out", "arrivals", "sync_pending", "task_seen", "end_queued_for")
+    __slots__ = ("number", "fired", "out", "keep", "existing", "arrivals", "sync_pending", "task_seen", "end_queued_for")
 
     def __init__(self, number, params):
         self.number = number
         # Hook firings so far, per parameter: the next firing's token.
         self.fired = [0] * params
-        # Per parameter, the tensor that receives the averaged gradient (when not a bucket view).
+        # Per parameter, the tensor of its first firing: it receives the
+        # averaged gradient unless the average is lent as a bucket view.
         self.out = [None] * params
+        # Per parameter, whether ``out`` must receive the average (it was the
+        # parameter's .grad before backward began: the caller may hold it).
+        self.keep = [False] * params
+        # ids of the .grad tensors that existed when this step's backward
+        # began; None until backward reaches the model.
+        self.existing = None
         self.arrivals = 0
         # A forward under grad asked for a synchronized step.
         self.sync_pending = False
@@ -103,9 +135,11 @@ class _OpenStep:
         self.end_queued_for = None
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(_TORCH_DDP):
     """Data parallelism for ``module``, a drop-in for
-    ``torch.nn.parallel.DistributedDataParallel``.
+    ``torch.nn.parallel.DistributedDataParallel`` (and a subclass of it, so
+    libraries that check for DDP or unwrap ``.module`` treat it as DDP; see
+    :func:`gradsync.torch.replace_ddp` to make such libraries build it).
 
     Build one per rank after ``torch.distributed.init_process_group`` (every
     rank wraps its models in the same order). ``process_group`` selects the
@@ -116,8 +150,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     Accepted for compatibility and not needed: ``find_unused_parameters``,
     ``static_graph``, ``gradient_as_bucket_view``, ``check_reduction``,
-    ``device_ids``, ``output_device``, ``dim`` (gradsync finds unused
-    parameters and repeated hooks by itself, with overlap from the first step).
+    ``device_ids``, ``output_device``, ``dim``, ``init_sync``,
+    ``skip_all_reduce_unused_params`` (gradsync finds unused parameters and
+    repeated hooks by itself, with overlap from the first step). DDP features
+    gradsync does not have (``mixed_precision``, ``device_mesh``,
+    ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``) are
+    refused with a :class:`gradsync.ConfigError`.
 
     gradsync's own settings:
 
@@ -127,17 +165,23 @@ class DistributedDataParallel(torch.nn.Module):
       applied by no rank; ``"partial"``: the ranks that finished apply it,
       averaged over themselves (and so does the aborting rank).
     * ``record_timeline``: keep every step's timeline for :meth:`write_timeline`.
-    * ``wire_dtype``: ``"bfloat16"`` sends the data buckets as bfloat16 (half
-      the bytes, like DDP's ``bf16_compress_hook``; the sum loses precision),
-      ``"float32"`` (default) sends them as they are. Control words and
-      corrections always travel exactly.
+    * ``wire_dtype``: ``"bfloat16"`` or ``"float16"`` sends the data buckets in
+      that type (half the bytes, like DDP's ``bf16_compress_hook`` /
+      ``fp16_compress_hook``; the sum loses precision), ``"float32"`` (default)
+      sends them as they are. Control words and corrections always travel exactly.
 
     Gradients of float32 parameters are reduced as they are; float64, float16
     and bfloat16 gradients are converted to float32 for the reduction and back
     (float64 loses precision beyond float32). Non-contiguous gradients are
     copied; sparse gradients are refused. CUDA parameters are staged through
-    host memory (correct, not fast).
+    host memory (correct, not fast). See the module docs for what ``.grad``
+    holds after a step.
     """
+
+    #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
+    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype")
+    # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
+    _replace_settings = {}
 
     def __init__(
         self,
@@ -146,22 +190,45 @@ class DistributedDataParallel(torch.nn.Module):
         output_device=None,
         dim=0,
         broadcast_buffers=True,
+        init_sync=True,
         process_group=None,
         bucket_cap_mb=None,
         find_unused_parameters=False,
         check_reduction=False,
         gradient_as_bucket_view=False,
         static_graph=False,
-        *,
-        timeout=None,
-        abort_policy="skip",
-        record_timeline=False,
-        wire_dtype="float32",
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params=False,
+        **settings,
     ):
-        super().__init__()
+        torch.nn.Module.__init__(self)
+        # What torch's Joinable.__init__ sets (torch's DDP.__init__ is not run).
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        unknown = set(settings) - set(self.GRADSYNC_SETTINGS)
+        if unknown:
+            raise TypeError(
+                f"DistributedDataParallel got unexpected keyword arguments {sorted(unknown)}; gradsync's own "
+                f"settings are {list(self.GRADSYNC_SETTINGS)}"
+            )
+        settings = {**self._replace_settings, **settings}
+        timeout = settings.get("timeout")
+        abort_policy = settings.get("abort_policy", "skip")
+        record_timeline = settings.get("record_timeline", False)
+        wire_dtype = settings.get("wire_dtype", "float32")
+        for name, value in (
+            ("mixed_precision", mixed_precision),
+            ("device_mesh", device_mesh),
+            ("delay_all_reduce_named_params", delay_all_reduce_named_params),
+            ("param_to_hook_all_reduce", param_to_hook_all_reduce),
+        ):
+            if value is not None:
+                raise ConfigError(f"{name} is a torch DDP feature gradsync does not have: leave it unset")
         if isinstance(module, DistributedDataParallel) or getattr(module, "_gradsync_wrapper", None) is not None:
             raise ConfigError("this module is already wrapped by gradsync: wrap it once")
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        if isinstance(module, _TORCH_DDP):
             raise ConfigError("this module is already wrapped by torch's DistributedDataParallel: wrap the plain module")
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("call torch.distributed.init_process_group(...) before wrapping (torchrun sets it up)")
@@ -175,6 +242,8 @@ class DistributedDataParallel(torch.nn.Module):
         for name, p in named:
             if p.dtype not in _DTYPES:
                 raise ConfigError(f"parameter {name!r} has dtype {p.dtype}: only floating-point gradients are averaged")
+        if wire_dtype not in _WIRES:
+            raise ConfigError(f"wire_dtype {wire_dtype!r}: use one of {list(_WIRES)}")
         self.module = module
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
@@ -182,8 +251,22 @@ class DistributedDataParallel(torch.nn.Module):
         if self._device.type == "meta":
             raise ConfigError("the module is on the meta device: materialize its parameters first")
         self._staging = self._device.type != "cpu"
+        # DDP's plain attributes, which libraries read (Lightning reads
+        # static_graph). gradsync needs none of these declarations.
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = dim
+        self.device = self._device
+        self.device_type = self._device.type
+        self.static_graph = bool(static_graph)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.mixed_precision = None
+        self.parameters_to_ignore = set()
+        self.logger = None
         timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 300.0)
         group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = group
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
         if self._rank < 0:
@@ -191,20 +274,21 @@ class DistributedDataParallel(torch.nn.Module):
         key = "-".join(map(str, dist.get_process_group_ranks(group)))
         nth = _BUILT[key] = _BUILT.get(key, 0) + 1
         prefix = f"gradsync/{key}/{nth}"
-        wires = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        if wire_dtype not in wires:
-            raise ConfigError(f"wire_dtype {wire_dtype!r}: use \"float32\" or \"bfloat16\"")
         store = dist.distributed_c10d._get_default_store()
         self._comm = TorchCommunicator(
-            store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, wire_dtype=wires[wire_dtype]
+            store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, wire_dtype=_WIRES[wire_dtype]
         )
         # Broadcasts of the program's thread (model states), apart from the runtime's collectives.
         self._states = dist.ProcessGroupGloo(
             dist.PrefixStore(f"{prefix}/states", store), self._rank, self._world, datetime.timedelta(seconds=timeout_s)
         )
         self._broadcast_buffers = broadcast_buffers
+        self.require_forward_param_sync = True
         self._broadcast([t.detach() for t in itertools.chain(module.parameters(), module.buffers())])
         cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * (1 << 20))
+        # torch.compile's DDPOptimizer splits compiled graphs at this many
+        # bytes of parameters; it refuses less than torch's first-bucket size.
+        self.bucket_bytes_cap = max(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
         session = Session(
             self._comm,
             self._rank,
@@ -225,14 +309,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._host = {}
         self._arrays = {}
         self._layouts = {}
+        # The last step whose averaged gradients were lent as bucket views
+        # (a weak reference: alive while any of those views is).
+        self._lent = None
         # Parameters whose averaged gradient can be a view of the bucket memory.
-        self._viewable = [
-            not self._staging and p.dtype == torch.float32 and p.is_contiguous() for p in self._params
-        ]
-        self._copied = [i for i, v in enumerate(self._viewable) if not v]
+        self._viewable = [not self._staging and p.dtype == torch.float32 and p.is_contiguous() for p in self._params]
         self.last_report = None
         ref = weakref.ref(self)
         self._ref = ref
+        self._on_backward = functools.partial(_backward_reached, ref)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         module._gradsync_wrapper = ref
         _LIVE.add(self)
@@ -242,32 +327,41 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- forward and the end of backward --------------------------------------------------
 
+    # The wrapper's bookkeeping runs eagerly under torch.compile (as DDP's
+    # forward does); frames it calls, the wrapped module's, are compiled.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs, **kwargs):
         if self._closed:
             raise ClosedError("this gradsync DistributedDataParallel was closed")
         self._raise_if_unfinished("forward")
-        if self._broadcast_buffers:
+        if self._broadcast_buffers and self.require_forward_param_sync:
             buffers = [b for b in self.module.buffers()]
             if buffers:
                 self._broadcast(buffers)
-        if torch.is_grad_enabled():
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
             if self._require_sync:
+                if not self._open.sync_pending:
+                    # Inside `with model.join()`: tell ranks whose inputs ran
+                    # out that one more step is coming (they shadow it).
+                    Join.notify_join_context(self)
                 self._open.sync_pending = True
             if _autograd.current_task() != -1:
                 # Recomputed inside backward (the model in a reentrant checkpoint):
                 # the backward running now may be the outermost one.
                 self._backward_activity()
-        output = self.module(*inputs, **kwargs)
-        if not torch.is_grad_enabled():
-            return output
-        leaves, spec = pytree.tree_flatten(output)
-        marked = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not marked:
-            return output
-        passed = _EndOfBackward.apply(self._ref, *[leaves[i] for i in marked])
-        for i, t in zip(marked, passed):
-            leaves[i] = t
-        return pytree.tree_unflatten(leaves, spec)
+        # As the active DDP module, torch.compile's DDPOptimizer splits a
+        # compiled module at bucket boundaries, so its backward still
+        # produces gradients bucket by bucket (overlap under compile).
+        previous = _TORCH_DDP._active_ddp_module
+        _TORCH_DDP._active_ddp_module = self
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            _TORCH_DDP._active_ddp_module = previous
+        if grad_enabled:
+            _outputs.hook_backward_entry(output, self._on_backward)
+        return output
 
     def _backward_activity(self):
         """Backward (or a recomputed forward inside it) reached this model: if
@@ -277,6 +371,10 @@ class DistributedDataParallel(torch.nn.Module):
         if task == step.task_seen:
             return
         step.task_seen = task
+        if step.existing is None:
+            # Backward begins for this step: which .grad tensors exist already
+            # (their holders expect them to receive the average, as with DDP).
+            step.existing = {id(g) for g in (p.grad for p in self._params) if g is not None}
         if step.end_queued_for != task and _autograd.in_outermost_backward():
             step.end_queued_for = task
             _autograd.at_end_of_current_task(self._end_of_backward)
@@ -321,10 +419,12 @@ class DistributedDataParallel(torch.nn.Module):
             given = grad
         else:
             given = grad.contiguous()
-        if not self._viewable[index] and step.out[index] is None:
-            step.out[index] = grad  # receives the averaged gradient at the end of the step
         fired = step.fired
         token = fired[index]
+        if token == 0:
+            step.out[index] = grad
+            existing = step.existing
+            step.keep[index] = existing is not None and id(grad) in existing
         fired[index] = token + 1
         self._give(step.number, index, token, given, given.data_ptr())
         step.arrivals += 1
@@ -357,10 +457,11 @@ class DistributedDataParallel(torch.nn.Module):
             raise ClosedError("this gradsync DistributedDataParallel was closed")
         return self._apply(self._session.abort(self._open.number, reason))
 
-    def join(self):
+    def join_now(self):
         """This rank has run out of data: contribute zeros to the other ranks'
         steps until every rank has joined (each of those steps is averaged over
-        the ranks that contributed). Returns ``{"first_step", "steps"}``."""
+        the ranks that contributed). Returns ``{"first_step", "steps"}``.
+        DDP's context-manager form is :meth:`join`."""
         if self._closed:
             raise ClosedError("this gradsync DistributedDataParallel was closed")
         first, steps = self._session.join()
@@ -377,13 +478,20 @@ class DistributedDataParallel(torch.nn.Module):
     def _apply(self, result):
         report = result.report
         self.last_report = report
-        viewed = False
+        step = self._open
+        lent = False
         try:
             if result.applied:
-                viewed = self._view_grads(result, set(report.unused_everywhere))
-                for i in self._copied:
-                    if result.has(i):
-                        self._write_grad(result, i, self._params[i])
+                # Lend bucket views only when no view of an earlier step is
+                # alive: so at most one lent set besides the open step's.
+                lend = self._lent is None or self._lent() is None
+                viewed = self._view_grads(result, set(report.unused_everywhere), step) if lend else ()
+                lent = any(viewed)
+                for i, p in enumerate(self._params):
+                    if not (viewed and viewed[i]) and result.has(i):
+                        self._write_grad(result, i, p, step.out[i])
+                if lent:
+                    self._lent = weakref.ref(result)
             else:
                 # Skipped on every rank: no optimizer may apply this step.
                 for p in self._params:
@@ -391,17 +499,18 @@ class DistributedDataParallel(torch.nn.Module):
                 if report.outcome == "skipped":
                     log.warning("gradsync step %d skipped: ranks %s aborted", report.step, report.aborted)
         finally:
-            if not viewed:
+            if not lent:
                 result.release()
             self._new_step()
         return report
 
-    def _view_grads(self, result, unused):
-        """Give every float32 CPU parameter its averaged gradient as a view of
-        the step's bucket memory: no copy. Each view keeps the step's buffers
-        on loan until it is freed (as ``zero_grad()`` does). Returns whether
-        any view was made."""
-        made = False
+    def _view_grads(self, result, unused, step):
+        """Give each float32 CPU parameter whose .grad did not exist before
+        backward its averaged gradient as a view of the step's bucket memory:
+        no copy. Each view keeps the step's buffers on loan until it is freed
+        (as ``zero_grad()`` does). Returns, per parameter, whether it got one."""
+        viewed = [False] * len(self._params)
+        params, viewable, keep = self._params, self._viewable, step.keep
         for b, (addr, numel, members) in enumerate(result.buckets()):
             layout = self._layouts.get(b)
             if layout is None:
@@ -410,21 +519,20 @@ class DistributedDataParallel(torch.nn.Module):
             array = self._array_type(numel).from_address(addr)
             array._gradsync_step = result  # the loan lives as long as any view of it
             views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
-            params, viewable = self._params, self._viewable
             for i, shape, view in zip(members, shapes, views):
-                if viewable[i] and i not in unused:
+                if viewable[i] and not keep[i] and i not in unused:
                     params[i].grad = view if shape is None else view.view(shape)
-                    made = True
-        return made
+                    viewed[i] = True
+        return viewed
 
     def _bucket_layout(self, members):
         """A bucket's member sizes, and the shape each view takes (``None``: flat already)."""
         params = [self._params[i] for i in members]
         return [p.numel() for p in params], [None if p.dim() == 1 else p.shape for p in params]
 
-    def _write_grad(self, result, index, p):
-        """Copy ``p``'s averaged gradient into a tensor of its own type and layout."""
-        grad = self._open.out[index]
+    def _write_grad(self, result, index, p, grad):
+        """Copy ``p``'s averaged gradient into ``grad`` (its first firing's
+        tensor, of its own type and layout), and make that ``p.grad``."""
         if grad is None:  # unused on this rank, used on another
             grad = p.grad if p.grad is not None else torch.empty_like(p, memory_format=torch.preserve_format)
         p.grad = grad
@@ -463,13 +571,92 @@ class DistributedDataParallel(torch.nn.Module):
         """Accumulate gradients over several backward passes (micro-batches);
         the first backward outside the context ends the step with the sum.
         Unlike DDP's, gradients are still handed over as they are produced, so
-        the last micro-batch's backward overlaps the all-reduce."""
+        the last micro-batch's backward overlaps the all-reduce (and ``.grad``
+        reads ``None`` between micro-batches)."""
         previous = self._require_sync
         self._require_sync = False
         try:
             yield
         finally:
             self._require_sync = previous
+
+    @property
+    def require_backward_grad_sync(self):
+        """Whether the next backward ends a synchronized step (``False``
+        inside :meth:`no_sync`; Accelerate and Lightning set it directly)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value):
+        self._require_sync = bool(value)
+
+    @property
+    def broadcast_buffers(self):
+        """Whether rank 0's buffers are sent to every rank at each forward."""
+        return self._broadcast_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self._broadcast_buffers = bool(value)
+
+    def register_comm_hook(self, state, hook):
+        """DDP's comm hooks, where gradsync has an equivalent: torch's
+        ``allreduce_hook`` (float32 buckets), ``fp16_compress_hook`` and
+        ``bf16_compress_hook`` (buckets travel as float16 / bfloat16). Any
+        other hook raises :class:`gradsync.ConfigError`. Call it before the
+        first step, on every rank (as with DDP)."""
+        self._set_wire(_comm_hooks.wire_of_hook(state, hook), f"register_comm_hook({hook.__name__})")
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        """DDP's built-in hook types: ``ALLREDUCE`` and ``FP16_COMPRESS``."""
+        self._set_wire(_comm_hooks.wire_of_builtin(comm_hook_type), f"built-in comm hook {comm_hook_type}")
+
+    def _set_wire(self, wire, what):
+        if self._session.current_step != 0 or self._open.arrivals:
+            raise ConfigError(f"{what} after training started: register comm hooks before the first step")
+        self._comm.set_wire(_WIRES[wire])
+
+    def _get_ddp_logging_data(self):
+        """DDP's run description, which Lightning reads: gradsync's facts in
+        DDP's keys (there is no static graph to set)."""
+        return {
+            "world_size": self._world,
+            "rank": self._rank,
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "static_graph": self.static_graph,
+            "can_set_static_graph": False,
+            "find_unused_parameters": self.find_unused_parameters,
+            "backend_name": "gradsync",
+        }
+
+    def _set_static_graph(self):
+        """Accepted (DDP's static-graph mode): gradsync needs no declaration
+        of a static graph and overlaps from the first step."""
+
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """DDP's uneven-inputs context manager: ``with model.join(): for batch
+        in loader: ...``. A rank whose loop ends early contributes zeros to
+        the other ranks' steps until every rank's loop has ended. Each such
+        step is averaged over the ranks that contributed to it (DDP's
+        ``divide_by_initial_world_size=False``; ``True`` is accepted and
+        averaged the same way). Same as ``torch.distributed.algorithms.Join([model])``.
+        The immediate form is :meth:`join_now`."""
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs):
+        """The hook ``torch.distributed.algorithms.Join`` runs on a rank whose
+        inputs ran out: each call shadows one step of the other ranks."""
+        return _ShadowStep(self)
+
+    @property
+    def join_device(self):
+        """Where ``Join`` counts the ranks still training (gloo: the CPU)."""
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        """The group ``Join`` counts the ranks still training on."""
+        return self.process_group
 
     def write_timeline(self, path):
         """Write every step's timeline as Chrome trace JSON (open it in
@@ -498,17 +685,32 @@ class DistributedDataParallel(torch.nn.Module):
         if getattr(self.module, "_gradsync_wrapper", None) is self._ref:
             del self.module._gradsync_wrapper
 
-    def _broadcast(self, tensors):
-        """Rank 0's values into ``tensors`` on every rank (on the states group)."""
+    def _sync_final_model(self, is_last_joiner):
+        """Every rank takes the parameters and buffers of the last rank whose
+        inputs ran out (the end of a ``join`` context)."""
+        if self._world == 1:
+            return
+        last = torch.tensor([self._rank if is_last_joiner else -1], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._states.allreduce([last], opts).wait()
+        module = self.module
+        self._broadcast([t.detach() for t in itertools.chain(module.parameters(), module.buffers())], int(last.item()))
+
+    def _broadcast(self, tensors, root=0):
+        """Rank ``root``'s values into ``tensors`` on every rank (on the states group)."""
         if self._world == 1 or not tensors:
             return
         flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
         moved = flat.to("cpu") if flat.device.type != "cpu" else flat
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        opts.rootRank = root
         self._states.broadcast([moved], opts).wait()
         if moved is not flat:
             flat.copy_(moved)
         with torch.no_grad():
             for t, v in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
                 t.copy_(v)
+
+    def __getstate__(self):
+        raise TypeError("a gradsync DistributedDataParallel holds threads and a process group: pickle .module instead")

@@ -1,0 +1,64 @@
+"""Seeing backward reach a model without touching its outputs.
+
+The wrapper must know when backward reaches the model's outputs (to find the
+outermost backward pass and end the step when it ends). It learns it from a
+pre-hook on the autograd node that produced each output tensor: the node runs
+in backward before any gradient of the model's parameters is final. The
+outputs themselves are returned as they are (same objects, same types, no
+view, no copy), so the caller may modify them in place, keep them in a
+``ModelOutput`` or a dataclass, or mix them with non-tensors.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+# Containers nested deeper than this are not searched (outputs are shallow).
+_MAX_DEPTH = 6
+
+
+def tensors_in(output, depth=0):
+    """The tensors in ``output``: itself, or inside tuples, lists, mappings
+    (``ModelOutput`` is one) and dataclasses, recursively."""
+    if isinstance(output, torch.Tensor):
+        yield output
+        return
+    if depth >= _MAX_DEPTH:
+        return
+    if isinstance(output, Mapping):
+        items = output.values()
+    elif isinstance(output, (tuple, list)):
+        items = output
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = (getattr(output, f.name, None) for f in dataclasses.fields(output))
+    else:
+        return
+    for item in items:
+        yield from tensors_in(item, depth + 1)
+
+
+def hook_backward_entry(output, on_backward):
+    """Call ``on_backward()`` when backward runs through a node that produced
+    a tensor of ``output``. Returns how many nodes were hooked (0: nothing in
+    the output requires grad)."""
+    seen = set()
+    for t in tensors_in(output):
+        node = t.grad_fn
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        node.register_prehook(_Entry(on_backward))
+    return len(seen)
+
+
+class _Entry:
+    """A node pre-hook that calls ``on_backward`` and leaves the gradients alone."""
+
+    __slots__ = ("on_backward",)
+
+    def __init__(self, on_backward):
+        self.on_backward = on_backward
+
+    def __call__(self, grad_outputs):
+        self.on_backward()

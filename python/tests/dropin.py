@@ -1,0 +1,384 @@
+"""Rank-side cases of ``test_dropin.py``: ordinary training code that runs
+under torch's DDP must run under gradsync, exactly.
+
+Each case runs one model under ``impl`` (``"gradsync"`` or ``"ddp"``) on this
+rank's batch, next to a reference: the same model in this process on every
+rank's batch, gradients divided by the world size. Models are float32 here
+(unlike ``cases.py``), so gradsync's zero-copy path (``.grad`` as a view of
+bucket memory) is the one exercised; tolerances are float32's.
+"""
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from cases import Outcome, wrap
+
+TOL = 2e-6
+
+
+def batch(step, rank, rows=4):
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 1)
+    return torch.randn(rows, 8, generator=g)
+
+
+def mlp(seed=5):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+class UserMLP(nn.Module):
+    """:func:`mlp` with a forward of its own, as user models have (dynamo
+    starts compiling at a user frame; ``nn.Sequential``'s is torch's own)."""
+
+    def __init__(self, width=16, seed=5):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def reference_grads(model, world, step, loss_fn=lambda out: out.square().sum()):
+    """Every rank's batch of ``step`` through a copy of ``model``; gradients / world."""
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.grad = None
+    for r in range(world):
+        loss_fn(ref(batch(step, r))).backward()
+    return [p.grad / world for p in ref.parameters()]
+
+
+def diff(grads, want):
+    return max((g - w).abs().max().item() for g, w in zip(grads, want))
+
+
+# ---- 1. what the user does with .grad between steps -----------------------------------------
+
+GRAD_MODES = ("keep_references", "zero_in_place", "clip_in_place", "own_tensor", "set_to_none", "never_zeroed")
+
+
+def grad_semantics(rank, world, impl, mode, steps=4):
+    """Train ``steps`` SGD steps; between steps, do ``mode`` to ``.grad``.
+
+    * keep_references: keep every step's ``.grad`` (a logging list); each kept
+      tensor must still hold its own step's average at the end;
+    * zero_in_place: ``zero_grad(set_to_none=False)``: ``.grad`` stays the same
+      tensor object across steps and holds the average;
+    * clip_in_place: ``clip_grad_norm_`` then ``zero_grad(set_to_none=False)``;
+    * own_tensor: put a zeroed tensor of the caller's own into ``.grad``
+      before backward; after backward ``.grad`` is that tensor, averaged;
+    * set_to_none: ``zero_grad()`` (the default);
+    * never_zeroed: never zero: ``.grad`` accumulates the averages of every step.
+    """
+    model = mlp()
+    wrapped = wrap(copy.deepcopy(model), impl)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    kept, identity_kept, own_is_grad = [], True, True
+    accumulated = None
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            if mode == "own_tensor":
+                own = [torch.zeros_like(p) for p in wrapped.parameters()]
+                for p, t in zip(wrapped.parameters(), own):
+                    p.grad = t
+            before = [p.grad for p in wrapped.parameters()]
+            wrapped(batch(step, rank)).square().sum().backward()
+            want = reference_grads(model, world, step)
+            if mode == "never_zeroed":
+                accumulated = want if accumulated is None else [a + w for a, w in zip(accumulated, want)]
+                want = accumulated
+            grads = [p.grad for p in wrapped.parameters()]
+            outcome.record(diff(grads, want))
+            if mode == "zero_in_place" and step > 0:
+                identity_kept &= all(b is g for b, g in zip(before, grads))
+            if mode == "own_tensor":
+                own_is_grad &= all(o is g for o, g in zip(own, grads))
+            if mode == "keep_references":
+                kept.append((step, grads, [w.clone() for w in want]))
+            if mode == "clip_in_place":
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5)
+            # The optimizer applies the same averaged step the reference takes.
+            if mode != "never_zeroed":
+                with torch.no_grad():
+                    for p, g in zip(model.parameters(), [p.grad for p in wrapped.parameters()]):
+                        p.sub_(0.05 * g)
+                opt.step()
+            if mode in ("zero_in_place", "clip_in_place"):
+                opt.zero_grad(set_to_none=False)
+            elif mode in ("set_to_none", "keep_references"):
+                opt.zero_grad()
+        for step, grads, want in kept:
+            stale = diff(grads, want)
+            assert stale <= TOL, f"the .grad kept from step {step} changed afterwards (off by {stale})"
+    result = outcome.result
+    if result["status"] == "ok":
+        result.update(identity_kept=identity_kept, own_is_grad=own_is_grad)
+    return result
+
+
+# ---- 2. what the user does with the outputs ----------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    label: str = "x"
+
+
+class Shaped(nn.Module):
+    """An MLP whose output comes in ``shape``."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.body = mlp()
+        self.shape = shape
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.shape == "dict":
+            return {"logits": h, "hidden": h.detach(), "count": 3}
+        if self.shape == "dataclass":
+            return Prediction(h, h * 2)
+        if self.shape == "model_output":
+            from transformers.modeling_outputs import BaseModelOutput
+
+            return BaseModelOutput(last_hidden_state=h, hidden_states=(h, h.detach()))
+        if self.shape == "tuple_with_non_tensors":
+            return h, None, "name", 7
+        return h
+
+
+OUTPUT_KINDS = (
+    "in_place",
+    "in_place_on_a_view",
+    "dict",
+    "dataclass",
+    "model_output",
+    "tuple_with_non_tensors",
+    "no_grad_output",
+)
+
+
+def _loss(kind, out):
+    if kind == "in_place":
+        out.mul_(2)
+        return out.square().sum() / 4
+    if kind == "in_place_on_a_view":
+        out[:, :2].mul_(2)  # the first two columns doubled
+        scale = torch.tensor([0.5, 0.5, 1.0, 1.0])
+        return (out * scale).square().sum()
+    if kind == "dict":
+        assert isinstance(out, dict) and out["count"] == 3
+        return out["logits"].square().sum()
+    if kind == "dataclass":
+        assert isinstance(out, Prediction) and out.label == "x"
+        return out.hidden.square().sum() / 4
+    if kind == "model_output":
+        assert type(out).__name__ == "BaseModelOutput"
+        return out.last_hidden_state.square().sum()
+    if kind == "tuple_with_non_tensors":
+        assert out[1:] == (None, "name", 7)
+        return out[0].square().sum()
+    raise AssertionError(kind)
+
+
+def outputs(rank, world, impl, kind, steps=3):
+    """The output is used as ``kind`` says; gradients are exact and the
+    output's type is what the module returned."""
+    shape = kind if kind in ("dict", "dataclass", "model_output", "tuple_with_non_tensors") else "plain"
+    model = Shaped(shape)
+    wrapped = wrap(copy.deepcopy(model), impl)
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            wrapped.zero_grad()
+            if kind == "no_grad_output":
+                with torch.no_grad():
+                    out = wrapped(batch(step, rank))
+                assert not out.requires_grad
+                out.mul_(3)  # an evaluation output, changed in place
+                # Then a training step as usual.
+                wrapped(batch(step, rank)).square().sum().backward()
+            else:
+                _loss(kind, wrapped(batch(step, rank))).backward()
+            want = reference_grads(model.body, world, step)
+            outcome.record(diff([p.grad for p in wrapped.module.body.parameters()], want))
+    return outcome.result
+
+
+# ---- 3. torch.compile ----------------------------------------------------------------------------
+
+
+def compiled(rank, world, impl, order, steps=3):
+    """``torch.compile(DDP(model))`` (``order="outer"``) or
+    ``DDP(torch.compile(model))`` (``"inner"``), aot_eager backend (the
+    autograd of compiled graphs, without a C++ compiler). The bucket cap
+    holds one layer, so DDPOptimizer must split the model into several
+    compiled graphs: each graph's backward hands its gradients over as soon
+    as it ends, which is what lets buckets overlap backward under compile.
+    Returns the number of graphs compiled."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def count_and_run(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=count_and_run)
+    # 512 wide: the middle layer alone is 1 MiB, DDPOptimizer's smallest split.
+    model = UserMLP(width=512)
+    inner = copy.deepcopy(model)
+    if order == "inner":
+        inner = torch.compile(inner, backend=backend)
+    wrapped = wrap(inner, impl, bucket_cap_mb=1)
+    run = torch.compile(wrapped, backend=backend) if order == "outer" else wrapped
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            wrapped.zero_grad()
+            run(batch(step, rank)).square().mean().backward()
+            want = reference_grads(model, world, step, lambda out: out.square().mean())
+            outcome.record(diff([p.grad for p in wrapped.parameters()], want))
+    result = outcome.result
+    result["graphs"] = len(graphs)
+    return result
+
+
+# ---- 4. the DDP surface libraries touch ----------------------------------------------------------
+
+
+def accumulation_flag(rank, world, impl, micro=3, steps=2):
+    """Accelerate's gradient accumulation: ``require_backward_grad_sync =
+    False`` for all micro-batches but the last (instead of ``no_sync()``)."""
+    model = mlp()
+    wrapped = wrap(copy.deepcopy(model), impl)
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            wrapped.zero_grad()
+            for m in range(micro):
+                wrapped.require_backward_grad_sync = m == micro - 1
+                wrapped(batch(step * micro + m, rank)).square().sum().backward()
+            want = None
+            for m in range(micro):
+                g = reference_grads(model, world, step * micro + m)
+                want = g if want is None else [a + b for a, b in zip(want, g)]
+            outcome.record(diff([p.grad for p in wrapped.parameters()], want))
+    return outcome.result
+
+
+COMM_HOOKS = {
+    "allreduce_hook": (default_hooks.allreduce_hook, TOL),
+    "fp16_compress_hook": (default_hooks.fp16_compress_hook, 2e-2),
+    "bf16_compress_hook": (default_hooks.bf16_compress_hook, 1e-1),
+}
+
+
+def comm_hook(rank, world, impl, name, steps=2):
+    """DDP's built-in comm hooks (distributed_test's comm-hook tests):
+    gradients within the wire type's precision of the exact average."""
+    hook, _ = COMM_HOOKS[name]
+    model = mlp()
+    wrapped = wrap(copy.deepcopy(model), impl)
+    wrapped.register_comm_hook(None, hook)
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            wrapped.zero_grad()
+            wrapped(batch(step, rank)).square().sum().backward()
+            outcome.record(diff([p.grad for p in wrapped.parameters()], reference_grads(model, world, step)))
+    return outcome.result
+
+
+def unsupported_comm_hook(rank, world):
+    """A comm hook gradsync cannot run is refused with what it can."""
+    import gradsync
+    from gradsync.torch import DistributedDataParallel
+
+    def my_hook(state, bucket):
+        raise AssertionError("never called")
+
+    wrapped = DistributedDataParallel(mlp())
+    try:
+        wrapped.register_comm_hook(None, my_hook)
+    except gradsync.ConfigError as e:
+        return str(e)
+    finally:
+        wrapped.close()
+    return None
+
+
+def uneven_inputs(rank, world, impl, steps_of=(3, 5)):
+    """DDP's ``with model.join():`` (distributed_test's uneven-input tests):
+    rank r has ``steps_of[r]`` batches. Steps every rank runs are averaged
+    over every rank; the others over the ranks that still contribute (DDP's
+    ``divide_by_initial_world_size=False``). At the end every rank holds the
+    last joiner's parameters."""
+    model = mlp()
+    wrapped = wrap(copy.deepcopy(model), impl)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    mine = steps_of[rank]
+    join = wrapped.join(divide_by_initial_world_size=False) if impl == "ddp" else wrapped.join()
+    with Outcome(impl, wrapped) as outcome:
+        with join:
+            for step in range(mine):
+                opt.zero_grad()
+                wrapped(batch(step, rank)).square().sum().backward()
+                opt.step()
+        # The reference: every step of the longest rank, averaged over the ranks that had data.
+        for step in range(max(steps_of)):
+            ref_opt.zero_grad()
+            active = [r for r in range(world) if steps_of[r] > step]
+            for r in active:
+                (ref(batch(step, r)).square().sum() / len(active)).backward()
+            ref_opt.step()
+        outcome.record(max((a - b).abs().max().item() for a, b in zip(ref.parameters(), wrapped.module.parameters())))
+    return outcome.result
+
+
+class Counting(nn.Module):
+    """A model with a buffer each rank changes differently in forward
+    (distributed_test's buffer-broadcast tests)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("seen", torch.zeros(1))
+        self.rank = rank
+
+    def forward(self, x):
+        self.seen += 1 + self.rank
+        return self.lin(x)
+
+
+def buffers_and_state(rank, world, impl):
+    """Buffers are rank 0's at each forward; state_dict has DDP's
+    ``module.`` prefix and loads back; parameters are named with it."""
+    model = Counting(rank)
+    wrapped = wrap(model, impl)
+    seen = []
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(3):
+            wrapped(batch(step, rank)).sum().backward()
+            seen.append(model.seen.item())
+        state = wrapped.state_dict()
+        names = [n for n, _ in wrapped.named_parameters()]
+        fresh = Counting(rank)
+        twin = wrap(fresh, impl)
+        twin.load_state_dict(state)
+        loaded = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+        if impl == "gradsync":
+            twin.close()
+    result = outcome.result
+    result.update(seen=seen, keys=sorted(state), names=names, loaded=loaded)
+    return result

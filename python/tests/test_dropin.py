@@ -1,0 +1,97 @@
+"""Ordinary training code that runs under torch's DDP runs under gradsync:
+what users do with ``.grad`` and with outputs, ``torch.compile``, and the DDP
+surface that Accelerate, Lightning and user code touch. Every case also runs
+under torch's DDP; its outcome goes into the side-by-side table.
+
+Ported from PyTorch's ``distributed_test.py`` (zero_grad and
+gradient-as-bucket-view, no_sync variants, comm hooks, Join, buffer
+broadcast) and ``test_dynamo_distributed.py`` (DDP + compile on CPU).
+"""
+
+import pytest
+
+import dropin
+from cases import describe
+
+
+def check(outcomes, tol=dropin.TOL):
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["status"] == "ok", f"rank {rank}: {outcome}"
+        assert outcome["max_diff"] <= tol, f"rank {rank}: off by {outcome['max_diff']}"
+
+
+@pytest.mark.parametrize("mode", dropin.GRAD_MODES)
+def test_grad_between_steps(world2, side_by_side, mode):
+    ours = world2.run(dropin.grad_semantics, "gradsync", mode)
+    check(ours)
+    theirs = world2.run(dropin.grad_semantics, "ddp", mode)
+    if mode == "zero_in_place":
+        assert all(o["identity_kept"] for o in ours), ".grad must stay the same tensor, as with DDP"
+    if mode == "own_tensor":
+        assert all(o["own_is_grad"] for o in ours), "the caller's tensor must receive the average, as with DDP"
+    side_by_side(f".grad between steps: {mode.replace('_', ' ')}", describe(theirs[0], dropin.TOL), describe(ours[0], dropin.TOL))
+
+
+@pytest.mark.parametrize("kind", dropin.OUTPUT_KINDS)
+def test_outputs_are_untouched(world2, side_by_side, kind):
+    if kind == "model_output":
+        pytest.importorskip("transformers")
+    ours = world2.run(dropin.outputs, "gradsync", kind)
+    check(ours)
+    theirs = world2.run(dropin.outputs, "ddp", kind)
+    side_by_side(f"outputs: {kind.replace('_', ' ')}", describe(theirs[0], dropin.TOL), describe(ours[0], dropin.TOL))
+
+
+@pytest.mark.parametrize("order", ["outer", "inner"])
+def test_torch_compile(world2, side_by_side, order):
+    ours = world2.run(dropin.compiled, "gradsync", order, timeout=240)
+    check(ours, tol=1e-5)
+    theirs = world2.run(dropin.compiled, "ddp", order, timeout=240)
+    # DDPOptimizer split the model at bucket boundaries for gradsync as it
+    # does for DDP (several compiled graphs, each handing its gradients over
+    # when its backward ends): the overlap survives compile.
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        assert o["graphs"] >= 2, f"rank {rank}: one compiled graph, no split at bucket boundaries"
+        assert o["graphs"] == t["graphs"], f"rank {rank}: {o['graphs']} graphs, DDP {t['graphs']}"
+    what = "torch.compile(DDP(model))" if order == "outer" else "DDP(torch.compile(model))"
+    side_by_side(f"{what}, aot_eager", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+
+
+def test_require_backward_grad_sync_accumulates(world2, side_by_side):
+    ours = world2.run(dropin.accumulation_flag, "gradsync")
+    check(ours, tol=1e-5)
+    theirs = world2.run(dropin.accumulation_flag, "ddp")
+    side_by_side("accumulation with require_backward_grad_sync=False (Accelerate)", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+
+
+@pytest.mark.parametrize("name", list(dropin.COMM_HOOKS))
+def test_builtin_comm_hooks(world2, side_by_side, name):
+    tol = dropin.COMM_HOOKS[name][1]
+    ours = world2.run(dropin.comm_hook, "gradsync", name)
+    check(ours, tol=tol)
+    theirs = world2.run(dropin.comm_hook, "ddp", name)
+    side_by_side(f"register_comm_hook({name})", describe(theirs[0], tol), describe(ours[0], tol))
+
+
+def test_an_unsupported_comm_hook_is_refused_with_what_is_supported(world2):
+    for message in world2.run(dropin.unsupported_comm_hook):
+        assert message is not None, "a Python comm hook must be refused"
+        assert "my_hook" in message and "bf16_compress_hook" in message
+
+
+def test_join_context_with_uneven_inputs(world2, side_by_side):
+    ours = world2.run(dropin.uneven_inputs, "gradsync")
+    check(ours, tol=1e-5)
+    theirs = world2.run(dropin.uneven_inputs, "ddp")
+    side_by_side("with model.join(): 3 and 5 batches", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+
+
+def test_buffers_state_dict_and_names(world2, side_by_side):
+    ours = world2.run(dropin.buffers_and_state, "gradsync")
+    theirs = world2.run(dropin.buffers_and_state, "ddp")
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        assert o["status"] == "ok"
+        assert o["seen"] == [1.0 + rank, 2.0 + rank, 3.0 + rank], "buffers start from rank 0's at each forward"
+        assert o["seen"] == t["seen"] and o["keys"] == t["keys"] and o["names"] == t["names"]
+        assert all(k.startswith("module.") for k in o["keys"]) and o["loaded"]
+    side_by_side("buffer broadcast, state_dict and names with module. prefix", "ok", "ok, same as DDP")
