@@ -142,10 +142,15 @@ impl Session {
         self.offer(py, ArrivalBatch::deliver)
     }
 
-    fn wrap(&mut self, py: Python<'_>, result: StepResult<TensorStore>) -> PyResult<Step> {
+    /// Add a finished step to the timeline, when recording.
+    fn record(&mut self, report: &RustReport) {
         if let Some(trace) = &mut self.trace {
-            trace.add(&result.report);
+            trace.add(report);
         }
+    }
+
+    fn wrap(&mut self, py: Python<'_>, result: StepResult<TensorStore>) -> PyResult<Step> {
+        self.record(&result.report);
         let report = Py::new(py, StepReport::new(&result.report))?;
         Ok(Step { report, gradients: Mutex::new(result.gradients), params: Arc::clone(&self.params) })
     }
@@ -334,9 +339,7 @@ impl Session {
         self.deliver(py)?;
         let sync = self.sync(py)?;
         let report = py.detach(|| sync.shadow_step()).map_err(|e| errors::sync_error(py, &e))?;
-        if let Some(trace) = &mut self.trace {
-            trace.add(&report);
-        }
+        self.record(&report);
         Py::new(py, StepReport::new(&report))
     }
 

@@ -38,27 +38,15 @@ def tensors_in(output, depth=0):
         yield from tensors_in(item, depth + 1)
 
 
-def hook_backward_entry(output, on_backward):
-    """Call ``on_backward()`` when backward runs through a node that produced
-    a tensor of ``output``. Returns how many nodes were hooked (0: nothing in
-    the output requires grad)."""
+def hook_backward_entry(output, prehook):
+    """Register ``prehook(grad_outputs)`` (returning ``None``: gradients pass
+    unchanged) on each node that produced a tensor of ``output``. Returns how
+    many nodes were hooked (0: nothing in the output requires grad)."""
     seen = set()
     for t in tensors_in(output):
         node = t.grad_fn
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        node.register_prehook(_Entry(on_backward))
+        node.register_prehook(prehook)
     return len(seen)
-
-
-class _Entry:
-    """A node pre-hook that calls ``on_backward`` and leaves the gradients alone."""
-
-    __slots__ = ("on_backward",)
-
-    def __init__(self, on_backward):
-        self.on_backward = on_backward
-
-    def __call__(self, grad_outputs):
-        self.on_backward()

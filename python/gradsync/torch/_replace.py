@@ -15,17 +15,14 @@ import logging
 
 import torch
 
+from gradsync._errors import ConfigError
+from gradsync.torch.ddp import DistributedDataParallel
+
 log = logging.getLogger("gradsync.torch")
 
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 # What torch's class defined as __new__ before replace_ddp (None: inherited).
 _SAVED = []
-
-
-def _gradsync_class():
-    from gradsync.torch.ddp import DistributedDataParallel
-
-    return DistributedDataParallel
 
 
 def replace_ddp(**settings):
@@ -35,23 +32,22 @@ def replace_ddp(**settings):
     ``wire_dtype``, ``record_timeline``) for the wrappers built that way.
     Returns a context manager that restores torch's class on exit; or call
     :func:`restore_ddp`. Calling it again replaces the settings."""
-    gradsync_cls = _gradsync_class()
-    unknown = set(settings) - set(gradsync_cls.GRADSYNC_SETTINGS)
+    unknown = set(settings) - set(DistributedDataParallel.GRADSYNC_SETTINGS)
     if unknown:
-        from gradsync._errors import ConfigError
-
-        raise ConfigError(f"replace_ddp: unknown settings {sorted(unknown)}; use {list(gradsync_cls.GRADSYNC_SETTINGS)}")
+        raise ConfigError(
+            f"replace_ddp: unknown settings {sorted(unknown)}; use {list(DistributedDataParallel.GRADSYNC_SETTINGS)}"
+        )
     if not _SAVED:
         _SAVED.append(_TORCH_DDP.__dict__.get("__new__"))
 
     def __new__(cls, *args, **kwargs):
         if cls is _TORCH_DDP:
-            cls = gradsync_cls
+            cls = DistributedDataParallel
             # The instance is gradsync's; Python then runs gradsync's __init__.
         return torch.nn.Module.__new__(cls)
 
     _TORCH_DDP.__new__ = staticmethod(__new__)
-    gradsync_cls._replace_settings = dict(settings)
+    DistributedDataParallel._replace_settings = dict(settings)
     log.info("gradsync replaces torch.nn.parallel.DistributedDataParallel (settings %s)", settings)
     return _Restorer()
 
@@ -66,7 +62,7 @@ def restore_ddp():
         del _TORCH_DDP.__new__
     else:
         _TORCH_DDP.__new__ = saved
-    _gradsync_class()._replace_settings = {}
+    DistributedDataParallel._replace_settings = {}
 
 
 def ddp_replaced():

@@ -78,8 +78,9 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
         ddp._raise_if_unfinished("optimizer.step()")
 
 
-def _backward_reached(ref):
-    """Backward reached a wrapped model's outputs (see ``_outputs``)."""
+def _backward_reached(ref, grad_outputs=None):
+    """Backward reached a wrapped model's outputs (an output node's pre-hook,
+    see ``_outputs``): the gradients pass unchanged."""
     ddp = ref()
     if ddp is not None:
         ddp._backward_activity()
@@ -111,7 +112,7 @@ class _OpenStep:
     ``nn.Module`` go through ``Module.__setattr__`` (several microseconds), too
     slow for a hook that runs once per gradient."""
 
-    __slots__ = ("number", "fired", "out", "keep", "existing", "arrivals", "sync_pending", "task_seen", "end_queued_for")
+    __slots__ = ("number", "fired", "out", "existing", "arrivals", "sync_pending", "task_seen", "end_queued_for")
 
     def __init__(self, number, params):
         self.number = number
@@ -120,11 +121,9 @@ class _OpenStep:
         # Per parameter, the tensor of its first firing: it receives the
         # averaged gradient unless the average is lent as a bucket view.
         self.out = [None] * params
-        # Per parameter, whether ``out`` must receive the average (it was the
-        # parameter's .grad before backward began: the caller may hold it).
-        self.keep = [False] * params
         # ids of the .grad tensors that existed when this step's backward
-        # began; None until backward reaches the model.
+        # began (an ``out`` among them must receive the average: the caller
+        # may hold it); None until backward reaches the model.
         self.existing = None
         self.arrivals = 0
         # A forward under grad asked for a synchronized step.
@@ -284,7 +283,7 @@ class DistributedDataParallel(_TORCH_DDP):
         )
         self._broadcast_buffers = broadcast_buffers
         self.require_forward_param_sync = True
-        self._broadcast([t.detach() for t in itertools.chain(module.parameters(), module.buffers())])
+        self._broadcast(self._model_states())
         cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * (1 << 20))
         # torch.compile's DDPOptimizer splits compiled graphs at this many
         # bytes of parameters; it refuses less than torch's first-bucket size.
@@ -423,8 +422,6 @@ class DistributedDataParallel(_TORCH_DDP):
         token = fired[index]
         if token == 0:
             step.out[index] = grad
-            existing = step.existing
-            step.keep[index] = existing is not None and id(grad) in existing
         fired[index] = token + 1
         self._give(step.number, index, token, given, given.data_ptr())
         step.arrivals += 1
@@ -510,7 +507,7 @@ class DistributedDataParallel(_TORCH_DDP):
         no copy. Each view keeps the step's buffers on loan until it is freed
         (as ``zero_grad()`` does). Returns, per parameter, whether it got one."""
         viewed = [False] * len(self._params)
-        params, viewable, keep = self._params, self._viewable, step.keep
+        params, viewable, out, existing = self._params, self._viewable, step.out, step.existing or ()
         for b, (addr, numel, members) in enumerate(result.buckets()):
             layout = self._layouts.get(b)
             if layout is None:
@@ -520,7 +517,7 @@ class DistributedDataParallel(_TORCH_DDP):
             array._gradsync_step = result  # the loan lives as long as any view of it
             views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
             for i, shape, view in zip(members, shapes, views):
-                if viewable[i] and not keep[i] and i not in unused:
+                if viewable[i] and id(out[i]) not in existing and i not in unused:
                     params[i].grad = view if shape is None else view.view(shape)
                     viewed[i] = True
         return viewed
@@ -694,8 +691,11 @@ class DistributedDataParallel(_TORCH_DDP):
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         self._states.allreduce([last], opts).wait()
-        module = self.module
-        self._broadcast([t.detach() for t in itertools.chain(module.parameters(), module.buffers())], int(last.item()))
+        self._broadcast(self._model_states(), int(last.item()))
+
+    def _model_states(self):
+        """The wrapped module's parameters and buffers (what replicas share)."""
+        return list(itertools.chain(self.module.parameters(), self.module.buffers()))
 
     def _broadcast(self, tensors, root=0):
         """Rank ``root``'s values into ``tensors`` on every rank (on the states group)."""
