@@ -30,11 +30,13 @@ What ``.grad`` is after a step (DDP's rules, with DDP's default
   average, unchanged, for as long as you hold it. The new tensor is a view of
   gradsync's bucket memory (no copy) when nothing holds the previous step's
   views, and a copy otherwise, so holding references never blocks a step and
-  never makes gradsync keep more than one extra set of buckets.
+  never makes gradsync keep more than one extra set of buckets (``_grads``).
+
+Uneven inputs (torch's ``Join``) are in ``_join``; what the model's outputs
+carry to see backward begin, in ``_outputs``.
 """
 
 import contextlib
-import ctypes
 import datetime
 import functools
 import itertools
@@ -43,7 +45,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Join, _JoinConfig
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradsync._errors import (
@@ -54,6 +56,9 @@ from gradsync._errors import (
 )
 from gradsync._native import Session
 from gradsync.torch import _autograd, _comm_hooks, _outputs
+from gradsync.torch._grads import GradWriter
+from gradsync.torch._join import ShadowStep, rescale_to_initial_world
+from gradsync.torch._states import StateBroadcast
 from gradsync.torch._comm import TorchCommunicator
 
 log = logging.getLogger("gradsync.torch")
@@ -86,25 +91,6 @@ def _backward_reached(ref, grad_outputs=None):
         ddp._backward_activity()
 
 
-class _ShadowStep(JoinHook):
-    """What ``Join`` runs on a rank whose inputs ran out: each main hook
-    contributes zeros to one step of the ranks still training."""
-
-    def __init__(self, ddp):
-        self.ddp = ddp
-
-    def main_hook(self):
-        ddp = self.ddp
-        ddp._raise_if_unfinished("join")
-        ddp.last_report = ddp._session.shadow_step()
-        ddp._new_step()
-
-    def post_hook(self, is_last_joiner):
-        # Ranks that joined early skipped optimizer steps: take the last
-        # joiner's parameters and buffers, as DDP does.
-        self.ddp._sync_final_model(is_last_joiner)
-
-
 class _OpenStep:
     """The wrapper's record of the step gradients are being collected for.
 
@@ -118,12 +104,12 @@ class _OpenStep:
         self.number = number
         # Hook firings so far, per parameter: the next firing's token.
         self.fired = [0] * params
-        # Per parameter, the tensor of its first firing: it receives the
-        # averaged gradient unless the average is lent as a bucket view.
+        # Per parameter, the tensor of its first firing that must receive the
+        # average (see ``_on_grad``); None: a view or a fresh tensor will do.
         self.out = [None] * params
         # ids of the .grad tensors that existed when this step's backward
-        # began (an ``out`` among them must receive the average: the caller
-        # may hold it); None until backward reaches the model.
+        # began (the caller may hold them: they must receive the average);
+        # None until backward reaches the model.
         self.existing = None
         self.arrivals = 0
         # A forward under grad asked for a synchronized step.
@@ -277,13 +263,10 @@ class DistributedDataParallel(_TORCH_DDP):
         self._comm = TorchCommunicator(
             store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, wire_dtype=_WIRES[wire_dtype]
         )
-        # Broadcasts of the program's thread (model states), apart from the runtime's collectives.
-        self._states = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"{prefix}/states", store), self._rank, self._world, datetime.timedelta(seconds=timeout_s)
-        )
+        self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s)
         self._broadcast_buffers = broadcast_buffers
         self.require_forward_param_sync = True
-        self._broadcast(self._model_states())
+        self._states.broadcast(self._model_states())
         cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * (1 << 20))
         # torch.compile's DDPOptimizer splits compiled graphs at this many
         # bytes of parameters; it refuses less than torch's first-bucket size.
@@ -305,14 +288,11 @@ class DistributedDataParallel(_TORCH_DDP):
         self._open = _OpenStep(0, len(self._params))
         self._require_sync = True
         self._closed = False
-        self._host = {}
-        self._arrays = {}
-        self._layouts = {}
-        # The last step whose averaged gradients were lent as bucket views
-        # (a weak reference: alive while any of those views is).
-        self._lent = None
-        # Parameters whose averaged gradient can be a view of the bucket memory.
-        self._viewable = [not self._staging and p.dtype == torch.float32 and p.is_contiguous() for p in self._params]
+        self._grads = GradWriter(self._params, self._staging)
+        self._viewable = self._grads.viewable
+        # Inside a Join context with divide_by_initial_world_size=True (DDP's
+        # default): a step some rank shadowed is divided by the world size.
+        self._divide_by_initial_world = False
         self.last_report = None
         ref = weakref.ref(self)
         self._ref = ref
@@ -336,7 +316,7 @@ class DistributedDataParallel(_TORCH_DDP):
         if self._broadcast_buffers and self.require_forward_param_sync:
             buffers = [b for b in self.module.buffers()]
             if buffers:
-                self._broadcast(buffers)
+                self._states.broadcast(buffers)
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             if self._require_sync:
@@ -420,7 +400,10 @@ class DistributedDataParallel(_TORCH_DDP):
             given = grad.contiguous()
         fired = step.fired
         token = fired[index]
-        if token == 0:
+        if token == 0 and (not self._viewable[index] or id(grad) in step.existing):
+            # This tensor receives the average: the caller's own .grad, or a
+            # gradient whose type or layout a bucket view cannot have. Others
+            # are not kept: the runtime drops them once packed into a bucket.
             step.out[index] = grad
         fired[index] = token + 1
         self._give(step.number, index, token, given, given.data_ptr())
@@ -462,6 +445,7 @@ class DistributedDataParallel(_TORCH_DDP):
         if self._closed:
             raise ClosedError("this gradsync DistributedDataParallel was closed")
         first, steps = self._session.join()
+        self._divide_by_initial_world = False
         self._new_step()
         return {"first_step": first, "steps": steps}
 
@@ -479,16 +463,9 @@ class DistributedDataParallel(_TORCH_DDP):
         lent = False
         try:
             if result.applied:
-                # Lend bucket views only when no view of an earlier step is
-                # alive: so at most one lent set besides the open step's.
-                lend = self._lent is None or self._lent() is None
-                viewed = self._view_grads(result, set(report.unused_everywhere), step) if lend else ()
-                lent = any(viewed)
-                for i, p in enumerate(self._params):
-                    if not (viewed and viewed[i]) and result.has(i):
-                        self._write_grad(result, i, p, step.out[i])
-                if lent:
-                    self._lent = weakref.ref(result)
+                lent = self._grads.write(result, step.out, set(report.unused_everywhere))
+                if self._divide_by_initial_world:
+                    rescale_to_initial_world(self._params, report, self._world)
             else:
                 # Skipped on every rank: no optimizer may apply this step.
                 for p in self._params:
@@ -500,53 +477,6 @@ class DistributedDataParallel(_TORCH_DDP):
                 result.release()
             self._new_step()
         return report
-
-    def _view_grads(self, result, unused, step):
-        """Give each float32 CPU parameter whose .grad did not exist before
-        backward its averaged gradient as a view of the step's bucket memory:
-        no copy. Each view keeps the step's buffers on loan until it is freed
-        (as ``zero_grad()`` does). Returns, per parameter, whether it got one."""
-        viewed = [False] * len(self._params)
-        params, viewable, out, existing = self._params, self._viewable, step.out, step.existing or ()
-        for b, (addr, numel, members) in enumerate(result.buckets()):
-            layout = self._layouts.get(b)
-            if layout is None:
-                layout = self._layouts[b] = self._bucket_layout(members)
-            sizes, shapes = layout
-            array = self._array_type(numel).from_address(addr)
-            array._gradsync_step = result  # the loan lives as long as any view of it
-            views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
-            for i, shape, view in zip(members, shapes, views):
-                if viewable[i] and id(out[i]) not in existing and i not in unused:
-                    params[i].grad = view if shape is None else view.view(shape)
-                    viewed[i] = True
-        return viewed
-
-    def _bucket_layout(self, members):
-        """A bucket's member sizes, and the shape each view takes (``None``: flat already)."""
-        params = [self._params[i] for i in members]
-        return [p.numel() for p in params], [None if p.dim() == 1 else p.shape for p in params]
-
-    def _write_grad(self, result, index, p, grad):
-        """Copy ``p``'s averaged gradient into ``grad`` (its first firing's
-        tensor, of its own type and layout), and make that ``p.grad``."""
-        if grad is None:  # unused on this rank, used on another
-            grad = p.grad if p.grad is not None else torch.empty_like(p, memory_format=torch.preserve_format)
-        p.grad = grad
-        if not self._staging and grad.is_contiguous():
-            result.copy_into_ptr(index, grad.data_ptr())
-            return
-        host = self._host.get(index)
-        if host is None:
-            host = self._host[index] = torch.empty(p.shape, dtype=p.dtype, device="cpu")
-        result.copy_into_ptr(index, host.data_ptr())
-        grad.copy_(host)
-
-    def _array_type(self, numel):
-        array = self._arrays.get(numel)
-        if array is None:
-            array = self._arrays[numel] = ctypes.c_float * numel
-        return array
 
     def _new_step(self):
         self._open = _OpenStep(self._session.current_step, len(self._params))
@@ -633,17 +563,21 @@ class DistributedDataParallel(_TORCH_DDP):
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
         """DDP's uneven-inputs context manager: ``with model.join(): for batch
         in loader: ...``. A rank whose loop ends early contributes zeros to
-        the other ranks' steps until every rank's loop has ended. Each such
-        step is averaged over the ranks that contributed to it (DDP's
-        ``divide_by_initial_world_size=False``; ``True`` is accepted and
-        averaged the same way). Same as ``torch.distributed.algorithms.Join([model])``.
-        The immediate form is :meth:`join_now`."""
-        return Join([self], enable, throw_on_early_termination)
+        the other ranks' steps until every rank's loop has ended; then every
+        rank takes the parameters and buffers of the rank that ran longest.
+        A step some rank sat out is the sum divided by the world size
+        (``divide_by_initial_world_size=True``, DDP's default) or by the
+        number of ranks that contributed (``False``). Same as
+        ``torch.distributed.algorithms.Join([model], ...)``. The immediate
+        form is :meth:`join_now`."""
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
         """The hook ``torch.distributed.algorithms.Join`` runs on a rank whose
-        inputs ran out: each call shadows one step of the other ranks."""
-        return _ShadowStep(self)
+        inputs ran out: each call shadows one step of the other ranks.
+        ``divide_by_initial_world_size`` (default ``True``) as in :meth:`join`."""
+        self._divide_by_initial_world = bool(kwargs.get("divide_by_initial_world_size", True))
+        return ShadowStep(self)
 
     @property
     def join_device(self):
@@ -682,35 +616,9 @@ class DistributedDataParallel(_TORCH_DDP):
         if getattr(self.module, "_gradsync_wrapper", None) is self._ref:
             del self.module._gradsync_wrapper
 
-    def _sync_final_model(self, is_last_joiner):
-        """Every rank takes the parameters and buffers of the last rank whose
-        inputs ran out (the end of a ``join`` context)."""
-        if self._world == 1:
-            return
-        last = torch.tensor([self._rank if is_last_joiner else -1], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        self._states.allreduce([last], opts).wait()
-        self._broadcast(self._model_states(), int(last.item()))
-
     def _model_states(self):
         """The wrapped module's parameters and buffers (what replicas share)."""
         return list(itertools.chain(self.module.parameters(), self.module.buffers()))
-
-    def _broadcast(self, tensors, root=0):
-        """Rank ``root``'s values into ``tensors`` on every rank (on the states group)."""
-        if self._world == 1 or not tensors:
-            return
-        flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
-        moved = flat.to("cpu") if flat.device.type != "cpu" else flat
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        self._states.broadcast([moved], opts).wait()
-        if moved is not flat:
-            flat.copy_(moved)
-        with torch.no_grad():
-            for t, v in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                t.copy_(v)
 
     def __getstate__(self):
         raise TypeError("a gradsync DistributedDataParallel holds threads and a process group: pickle .module instead")

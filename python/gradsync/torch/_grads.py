@@ -1,0 +1,106 @@
+"""How a finished step's averaged gradients reach ``.grad``.
+
+The runtime hands back a finished step as a ``Gradients`` object: the
+step's bucket memory, on loan until it is released. :class:`GradWriter`
+decides, per parameter, between
+
+* a **view** of that bucket memory (no copy): for a float32 CPU parameter
+  whose ``.grad`` did not exist when the step's backward began (the hook
+  kept no tensor for it in ``step.out``), and only
+  when no view of an earlier step is still alive (so gradsync never keeps
+  more than one extra set of buckets on loan); each view keeps the loan
+  alive until it is freed (as ``zero_grad()`` does);
+* a **copy** into the tensor of the parameter's first hook firing: the
+  ``.grad`` the caller already held (it receives the average in place, so
+  every reference and view of it sees it) or a fresh one.
+
+It owns the layouts and host staging tensors it caches between steps.
+"""
+
+import ctypes
+import weakref
+
+import torch
+
+
+class GradWriter:
+    """Writes each finished step's averaged gradients into ``params``' ``.grad``."""
+
+    def __init__(self, params, staging):
+        self._params = params
+        # Gradients travel through host memory (a CUDA module on the gloo path).
+        self._staging = staging
+        # Per parameter: may its average be a view of the bucket memory?
+        self.viewable = [not staging and p.dtype == torch.float32 and p.is_contiguous() for p in params]
+        # Per bucket index: member sizes and the shape of each view (None: flat already).
+        self._layouts = {}
+        # ctypes array types by length (building one is slow; they are reused).
+        self._arrays = {}
+        # Per parameter: the host tensor its average is staged in (non-contiguous or CUDA grads).
+        self._host = {}
+        # The last step whose gradients were lent as views (a weak reference:
+        # alive while any of those views is).
+        self._lent = None
+
+    def write(self, result, out, unused):
+        """Put ``result``'s averages into ``.grad``. ``out``: per parameter,
+        the tensor that must receive its average (the caller's own ``.grad``,
+        or one a view cannot replace), else None; ``unused``: parameters no
+        rank used. Returns whether views were lent (then ``result`` must not
+        be released: the views release it when they die)."""
+        params = self._params
+        if self._lent is None or self._lent() is None:
+            lent, copied = self._view(result, out, unused)
+        else:
+            lent, copied = False, range(len(params))
+        for i in copied:
+            if result.has(i):
+                self._copy(result, i, params[i], out[i])
+        if lent:
+            self._lent = weakref.ref(result)
+        return lent
+
+    def _view(self, result, out, unused):
+        """Lend views; returns whether any was lent, and the parameters left to copy."""
+        lent, copied = False, []
+        params, viewable = self._params, self.viewable
+        for b, (addr, numel, members) in enumerate(result.buckets()):
+            layout = self._layouts.get(b)
+            if layout is None:
+                layout = self._layouts[b] = self._bucket_layout(members)
+            sizes, shapes = layout
+            array = self._array_type(numel).from_address(addr)
+            array._gradsync_step = result  # the loan lives as long as any view of it
+            views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
+            for i, shape, view in zip(members, shapes, views):
+                if viewable[i] and out[i] is None and i not in unused:
+                    params[i].grad = view if shape is None else view.view(shape)
+                    lent = True
+                else:
+                    copied.append(i)
+        return lent, copied
+
+    def _bucket_layout(self, members):
+        params = [self._params[i] for i in members]
+        return [p.numel() for p in params], [None if p.dim() == 1 else p.shape for p in params]
+
+    def _array_type(self, numel):
+        array = self._arrays.get(numel)
+        if array is None:
+            array = self._arrays[numel] = ctypes.c_float * numel
+        return array
+
+    def _copy(self, result, index, p, grad):
+        """Copy ``p``'s average into ``grad`` (its first firing's tensor, of
+        its own type and layout), and make that ``p.grad``."""
+        if grad is None:  # unused on this rank, used on another
+            grad = p.grad if p.grad is not None else torch.empty_like(p, memory_format=torch.preserve_format)
+        p.grad = grad
+        if not self._staging and grad.is_contiguous():
+            result.copy_into_ptr(index, grad.data_ptr())
+            return
+        host = self._host.get(index)
+        if host is None:
+            host = self._host[index] = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+        result.copy_into_ptr(index, host.data_ptr())
+        grad.copy_(host)
