@@ -8,6 +8,7 @@ rank's batch, gradients divided by the world size. Models are float32 here
 bucket memory) is the one exercised; tolerances are float32's.
 """
 
+import contextlib
 import copy
 import dataclasses
 
@@ -34,14 +35,20 @@ class UserMLP(nn.Module):
     """:func:`mlp` with a forward of its own, as user models have (dynamo
     starts compiling at a user frame; ``nn.Sequential``'s is torch's own)."""
 
-    def __init__(self, width=16, seed=5):
+    def __init__(self, width=16, seed=5, checkpointed=False):
         super().__init__()
         torch.manual_seed(seed)
         self.layers = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+        # Non-reentrant activation checkpointing around each layer (under
+        # torch.compile: dynamo's checkpoint higher-order op).
+        self.checkpointed = checkpointed
 
     def forward(self, x):
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return x
 
 
@@ -216,13 +223,23 @@ def outputs(rank, world, impl, kind, steps=3):
 # ---- 3. torch.compile ----------------------------------------------------------------------------
 
 
-def compiled(rank, world, impl, order, steps=3):
+COMPILE_VARIANTS = ("split", "no_split", "checkpointed")
+
+
+def compiled(rank, world, impl, order, variant="split", steps=3):
     """``torch.compile(DDP(model))`` (``order="outer"``) or
     ``DDP(torch.compile(model))`` (``"inner"``), aot_eager backend (the
-    autograd of compiled graphs, without a C++ compiler). The bucket cap
-    holds one layer, so DDPOptimizer must split the model into several
-    compiled graphs: each graph's backward hands its gradients over as soon
-    as it ends, which is what lets buckets overlap backward under compile.
+    autograd of compiled graphs, without a C++ compiler), after
+    ``test_dynamo_distributed.py``'s DDP cases that run on CPU:
+
+    * ``split``: the bucket cap holds one layer, so DDPOptimizer must split
+      the model into several compiled graphs: each graph's backward hands its
+      gradients over as soon as it ends, which is what lets buckets overlap
+      backward under compile (``test_graph_split``);
+    * ``no_split``: the first bucket holds the whole model: one graph (``test_no_split``);
+    * ``checkpointed``: ``split`` with every layer under non-reentrant
+      activation checkpointing (``test_higher_order_op``).
+
     Returns the number of graphs compiled."""
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
@@ -235,13 +252,18 @@ def compiled(rank, world, impl, order, steps=3):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=count_and_run)
-    # 512 wide: the middle layer alone is 1 MiB, DDPOptimizer's smallest split.
-    model = UserMLP(width=512)
+    def run_backward(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    # Forward graphs are counted: one per piece DDPOptimizer split the model into.
+    backend = aot_autograd(fw_compiler=count_and_run, bw_compiler=run_backward)
+    # 512 wide: the middle layer alone is 1 MiB, DDPOptimizer's smallest
+    # split (its first bucket). 16 wide: the whole model is under it.
+    model = UserMLP(width=16 if variant == "no_split" else 512, checkpointed=variant == "checkpointed")
     inner = copy.deepcopy(model)
     if order == "inner":
         inner = torch.compile(inner, backend=backend)
-    wrapped = wrap(inner, impl, bucket_cap_mb=1)
+    wrapped = wrap(inner, impl, bucket_cap_mb=25 if variant == "no_split" else 1)
     run = torch.compile(wrapped, backend=backend) if order == "outer" else wrapped
     with Outcome(impl, wrapped) as outcome:
         for step in range(steps):
@@ -273,6 +295,44 @@ def accumulation_flag(rank, world, impl, micro=3, steps=2):
                 g = reference_grads(model, world, step * micro + m)
                 want = g if want is None else [a + b for a, b in zip(want, g)]
             outcome.record(diff([p.grad for p in wrapped.parameters()], want))
+    return outcome.result
+
+
+def accumulate_no_sync(rank, world, impl, num_iters, variant, rounds=2):
+    """distributed_test's ``test_accumulate_gradients_no_sync`` and its
+    ``_grad_is_view`` / ``_allreduce_hook`` variants: gradients are never
+    zeroed; ``num_iters - 1`` iterations under ``no_sync()``, then one
+    synchronized; each iteration shuffles the global batch. After every
+    synchronized iteration ``.grad`` equals the gradient accumulated by one
+    process on the whole batch (mean loss over the global batch). A forward
+    under ``no_grad`` inside ``no_sync`` first must change nothing.
+    ``variant``: ``"plain"``, ``"grad_is_view"`` (``gradient_as_bucket_view=True``)
+    or ``"allreduce_hook"``."""
+    import torch.nn.functional as F
+
+    local_rows = 2
+    model = mlp()
+    kwargs = {"gradient_as_bucket_view": True} if variant == "grad_is_view" else {}
+    wrapped = wrap(copy.deepcopy(model), impl, **kwargs)
+    if variant == "allreduce_hook":
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+    g = torch.Generator().manual_seed(99)
+    inputs = torch.randn(world * local_rows, 8, generator=g)
+    target = torch.randn(world * local_rows, 4, generator=g)
+    with Outcome(impl, wrapped) as outcome:
+        with torch.no_grad(), wrapped.no_sync():
+            wrapped(inputs[:local_rows])
+        for iteration in range(num_iters * rounds):
+            F.mse_loss(model(inputs), target).backward()
+            mine = slice(rank * local_rows, (rank + 1) * local_rows)
+            synced = iteration % num_iters == num_iters - 1
+            context = contextlib.nullcontext() if synced else wrapped.no_sync()
+            with context:
+                F.mse_loss(wrapped(inputs[mine]), target[mine]).backward()
+            if synced:
+                outcome.record(diff([p.grad for p in wrapped.parameters()], [p.grad for p in model.parameters()]))
+            perm = torch.randperm(world * local_rows, generator=torch.Generator().manual_seed(1337 + iteration))
+            inputs, target = inputs[perm], target[perm]
     return outcome.result
 
 
@@ -316,31 +376,40 @@ def unsupported_comm_hook(rank, world):
     return None
 
 
-def uneven_inputs(rank, world, impl, steps_of=(3, 5)):
-    """DDP's ``with model.join():`` (distributed_test's uneven-input tests):
-    rank r has ``steps_of[r]`` batches. Steps every rank runs are averaged
-    over every rank; the others over the ranks that still contribute (DDP's
-    ``divide_by_initial_world_size=False``). At the end every rank holds the
-    last joiner's parameters."""
+def uneven_inputs(rank, world, impl, steps_of, divide_by_initial_world_size, how="method"):
+    """DDP's uneven-inputs tests (distributed_test's ``test_ddp_uneven_inputs``
+    and ``test_ddp_grad_div_uneven_inputs``): rank r has ``steps_of[r]``
+    batches, inside ``with model.join(...)`` (``how="method"``) or
+    ``with Join([model], ...)`` (``"context"``). Steps every rank runs are
+    averaged over every rank; a step some rank sat out is the sum divided by
+    the world size (``divide_by_initial_world_size=True``, DDP's default) or
+    by the ranks that still contribute. At the end every rank holds the last
+    joiner's parameters, equal to the reference's."""
+    from torch.distributed.algorithms.join import Join
+
     model = mlp()
     wrapped = wrap(copy.deepcopy(model), impl)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     mine = steps_of[rank]
-    join = wrapped.join(divide_by_initial_world_size=False) if impl == "ddp" else wrapped.join()
+    if how == "method":
+        join = wrapped.join(divide_by_initial_world_size=divide_by_initial_world_size)
+    else:
+        join = Join([wrapped], divide_by_initial_world_size=divide_by_initial_world_size)
     with Outcome(impl, wrapped) as outcome:
         with join:
             for step in range(mine):
                 opt.zero_grad()
                 wrapped(batch(step, rank)).square().sum().backward()
                 opt.step()
-        # The reference: every step of the longest rank, averaged over the ranks that had data.
+        # The reference: every step of the longest rank, over the ranks that had data.
         for step in range(max(steps_of)):
             ref_opt.zero_grad()
             active = [r for r in range(world) if steps_of[r] > step]
+            divisor = world if divide_by_initial_world_size else len(active)
             for r in active:
-                (ref(batch(step, r)).square().sum() / len(active)).backward()
+                (ref(batch(step, r)).square().sum() / divisor).backward()
             ref_opt.step()
         outcome.record(max((a - b).abs().max().item() for a, b in zip(ref.parameters(), wrapped.module.parameters())))
     return outcome.result
@@ -363,9 +432,12 @@ class Counting(nn.Module):
 
 def buffers_and_state(rank, world, impl):
     """Buffers are rank 0's at each forward; state_dict has DDP's
-    ``module.`` prefix and loads back; parameters are named with it."""
+    ``module.`` prefix and loads back; parameters are named with it.
+    Built as libraries build it (``device_ids``/``output_device`` for a CPU
+    module, ``_set_static_graph()`` as Lightning calls it)."""
     model = Counting(rank)
-    wrapped = wrap(model, impl)
+    wrapped = wrap(model, impl, device_ids=None, output_device=None)
+    wrapped._set_static_graph()
     seen = []
     with Outcome(impl, wrapped) as outcome:
         for step in range(3):

@@ -42,19 +42,24 @@ def test_outputs_are_untouched(world2, side_by_side, kind):
     side_by_side(f"outputs: {kind.replace('_', ' ')}", describe(theirs[0], dropin.TOL), describe(ours[0], dropin.TOL))
 
 
+@pytest.mark.parametrize("variant", dropin.COMPILE_VARIANTS)
 @pytest.mark.parametrize("order", ["outer", "inner"])
-def test_torch_compile(world2, side_by_side, order):
-    ours = world2.run(dropin.compiled, "gradsync", order, timeout=240)
+def test_torch_compile(world2, side_by_side, order, variant):
+    ours = world2.run(dropin.compiled, "gradsync", order, variant, timeout=240)
     check(ours, tol=1e-5)
-    theirs = world2.run(dropin.compiled, "ddp", order, timeout=240)
+    theirs = world2.run(dropin.compiled, "ddp", order, variant, timeout=240)
     # DDPOptimizer split the model at bucket boundaries for gradsync as it
     # does for DDP (several compiled graphs, each handing its gradients over
     # when its backward ends): the overlap survives compile.
     for rank, (o, t) in enumerate(zip(ours, theirs)):
-        assert o["graphs"] >= 2, f"rank {rank}: one compiled graph, no split at bucket boundaries"
+        if variant == "no_split":
+            assert o["graphs"] == 1, f"rank {rank}: {o['graphs']} graphs where one bucket holds the model"
+        else:
+            assert o["graphs"] >= 2, f"rank {rank}: one compiled graph, no split at bucket boundaries"
         assert o["graphs"] == t["graphs"], f"rank {rank}: {o['graphs']} graphs, DDP {t['graphs']}"
     what = "torch.compile(DDP(model))" if order == "outer" else "DDP(torch.compile(model))"
-    side_by_side(f"{what}, aot_eager", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+    detail = {"split": "", "no_split": ", one bucket", "checkpointed": ", checkpointed layers"}[variant]
+    side_by_side(f"{what}, aot_eager{detail}", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
 
 
 def test_require_backward_grad_sync_accumulates(world2, side_by_side):
@@ -62,6 +67,19 @@ def test_require_backward_grad_sync_accumulates(world2, side_by_side):
     check(ours, tol=1e-5)
     theirs = world2.run(dropin.accumulation_flag, "ddp")
     side_by_side("accumulation with require_backward_grad_sync=False (Accelerate)", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+
+
+@pytest.mark.parametrize("variant", ["plain", "grad_is_view", "allreduce_hook"])
+@pytest.mark.parametrize("num_iters", [2, 3])
+def test_accumulate_gradients_no_sync(world2, side_by_side, variant, num_iters):
+    ours = world2.run(dropin.accumulate_no_sync, "gradsync", num_iters, variant)
+    check(ours, tol=1e-5)
+    theirs = world2.run(dropin.accumulate_no_sync, "ddp", num_iters, variant)
+    side_by_side(
+        f"no_sync for {num_iters - 1} of {num_iters} iterations, never zeroed ({variant.replace('_', ' ')})",
+        describe(theirs[0], 1e-5),
+        describe(ours[0], 1e-5),
+    )
 
 
 @pytest.mark.parametrize("name", list(dropin.COMM_HOOKS))
@@ -79,11 +97,30 @@ def test_an_unsupported_comm_hook_is_refused_with_what_is_supported(world2):
         assert "my_hook" in message and "bf16_compress_hook" in message
 
 
-def test_join_context_with_uneven_inputs(world2, side_by_side):
-    ours = world2.run(dropin.uneven_inputs, "gradsync")
+@pytest.mark.parametrize("divide", [True, False], ids=["divide_by_world", "divide_by_contributors"])
+def test_join_with_uneven_inputs(world2, side_by_side, divide):
+    ours = world2.run(dropin.uneven_inputs, "gradsync", (3, 5), divide)
     check(ours, tol=1e-5)
-    theirs = world2.run(dropin.uneven_inputs, "ddp")
-    side_by_side("with model.join(): 3 and 5 batches", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+    theirs = world2.run(dropin.uneven_inputs, "ddp", (3, 5), divide)
+    side_by_side(
+        f"with model.join(divide_by_initial_world_size={divide}): 3 and 5 batches",
+        describe(theirs[0], 1e-5),
+        describe(ours[0], 1e-5),
+    )
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["divide_by_world", "divide_by_contributors"])
+def test_join_context_at_world_3_ranks_joining_at_different_steps(world3, side_by_side, divide):
+    # Rank 0 joins after 2 steps, rank 2 after 4, rank 1 runs 6: steps 3-4
+    # have two contributors, steps 5-6 one.
+    ours = world3.run(dropin.uneven_inputs, "gradsync", (2, 6, 4), divide, "context")
+    check(ours, tol=1e-5)
+    theirs = world3.run(dropin.uneven_inputs, "ddp", (2, 6, 4), divide, "context")
+    side_by_side(
+        f"world 3, Join([model], divide_by_initial_world_size={divide}): 2, 6 and 4 batches",
+        describe(theirs[0], 1e-5),
+        describe(ours[0], 1e-5),
+    )
 
 
 def test_buffers_state_dict_and_names(world2, side_by_side):
