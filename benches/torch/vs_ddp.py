@@ -2,6 +2,7 @@
 
     .venv/bin/python benches/torch/vs_ddp.py [--world 2] [--tokens-per-rank 64] [--steps 30]
                                              [--reentrant] [--tiny-params N] [--json]
+                                             [--compile outer|inner] [--compile-backend inductor]
 
 Spawns ``--world`` processes on loopback (gloo, one thread per rank). Every
 rank builds the same model once per policy and runs the policies interleaved,
@@ -22,7 +23,11 @@ A step is forward + backward + communication + SGD; its time is the slower
 rank's. The model (default): a tied 2048x1024 embedding and head, 4
 checkpointed Linear+Tanh blocks of 1024 (6.3 M parameters). ``--tiny-params
 N`` replaces it with N parameters of 16 values, to measure the per-parameter
-overhead. The end checks that the synchronized policies' parameters agree,
+overhead. ``--compile outer`` runs every policy as ``torch.compile(wrapped)``,
+``--compile inner`` wraps ``torch.compile(model)`` (``local`` and ``no_sync``
+compile the model); gradsync's exposed communication (the reduction time
+left after backward ends, from its step report) shows whether the overlap
+survives. The end checks that the synchronized policies' parameters agree,
 and times the Python hook call into the runtime on its own.
 
 With ``--json`` the last line of stdout is one JSON object:
@@ -120,21 +125,27 @@ class FusedAllReduce:
 
 
 def build(policy, args, group):
-    """The policy's model (and what steps it)."""
+    """The policy's model, the callable that runs its forward (compiled
+    under ``--compile``) and what synchronizes it after backward, if anything."""
     import gradsync.torch as gt
 
     model = make_model(args)
+    plain = model
+    if args.compile == "inner":
+        model = torch.compile(model, backend=args.compile_backend)
     cap = args.bucket_mb
+    fused = None
     if policy in ("gradsync", "gradsync_bf16"):
         wire = "bfloat16" if policy == "gradsync_bf16" else "float32"
-        return gt.DistributedDataParallel(model, bucket_cap_mb=cap, wire_dtype=wire), None
-    if policy == "ddp":
-        return nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap), None
-    if policy == "ddp_static":
-        return nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap, static_graph=True), None
-    if policy == "no_sync":
-        return model, FusedAllReduce(model, group)
-    return model, None  # local
+        model = gt.DistributedDataParallel(model, bucket_cap_mb=cap, wire_dtype=wire)
+    elif policy == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap)
+    elif policy == "ddp_static":
+        model = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap, static_graph=True)
+    elif policy == "no_sync":
+        fused = FusedAllReduce(plain, group)
+    run = torch.compile(model, backend=args.compile_backend) if args.compile == "outer" else model
+    return model, run, fused
 
 
 def hook_call_us(samples=20_000):
@@ -176,18 +187,22 @@ def rank_main(rank, args, port, out_q):
         group = dist.new_group(backend="gloo")
         runners[policy] = build(policy, args, group)
     opts = {p: torch.optim.SGD(runners[p][0].parameters(), lr=args.lr) for p in policies}
+    if args.compile != "none":
+        # One compiled model per policy: more cache entries than dynamo's default allows.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(policies))
     times = {p: [] for p in policies}
     exposed = {p: [] for p in policies}
+    overlapped = {p: [] for p in policies}
     losses = {p: [] for p in policies}
     for step in range(args.steps):
         order = policies[step % len(policies):] + policies[: step % len(policies)]
         data = batch(args, step, rank)
         for policy in order:
-            model, fused = runners[policy]
+            model, run, fused = runners[policy]
             dist.barrier()  # every rank starts the policy's step together
             t0 = time.perf_counter()
             opts[policy].zero_grad()
-            loss = loss_of(args, model, data)
+            loss = loss_of(args, run, data)
             loss.backward()
             if fused is not None:
                 fused.sync()
@@ -197,6 +212,8 @@ def rank_main(rank, args, port, out_q):
             times[policy].append(took.item())
             report = getattr(model, "last_report", None)
             exposed[policy].append(report.exposed_comm_s if report is not None else float("nan"))
+            if report is not None:
+                overlapped[policy].append((report.buckets_done_before_finish, report.buckets_launched))
             losses[policy].append(loss.item())
         if rank == 0 and args.progress and (step + 1) % max(1, args.steps // 10) == 0:
             print(f"  step {step + 1}/{args.steps}", file=sys.stderr, flush=True)
@@ -226,11 +243,14 @@ def rank_main(rank, args, port, out_q):
             "steps": args.steps,
             "warmup": warm,
             "bucket_mb": args.bucket_mb,
+            "compile": args.compile,
             "policies": {
                 p: {
                     "step_s_median": statistics.median(times[p][warm:]),
                     "step_s_first": times[p][0],
                     "exposed_comm_s_median": statistics.median(exposed[p][warm:]) if p.startswith("gradsync") else None,
+                    # Per step: buckets reduced before backward ended, of those launched.
+                    "buckets_overlapped": overlapped[p] or None,
                     "loss_first": losses[p][0],
                     "loss_last": losses[p][-1],
                     "losses": losses[p] if args.losses else None,
@@ -256,11 +276,16 @@ def main():
     ap.add_argument("--tiny-params", type=int, default=0, help="N parameters of 16 values instead of the model")
     ap.add_argument("--bucket-mb", type=float, default=4.0, help="bucket cap of gradsync and DDP")
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--compile", choices=["none", "outer", "inner"], default="none",
+                    help="outer: torch.compile(wrapped); inner: the wrapper around torch.compile(model)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor needs a C++ compiler)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--losses", action="store_true", help="keep every step's loss in the JSON")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-hook-timing", action="store_true")
     args = ap.parse_args()
+    if args.compile != "none" and (args.reentrant or args.tiny_params):
+        ap.error("--compile measures the default model with non-reentrant checkpointing")
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
@@ -285,7 +310,8 @@ def main():
     pol = result["policies"]
     ref = pol.get("no_sync", {}).get("step_s_median")
     what = f"{args.tiny_params} tiny parameters" if args.tiny_params else f"{args.tokens_per_rank} tokens/rank"
-    print(f"world {args.world}, {what}, {'reentrant' if args.reentrant else 'non-reentrant'} checkpointing, "
+    compiled = "" if args.compile == "none" else f", torch.compile {args.compile} ({args.compile_backend})"
+    print(f"world {args.world}, {what}, {'reentrant' if args.reentrant else 'non-reentrant'} checkpointing{compiled}, "
           f"{args.steps} steps (medians without the first {args.warmup}), slower rank:")
     for p, r in pol.items():
         s = r.get("step_s_median")
@@ -293,8 +319,14 @@ def main():
             print(f"  {p:<14} {r.get('note', 'not run')}")
             continue
         ratio = f"{s / ref:5.2f}x no_sync" if ref else ""
+        exposed = r.get("exposed_comm_s_median")
+        exposed = f"  exposed comm {exposed * 1e3:5.1f} ms" if exposed is not None else ""
+        if r.get("buckets_overlapped"):
+            done = statistics.median(d for d, _ in r["buckets_overlapped"][args.warmup:])
+            launched = statistics.median(n for _, n in r["buckets_overlapped"][args.warmup:])
+            exposed += f", buckets done in backward {done:g}/{launched:g}"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
-              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
+              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
     if result["agree"]:
         print("  parameters vs no_sync: " + ", ".join(f"{p} {d:.1e}" for p, d in result["agree"].items()))
     if "hook_call_us_median" in result:
