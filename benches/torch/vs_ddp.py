@@ -1,7 +1,8 @@
 """gradsync against torch's DistributedDataParallel, measured in one run.
 
     .venv/bin/python benches/torch/vs_ddp.py [--world 2] [--tokens-per-rank 64] [--steps 30]
-                                             [--reentrant] [--tiny-params N] [--json]
+                                             [--model tied|gpt2-small|resnet18] [--reentrant]
+                                             [--tiny-params N] [--json]
                                              [--compile outer|inner] [--compile-backend inductor]
 
 Spawns ``--world`` processes on loopback (gloo, one thread per rank). Every
@@ -10,8 +11,8 @@ step by step (the order rotates every step), so a noisy machine affects them
 alike:
 
 * ``gradsync``    gradsync.torch.DistributedDataParallel (overlapped, exact);
-* ``ddp``         torch DDP, overlapped (non-reentrant checkpointing: with
-                  reentrant checkpointing DDP raises on the tied embedding);
+* ``ddp``         torch DDP, overlapped (with reentrant checkpointing it
+                  raises on the tied embedding: reported as such);
 * ``ddp_static``  torch DDP with ``static_graph=True`` (what DDP offers for
                   reentrant checkpointing: no overlap in the first step);
 * ``no_sync``     backward without communication, then one fused all-reduce
@@ -20,10 +21,23 @@ alike:
 * ``gradsync_bf16`` gradsync with bfloat16 buckets on the wire (opt-in).
 
 A step is forward + backward + communication + SGD; its time is the slower
-rank's. The model (default): a tied 2048x1024 embedding and head, 4
-checkpointed Linear+Tanh blocks of 1024 (6.3 M parameters). ``--tiny-params
-N`` replaces it with N parameters of 16 values, to measure the per-parameter
-overhead. ``--compile outer`` runs every policy as ``torch.compile(wrapped)``,
+rank's. Models (``--model``):
+
+* ``tied`` (default): a tied 2048x1024 embedding and head, 4 checkpointed
+  Linear+Tanh blocks of 1024 (6.3 M parameters);
+* ``gpt2-small``: HF ``transformers`` GPT-2 (124 M parameters, tied
+  embedding and head), random init without dropout, one sequence of ``--tokens-per-rank``
+  tokens per rank, HF gradient checkpointing on every block (reentrant with
+  ``--reentrant``);
+* ``resnet18``: torchvision's ResNet-18 (11.7 M parameters, BatchNorm
+  buffers broadcast at each forward by every wrapper), random init,
+  ``--images-per-rank`` images of 3x``--image-size``² and 1000 classes; no
+  checkpointing (torchvision's model has none).
+
+``--tiny-params N`` replaces the model with N parameters of 16 values, to
+measure the per-parameter overhead. A policy that raises (DDP under
+reentrant checkpointing, for instance) is reported with its error and left
+out of the rest of the run. ``--compile outer`` runs every policy as ``torch.compile(wrapped)``,
 ``--compile inner`` wraps ``torch.compile(model)`` (``local`` and ``no_sync``
 compile the model); gradsync's exposed communication (the reduction time
 left after backward ends, from its step report) shows whether the overlap
@@ -90,6 +104,19 @@ def make_model(args):
     torch.manual_seed(1234)
     if args.tiny_params:
         return TinyParams(args.tiny_params)
+    if args.model == "gpt2-small":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        # 124 M parameters, random init; no dropout, so every policy computes the same thing.
+        model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant})
+        model.config.use_cache = False
+        model.train()
+        return model
+    if args.model == "resnet18":
+        import torchvision
+
+        return torchvision.models.resnet18(weights=None)
     return TiedBlocks(reentrant=args.reentrant)
 
 
@@ -97,6 +124,11 @@ def batch(args, step, rank):
     g = torch.Generator().manual_seed(10_000 * step + rank)
     if args.tiny_params:
         return torch.randn(16, generator=g), None
+    if args.model == "gpt2-small":
+        return torch.randint(0, 50257, (1, args.tokens_per_rank), generator=g), None
+    if args.model == "resnet18":
+        images = torch.randn(args.images_per_rank, 3, args.image_size, args.image_size, generator=g)
+        return images, torch.randint(0, 1000, (args.images_per_rank,), generator=g)
     tokens = torch.randint(0, 2048, (args.tokens_per_rank,), generator=g)
     return tokens, torch.randint(0, 2048, (args.tokens_per_rank,), generator=g)
 
@@ -105,7 +137,16 @@ def loss_of(args, model, data):
     x, y = data
     if args.tiny_params:
         return model(x)
+    if args.model == "gpt2-small":
+        return model(input_ids=x, labels=x).loss
     return F.cross_entropy(model(x), y)
+
+
+def first_line(error):
+    """An exception as one short line (DDP's messages run for paragraphs)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    cut = text.find(". ", 20)
+    return f"{type(error).__name__}: {text[: cut + 1] if cut > 0 else text}"
 
 
 class FusedAllReduce:
@@ -181,10 +222,12 @@ def rank_main(rank, args, port, out_q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=300))
-    policies = [p for p in args.policies if not (p == "ddp" and args.reentrant)]
+    policies = list(args.policies)
     runners = {}
     for policy in policies:
-        group = dist.new_group(backend="gloo")
+        # A policy that fails mid-step may leave its group with a collective
+        # unmatched: each has its own group, with a bounded wait.
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=120))
         runners[policy] = build(policy, args, group)
     opts = {p: torch.optim.SGD(runners[p][0].parameters(), lr=args.lr) for p in policies}
     if args.compile != "none":
@@ -192,24 +235,36 @@ def rank_main(rank, args, port, out_q):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(policies))
     times = {p: [] for p in policies}
     exposed = {p: [] for p in policies}
+    backward = {p: [] for p in policies}  # this rank's loss.backward() call, s
     overlapped = {p: [] for p in policies}
     losses = {p: [] for p in policies}
+    failed = {}
     for step in range(args.steps):
-        order = policies[step % len(policies):] + policies[: step % len(policies)]
+        live = [p for p in policies if p not in failed]
+        order = live[step % len(live):] + live[: step % len(live)]
         data = batch(args, step, rank)
         for policy in order:
             model, run, fused = runners[policy]
             dist.barrier()  # every rank starts the policy's step together
             t0 = time.perf_counter()
-            opts[policy].zero_grad()
-            loss = loss_of(args, run, data)
-            loss.backward()
-            if fused is not None:
-                fused.sync()
-            opts[policy].step()
-            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            error = None
+            try:
+                opts[policy].zero_grad()
+                loss = loss_of(args, run, data)
+                t_backward = time.perf_counter()
+                loss.backward()
+                backward[policy].append(time.perf_counter() - t_backward)
+                if fused is not None:
+                    fused.sync()
+                opts[policy].step()
+            except Exception as e:  # a policy's failure is a result (DDP under reentrant checkpointing)
+                error = first_line(e)
+            took = torch.tensor([time.perf_counter() - t0, 1.0 if error else 0.0], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            times[policy].append(took.item())
+            if took[1].item():
+                failed[policy] = {"step": step, "error": error or "raised on another rank"}
+                continue
+            times[policy].append(took[0].item())
             report = getattr(model, "last_report", None)
             exposed[policy].append(report.exposed_comm_s if report is not None else float("nan"))
             if report is not None:
@@ -223,11 +278,11 @@ def rank_main(rank, args, port, out_q):
         module = model.module if hasattr(model, "module") else model
         return torch.cat([q.detach().flatten() for q in module.parameters()])
 
-    base = flat("no_sync") if "no_sync" in policies else None
+    base = flat("no_sync") if "no_sync" in policies and "no_sync" not in failed else None
     agree = {}
     if base is not None:
         for p in policies:
-            if p not in ("local", "no_sync"):
+            if p not in ("local", "no_sync") and p not in failed:
                 agree[p] = (flat(p) - base).abs().max().item()
     for p in policies:
         if p.startswith("gradsync"):
@@ -237,7 +292,9 @@ def rank_main(rank, args, port, out_q):
         warm = args.warmup
         result = {
             "world": args.world,
+            "model": "tiny" if args.tiny_params else args.model,
             "tokens_per_rank": args.tokens_per_rank,
+            "images_per_rank": args.images_per_rank if args.model == "resnet18" else None,
             "tiny_params": args.tiny_params,
             "reentrant": args.reentrant,
             "steps": args.steps,
@@ -248,6 +305,7 @@ def rank_main(rank, args, port, out_q):
                 p: {
                     "step_s_median": statistics.median(times[p][warm:]),
                     "step_s_first": times[p][0],
+                    "backward_s_median": statistics.median(backward[p][warm:]),
                     "exposed_comm_s_median": statistics.median(exposed[p][warm:]) if p.startswith("gradsync") else None,
                     # Per step: buckets reduced before backward ended, of those launched.
                     "buckets_overlapped": overlapped[p] or None,
@@ -257,11 +315,12 @@ def rank_main(rank, args, port, out_q):
                     "step_s": times[p],
                 }
                 for p in policies
+                if p not in failed
             },
             "agree": agree,
         }
-        if args.reentrant:
-            result["policies"]["ddp"] = {"step_s_median": None, "note": "raises with reentrant checkpointing"}
+        for p, why in failed.items():
+            result["policies"][p] = {"step_s_median": None, "note": f"raises at step {why['step']}: {why['error']}"}
     out_q.put(result)
     dist.destroy_process_group()
 
@@ -269,7 +328,10 @@ def rank_main(rank, args, port, out_q):
 def main():
     ap = argparse.ArgumentParser(description="gradsync vs torch DDP, interleaved in one run")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--model", choices=["tied", "gpt2-small", "resnet18"], default="tied")
     ap.add_argument("--tokens-per-rank", type=int, default=64)
+    ap.add_argument("--images-per-rank", type=int, default=8, help="resnet18's batch per rank")
+    ap.add_argument("--image-size", type=int, default=128, help="resnet18's image side")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--reentrant", action="store_true", help="reentrant checkpointing (DDP needs static_graph)")
@@ -284,8 +346,10 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-hook-timing", action="store_true")
     args = ap.parse_args()
-    if args.compile != "none" and (args.reentrant or args.tiny_params):
+    if args.compile != "none" and (args.reentrant or args.tiny_params or args.model != "tied"):
         ap.error("--compile measures the default model with non-reentrant checkpointing")
+    if args.tiny_params and args.model != "tied":
+        ap.error("--tiny-params replaces the model: leave --model out")
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
@@ -309,9 +373,18 @@ def main():
         result["hook_call_us_median"] = hook_call_us()
     pol = result["policies"]
     ref = pol.get("no_sync", {}).get("step_s_median")
-    what = f"{args.tiny_params} tiny parameters" if args.tiny_params else f"{args.tokens_per_rank} tokens/rank"
+    if args.tiny_params:
+        what = f"{args.tiny_params} tiny parameters"
+    elif args.model == "resnet18":
+        what = f"resnet18, {args.images_per_rank} images/rank of {args.image_size}x{args.image_size}"
+    else:
+        what = f"{args.model}, {args.tokens_per_rank} tokens/rank"
     compiled = "" if args.compile == "none" else f", torch.compile {args.compile} ({args.compile_backend})"
-    print(f"world {args.world}, {what}, {'reentrant' if args.reentrant else 'non-reentrant'} checkpointing{compiled}, "
+    if args.model == "resnet18" or args.tiny_params:
+        checkpointing = "no checkpointing"
+    else:
+        checkpointing = f"{'reentrant' if args.reentrant else 'non-reentrant'} checkpointing"
+    print(f"world {args.world}, {what}, {checkpointing}{compiled}, "
           f"{args.steps} steps (medians without the first {args.warmup}), slower rank:")
     for p, r in pol.items():
         s = r.get("step_s_median")
@@ -326,6 +399,7 @@ def main():
             launched = statistics.median(n for _, n in r["buckets_overlapped"][args.warmup:])
             exposed += f", buckets done in backward {done:g}/{launched:g}"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
+              f"backward {r['backward_s_median'] * 1e3:7.1f} ms  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
     if result["agree"]:
         print("  parameters vs no_sync: " + ", ".join(f"{p} {d:.1e}" for p, d in result["agree"].items()))
