@@ -237,6 +237,7 @@ def rank_main(rank, args, port, out_q):
     exposed = {p: [] for p in policies}
     backward = {p: [] for p in policies}  # this rank's loss.backward() call, s
     overlapped = {p: [] for p in policies}
+    memory = {p: [] for p in policies}  # gradsync's bucket memory after each step, bytes
     losses = {p: [] for p in policies}
     failed = {}
     for step in range(args.steps):
@@ -269,6 +270,7 @@ def rank_main(rank, args, port, out_q):
             exposed[policy].append(report.exposed_comm_s if report is not None else float("nan"))
             if report is not None:
                 overlapped[policy].append((report.buckets_done_before_finish, report.buckets_launched))
+                memory[policy].append(model.session.memory_bytes)
             losses[policy].append(loss.item())
         if rank == 0 and args.progress and (step + 1) % max(1, args.steps // 10) == 0:
             print(f"  step {step + 1}/{args.steps}", file=sys.stderr, flush=True)
@@ -309,6 +311,7 @@ def rank_main(rank, args, port, out_q):
                     "exposed_comm_s_median": statistics.median(exposed[p][warm:]) if p.startswith("gradsync") else None,
                     # Per step: buckets reduced before backward ended, of those launched.
                     "buckets_overlapped": overlapped[p] or None,
+                    "bucket_memory_bytes": memory[p] or None,
                     "loss_first": losses[p][0],
                     "loss_last": losses[p][-1],
                     "losses": losses[p] if args.losses else None,
@@ -398,6 +401,7 @@ def main():
             done = statistics.median(d for d, _ in r["buckets_overlapped"][args.warmup:])
             launched = statistics.median(n for _, n in r["buckets_overlapped"][args.warmup:])
             exposed += f", buckets done in backward {done:g}/{launched:g}"
+            exposed += f", bucket memory {r['bucket_memory_bytes'][-1] / 2**20:.0f} MiB"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
               f"backward {r['backward_s_median'] * 1e3:7.1f} ms  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
