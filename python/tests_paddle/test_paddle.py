@@ -59,3 +59,16 @@ def test_paddle_data_parallel_leaves_recomputed_gradients_unaveraged(outcomes):
         theirs = outcomes[case]["paddle"]
         assert theirs["status"] == "ok" and theirs["max_diff"] > 1e-3, f"{case}: {theirs}"
     assert outcomes["plain"]["paddle"]["max_diff"] <= TOL
+
+
+def test_the_example_trains_exactly_and_paddle_data_parallel_raises_on_it():
+    example = REPO / "examples" / "paddle" / "train_lm.py"
+    run = subprocess.run([sys.executable, str(example), "--steps", "12", "--log-every", "4"],
+                         capture_output=True, text=True, timeout=240)
+    out = run.stdout
+    assert run.returncode == 0, f"exit {run.returncode}\n{out}\n{run.stderr[-3000:]}"
+    assert "replicas: max |param_r - param_0| = 0.0e+00" in out, out
+    assert "equivalence: max |param - reference|" in out and out.rstrip().endswith("OK"), out
+    theirs = subprocess.run([sys.executable, str(example), "--steps", "2", "--impl", "paddle"],
+                            capture_output=True, text=True, timeout=240)
+    assert theirs.returncode == 1 and "has been ready before" in theirs.stdout, theirs.stdout[-2000:]
