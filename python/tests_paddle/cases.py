@@ -11,6 +11,7 @@ Run as ``python cases.py OUT.json``: spawns 2 gloo ranks that run every case
 under every impl; rank 0 writes ``{case: {impl: outcome}}`` to OUT.json.
 """
 
+import contextlib
 import json
 import sys
 import traceback
@@ -86,7 +87,7 @@ def reference(case, step):
     """param.grad of one process on every rank's batches, / world (per rank's model for unused)."""
     grads = None
     for r in range(WORLD):
-        net = Net("recompute_twice" if case == "two_forwards_one_backward" else _model_case(case), r)
+        net = Net(_model_case(case), r)
         micro = 2 if case == "no_sync_accumulation" else 1
         for m in range(micro):
             (loss_of(net, case, step + 100 * m, r) / WORLD).backward()
@@ -116,21 +117,14 @@ def run(case, impl, rank):
         model = paddle.DataParallel(net, find_unused_parameters=case == "unused_on_one_rank")
     try:
         step = 0
-        if case == "no_sync_accumulation":
-            with model.no_sync():
-                loss_of(model, case, step, rank).backward()
-            if impl == "workaround":
-                with model.no_sync():
-                    loss_of(model, case, step + 100, rank).backward()
-                fused_allreduce_gradients(list(net.parameters()), None)
-            else:
-                loss_of(model, case, step + 100, rank).backward()
-        elif impl == "workaround":
-            with model.no_sync():
-                loss_of(model, case, step, rank).backward()
+        micro = (step, step + 100) if case == "no_sync_accumulation" else (step,)
+        for m, at in enumerate(micro):
+            # Every micro-batch but the last under no_sync; the workaround's all of them.
+            local = impl == "workaround" or m < len(micro) - 1
+            with model.no_sync() if local else contextlib.nullcontext():
+                loss_of(model, case, at, rank).backward()
+        if impl == "workaround":
             fused_allreduce_gradients(list(net.parameters()), None)
-        else:
-            loss_of(model, case, step, rank).backward()
         want = reference(case, step)
         diff = 0.0
         for n, p in net.named_parameters():

@@ -18,6 +18,7 @@ also for parameters inside ``recompute`` (where ``paddle.DataParallel`` leaves
 each rank's own gradient, silently) and parameters some rank did not use.
 """
 
+import contextlib
 import weakref
 
 import paddle
@@ -206,10 +207,16 @@ class DataParallel(paddle.nn.Layer):
 
     # ---- the rest of Paddle's DataParallel surface ---------------------------------------------
 
+    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients over several backward passes; the first
         backward outside the context ends the step with the sum."""
-        return _NoSync(self)
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
 
     def state_dict(self, *args, **kwargs):
         """The wrapped layers' state (no wrapper prefix, as Paddle's DataParallel)."""
@@ -241,14 +248,3 @@ def _hook(ref, index):
 
     return hook
 
-
-class _NoSync:
-    def __init__(self, model):
-        self._model = model
-
-    def __enter__(self):
-        self._previous = self._model._require_sync
-        self._model._require_sync = False
-
-    def __exit__(self, *exc):
-        self._model._require_sync = self._previous

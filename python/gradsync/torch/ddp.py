@@ -289,6 +289,7 @@ class DistributedDataParallel(_TORCH_DDP):
         self._require_sync = True
         self._closed = False
         self._grads = GradWriter(self._params, self._staging)
+        # The writer's list, read by the hook without an attribute hop.
         self._viewable = self._grads.viewable
         # Inside a Join context with divide_by_initial_world_size=True (DDP's
         # default): a step some rank shadowed is divided by the world size.
