@@ -18,12 +18,12 @@ also for parameters inside ``recompute`` (where ``paddle.DataParallel`` leaves
 each rank's own gradient, silently) and parameters some rank did not use.
 """
 
-import contextlib
 import weakref
 
 import paddle
 import paddle.distributed as dist
 
+from gradsync import _accumulate
 from gradsync._errors import ClosedError, ConfigError, UnfinishedStepError
 from gradsync._native import Session
 from gradsync.paddle import _backward
@@ -207,16 +207,10 @@ class DataParallel(paddle.nn.Layer):
 
     # ---- the rest of Paddle's DataParallel surface ---------------------------------------------
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients over several backward passes; the first
         backward outside the context ends the step with the sum."""
-        previous = self._require_sync
-        self._require_sync = False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
+        return _accumulate.no_sync(self)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped layers' state (no wrapper prefix, as Paddle's DataParallel)."""

@@ -36,7 +36,6 @@ Uneven inputs (torch's ``Join``) are in ``_join``; what the model's outputs
 carry to see backward begin, in ``_outputs``.
 """
 
-import contextlib
 import datetime
 import functools
 import itertools
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, _JoinConfig
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradsync import _accumulate
 from gradsync._errors import (
     ClosedError,
     ConfigError,
@@ -494,19 +494,13 @@ class DistributedDataParallel(_TORCH_DDP):
 
     # ---- the rest of the DDP surface ------------------------------------------------------
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients over several backward passes (micro-batches);
         the first backward outside the context ends the step with the sum.
         Unlike DDP's, gradients are still handed over as they are produced, so
         the last micro-batch's backward overlaps the all-reduce (and ``.grad``
         reads ``None`` between micro-batches)."""
-        previous = self._require_sync
-        self._require_sync = False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
+        return _accumulate.no_sync(self)
 
     @property
     def require_backward_grad_sync(self):
