@@ -1,8 +1,10 @@
 """Data-parallel training of a small transformer language model with gradsync, in Paddle.
 
     .venv-paddle/bin/python examples/paddle/train_lm.py [--steps 30] [--impl gradsync|paddle] [--ranks 2]
+    .venv-paddle/bin/python -m paddle.distributed.launch --nproc_per_node 2 examples/paddle/train_lm.py
 
-Two CPU ranks started by ``paddle.distributed.spawn`` (gloo). Every
+Two CPU ranks (gloo), started by ``paddle.distributed.spawn``, or by
+``paddle.distributed.launch`` when the script runs under it. Every
 transformer block runs under ``paddle.distributed.fleet.utils.recompute``
 (Paddle's default, ``use_reentrant=True``), and the output head is the
 embedding matrix itself (tied). With ``--impl paddle`` (``paddle.DataParallel``)
@@ -141,7 +143,11 @@ def main():
     ap.add_argument("--impl", choices=["gradsync", "paddle"], default="gradsync")
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args()
-    dist.spawn(rank_main, args=(args,), nprocs=args.ranks, backend="gloo")
+    if "PADDLE_TRAINER_ID" in os.environ:
+        # Started by paddle.distributed.launch: this process is one rank.
+        rank_main(args)
+    else:
+        dist.spawn(rank_main, args=(args,), nprocs=args.ranks, backend="gloo")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Rank-side cases for ``test_paddle.py``: each case trains a model on this
 rank's batch under ``impl`` and compares ``param.grad`` with one process on
-every rank's batch (gradients / world).
+every rank's batch (gradients / world), in float64 (Paddle's gloo sums
+float64; gradsync reduces in float32, so its figures show float32's rounding).
 
 ``impl``: ``"gradsync"`` (gradsync.paddle.DataParallel), ``"paddle"``
 (``paddle.DataParallel``), ``"workaround"`` (``no_sync`` for the backward,
@@ -26,7 +27,7 @@ IMPLS = ("gradsync", "paddle", "workaround")
 
 
 def batch(step, rank, rows=3, dim=8):
-    x = paddle.to_tensor(np.random.RandomState(1000 * step + rank).randn(rows, dim).astype("float32"))
+    x = paddle.to_tensor(np.random.RandomState(1000 * step + rank).randn(rows, dim))
     x.stop_gradient = False  # recompute produces parameter gradients only then
     return x
 
@@ -37,11 +38,13 @@ class Net(paddle.nn.Layer):
     def __init__(self, case, rank):
         super().__init__()
         paddle.seed(7)
+        paddle.set_default_dtype("float64")
         self.case, self.rank = case, rank
         self.a = paddle.nn.Linear(8, 8)
         self.b = paddle.nn.Linear(8, 4)
         self.tied = self.create_parameter([8, 8])
         self.extra = paddle.nn.Linear(8, 8)  # used by some ranks only in "unused_on_one_rank"
+        paddle.set_default_dtype("float32")
 
     def forward(self, x):
         c = self.case
@@ -91,7 +94,7 @@ def reference(case, step):
         micro = 2 if case == "no_sync_accumulation" else 1
         for m in range(micro):
             (loss_of(net, case, step + 100 * m, r) / WORLD).backward()
-        got = {n: (p.grad.numpy().copy() if p.grad is not None else np.zeros(p.shape, "float32")) for n, p in net.named_parameters()}
+        got = {n: (p.grad.numpy().copy() if p.grad is not None else np.zeros(p.shape)) for n, p in net.named_parameters()}
         grads = got if grads is None else {n: grads[n] + got[n] for n in grads}
     return grads
 
@@ -128,7 +131,7 @@ def run(case, impl, rank):
         want = reference(case, step)
         diff = 0.0
         for n, p in net.named_parameters():
-            g = p.grad.numpy() if p.grad is not None else np.zeros(p.shape, "float32")
+            g = p.grad.numpy() if p.grad is not None else np.zeros(p.shape)
             diff = max(diff, float(np.abs(g - want[n]).max()))
         return {"status": "ok", "max_diff": diff}
     except Exception as e:

@@ -6,6 +6,7 @@ to ``target/pytest/paddle-side-by-side.md``."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,7 @@ def test_paddle_data_parallel_leaves_recomputed_gradients_unaveraged(outcomes):
     assert outcomes["plain"]["paddle"]["max_diff"] <= TOL
 
 
-def test_the_example_trains_exactly_and_paddle_data_parallel_raises_on_it():
+def test_the_example_trains_exactly_and_paddle_data_parallel_raises_on_it(tmp_path):
     example = REPO / "examples" / "paddle" / "train_lm.py"
     run = subprocess.run([sys.executable, str(example), "--steps", "12", "--log-every", "4"],
                          capture_output=True, text=True, timeout=240)
@@ -72,3 +73,11 @@ def test_the_example_trains_exactly_and_paddle_data_parallel_raises_on_it():
     theirs = subprocess.run([sys.executable, str(example), "--steps", "2", "--impl", "paddle"],
                             capture_output=True, text=True, timeout=240)
     assert theirs.returncode == 1 and "has been ready before" in theirs.stdout, theirs.stdout[-2000:]
+    # Started the other way Paddle users start jobs: paddle.distributed.launch.
+    launched = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+                               "--log_dir", str(tmp_path), str(example), "--steps", "4", "--log-every", "2"],
+                              capture_output=True, text=True, timeout=240)
+    log = (tmp_path / "workerlog.0").read_text()
+    assert launched.returncode == 0, f"exit {launched.returncode}\n{log[-3000:]}"
+    assert "replicas: max |param_r - param_0| = 0.0e+00" in log, log[-3000:]
+    assert re.search(r"^equivalence: max \|param - reference\| = \S+ \(tolerance \S+\) OK$", log, re.M), log[-3000:]

@@ -16,20 +16,35 @@ What happens in one step::
 So when ``loss.backward()`` returns every ``param.grad`` holds the average,
 also for parameters inside ``recompute`` (where ``paddle.DataParallel`` leaves
 each rank's own gradient, silently) and parameters some rank did not use.
+
+When a rank cannot finish a step (out of memory), :meth:`DataParallel.abort_step`
+skips it on every rank at once; a rank out of data calls
+:meth:`DataParallel.join_now`; after a failed collective (a rank gone or
+stalled past gloo's 30 s) every rank calls :meth:`DataParallel.reset` and
+goes on, on a fresh group (``_comm``).
 """
 
+import logging
 import weakref
 
 import paddle
 import paddle.distributed as dist
+from paddle.distributed import collective
 
 from gradsync import _accumulate
 from gradsync._errors import ClosedError, ConfigError, UnfinishedStepError
 from gradsync._native import Session
 from gradsync.paddle import _backward
-from gradsync.paddle._comm import PaddleCommunicator
+from gradsync.paddle._comm import GLOO_TIMEOUT_S, PaddleCommunicator
+
+log = logging.getLogger("gradsync.paddle")
 
 _DTYPES = {paddle.float32: "float32", paddle.float64: "float64", paddle.float16: "float16", paddle.bfloat16: "bfloat16"}
+# Wire types of the data buckets. float16 is not one: Paddle's gloo sums it to inf.
+_WIRES = ("float32", "bfloat16")
+# Wrappers built per set of ranks, in order: every rank builds them in the
+# same order, so the n-th wrapper's groups have the same ids everywhere.
+_BUILT = {}
 
 
 class _OpenStep:
@@ -55,12 +70,30 @@ class DataParallel(paddle.nn.Layer):
     ``strategy`` and ``find_unused_parameters`` are accepted and not needed
     (gradsync finds unused parameters and repeated hooks by itself).
     ``group``: the ranks (default: all); gradsync builds gloo groups of its
-    own over them. ``timeout``: seconds a step may wait for the other ranks.
+    own over them.
+
+    gradsync's own settings, as in :class:`gradsync.torch.DistributedDataParallel`:
+
+    * ``abort_policy``: ``"skip"`` (default): a step some rank aborted
+      (:meth:`abort_step`) is applied by no rank; ``"partial"``: averaged over
+      the ranks that finished, on every rank.
+    * ``record_timeline``: keep every step's timeline for :meth:`write_timeline`.
+    * ``wire_dtype``: ``"bfloat16"`` sends the data buckets in that type (half
+      the bytes; the sum loses precision), ``"float32"`` (default) as they
+      are. Control words and corrections always travel exactly.
+
+    A collective waits at most 30 s for the other ranks: Paddle's gloo gives
+    up then, and its groups take no other deadline. A rank that does not
+    join in time is named in the :class:`gradsync.TimeoutError`; call
+    :meth:`reset` on every rank to go on.
 
     Gradients of float32 parameters are reduced as they are; float64,
     float16 and bfloat16 ones are converted to float32 for the reduction and
-    back. CPU parameters only for now.
+    back (float64 loses precision beyond float32). CPU parameters only for now.
     """
+
+    #: gradsync's own keyword arguments.
+    GRADSYNC_SETTINGS = ("abort_policy", "record_timeline", "wire_dtype")
 
     def __init__(
         self,
@@ -70,13 +103,25 @@ class DataParallel(paddle.nn.Layer):
         last_comm_buffer_size=1,
         find_unused_parameters=False,
         group=None,
-        timeout=300.0,
+        *,
+        abort_policy="skip",
+        record_timeline=False,
+        wire_dtype="float32",
     ):
         super().__init__()
         if not dist.is_initialized():
             raise ConfigError("call paddle.distributed.init_parallel_env() before wrapping")
+        store = collective._default_store
+        if store is None:
+            raise ConfigError(
+                "Paddle's job store is missing: start the ranks with paddle.distributed.spawn or "
+                "python -m paddle.distributed.launch and call init_parallel_env()"
+            )
         if isinstance(layers, DataParallel) or isinstance(layers, paddle.DataParallel):
             raise ConfigError("these layers are already wrapped for data parallelism: wrap the plain layers")
+        if wire_dtype not in _WIRES:
+            why = " (Paddle's gloo sums float16 to inf)" if wire_dtype == "float16" else ""
+            raise ConfigError(f"wire_dtype {wire_dtype!r}: use one of {list(_WIRES)}{why}")
         named = [(n, p) for n, p in layers.named_parameters() if not p.stop_gradient]
         if not named:
             raise ConfigError("the layers have no trainable parameter: there is nothing to synchronize")
@@ -91,10 +136,12 @@ class DataParallel(paddle.nn.Layer):
         ranks = list(group.ranks) if group is not None else list(range(dist.get_world_size()))
         self._rank = ranks.index(dist.get_rank())
         self._world = len(ranks)
-        # Two groups of gradsync's own, built on every rank in the same order:
-        # one for the runtime's collectives (its communicator thread), one for
-        # model states (this thread).
-        self._comm = PaddleCommunicator(dist.new_group(ranks=ranks, backend="gloo"))
+        key = tuple(ranks)
+        nth = _BUILT[key] = _BUILT.get(key, 0) + 1
+        # The runtime's collectives run on a gloo group the communicator
+        # creates itself (and re-creates after a reset); model states go
+        # over a second one, from this thread.
+        self._comm = PaddleCommunicator(store=store, nth=nth, rank=self._rank, world=self._world, wire_dtype=wire_dtype)
         self._states = dist.new_group(ranks=ranks, backend="gloo")
         self._ranks = ranks
         self._broadcast_parameters()
@@ -106,7 +153,9 @@ class DataParallel(paddle.nn.Layer):
             [int(p.size) for p in self._params],
             [_DTYPES[p.dtype] for p in self._params],
             bucket_cap_bytes=max(int(comm_buffer_size * (1 << 20)), 1),
-            timeout_s=float(timeout),
+            timeout_s=GLOO_TIMEOUT_S,
+            abort_policy=abort_policy,
+            record_timeline=record_timeline,
         )
         self._open = _OpenStep(0, len(self._params))
         self._require_sync = True
@@ -170,8 +219,42 @@ class DataParallel(paddle.nn.Layer):
         return self._finish()
 
     def _finish(self):
-        step = self._open
-        result = self._session.finish(step.number)
+        return self._apply(self._session.finish(self._open.number))
+
+    def abort_step(self, reason="out_of_memory"):
+        """This rank cannot finish the step (call it in the ``except`` that
+        caught the out-of-memory error or the bad batch): every rank's step is
+        skipped, or with ``abort_policy="partial"`` averaged over the ranks
+        that finished. Nobody blocks. ``reason``: ``"out_of_memory"``,
+        ``"bad_batch"``, ``"non_finite"`` or an integer code. Returns the
+        step's report."""
+        if self._closed:
+            raise ClosedError("this gradsync DataParallel was closed")
+        return self._apply(self._session.abort(self._open.number, reason))
+
+    def join_now(self):
+        """This rank has run out of data: contribute zeros to the other ranks'
+        steps until every rank has joined (each of those steps is averaged
+        over the ranks that contributed). Returns ``{"first_step", "steps"}``."""
+        if self._closed:
+            raise ClosedError("this gradsync DataParallel was closed")
+        first, steps = self._session.join()
+        self._new_step()
+        return {"first_step": first, "steps": steps}
+
+    def reset(self):
+        """After a failed step (``gradsync.StepFailedError``), on every rank:
+        agree on the step to continue at, on a fresh gloo group, and clear
+        the failed step's state. Returns that step."""
+        if self._closed:
+            raise ClosedError("this gradsync DataParallel was closed")
+        step = self._session.reset()
+        self._new_step()
+        return step
+
+    def _apply(self, result):
+        """Write a finished step's averages into ``param.grad`` (or clear the
+        gradients of a step no rank may apply); returns its report."""
         report = result.report
         self.last_report = report
         try:
@@ -181,20 +264,22 @@ class DataParallel(paddle.nn.Layer):
                         continue
                     if p.grad is None:  # unused on this rank, used on another
                         p.grad = paddle.zeros_like(p)
-                    if p.grad.dtype == paddle.float32:
-                        result.copy_into_ptr(i, p.grad.data_ptr())
-                    else:
-                        host = paddle.zeros(p.shape, dtype="float32")
-                        result.copy_into_ptr(i, host.data_ptr())
-                        with paddle.no_grad():
-                            p.grad.copy_(host.astype(p.grad.dtype), False)
+                    # Converted to the parameter's type on the way (Paddle's
+                    # gradients are dense, contiguous and of that type).
+                    result.copy_into_ptr(i, p.grad.data_ptr())
             else:
+                # Skipped on every rank: no optimizer may apply this step.
                 for p in self._params:
                     p.clear_gradient(False)
+                if report.outcome == "skipped":
+                    log.warning("gradsync step %d skipped: ranks %s aborted", report.step, report.aborted)
         finally:
             result.release()
-            self._open = _OpenStep(self._session.current_step, len(self._params))
+            self._new_step()
         return report
+
+    def _new_step(self):
+        self._open = _OpenStep(self._session.current_step, len(self._params))
 
     def _raise_if_unfinished(self, before):
         step = self._open
@@ -221,6 +306,16 @@ class DataParallel(paddle.nn.Layer):
 
     set_dict = set_state_dict
     load_dict = set_state_dict
+
+    def write_timeline(self, path):
+        """Write every step's timeline as Chrome trace JSON (open it in
+        https://ui.perfetto.dev); needs ``record_timeline=True``."""
+        return self._session.write_timeline(path)
+
+    @property
+    def current_step(self):
+        """The step gradients are being collected for."""
+        return self._open.number
 
     session = property(lambda self: self._session, doc="The underlying :class:`gradsync.Session`.")
 
