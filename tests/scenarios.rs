@@ -385,3 +385,50 @@ fn hooks_from_many_threads_race_and_stay_exact() {
         }
     }
 }
+
+/// A model registered in the reverse of the order backward runs (modules
+/// declared last-used-first): the first plan's bucket 0 fills last, so in
+/// step 0 nothing launches before backward ends. The ranks rebuild the plan
+/// after step 0 from their summed gradient positions (rank 1 saw p1 before
+/// p0, the others p0 first): from step 1 the first gradient launches its
+/// bucket at once, and every step is exact.
+#[test]
+fn backward_in_registration_order_rebuilds_the_plan_after_the_first_step() {
+    let numels = [4, 4, 4, 4];
+    let world = 4;
+    let order = |rank: usize| if rank == 1 { [1, 0, 2, 3] } else { [0, 1, 2, 3] };
+    let script = |rank: usize, step: u64| -> Vec<Sent> {
+        order(rank).iter().map(|&p| Sent::acc(p, 0, vals(rank, step, p, 0, numels[p]))).collect()
+    };
+    let syncs = build_world(world, &numels, |b| {
+        b.bucket_cap_bytes(16).divisor(Divisor::Sum);
+    });
+    let outcomes = on_ranks(syncs, |rank, mut sync| {
+        let mut out = Vec::new();
+        for step in 0..4 {
+            let sent = script(rank, step);
+            sent[0].deliver(&sync, step);
+            let launched = sync.progress().unwrap().buckets_launched;
+            for s in &sent[1..] {
+                s.deliver(&sync, step);
+            }
+            let r = sync.finish_step(step).unwrap();
+            let g = r.gradients.as_ref().unwrap();
+            let values: Vec<_> = (0..numels.len()).map(|p| g.to_vec(pid(p))).collect();
+            out.push((launched, values));
+        }
+        out
+    });
+    for step in 0..4u64 {
+        let sent: Vec<Vec<Sent>> = (0..world).map(|r| script(r, step)).collect();
+        for (rank, per_step) in outcomes.iter().enumerate() {
+            let (launched, values) = &per_step[step as usize];
+            for (p, &n) in numels.iter().enumerate() {
+                assert_eq!(values[p], summed_reference(&sent, p, n), "step {step} rank {rank} param {p}");
+            }
+            // Rank 1's first gradient (p1) is the rebuilt plan's second bucket.
+            let want = if step == 0 || rank == 1 { 0 } else { 1 };
+            assert_eq!(*launched, want, "step {step} rank {rank}: buckets launched after the first gradient");
+        }
+    }
+}

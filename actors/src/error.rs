@@ -61,6 +61,12 @@ pub enum CollectiveKind {
         /// Length of the agreement vector.
         len: usize,
     },
+    /// After a step whose control vote asked for it: every rank's position
+    /// of each gradient, summed, to rebuild the bucket plan in that order.
+    Order {
+        /// One word per parameter.
+        len: usize,
+    },
 }
 
 impl CollectiveKind {
@@ -72,6 +78,7 @@ impl CollectiveKind {
             CollectiveKind::Control { .. } => "control",
             CollectiveKind::Correction { .. } => "correction",
             CollectiveKind::Reset { .. } => "reset",
+            CollectiveKind::Order { .. } => "order",
         }
     }
 }
@@ -88,6 +95,7 @@ impl fmt::Display for CollectiveTag {
                 write!(f, "step {} correction ({} values)", self.step, numel)
             }
             CollectiveKind::Reset { len } => write!(f, "reset agreement ({len} words)"),
+            CollectiveKind::Order { len } => write!(f, "step {} gradient order ({len} words)", self.step),
         }
     }
 }

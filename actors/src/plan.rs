@@ -8,6 +8,12 @@
 //! from the same registrations; ranks check that they agree before the first
 //! bucket is reduced (the plan collective) and every step's control collective
 //! carries a digest of the collectives issued.
+//!
+//! Backward does not always follow reverse registration (a module registered
+//! before the ones it feeds, a weight used at both ends): the scheduler then
+//! rebuilds the plan in the order gradients were seen ([`Plan::reordered`],
+//! `scheduler/reorder.rs`), from positions summed over every rank, so the
+//! rebuilt plan is again the same everywhere.
 
 use std::collections::HashMap;
 
@@ -124,22 +130,29 @@ impl Plan {
     /// Build the plan: reverse registration order, buckets capped at
     /// `bucket_cap_bytes` (at least one parameter per bucket).
     pub(crate) fn build(params: Vec<ParamSpec>, bucket_cap_bytes: usize) -> Plan {
-        let mut buckets: Vec<Vec<ParamId>> = Vec::new();
-        let mut current: Vec<ParamId> = Vec::new();
-        let mut current_bytes = 0usize;
-        for (i, spec) in params.iter().enumerate().rev() {
-            let bytes = spec.numel * spec.dtype.size();
-            if !current.is_empty() && current_bytes + bytes > bucket_cap_bytes {
-                buckets.push(std::mem::take(&mut current));
-                current_bytes = 0;
-            }
-            current.push(ParamId::from_index(i));
-            current_bytes += bytes;
-        }
-        if !current.is_empty() {
-            buckets.push(current);
-        }
+        let order: Vec<ParamId> = (0..params.len()).rev().map(ParamId::from_index).collect();
+        let buckets = fill(&params, &order, bucket_cap_bytes);
         Plan::from_layout(params, buckets, bucket_cap_bytes)
+    }
+
+    /// The plan for the same parameters and cap whose buckets follow `order`
+    /// (every parameter once, the first to become ready first), as
+    /// the first plan follows reverse registration.
+    pub fn reordered(&self, order: &[ParamId]) -> Plan {
+        let buckets = fill(&self.params, order, self.bucket_cap_bytes);
+        Plan::from_layout(self.params.clone(), buckets, self.bucket_cap_bytes)
+    }
+
+    /// Whether this plan's buckets hold the same members, in the same launch
+    /// order, as the plan `order` would give: the order within a bucket does
+    /// not change when it can launch.
+    pub fn fits(&self, order: &[ParamId]) -> bool {
+        let wanted = fill(&self.params, order, self.bucket_cap_bytes);
+        wanted.len() == self.buckets.len()
+            && wanted.iter().enumerate().all(|(b, members)| {
+                members.len() == self.buckets[b].params.len()
+                    && members.iter().all(|p| self.slots[p.index()].bucket == b)
+            })
     }
 
     /// A plan with the given bucket membership (every parameter in exactly one
@@ -260,6 +273,28 @@ impl Plan {
     }
 }
 
+/// Buckets in launch order: `order` cut greedily at `cap` bytes (a
+/// parameter larger than the cap gets a bucket of its own).
+fn fill(params: &[ParamSpec], order: &[ParamId], cap: usize) -> Vec<Vec<ParamId>> {
+    let mut buckets: Vec<Vec<ParamId>> = Vec::new();
+    let mut current: Vec<ParamId> = Vec::new();
+    let mut current_bytes = 0usize;
+    for &p in order {
+        let spec = &params[p.index()];
+        let bytes = spec.numel * spec.dtype.size();
+        if !current.is_empty() && current_bytes + bytes > cap {
+            buckets.push(std::mem::take(&mut current));
+            current_bytes = 0;
+        }
+        current.push(p);
+        current_bytes += bytes;
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
 /// FNV-1a over u64 words: stable across processes (unlike `DefaultHasher`).
 pub(crate) struct Fnv(pub(crate) u64);
 
@@ -317,6 +352,25 @@ mod tests {
                 assert_eq!(off, plan.bucket_numel(b));
             }
         }
+    }
+
+    #[test]
+    fn a_reordered_plan_follows_its_order_and_fits_it() {
+        let p = ParamId::from_index;
+        // Cap of two values: reverse registration gives [p2] [p1 p0].
+        let plan = Plan::build(specs(&[1, 1, 3]), 8);
+        assert!(plan.fits(&[p(2), p(1), p(0)]));
+        assert!(plan.fits(&[p(2), p(0), p(1)]), "the order inside a bucket does not matter");
+        let forward = [p(0), p(1), p(2)];
+        assert!(!plan.fits(&forward));
+        let rebuilt = plan.reordered(&forward);
+        let members: Vec<Vec<usize>> =
+            (0..rebuilt.num_buckets()).map(|b| rebuilt.bucket_params(b).iter().map(|q| q.index()).collect()).collect();
+        assert_eq!(members, vec![vec![0, 1], vec![2]]);
+        assert!(rebuilt.fits(&forward));
+        assert_eq!(rebuilt.total_numel(), plan.total_numel());
+        assert_ne!(rebuilt.fingerprint(), plan.fingerprint(), "ranks agree on the new layout");
+        assert_eq!(rebuilt.reordered(&[p(2), p(1), p(0)]), plan);
     }
 
     #[test]

@@ -129,6 +129,10 @@ pub struct StepReport {
     pub unused_everywhere: Vec<ParamId>,
     /// Data buckets all-reduced.
     pub buckets_launched: u32,
+    /// Data buckets handed to the communicator before `finish_step` was
+    /// called: launched while backward ran (whether they finished in time
+    /// depends on the network; this depends only on the plan and the order).
+    pub buckets_launched_before_finish: u32,
     /// Data buckets whose all-reduce had completed before `finish_step` was called.
     pub buckets_done_before_finish: u32,
     /// Bytes this rank put into collectives (data, control and correction).

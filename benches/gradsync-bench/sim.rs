@@ -162,6 +162,8 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
             check_finite: false,
             record_timeline: false,
             scale_when_packing: false,
+            // The simulated plan is the model's own layout, kept as is.
+            reorder: false,
         },
         learning_window: 4,
         idle_spin: Duration::ZERO,
@@ -247,9 +249,10 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                 let bytes = match job.tag.kind {
                     CollectiveKind::Bucket { index, .. } => bucket_bytes[index],
                     CollectiveKind::Correction { .. } => late_bytes,
-                    CollectiveKind::Plan { len } | CollectiveKind::Control { len } | CollectiveKind::Reset { len } => {
-                        len as f64 * 8.0
-                    }
+                    CollectiveKind::Plan { len }
+                    | CollectiveKind::Control { len }
+                    | CollectiveKind::Reset { len }
+                    | CollectiveKind::Order { len } => len as f64 * 8.0,
                 };
                 let start = comm_free.max(now);
                 comm_free = start + ns(preset.allreduce(bytes, n));

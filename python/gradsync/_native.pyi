@@ -34,6 +34,7 @@ class StepReport:
     unused_local: int
     unused_everywhere: list[int]
     buckets_launched: int
+    buckets_launched_before_finish: int
     buckets_done_before_finish: int
     bytes_launched: int
     exposed_comm_s: float
@@ -72,6 +73,7 @@ class Session:
         record_timeline: bool = ...,
         param_shards: int = ...,
         in_flight: int = ...,
+        reorder_buckets: bool = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

@@ -162,11 +162,13 @@ impl Session {
     /// `dtypes` name each gradient's element type (`"float32"`, `"float64"`,
     /// `"float16"`, `"bfloat16"`); gradsync reduces in float32. Up to
     /// `in_flight` collectives overlap when the communicator has `start` and
-    /// `wait_oldest`.
+    /// `wait_oldest`. `reorder_buckets` rebuilds the bucket plan in the order
+    /// gradients arrive (after the first step, and when that order changes
+    /// for several steps), the same plan on every rank.
     #[new]
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
-                        param_shards = 1, in_flight = 2))]
+                        param_shards = 1, in_flight = 2, reorder_buckets = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -183,6 +185,7 @@ impl Session {
         record_timeline: bool,
         param_shards: usize,
         in_flight: usize,
+        reorder_buckets: bool,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -214,7 +217,8 @@ impl Session {
             .abort_policy(parse_policy(py, abort_policy)?)
             .divisor(divisor)
             .record_timeline(record_timeline)
-            .param_shards(param_shards);
+            .param_shards(param_shards)
+            .reorder_buckets(reorder_buckets);
         // Collectives overlap only with a communicator that can start and wait separately.
         let windowed =
             ["start", "wait_oldest", "discard"].iter().all(|m| communicator.bind(py).hasattr(*m).unwrap_or(false));
@@ -532,6 +536,8 @@ struct StepReport {
     unused_everywhere: Vec<usize>,
     /// Data buckets all-reduced.
     buckets_launched: u32,
+    /// Buckets launched before the end of backward.
+    buckets_launched_before_finish: u32,
     /// Buckets reduced before the end of backward (overlap).
     buckets_done_before_finish: u32,
     /// Bytes this rank put into collectives.
@@ -567,6 +573,7 @@ impl StepReport {
             unused_local: r.unused_local,
             unused_everywhere: r.unused_everywhere.iter().map(|p| p.index()).collect(),
             buckets_launched: r.buckets_launched,
+            buckets_launched_before_finish: r.buckets_launched_before_finish,
             buckets_done_before_finish: r.buckets_done_before_finish,
             bytes_launched: r.bytes_launched,
             exposed_comm_s: r.exposed_comm.as_secs_f64(),
@@ -598,6 +605,7 @@ impl StepReport {
                 ("unused_local", value(py, self.unused_local)),
                 ("unused_everywhere", value(py, self.unused_everywhere.clone())),
                 ("buckets_launched", value(py, self.buckets_launched)),
+                ("buckets_launched_before_finish", value(py, self.buckets_launched_before_finish)),
                 ("buckets_done_before_finish", value(py, self.buckets_done_before_finish)),
                 ("bytes_launched", value(py, self.bytes_launched)),
                 ("exposed_comm_s", value(py, self.exposed_comm_s)),

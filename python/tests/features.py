@@ -76,6 +76,42 @@ def accumulation(rank, world, micro=3, steps=3):
     return {"max_diff": worst, "overlapped": overlapped, "buckets": wrapped.last_report.buckets_launched}
 
 
+class DeclaredBackwards(nn.Module):
+    """Layers declared last-used-first: registration order is backward's own
+    order, the reverse of what the first bucket plan assumes. Backward spends
+    30 ms (``Slow``) before the first layer's gradients."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(31)
+        self.head = nn.Linear(16, 1)
+        self.middle = nn.Linear(16, 16)
+        self.first = nn.Linear(10, 16)
+        self.slow = Slow()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.middle(torch.tanh(self.slow(self.first(x))))))
+
+
+def declared_backwards(rank, world, steps=4):
+    """The plan is rebuilt in gradient order after the first step: from the
+    second step, the buckets holding only the head's and middle's gradients
+    are reduced while backward is still in ``Slow`` (in the first step every
+    bucket waited for the first layer); every step is exact."""
+    model = DeclaredBackwards().double()
+    wrapped = DDP(copy.deepcopy(model), bucket_cap_mb=0.0005)
+    worst, overlapped = 0.0, []
+    for step in range(steps):
+        wrapped.zero_grad()
+        wrapped(batch(step, rank)).sum().backward()
+        want = averaged_reference(model, world, step)
+        worst = max(worst, max((p.grad - w).abs().max().item() for p, w in zip(wrapped.parameters(), want)))
+        overlapped.append(wrapped.last_report.buckets_done_before_finish)
+    buckets = wrapped.last_report.buckets_launched
+    wrapped.close()
+    return {"max_diff": worst, "overlapped": overlapped, "buckets": buckets}
+
+
 def two_models(rank, world, steps=3):
     """``A(B(x))`` with each model wrapped separately (each has its own group)."""
     torch.manual_seed(29)

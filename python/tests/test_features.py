@@ -17,6 +17,15 @@ def test_accumulation_with_no_sync_keeps_overlap(world2):
         assert min(out["overlapped"][1:]) >= 1, f"rank {rank}: no overlap {out['overlapped']}"
 
 
+def test_buckets_follow_backward_when_registration_order_is_its_reverse(world2):
+    for rank, out in enumerate(world2.run(features.declared_backwards)):
+        assert out["max_diff"] < 1e-5, f"rank {rank}: off by {out['max_diff']}"
+        # Once the plan follows backward, the two buckets of the head's and
+        # middle's gradients are reduced during the 30 ms before the first
+        # layer's (with reverse registration, none is: bucket 0 waits for it).
+        assert min(out["overlapped"][1:]) >= 2, f"rank {rank}: overlap per step {out['overlapped']}"
+
+
 def test_two_wrapped_models_in_one_program(world2):
     for rank, out in enumerate(world2.run(features.two_models)):
         assert out["max_diff"] < 1e-5, f"rank {rank}: off by {out['max_diff']}"

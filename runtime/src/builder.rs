@@ -26,6 +26,7 @@ pub struct GradSyncBuilder {
     pub(crate) record_timeline: bool,
     pub(crate) idle_spin: Duration,
     pub(crate) recycle_payloads: bool,
+    pub(crate) reorder_buckets: bool,
 }
 
 impl Default for GradSyncBuilder {
@@ -42,6 +43,7 @@ impl Default for GradSyncBuilder {
             record_timeline: false,
             idle_spin: Duration::ZERO,
             recycle_payloads: false,
+            reorder_buckets: true,
         }
     }
 }
@@ -130,6 +132,16 @@ impl GradSyncBuilder {
     /// most two vectors per parameter wait; beyond that they are freed.
     pub fn recycle_payloads(&mut self, on: bool) -> &mut Self {
         self.recycle_payloads = on;
+        self
+    }
+
+    /// Rebuild the bucket plan in the order gradients arrive (default on):
+    /// after the first step if that order does not fit reverse registration,
+    /// later only when it has not fit for several steps in a row. Every
+    /// rank's positions are summed, so the new plan is the same everywhere.
+    /// Off keeps reverse registration order for good.
+    pub fn reorder_buckets(&mut self, on: bool) -> &mut Self {
+        self.reorder_buckets = on;
         self
     }
 

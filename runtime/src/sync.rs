@@ -125,6 +125,7 @@ impl<S: GradStore> GradSync<S> {
                 check_finite: b.check_finite,
                 record_timeline: b.record_timeline,
                 scale_when_packing: transport.scale_when_packing(),
+                reorder: b.reorder_buckets,
             },
             learning_window: b.learning_window,
             idle_spin: b.idle_spin,
@@ -199,7 +200,10 @@ impl<S: GradStore> GradSync<S> {
         self.world
     }
 
-    /// The bucket plan in force.
+    /// The bucket plan the parameters were registered with (reverse
+    /// registration order). The scheduler may rebuild it in the order
+    /// gradients arrive ([`crate::GradSyncBuilder::reorder_buckets`]); bucket
+    /// count and order may then differ, total bytes never do.
     pub fn plan(&self) -> &Plan {
         &self.plan
     }

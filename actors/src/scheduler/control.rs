@@ -1,7 +1,7 @@
 //! The layouts of the small integer collectives: the per-step control vote
 //! and the plan agreement.
 //!
-//! After the last data bucket every rank contributes `2·W + 2·P` u64 words
+//! After the last data bucket every rank contributes `2·W + 2·P + 1` u64 words
 //! (`W` ranks, `P` parameters; `+P` under the partial abort policy), summed
 //! with wrapping addition:
 //!
@@ -12,10 +12,13 @@
 //! | `2W..2W+P`       | 1 where a parameter arrived late              | the union of late parameters      |
 //! | `2W+P..2W+2P`    | 1 where a parameter was used                  | parameters unused on every rank   |
 //! | `2W+2P..2W+3P`   | 1 where an aborting rank must retract a value | parameters to correct (partial)   |
+//! | last             | 1 if the plan did not fit its gradient order  | whether to rebuild the plan       |
 //!
 //! Writing into a rank's own slot turns the sum into an all-gather, which is
 //! what lets every rank *name* the aborting, joined or disagreeing ranks.
-//! The plan agreement is the fingerprint section alone (`W` words).
+//! The plan agreement is the fingerprint section alone (`W` words). The
+//! order collective that rebuilds a plan carries one word per parameter: the
+//! position at which this rank last saw its gradient (see `reorder.rs`).
 
 use crate::arrival::ParamId;
 use crate::report::AbortReason;
@@ -62,6 +65,9 @@ pub struct ControlVote<'a> {
     /// Per parameter: this (aborting) rank sent a value that must be retracted;
     /// `Some` exactly under the partial policy (the section exists on every rank).
     pub retract: Option<&'a [bool]>,
+    /// The plan did not fit the order this rank's gradients came in (for
+    /// long enough): it asks every rank to rebuild it.
+    pub reorder: bool,
 }
 
 impl ControlVote<'_> {
@@ -69,7 +75,7 @@ impl ControlVote<'_> {
     pub fn encode(&self) -> Vec<u64> {
         let (w, p) = (self.world, self.late.len());
         let sections = 2 + usize::from(self.retract.is_some());
-        let mut words = vec![0u64; 2 * w + sections * p];
+        let mut words = vec![0u64; 2 * w + sections * p + 1];
         words[self.rank] = self.status.code();
         words[w + self.rank] = self.fingerprint;
         let bits = [Some(self.late), Some(self.used), self.retract];
@@ -78,6 +84,7 @@ impl ControlVote<'_> {
                 words[2 * w + s * p + i] = u64::from(bit);
             }
         }
+        words[2 * w + sections * p] = u64::from(self.reorder);
         words
     }
 }
@@ -130,6 +137,8 @@ pub struct ControlVerdict {
     pub unused_everywhere: Vec<bool>,
     /// Parameters some aborting rank must retract, ascending (partial policy).
     pub retract: Vec<ParamId>,
+    /// Some rank asked to rebuild the plan.
+    pub reorder: bool,
 }
 
 impl ControlVerdict {
@@ -137,7 +146,7 @@ impl ControlVerdict {
     /// says whether the retract section is present.
     pub fn decode(words: &[u64], world: usize, params: usize, partial: bool) -> ControlVerdict {
         let sections = 2 + usize::from(partial);
-        assert_eq!(words.len(), 2 * world + sections * params, "control vector length");
+        assert_eq!(words.len(), 2 * world + sections * params + 1, "control vector length");
         let status = &words[..world];
         let aborted = (0..world)
             .filter(|&r| status[r] != 0 && status[r] != JOINED)
@@ -155,6 +164,7 @@ impl ControlVerdict {
             late: set(0),
             unused_everywhere: section(1).iter().map(|&n| n == 0).collect(),
             retract: if partial { set(2) } else { Vec::new() },
+            reorder: words[2 * world + sections * params] != 0,
         }
     }
 }
@@ -190,7 +200,7 @@ mod tests {
             RankStatus::Finished,
             RankStatus::Joined,
         ];
-        let mut sum = vec![0u64; 2 * world + 9];
+        let mut sum = vec![0u64; 2 * world + 9 + 1];
         for r in 0..world {
             let vote = ControlVote {
                 rank: r,
@@ -200,6 +210,7 @@ mod tests {
                 late: &late[r],
                 used: &used[r],
                 retract: Some(&retract[r]),
+                reorder: r == 3,
             };
             add_assign(&mut sum, &vote.encode());
         }
@@ -210,6 +221,7 @@ mod tests {
         assert_eq!(v.late, vec![p(0), p(1)]);
         assert_eq!(v.unused_everywhere, vec![false, false, true]);
         assert_eq!(v.retract, vec![p(0)]);
+        assert!(v.reorder, "one rank asking is enough");
         let d = disagreement(&v.fingerprints).expect("rank 2 differs");
         assert_eq!((d.ranks, d.majority), (vec![2], true));
     }
@@ -239,6 +251,7 @@ mod tests {
             late: &late,
             used: &used,
             retract: None,
+            reorder: true,
         };
         let mut mirrored = vote.encode();
         mirror_vote(&mut mirrored, 3, 2);

@@ -52,7 +52,10 @@ impl<S: GradStore> Scheduler<S> {
         let slot = self.plan.slot(param);
         let launched = self.step.launched(slot.bucket);
         let partial = self.cfg.policy == AbortPolicy::Partial;
+        self.step.seq += 1;
+        let seq = self.step.seq;
         let ps = &mut self.step.params[param.index()];
+        ps.seen = seq;
         if kind == PayloadKind::Accumulated && ps.token.is_some_and(|t| token <= t) {
             // Superseded by a higher token already accepted (hooks racing on
             // several threads): the result depends on the set, not the order.
@@ -154,6 +157,9 @@ impl<S: GradStore> Scheduler<S> {
         }
         self.step.buckets[b] = BucketState::InFlight;
         self.step.next_launch = b + 1;
+        if self.step.finish_at.is_none() {
+            self.step.launched_before_finish += 1;
+        }
         // Scaled while packing, or by the transport after the sum.
         let factor =
             if self.cfg.scale_when_packing { 1.0 } else { self.cfg.divisor.factor(self.step.launch_contributors) };
@@ -197,6 +203,7 @@ impl<S: GradStore> Scheduler<S> {
             }
             (CollectiveKind::Control { .. }, CommPayload::Words(words)) => self.on_control(&words),
             (CollectiveKind::Correction { .. }, CommPayload::Grads(buf)) => self.on_correction(&buf),
+            (CollectiveKind::Order { .. }, CommPayload::Words(words)) => self.on_order(&words),
             (kind, _) => unreachable!("payload does not match collective {kind:?}"),
         }
     }

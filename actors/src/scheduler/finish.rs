@@ -143,6 +143,7 @@ impl<S: GradStore> Scheduler<S> {
             late: &late,
             used: &used,
             retract: partial.then_some(retract.as_slice()),
+            reorder: finished && self.wants_reorder(),
         };
         let words = vote.encode();
         let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Control { len: words.len() } };
@@ -179,7 +180,8 @@ impl<S: GradStore> Scheduler<S> {
             };
             return self.fail(error);
         }
-        let ControlVerdict { aborted, joined, late, unused_everywhere, retract, .. } = verdict;
+        let ControlVerdict { aborted, joined, late, unused_everywhere, retract, reorder, .. } = verdict;
+        self.step.reorder = reorder;
         self.step.unused_everywhere = unused_everywhere;
         self.step.joined = joined.clone();
         self.joined = joined.len();
@@ -306,6 +308,7 @@ impl<S: GradStore> Scheduler<S> {
             unused_local: st.params.iter().filter(|p| !p.used).count() as u32,
             unused_everywhere: self.plan.param_ids().iter().copied().filter(|p| unused_everywhere[p.index()]).collect(),
             buckets_launched: st.next_launch as u32,
+            buckets_launched_before_finish: st.launched_before_finish,
             buckets_done_before_finish: st.reduced_before_finish,
             bytes_launched: st.bytes,
             exposed_comm: Instant::now().saturating_duration_since(req.at),
@@ -315,6 +318,7 @@ impl<S: GradStore> Scheduler<S> {
         let step_time = st.began.map_or(Duration::ZERO, |t| t.elapsed());
         crate::telemetry::step(&self.rank_label, &report, step_time);
         self.expect_none = st.params.iter().map(|p| p.expect_none_next).collect();
+        let order = st.reorder.then(|| super::reorder::positions(&st));
         for (p, ps) in st.params.into_iter().enumerate() {
             let id = self.plan.param_ids()[p];
             for v in [ps.sent, ps.late].into_iter().flatten() {
@@ -333,7 +337,10 @@ impl<S: GradStore> Scheduler<S> {
             Gradients::new(st.step, Arc::clone(&self.plan), buffers, unused_everywhere, give_back)
         });
         req.reply.send(Ok(StepResult { report, gradients }));
-        self.replay_next();
+        match order {
+            Some(words) => self.start_reorder(st.step, words),
+            None => self.replay_next(),
+        }
     }
 
     /// Fewer ranks contributed than the launch factor assumed (a rank joined

@@ -25,6 +25,7 @@
 pub mod control;
 mod data;
 mod finish;
+mod reorder;
 mod reset;
 mod step;
 #[cfg(test)]
@@ -46,6 +47,8 @@ use crate::plan::Plan;
 use crate::policy::{AbortPolicy, Divisor};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
+use reorder::OrderWatch;
+pub use reorder::REORDER_AFTER;
 use step::{BufferPool, Failure, Lifecycle, Refusals, StepState};
 
 /// How many future steps' refusals are kept for their reports (beyond that,
@@ -76,6 +79,8 @@ pub struct SchedulerConfig {
     /// Multiply data buckets by their factor while packing; the transport
     /// only sums them ([`crate::Transport::scale_when_packing`]).
     pub scale_when_packing: bool,
+    /// Rebuild the plan in the order gradients arrive (`reorder.rs`).
+    pub reorder: bool,
 }
 
 /// The bucket-scheduler actor of one rank.
@@ -116,6 +121,8 @@ pub struct Scheduler<S: GradStore = HostStore> {
     spent: Option<Sender<(ParamId, S::Values)>>,
     /// Bytes of bucket buffers allocated, for the caller's memory figure.
     allocated: Arc<AtomicUsize>,
+    /// Gradient order against the plan, and a rebuild in progress.
+    order: OrderWatch,
 }
 
 impl<S: GradStore> Scheduler<S> {
@@ -154,6 +161,7 @@ impl<S: GradStore> Scheduler<S> {
             early_refusals: BTreeMap::new(),
             spent: None,
             allocated,
+            order: OrderWatch::default(),
         };
         let set = sched.allocate_set()?;
         sched.buffers.current = set.into_iter().map(Some).collect();
@@ -206,9 +214,12 @@ impl<S: GradStore> Scheduler<S> {
                 self.settles.entry(id).or_insert((0, None)).1 = Some(reply);
                 self.answer_progress(id);
             }
-            SchedMsg::LoanReturned { buffers } => self.buffers.spare.push(buffers),
+            SchedMsg::LoanReturned { buffers } if self.fits_plan(&buffers) => self.buffers.spare.push(buffers),
+            SchedMsg::LoanReturned { buffers } => self.drop_set(buffers),
             SchedMsg::Rejected { step, why } => self.on_rejected(step, why),
             SchedMsg::Done(done) => self.on_done(done),
+            // The plan is being rebuilt: the next step waits for it.
+            SchedMsg::Finish(req) if self.order.pending => self.next.push_back(SchedMsg::Finish(req)),
             SchedMsg::Finish(req) => self.on_finish(req),
             SchedMsg::Reset { proposed, reply } => self.on_reset(proposed, reply),
             SchedMsg::Ready { step, epoch, .. }
@@ -239,8 +250,9 @@ impl<S: GradStore> Scheduler<S> {
             }
             return;
         }
-        if step > self.step.step {
-            // A later step's message: the current step must complete first.
+        if step > self.step.step || self.order.pending {
+            // A later step's message: the current step must complete first
+            // (and a plan being rebuilt must be in place).
             return self.next.push_back(msg);
         }
         if !self.begin() {
@@ -274,11 +286,11 @@ impl<S: GradStore> Scheduler<S> {
     }
 
     /// Answer progress request `id` once every shard has settled it and the
-    /// plan agreement is over (before it, launches wait, so a snapshot would
-    /// not show what the arrivals caused).
+    /// plan agreement (and a plan rebuild) is over: before, launches wait
+    /// and arrivals are held, so a snapshot would not show what they caused.
     fn answer_progress(&mut self, id: u64) {
         let settled = matches!(self.settles.get(&id), Some((n, Some(_))) if *n >= self.cfg.shards);
-        if settled && (self.plan_agreed || self.failed()) {
+        if settled && ((self.plan_agreed && !self.order.pending) || self.failed()) {
             let (_, reply) = self.settles.remove(&id).expect("entry present");
             let s = &self.step;
             reply.expect("reply present").send(Progress {

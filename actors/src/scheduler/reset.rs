@@ -54,6 +54,8 @@ impl<S: GradStore> Scheduler<S> {
             req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "reset requested".into() }));
         }
         self.next.clear();
+        // A plan rebuild cut short by the failure: keep the plan in force.
+        self.order.pending = false;
         // Buffers lost in a failed collective (pieces held by peers) are replaced.
         if self.buffers.current.is_empty() {
             if let Err(e) = self.ensure_buffers() {

@@ -112,6 +112,8 @@ pub(crate) struct ParamStep<V> {
     pub(crate) used: bool,
     /// Its shard expects it to have no arrival next step.
     pub(crate) expect_none_next: bool,
+    /// Position of its last arrival this step (1 = first of the step), 0 if none.
+    pub(crate) seen: u32,
 }
 
 impl<V> Default for ParamStep<V> {
@@ -125,6 +127,7 @@ impl<V> Default for ParamStep<V> {
             late: None,
             used: false,
             expect_none_next: false,
+            seen: 0,
         }
     }
 }
@@ -199,6 +202,12 @@ pub(crate) struct StepState<V> {
     pub(crate) corrected: Vec<crate::arrival::ParamId>,
     /// Events of this step (only with `record_timeline`).
     pub(crate) timeline: Vec<TimelineEvent>,
+    /// Arrivals packed or kept so far: the last one's position.
+    pub(crate) seq: u32,
+    /// Buckets launched before the caller ended the step.
+    pub(crate) launched_before_finish: u32,
+    /// The control verdict asked to rebuild the plan after this step.
+    pub(crate) reorder: bool,
 }
 
 impl<V> StepState<V> {
@@ -226,7 +235,17 @@ impl<V> StepState<V> {
             joined: Vec::new(),
             corrected: Vec::new(),
             timeline: Vec::new(),
+            seq: 0,
+            launched_before_finish: 0,
+            reorder: false,
         }
+    }
+
+    /// Follow a new plan of `buckets` buckets (between steps: nothing of
+    /// this step is packed yet).
+    pub(crate) fn resize_buckets(&mut self, buckets: usize) {
+        debug_assert!(self.began.is_none(), "a plan changes only between steps");
+        self.buckets = vec![BucketState::Filling { pending: 0, since: None }; buckets];
     }
 
     /// Whether bucket `b` has been handed to the communicator.

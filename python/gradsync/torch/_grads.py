@@ -32,7 +32,8 @@ class GradWriter:
         self._staging = staging
         # Per parameter: may its average be a view of the bucket memory?
         self.viewable = [not staging and p.dtype == torch.float32 and p.is_contiguous() for p in params]
-        # Per bucket index: member sizes and the shape of each view (None: flat already).
+        # Per bucket (its members, which a plan rebuilt in gradient order
+        # changes): member sizes and the shape of each view (None: flat already).
         self._layouts = {}
         # ctypes array types by length (building one is slow; they are reused).
         self._arrays = {}
@@ -64,10 +65,11 @@ class GradWriter:
         """Lend views; returns whether any was lent, and the parameters left to copy."""
         lent, copied = False, []
         params, viewable = self._params, self.viewable
-        for b, (addr, numel, members) in enumerate(result.buckets()):
-            layout = self._layouts.get(b)
+        for addr, numel, members in result.buckets():
+            key = tuple(members)
+            layout = self._layouts.get(key)
             if layout is None:
-                layout = self._layouts[b] = self._bucket_layout(members)
+                layout = self._layouts[key] = self._bucket_layout(members)
             sizes, shapes = layout
             array = self._array_type(numel).from_address(addr)
             array._gradsync_step = result  # the loan lives as long as any view of it

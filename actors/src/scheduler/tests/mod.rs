@@ -39,7 +39,21 @@ struct Rank {
     epoch: u32,
 }
 
+mod reorder;
+
 fn rank_with(world: usize, rank: usize, numels: &[usize], cap: usize, policy: AbortPolicy, divisor: Divisor) -> Rank {
+    rank_configured(world, rank, numels, cap, policy, divisor, false)
+}
+
+fn rank_configured(
+    world: usize,
+    rank: usize,
+    numels: &[usize],
+    cap: usize,
+    policy: AbortPolicy,
+    divisor: Divisor,
+    reorder: bool,
+) -> Rank {
     let specs = numels
         .iter()
         .enumerate()
@@ -57,6 +71,7 @@ fn rank_with(world: usize, rank: usize, numels: &[usize], cap: usize, policy: Ab
         check_finite: false,
         record_timeline: false,
         scale_when_packing: false,
+        reorder,
     };
     let (jobs_tx, jobs) = crossbeam_channel::unbounded();
     let (home_tx, home) = unbounded_channel();
@@ -172,6 +187,7 @@ impl Rank {
                 late: p.late,
                 used: p.used,
                 retract: p.retract,
+                reorder: false,
             };
             gradsync_kernels::add_assign(words, &vote.encode());
         }

@@ -1,0 +1,169 @@
+//! Rebuilding the bucket plan in the order backward produces gradients.
+//!
+//! The first plan follows reverse registration. When backward does not
+//! (a module registered before the ones it feeds, a weight used at both ends
+//! of the model), a bucket waits for a gradient that comes last and every
+//! bucket behind it waits too. So each rank watches the order in which it
+//! last saw each parameter's gradient in a step (its *final* arrival, so a
+//! weight whose hook fires twice counts where it is complete), and:
+//!
+//! ```text
+//!  step closes ─▶ does the plan fit this order?  ─ no, after the first step, or
+//!                                                   for REORDER_AFTER steps in a row ─▶ vote "reorder"
+//!  control verdict: some rank voted ─▶ result to the caller; hold the next
+//!      step's messages ─▶ Order collective: each rank's positions, summed
+//!  Order done ─▶ sort by summed position ─▶ same new plan on every rank ─▶
+//!      fresh buffers, plan agreement (fingerprints) ─▶ replay the held messages
+//! ```
+//!
+//! Summing positions is what makes the rebuilt plan identical everywhere
+//! even when ranks saw different orders (a parameter unused on one rank);
+//! the plan agreement that follows checks it. The rebuild happens between
+//! two steps: the next step's values are packed into the new layout only.
+
+use std::sync::Arc;
+
+use super::step::StepState;
+use super::Scheduler;
+use crate::arrival::ParamId;
+use crate::comm::CommPayload;
+use crate::error::{CollectiveKind, CollectiveTag};
+use crate::store::GradStore;
+
+/// Steps in a row whose order the plan must not fit, after the first rebuild
+/// decision, before the plan is rebuilt again: one odd step (a skipped
+/// block, a rank-dependent branch) does not make every rank reallocate.
+pub const REORDER_AFTER: u32 = 3;
+
+/// What the scheduler remembers between steps about gradient order.
+#[derive(Debug, Default)]
+pub(crate) struct OrderWatch {
+    /// The first step's order was judged (it decides alone).
+    pub(crate) judged_first: bool,
+    /// Consecutive steps whose order the plan did not fit.
+    pub(crate) misfits: u32,
+    /// An order collective is in flight: the next step's messages wait.
+    pub(crate) pending: bool,
+    /// Plans rebuilt so far.
+    pub(crate) rebuilds: u32,
+}
+
+/// This rank's order of a step: parameters by the position of their final
+/// arrival, those never seen last (in reverse registration, as the first plan).
+pub(crate) fn observed_order<V>(step: &StepState<V>) -> Vec<ParamId> {
+    agreed_order(&positions(step))
+}
+
+/// This rank's words for the order collective: per parameter, its position.
+pub(crate) fn positions<V>(step: &StepState<V>) -> Vec<u64> {
+    step.params.iter().map(|p| position(p.seen, step.params.len())).collect()
+}
+
+/// The word a rank contributes for a parameter: where it was last seen
+/// (1-based), or after every seen one if it was not.
+fn position(seen: u32, params: usize) -> u64 {
+    if seen == 0 {
+        params as u64 + 1
+    } else {
+        u64::from(seen)
+    }
+}
+
+/// The agreed order from summed positions: ascending, ties in reverse
+/// registration order.
+pub(crate) fn agreed_order(summed: &[u64]) -> Vec<ParamId> {
+    let mut order: Vec<ParamId> = (0..summed.len()).map(ParamId::from_index).collect();
+    order.sort_by_key(|p| (summed[p.index()], std::cmp::Reverse(p.index())));
+    order
+}
+
+impl<S: GradStore> Scheduler<S> {
+    /// At the control vote of a step this rank finished: whether to ask every
+    /// rank to rebuild the plan. The first step decides alone; later steps
+    /// only after [`REORDER_AFTER`] misfits in a row.
+    pub(super) fn wants_reorder(&mut self) -> bool {
+        if !self.cfg.reorder || self.plan.num_buckets() < 2 {
+            return false;
+        }
+        let fits = self.plan.fits(&observed_order(&self.step));
+        self.order.misfits = if fits { 0 } else { self.order.misfits + 1 };
+        let first = !std::mem::replace(&mut self.order.judged_first, true);
+        !fits && (first || self.order.misfits >= REORDER_AFTER)
+    }
+
+    /// After step `step`, whose verdict asked for it: all-reduce this rank's
+    /// positions of that step ([`positions`]); the next step's messages wait
+    /// until the new plan is in place.
+    pub(super) fn start_reorder(&mut self, step: crate::arrival::Step, words: Vec<u64>) {
+        let tag = CollectiveTag { step, kind: CollectiveKind::Order { len: words.len() } };
+        self.order.pending = true;
+        self.order.misfits = 0;
+        self.submit(tag, CommPayload::Words(words), 1.0, self.cfg.collective_timeout);
+    }
+
+    /// The summed positions arrived: install the plan they give (the same on
+    /// every rank), agree on it, and go on with the held messages.
+    pub(super) fn on_order(&mut self, summed: &[u64]) {
+        self.order.pending = false;
+        let plan = self.plan.reordered(&agreed_order(summed));
+        if plan != *self.plan {
+            self.order.rebuilds += 1;
+            tracing::info!(
+                rank = self.cfg.rank,
+                step = self.step.step,
+                buckets = plan.num_buckets(),
+                rebuilds = self.order.rebuilds,
+                "gradsync rebuilt its bucket plan in the order gradients arrive"
+            );
+            self.install(plan);
+        }
+        self.replay_next();
+        // With the plan unchanged nothing else will answer them.
+        self.answer_waiting_progress();
+    }
+
+    /// Make `plan` the plan in force between two steps: buffers of the old
+    /// layout go (those on loan are dropped when they come home), the current
+    /// step's buckets follow the new one, and launches wait for the ranks to
+    /// agree on it.
+    fn install(&mut self, plan: super::Plan) {
+        let sets = self.buffers.spare.len() + usize::from(!self.buffers.current.is_empty());
+        self.buffers.spare.clear();
+        self.buffers.current.clear();
+        self.buffers.sets -= sets;
+        self.allocated.fetch_sub(sets * self.plan.bucket_bytes(), std::sync::atomic::Ordering::Relaxed);
+        self.plan = Arc::new(plan);
+        crate::telemetry::plan(&self.rank_label, self.plan.num_buckets(), self.plan.bucket_bytes());
+        self.step.resize_buckets(self.plan.num_buckets());
+        self.plan_agreed = false;
+        self.propose_plan();
+    }
+
+    /// Whether a set of buffers coming home from a loan has the layout of
+    /// the plan in force (otherwise it is dropped).
+    pub(super) fn fits_plan(&self, set: &[S::Bucket]) -> bool {
+        set.len() == self.plan.num_buckets()
+            && set.iter().enumerate().all(|(b, buf)| self.store.bucket_numel(buf) == self.plan.bucket_numel(b))
+    }
+
+    /// A set of buffers of an older plan came home from a loan: free it.
+    pub(super) fn drop_set(&mut self, set: Vec<S::Bucket>) {
+        let bytes: usize = set.iter().map(|b| self.store.bucket_numel(b) * std::mem::size_of::<f32>()).sum();
+        drop(set);
+        self.buffers.sets -= 1;
+        self.allocated.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::agreed_order;
+    use crate::arrival::ParamId;
+
+    #[test]
+    fn summed_positions_sort_ascending_with_ties_in_reverse_registration() {
+        let ids = |v: &[usize]| v.iter().map(|&i| ParamId::from_index(i)).collect::<Vec<_>>();
+        assert_eq!(agreed_order(&[3, 3, 6]), ids(&[1, 0, 2]));
+        assert_eq!(agreed_order(&[9, 2, 5, 2]), ids(&[3, 1, 2, 0]));
+    }
+}
