@@ -410,6 +410,8 @@ fn backward_in_registration_order_rebuilds_the_plan_after_the_first_step() {
             sent[0].deliver(&sync, step);
             let launched = sync.progress().unwrap().buckets_launched;
             for s in &sent[1..] {
+                // Backward computes between gradients: what a rebuild can win back.
+                std::thread::sleep(std::time::Duration::from_millis(3));
                 s.deliver(&sync, step);
             }
             let r = sync.finish_step(step).unwrap();

@@ -16,6 +16,8 @@
 //! rebuilt plan is again the same everywhere.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::arrival::{DType, ParamId};
 use crate::error::BuildError;
@@ -139,15 +141,38 @@ impl Plan {
     /// (every parameter once, the first to become ready first), as
     /// the first plan follows reverse registration.
     pub fn reordered(&self, order: &[ParamId]) -> Plan {
-        let buckets = fill(&self.params, order, self.bucket_cap_bytes);
-        Plan::from_layout(self.params.clone(), buckets, self.bucket_cap_bytes)
+        Plan::from_layout(self.params.clone(), self.fill(order), self.bucket_cap_bytes)
+    }
+
+    /// The bucket membership, in launch order, of the plan `order` would give.
+    pub(crate) fn fill(&self, order: &[ParamId]) -> Vec<Vec<ParamId>> {
+        fill(&self.params, order, self.bucket_cap_bytes)
+    }
+
+    /// Mean time, weighted by bytes, from `start` until each bucket of
+    /// `membership` could launch (buckets launch in order, each once its last
+    /// member is ready), when parameter `p` is ready `ready[p]` after `start`.
+    pub(crate) fn mean_launch<'a>(
+        &self,
+        membership: impl IntoIterator<Item = &'a [ParamId]>,
+        ready: &[std::time::Duration],
+    ) -> std::time::Duration {
+        let mut launch = std::time::Duration::ZERO;
+        let (mut weighted, mut total) = (0.0f64, 0.0f64);
+        for members in membership {
+            let numel: usize = members.iter().map(|p| self.params[p.index()].numel).sum();
+            launch = members.iter().map(|p| ready[p.index()]).fold(launch, std::cmp::max);
+            weighted += launch.as_secs_f64() * numel as f64;
+            total += numel as f64;
+        }
+        std::time::Duration::from_secs_f64(if total > 0.0 { weighted / total } else { 0.0 })
     }
 
     /// Whether this plan's buckets hold the same members, in the same launch
     /// order, as the plan `order` would give: the order within a bucket does
     /// not change when it can launch.
     pub fn fits(&self, order: &[ParamId]) -> bool {
-        let wanted = fill(&self.params, order, self.bucket_cap_bytes);
+        let wanted = self.fill(order);
         wanted.len() == self.buckets.len()
             && wanted.iter().enumerate().all(|(b, members)| {
                 members.len() == self.buckets[b].params.len()
@@ -270,6 +295,39 @@ impl Plan {
             }
         }
         h.0
+    }
+}
+
+/// Per parameter: whether it is the last member of its bucket in the plan in
+/// force. The scheduler writes it (again when it rebuilds the plan); hooks
+/// that batch arrivals read it to send a bucket's last gradient at once. A
+/// read racing a rebuild only delays one batch, never changes a sum.
+#[derive(Debug, Clone)]
+pub struct BucketEnds(Arc<[AtomicBool]>);
+
+impl BucketEnds {
+    /// The ends of `plan`'s buckets.
+    pub fn of(plan: &Plan) -> BucketEnds {
+        let ends = BucketEnds((0..plan.num_params()).map(|_| AtomicBool::new(false)).collect());
+        ends.follow(plan);
+        ends
+    }
+
+    /// Mark the ends of `plan`'s buckets (the same parameters).
+    pub fn follow(&self, plan: &Plan) {
+        for flag in self.0.iter() {
+            flag.store(false, Ordering::Relaxed);
+        }
+        for b in &plan.buckets {
+            if let Some(last) = b.params.last() {
+                self.0[last.index()].store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether `p` ends its bucket.
+    pub fn is_end(&self, p: ParamId) -> bool {
+        self.0[p.index()].load(Ordering::Relaxed)
     }
 }
 

@@ -21,7 +21,7 @@ use crate::comm::{CommDone, CommJob};
 use crate::error::AllocError;
 use crate::messages::{SchedMsg, ShardMsg};
 use crate::param::ParamShard;
-use crate::plan::Plan;
+use crate::plan::{BucketEnds, Plan};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::store::GradStore;
 
@@ -53,6 +53,9 @@ pub struct Actors<S: GradStore> {
     pub spent: Option<Receiver<(ParamId, S::Values)>>,
     /// Bytes of bucket buffers the scheduler has allocated.
     pub allocated: Arc<AtomicUsize>,
+    /// Per parameter: the last member of its bucket in the plan in force
+    /// (the scheduler rewrites it when it rebuilds the plan).
+    pub bucket_ends: BucketEnds,
 }
 
 /// Connect one rank's actors for `plan`; collectives go to `comm`. The
@@ -74,12 +77,14 @@ pub fn wire<S: GradStore>(
     };
     let spent = recycling.map(|(_, rx)| rx);
     let allocated = scheduler.allocated_bytes();
+    let bucket_ends = scheduler.bucket_ends();
     let (shard_inboxes, shard_actors) = (0..shards)
         .map(|i| {
             let (tx, rx) = unbounded_channel();
             let shard = ParamShard::new(store.clone(), i, shards, &plan, cfg.learning_window, sched_tx.clone())
                 .with_idle_spin(cfg.idle_spin)
-                .with_timestamps(cfg.scheduler.record_timeline);
+                // Arrival times feed the timeline and the plan rebuild's gain.
+                .with_timestamps(cfg.scheduler.record_timeline || cfg.scheduler.reorder);
             (tx, (shard, rx))
         })
         .unzip();
@@ -90,6 +95,7 @@ pub fn wire<S: GradStore>(
         scheduler: (scheduler, sched_rx),
         spent,
         allocated,
+        bucket_ends,
     })
 }
 

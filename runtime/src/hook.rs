@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use gradsync_actors::messages::{SchedMsg, ShardMsg};
+use gradsync_actors::plan::BucketEnds;
 use gradsync_actors::{Arrival, GradStore, HostStore, ParamId, Payload, Rejection, Step, Token};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -47,9 +48,9 @@ struct HookShared<S: GradStore> {
     /// Per parameter: `step << 2 | kind code` of the latest step that had an
     /// arrival, so mixing kinds is refused without a lock.
     kinds: Vec<AtomicU64>,
-    /// Per parameter: whether it is the last member of its bucket in plan
-    /// order, where an [`ArrivalBatch`] delivers at once.
-    bucket_ends: Vec<bool>,
+    /// Per parameter: whether it is the last member of its bucket in the
+    /// plan in force, where an [`ArrivalBatch`] delivers at once.
+    bucket_ends: BucketEnds,
     /// Arrivals accepted by batches and not delivered yet; a step cannot end
     /// while any are held.
     held: AtomicUsize,
@@ -62,7 +63,7 @@ impl<S: GradStore> GradHook<S> {
         shards: Vec<UnboundedSender<ShardMsg<S>>>,
         scheduler: UnboundedSender<SchedMsg<S>>,
         numel: Vec<usize>,
-        bucket_ends: Vec<bool>,
+        bucket_ends: BucketEnds,
         store: S,
     ) -> Self {
         let kinds = numel.iter().map(|_| AtomicU64::new(0)).collect();
@@ -250,7 +251,7 @@ impl<S: GradStore> ArrivalBatch<S> {
         self.held_bytes += shared.numel[param.index()] * std::mem::size_of::<f32>();
         self.held.push((shard, Arrival { step, param, token, payload }));
         shared.held.fetch_add(1, Ordering::AcqRel);
-        if shared.bucket_ends[param.index()]
+        if shared.bucket_ends.is_end(param)
             || self.held.len() >= DELIVER_AT_ARRIVALS
             || self.held_bytes >= DELIVER_AT_BYTES
         {

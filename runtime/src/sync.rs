@@ -156,12 +156,7 @@ impl<S: GradStore> GradSync<S> {
             .map_err(spawn_err("communicator"))?;
         let numel = plan.param_ids().iter().map(|&p| plan.param_numel(p)).collect();
         let buckets = plan.num_buckets() as u32;
-        let mut bucket_ends = vec![false; plan.num_params()];
-        for b in 0..plan.num_buckets() {
-            if let Some(last) = plan.bucket_params(b).last() {
-                bucket_ends[last.index()] = true;
-            }
-        }
+        let bucket_ends = actors.bucket_ends.clone();
         let (shards, sched) = (actors.shard_inboxes.clone(), actors.scheduler_inbox.clone());
         let hook = GradHook::new(shards, sched, numel, bucket_ends, store);
         Ok(GradSync {

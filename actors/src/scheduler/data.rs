@@ -56,6 +56,7 @@ impl<S: GradStore> Scheduler<S> {
         let seq = self.step.seq;
         let ps = &mut self.step.params[param.index()];
         ps.seen = seq;
+        ps.seen_at = Some(at);
         if kind == PayloadKind::Accumulated && ps.token.is_some_and(|t| token <= t) {
             // Superseded by a higher token already accepted (hooks racing on
             // several threads): the result depends on the set, not the order.

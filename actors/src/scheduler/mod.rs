@@ -43,12 +43,12 @@ use crate::arrival::{ParamId, Step};
 use crate::comm::{CommJob, CommPayload};
 use crate::error::{AllocError, CollectiveTag, Rejection, SyncError};
 use crate::messages::{Reply, SchedMsg};
-use crate::plan::Plan;
+use crate::plan::{BucketEnds, Plan};
 use crate::policy::{AbortPolicy, Divisor};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
 use reorder::OrderWatch;
-pub use reorder::REORDER_AFTER;
+pub use reorder::{REORDER_AFTER, REORDER_MIN_GAIN, REORDER_MIN_SHARE};
 use step::{BufferPool, Failure, Lifecycle, Refusals, StepState};
 
 /// How many future steps' refusals are kept for their reports (beyond that,
@@ -123,6 +123,8 @@ pub struct Scheduler<S: GradStore = HostStore> {
     allocated: Arc<AtomicUsize>,
     /// Gradient order against the plan, and a rebuild in progress.
     order: OrderWatch,
+    /// Where the plan's buckets end, shared with the hooks that batch arrivals.
+    bucket_ends: BucketEnds,
 }
 
 impl<S: GradStore> Scheduler<S> {
@@ -140,6 +142,7 @@ impl<S: GradStore> Scheduler<S> {
         let expect_none = plan.param_ids().iter().map(|&p| plan.expected_arrivals(p) == Some(0)).collect();
         let step = StepState::new(0, plan.num_params(), plan.num_buckets(), cfg.world);
         let rank_label = cfg.rank.to_string();
+        let bucket_ends = BucketEnds::of(&plan);
         crate::telemetry::plan(&rank_label, plan.num_buckets(), plan.bucket_bytes());
         crate::timeline::trace_epoch();
         let mut sched = Scheduler {
@@ -162,6 +165,7 @@ impl<S: GradStore> Scheduler<S> {
             spent: None,
             allocated,
             order: OrderWatch::default(),
+            bucket_ends,
         };
         let set = sched.allocate_set()?;
         sched.buffers.current = set.into_iter().map(Some).collect();
@@ -175,6 +179,11 @@ impl<S: GradStore> Scheduler<S> {
     pub fn with_spent_payloads(mut self, spent: Sender<(ParamId, S::Values)>) -> Self {
         self.spent = Some(spent);
         self
+    }
+
+    /// Where the buckets of the plan in force end (updated when it is rebuilt).
+    pub fn bucket_ends(&self) -> BucketEnds {
+        self.bucket_ends.clone()
     }
 
     /// Bytes of bucket buffers allocated so far, updated as sets are added.

@@ -8,8 +8,9 @@
 //! weight whose hook fires twice counts where it is complete), and:
 //!
 //! ```text
-//!  step closes ─▶ does the plan fit this order?  ─ no, after the first step, or
-//!                                                   for REORDER_AFTER steps in a row ─▶ vote "reorder"
+//!  step closes ─▶ would a plan in this order launch buckets earlier?
+//!                 yes (by REORDER_MIN_GAIN and REORDER_MIN_SHARE of backward), after the
+//!                 first step, or for REORDER_AFTER steps in a row ─▶ vote "reorder"
 //!  control verdict: some rank voted ─▶ result to the caller; hold the next
 //!      step's messages ─▶ Order collective: each rank's positions, summed
 //!  Order done ─▶ sort by summed position ─▶ same new plan on every rank ─▶
@@ -22,6 +23,7 @@
 //! two steps: the next step's values are packed into the new layout only.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::step::StepState;
 use super::Scheduler;
@@ -34,6 +36,13 @@ use crate::store::GradStore;
 /// decision, before the plan is rebuilt again: one odd step (a skipped
 /// block, a rank-dependent branch) does not make every rank reallocate.
 pub const REORDER_AFTER: u32 = 3;
+
+/// The least a rebuilt plan must gain, as the mean launch time of the
+/// buckets weighted by their bytes, for a step to count against the plan.
+pub const REORDER_MIN_GAIN: Duration = Duration::from_micros(200);
+
+/// The same gain as a share of the step's backward (first to last gradient).
+pub const REORDER_MIN_SHARE: f64 = 0.05;
 
 /// What the scheduler remembers between steps about gradient order.
 #[derive(Debug, Default)]
@@ -79,16 +88,45 @@ pub(crate) fn agreed_order(summed: &[u64]) -> Vec<ParamId> {
 
 impl<S: GradStore> Scheduler<S> {
     /// At the control vote of a step this rank finished: whether to ask every
-    /// rank to rebuild the plan. The first step decides alone; later steps
-    /// only after [`REORDER_AFTER`] misfits in a row.
+    /// rank to rebuild the plan. A step counts against the plan when a plan
+    /// in its order would have launched the buckets meaningfully earlier
+    /// ([`Self::rebuild_pays`]); the first step decides alone, later steps
+    /// only after [`REORDER_AFTER`] such steps in a row.
     pub(super) fn wants_reorder(&mut self) -> bool {
         if !self.cfg.reorder || self.plan.num_buckets() < 2 {
             return false;
         }
-        let fits = self.plan.fits(&observed_order(&self.step));
-        self.order.misfits = if fits { 0 } else { self.order.misfits + 1 };
+        let misfit = self.rebuild_pays();
+        self.order.misfits = if misfit { self.order.misfits + 1 } else { 0 };
         let first = !std::mem::replace(&mut self.order.judged_first, true);
-        !fits && (first || self.order.misfits >= REORDER_AFTER)
+        misfit && (first || self.order.misfits >= REORDER_AFTER)
+    }
+
+    /// Whether the plan of this step's order launches its buckets, on
+    /// average over their bytes, at least [`REORDER_MIN_GAIN`] and
+    /// [`REORDER_MIN_SHARE`] of the step's backward earlier than the plan in
+    /// force, given when each gradient last arrived. Gradients that arrive
+    /// together (hooks racing on two threads) swap places without a gain,
+    /// so they never make the ranks reallocate.
+    fn rebuild_pays(&self) -> bool {
+        let params = &self.step.params;
+        let seen = || params.iter().filter_map(|p| p.seen_at);
+        let (Some(first), Some(last)) = (seen().min(), seen().max()) else { return false };
+        let span = last.saturating_duration_since(first);
+        // Not seen: ready when the step closed, as far as launches go.
+        let ready: Vec<Duration> =
+            params.iter().map(|p| p.seen_at.map_or(span, |t| t.saturating_duration_since(first))).collect();
+        let order = observed_order(&self.step);
+        let plan = &self.plan;
+        if order.windows(2).all(|w| plan.bucket_of(w[0]) <= plan.bucket_of(w[1])) {
+            // Each bucket completes no later than the next: nothing waits.
+            return false;
+        }
+        let now = plan.mean_launch((0..plan.num_buckets()).map(|b| plan.bucket_params(b)), &ready);
+        let wanted = plan.fill(&order);
+        let then = plan.mean_launch(wanted.iter().map(Vec::as_slice), &ready);
+        let gain = now.saturating_sub(then);
+        gain >= REORDER_MIN_GAIN && gain.as_secs_f64() >= REORDER_MIN_SHARE * span.as_secs_f64()
     }
 
     /// After step `step`, whose verdict asked for it: all-reduce this rank's
@@ -133,6 +171,7 @@ impl<S: GradStore> Scheduler<S> {
         self.buffers.sets -= sets;
         self.allocated.fetch_sub(sets * self.plan.bucket_bytes(), std::sync::atomic::Ordering::Relaxed);
         self.plan = Arc::new(plan);
+        self.bucket_ends.follow(&self.plan);
         crate::telemetry::plan(&self.rank_label, self.plan.num_buckets(), self.plan.bucket_bytes());
         self.step.resize_buckets(self.plan.num_buckets());
         self.plan_agreed = false;

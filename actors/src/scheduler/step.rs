@@ -114,6 +114,8 @@ pub(crate) struct ParamStep<V> {
     pub(crate) expect_none_next: bool,
     /// Position of its last arrival this step (1 = first of the step), 0 if none.
     pub(crate) seen: u32,
+    /// When its last arrival of this step was handled.
+    pub(crate) seen_at: Option<Instant>,
 }
 
 impl<V> Default for ParamStep<V> {
@@ -128,6 +130,7 @@ impl<V> Default for ParamStep<V> {
             used: false,
             expect_none_next: false,
             seen: 0,
+            seen_at: None,
         }
     }
 }

@@ -37,6 +37,10 @@ struct Rank {
     world: usize,
     /// Generation the stand-in shard stamps on its messages.
     epoch: u32,
+    /// The stand-in shard's clock: each arrival is stamped `tick` after the
+    /// previous one (1 ms: as if backward computed between them).
+    clock: Instant,
+    tick: Duration,
 }
 
 mod reorder;
@@ -76,7 +80,7 @@ fn rank_configured(
     let (jobs_tx, jobs) = crossbeam_channel::unbounded();
     let (home_tx, home) = unbounded_channel();
     let sched = Scheduler::new(cfg, HostStore, Arc::clone(&plan), jobs_tx, home_tx).expect("host memory");
-    Rank { sched, home, jobs, plan, rank, world, epoch: 0 }
+    Rank { sched, home, jobs, plan, rank, world, epoch: 0, clock: Instant::now(), tick: Duration::from_millis(1) }
 }
 
 /// A rank of `world` with parameters of `numels` values, one bucket per
@@ -97,7 +101,8 @@ impl Rank {
     fn ready(&mut self, step: Step, p: usize, token: u64, kind: PayloadKind, v: f32, readiness: Readiness) {
         let param = self.p(p);
         let values = vec![v; self.plan.param_numel(param)];
-        let (at, epoch) = (Instant::now(), self.epoch);
+        self.clock += self.tick;
+        let (at, epoch) = (self.clock, self.epoch);
         self.send(SchedMsg::Ready { step, param, token: Token(token), kind, values, readiness, at, epoch });
     }
 

@@ -108,6 +108,20 @@ fn a_plan_that_fits_is_kept() {
     r.no_job();
 }
 
+/// Gradients that arrive together (hooks racing on two threads) may come in
+/// any order: a plan in that order would launch nothing earlier, so the
+/// ranks keep their plan (and their buffers).
+#[test]
+fn gradients_arriving_together_in_another_order_keep_the_plan() {
+    let mut r = reordering(1, 0, &[2, 2, 2]);
+    r.tick = Duration::from_micros(5);
+    r.agree_plan();
+    for step in 0..5 {
+        let (_, vote) = step_voting(&mut r, step, &[(0, 1.0), (1, 2.0), (2, 3.0)]);
+        assert!(!vote, "step {step}: 10 µs of backward cannot be won back");
+    }
+}
+
 /// After the first decision, one odd step does not rebuild the plan; an
 /// order that persists for `REORDER_AFTER` steps does, and sums stay exact
 /// throughout.
