@@ -25,13 +25,11 @@ group sums in place.
   gloo sums float16 to ``inf`` (measured), so it is refused at wrap time.
 """
 
-import ctypes
-
 import numpy as np
 import paddle
 from paddle.base import core
 
-from gradsync._errors import _CollectiveFailed
+from gradsync._gloo import CTYPES, AddressArrays, collective_failure
 
 #: Seconds after which Paddle's gloo gives up on a collective (gloo's default;
 #: ``ProcessGroupGloo.create`` takes no timeout).
@@ -40,9 +38,6 @@ GLOO_TIMEOUT_S = 30.0
 # Paddle numbers the program's groups from 0 up, one per new_group call.
 _BASE_GROUP_ID = 7_000_000
 _STRIDE = 10_000
-_CTYPES = {"float32": ctypes.c_float, "int64": ctypes.c_int64}
-# Substrings of gloo's messages when a peer process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 
 
 class PaddleCommunicator:
@@ -62,7 +57,7 @@ class PaddleCommunicator:
         # always travel exactly.
         self._wire = wire_dtype
         self._epoch = 0
-        self._arrays = {}
+        self._arrays = AddressArrays()
         # Created by the first collective, on the communicator thread.
         self._group = None
 
@@ -73,13 +68,9 @@ class PaddleCommunicator:
         return f"gradsync/{self._group_id()}/position/{rank}"
 
     def _array(self, addr, numel, dtype):
-        ctype = _CTYPES[dtype]
-        array_type = self._arrays.get((ctype, numel))
-        if array_type is None:
-            array_type = self._arrays[(ctype, numel)] = ctype * numel
         # The runtime guarantees `addr` holds `numel` elements for this call;
         # the array shares that memory and does not outlive the call.
-        return np.ctypeslib.as_array(array_type.from_address(addr))
+        return np.ctypeslib.as_array(self._arrays.at(addr, numel, CTYPES[dtype]))
 
     def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
         """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in
@@ -108,15 +99,7 @@ class PaddleCommunicator:
             return []
 
     def _failure(self, error, mine, tag):
-        text = str(error).strip()
-        message = text.splitlines()[-1] if text else type(error).__name__
-        behind = self._behind(mine)
-        if "TIMEOUT" in message.upper():
-            return _CollectiveFailed("timeout", f"{tag}: {message}", missing=behind)
-        if any(s in message for s in _PEER_GONE) and len(behind) == 1:
-            return _CollectiveFailed("peer_gone", f"{tag}: {message}", peer=behind[0])
-        detail = f"; ranks {behind} had not reached it" if behind else ""
-        return _CollectiveFailed("backend", f"{tag}: {message}{detail}")
+        return collective_failure(error, tag, self._behind(mine))
 
     def reset(self):
         """Start a new epoch on a fresh group (after a failed collective, the

@@ -21,18 +21,14 @@ on the caller's thread.
 """
 
 import collections
-import ctypes
 import datetime
 
 import torch
 import torch.distributed as dist
 
-from gradsync._errors import _CollectiveFailed
+from gradsync._gloo import CTYPES, AddressArrays, collective_failure
 
-_CTYPES = {"float32": (ctypes.c_float, torch.float32), "int64": (ctypes.c_int64, torch.int64)}
-
-# Substrings of gloo's messages when a peer process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+_TORCH_DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
 
 def _position(text):
@@ -61,7 +57,7 @@ class TorchCommunicator:
         self._timeout = datetime.timedelta(seconds=3 * timeout_s)
         self._epoch = 0
         self._seq = 0
-        self._arrays = {}
+        self._arrays = AddressArrays()
         # Started collectives, oldest first: (work, tensor, wire tensor, factor, position, tag).
         self._flight = collections.deque()
         self._group = self._new_group()
@@ -78,13 +74,9 @@ class TorchCommunicator:
         return f"{self._prefix}/position/{rank}"
 
     def _tensor(self, addr, numel, dtype):
-        ctype, torch_dtype = _CTYPES[dtype]
-        array_type = self._arrays.get((ctype, numel))
-        if array_type is None:
-            array_type = self._arrays[(ctype, numel)] = ctype * numel
         # The runtime guarantees `addr` holds `numel` elements for this call;
         # the tensor shares that memory and does not outlive the call.
-        return torch.frombuffer(array_type.from_address(addr), dtype=torch_dtype)
+        return torch.frombuffer(self._arrays.at(addr, numel, CTYPES[dtype]), dtype=_TORCH_DTYPES[dtype])
 
     def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
         """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in
@@ -143,17 +135,7 @@ class TorchCommunicator:
         return behind
 
     def _failure(self, error, mine, tag):
-        message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        behind = self._behind(mine)
-        lowered = message.lower()
-        # gloo says "Timed out waiting ..." or, when the deadline closed a pair
-        # first, "Application timeout caused pair closure".
-        if "timed out" in lowered or "timeout" in lowered:
-            return _CollectiveFailed("timeout", f"{tag}: {message}", missing=behind)
-        if any(s in message for s in _PEER_GONE) and len(behind) == 1:
-            return _CollectiveFailed("peer_gone", f"{tag}: {message}", peer=behind[0])
-        detail = f"; ranks {behind} had not reached it" if behind else ""
-        return _CollectiveFailed("backend", f"{tag}: {message}{detail}")
+        return collective_failure(error, tag, self._behind(mine))
 
     def reset(self):
         """Start a new epoch on a fresh group (after a failed collective, the

@@ -17,10 +17,11 @@ decides, per parameter, between
 It owns the layouts and host staging tensors it caches between steps.
 """
 
-import ctypes
 import weakref
 
 import torch
+
+from gradsync._gloo import AddressArrays
 
 
 class GradWriter:
@@ -35,8 +36,8 @@ class GradWriter:
         # Per bucket (its members, which a plan rebuilt in gradient order
         # changes): member sizes and the shape of each view (None: flat already).
         self._layouts = {}
-        # ctypes array types by length (building one is slow; they are reused).
-        self._arrays = {}
+        # ctypes arrays over the step's bucket memory.
+        self._arrays = AddressArrays()
         # Per parameter: the host tensor its average is staged in (non-contiguous or CUDA grads).
         self._host = {}
         # The last step whose gradients were lent as views (a weak reference:
@@ -71,7 +72,7 @@ class GradWriter:
             if layout is None:
                 layout = self._layouts[key] = self._bucket_layout(members)
             sizes, shapes = layout
-            array = self._array_type(numel).from_address(addr)
+            array = self._arrays.at(addr, numel)
             array._gradsync_step = result  # the loan lives as long as any view of it
             views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
             for i, shape, view in zip(members, shapes, views):
@@ -85,12 +86,6 @@ class GradWriter:
     def _bucket_layout(self, members):
         params = [self._params[i] for i in members]
         return [p.numel() for p in params], [None if p.dim() == 1 else p.shape for p in params]
-
-    def _array_type(self, numel):
-        array = self._arrays.get(numel)
-        if array is None:
-            array = self._arrays[numel] = ctypes.c_float * numel
-        return array
 
     def _copy(self, result, index, p, grad):
         """Copy ``p``'s average into ``grad`` (its first firing's tensor, of
