@@ -32,8 +32,9 @@ import paddle.distributed as dist
 from paddle.distributed import collective
 
 from gradsync import _accumulate
-from gradsync._errors import ClosedError, ConfigError, UnfinishedStepError
+from gradsync._errors import ConfigError, UnfinishedStepError
 from gradsync._native import Session
+from gradsync._wrapper import StepControls
 from gradsync.paddle import _backward
 from gradsync.paddle._comm import GLOO_TIMEOUT_S, PaddleCommunicator
 
@@ -61,7 +62,7 @@ class _OpenStep:
         self.sync_pending = False
 
 
-class DataParallel(paddle.nn.Layer):
+class DataParallel(StepControls, paddle.nn.Layer):
     """Data parallelism for ``layers``, in place of ``paddle.DataParallel``.
 
     Build one per rank after ``paddle.distributed.init_parallel_env()``
@@ -92,6 +93,7 @@ class DataParallel(paddle.nn.Layer):
     back (float64 loses precision beyond float32). CPU parameters only for now.
     """
 
+    _NAME = "DataParallel"
     #: gradsync's own keyword arguments.
     GRADSYNC_SETTINGS = ("abort_policy", "record_timeline", "wire_dtype")
 
@@ -179,8 +181,7 @@ class DataParallel(paddle.nn.Layer):
     # ---- forward, hooks, the end of backward ------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
-        if self._closed:
-            raise ClosedError("this gradsync DataParallel was closed")
+        self._refuse_if_closed()
         self._raise_if_unfinished("forward")
         if self._require_sync and paddle.is_grad_enabled():
             self._open.sync_pending = True
@@ -207,52 +208,7 @@ class DataParallel(paddle.nn.Layer):
         if step.sync_pending and not self._closed:
             self._finish()
 
-    def finish_step(self):
-        """End the step now: needed only after ``paddle.grad`` (which gradsync
-        cannot see end). Returns the step's report, or ``None`` if nothing
-        was pending."""
-        if self._closed:
-            raise ClosedError("this gradsync DataParallel was closed")
-        step = self._open
-        if not (step.sync_pending or step.arrivals):
-            return None
-        return self._finish()
-
-    def _finish(self):
-        return self._apply(self._session.finish(self._open.number))
-
-    def abort_step(self, reason="out_of_memory"):
-        """This rank cannot finish the step (call it in the ``except`` that
-        caught the out-of-memory error or the bad batch): every rank's step is
-        skipped, or with ``abort_policy="partial"`` averaged over the ranks
-        that finished. Nobody blocks. ``reason``: ``"out_of_memory"``,
-        ``"bad_batch"``, ``"non_finite"`` or an integer code. Returns the
-        step's report."""
-        if self._closed:
-            raise ClosedError("this gradsync DataParallel was closed")
-        return self._apply(self._session.abort(self._open.number, reason))
-
-    def join_now(self):
-        """This rank has run out of data: contribute zeros to the other ranks'
-        steps until every rank has joined (each of those steps is averaged
-        over the ranks that contributed). Returns ``{"first_step", "steps"}``."""
-        if self._closed:
-            raise ClosedError("this gradsync DataParallel was closed")
-        first, steps = self._session.join()
-        self._new_step()
-        return {"first_step": first, "steps": steps}
-
-    def reset(self):
-        """After a failed step (``gradsync.StepFailedError``), on every rank:
-        agree on the step to continue at, on a fresh gloo group, and clear
-        the failed step's state. Returns that step."""
-        if self._closed:
-            raise ClosedError("this gradsync DataParallel was closed")
-        step = self._session.reset()
-        self._new_step()
-        return step
-
-    def _apply(self, result):
+    def _apply_result(self, result):
         """Write a finished step's averages into ``param.grad`` (or clear the
         gradients of a step no rank may apply); returns its report."""
         report = result.report
@@ -306,18 +262,6 @@ class DataParallel(paddle.nn.Layer):
 
     set_dict = set_state_dict
     load_dict = set_state_dict
-
-    def write_timeline(self, path):
-        """Write every step's timeline as Chrome trace JSON (open it in
-        https://ui.perfetto.dev); needs ``record_timeline=True``."""
-        return self._session.write_timeline(path)
-
-    @property
-    def current_step(self):
-        """The step gradients are being collected for."""
-        return self._open.number
-
-    session = property(lambda self: self._session, doc="The underlying :class:`gradsync.Session`.")
 
     def close(self):
         """Stop gradsync's threads; later use raises ``ClosedError``. The

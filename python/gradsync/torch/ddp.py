@@ -49,12 +49,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradsync import _accumulate
 from gradsync._errors import (
-    ClosedError,
     ConfigError,
     GradientLayoutError,
     UnfinishedStepError,
 )
 from gradsync._native import Session
+from gradsync._wrapper import StepControls
 from gradsync.torch import _autograd, _comm_hooks, _outputs
 from gradsync.torch._grads import GradWriter
 from gradsync.torch._join import ShadowStep, rescale_to_initial_world
@@ -120,7 +120,7 @@ class _OpenStep:
         self.end_queued_for = None
 
 
-class DistributedDataParallel(_TORCH_DDP):
+class DistributedDataParallel(StepControls, _TORCH_DDP):
     """Data parallelism for ``module``, a drop-in for
     ``torch.nn.parallel.DistributedDataParallel`` (and a subclass of it, so
     libraries that check for DDP or unwrap ``.module`` treat it as DDP; see
@@ -163,6 +163,7 @@ class DistributedDataParallel(_TORCH_DDP):
     holds after a step.
     """
 
+    _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
     GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
@@ -311,8 +312,7 @@ class DistributedDataParallel(_TORCH_DDP):
     # forward does); frames it calls, the wrapped module's, are compiled.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs, **kwargs):
-        if self._closed:
-            raise ClosedError("this gradsync DistributedDataParallel was closed")
+        self._refuse_if_closed()
         self._raise_if_unfinished("forward")
         if self._broadcast_buffers and self.require_forward_param_sync:
             buffers = [b for b in self.module.buffers()]
@@ -410,54 +410,16 @@ class DistributedDataParallel(_TORCH_DDP):
         self._give(step.number, index, token, given, given.data_ptr())
         step.arrivals += 1
 
-    # ---- ending steps ----------------------------------------------------------------------
-
-    def finish_step(self):
-        """End the step now. Needed only where the wrapper cannot see the end of
-        backward: after ``torch.autograd.grad`` or a backward nested inside
-        another one. Does nothing if no gradient arrived and no forward
-        asked for a synchronized step since the last one ended. Returns the
-        step's report, or ``None``."""
-        if self._closed:
-            raise ClosedError("this gradsync DistributedDataParallel was closed")
-        step = self._open
-        if not (step.sync_pending or step.arrivals):
-            return None
-        return self._finish()
-
-    def _finish(self):
-        return self._apply(self._session.finish(self._open.number))
-
-    def abort_step(self, reason="out_of_memory"):
-        """This rank cannot finish the step (call it in the ``except`` that
-        caught the OOM or the bad batch): every rank's step is skipped, or
-        with ``abort_policy="partial"`` averaged over the ranks that finished.
-        Nobody blocks. ``reason``: ``"out_of_memory"``, ``"bad_batch"``,
-        ``"non_finite"`` or an integer code. Returns the step's report."""
-        if self._closed:
-            raise ClosedError("this gradsync DistributedDataParallel was closed")
-        return self._apply(self._session.abort(self._open.number, reason))
+    # ---- ending steps (finish_step, abort_step, join_now, reset: gradsync._wrapper) --------
 
     def join_now(self):
-        """This rank has run out of data: contribute zeros to the other ranks'
-        steps until every rank has joined (each of those steps is averaged over
-        the ranks that contributed). Returns ``{"first_step", "steps"}``.
-        DDP's context-manager form is :meth:`join`."""
-        if self._closed:
-            raise ClosedError("this gradsync DistributedDataParallel was closed")
-        first, steps = self._session.join()
+        """As :meth:`gradsync._wrapper.StepControls.join_now`; DDP's
+        context-manager form is :meth:`join`."""
+        joined = super().join_now()
         self._divide_by_initial_world = False
-        self._new_step()
-        return {"first_step": first, "steps": steps}
+        return joined
 
-    def reset(self):
-        """After a failed step (``gradsync.StepFailedError``), on every rank:
-        agree on the step to continue at and clear the failed step's state."""
-        step = self._session.reset()
-        self._new_step()
-        return step
-
-    def _apply(self, result):
+    def _apply_result(self, result):
         report = result.report
         self.last_report = report
         step = self._open
@@ -583,21 +545,6 @@ class DistributedDataParallel(_TORCH_DDP):
     def join_process_group(self):
         """The group ``Join`` counts the ranks still training on."""
         return self.process_group
-
-    def write_timeline(self, path):
-        """Write every step's timeline as Chrome trace JSON (open it in
-        https://ui.perfetto.dev); needs ``record_timeline=True``."""
-        return self._session.write_timeline(path)
-
-    @property
-    def current_step(self):
-        """The step gradients are being collected for."""
-        return self._open.number
-
-    @property
-    def session(self):
-        """The underlying :class:`gradsync.Session` (progress, memory figures)."""
-        return self._session
 
     def close(self):
         """Stop gradsync's threads and remove the hooks; later use raises ``ClosedError``."""
