@@ -5,10 +5,11 @@ A wrapper mixes :class:`StepControls` in before its framework's module class
 and provides ``_session``, ``_open`` (the step being collected: ``number``,
 ``sync_pending``, ``arrivals``), ``_closed``, ``_apply_result(result)``
 (write a finished step into the gradients, return its report) and
-``_new_step()``; ``_NAME`` names it in errors.
+``_new_step()``, ``_params``, ``_names`` and ``_placement(param)`` (its
+dtype and device, as the framework names them); ``_NAME`` names it in errors.
 """
 
-from gradsync._errors import ClosedError
+from gradsync._errors import ClosedError, ConfigError
 
 
 class StepControls:
@@ -67,6 +68,23 @@ class StepControls:
         """Write every step's timeline as Chrome trace JSON (open it in
         https://ui.perfetto.dev); needs ``record_timeline=True``."""
         return self._session.write_timeline(path)
+
+    def _apply(self, *args, **kwargs):
+        """The framework's conversion of parameters and buffers (``.to()``,
+        ``.double()``, ``.cpu()``, ...). gradsync registered every parameter's
+        dtype and device when it wrapped the model, so a conversion that
+        changes them is refused (its gradients would be read as the
+        registered type); one that keeps them is fine."""
+        params = self.__dict__.get("_params") or []
+        before = [self._placement(p) for p in params]
+        converted = super()._apply(*args, **kwargs)
+        for name, p, was in zip(self._names, params, before):
+            if self._placement(p) != was:
+                raise ConfigError(
+                    f"parameter {name!r} went from {was} to {self._placement(p)} after gradsync wrapped the "
+                    f"model: convert the module first and wrap it then (as with DDP); close this {self._NAME}"
+                )
+        return converted
 
     @property
     def current_step(self):

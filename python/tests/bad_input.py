@@ -47,6 +47,11 @@ def misuse(rank, world):
     seen["frozen"] = expect(gradsync.ConfigError, lambda: DDP(frozen))
     # Settings the runtime refuses.
     seen["policy"] = expect(gradsync.ConfigError, lambda: DDP(nn.Linear(2, 2), abort_policy="sometimes"))
+    # Converting after wrapping: a no-op conversion is fine, a new dtype is refused.
+    converted = DDP(nn.Linear(2, 2))
+    converted.to("cpu").float()
+    seen["converted"] = expect(gradsync.ConfigError, converted.double)
+    converted.close()
     return seen
 
 

@@ -19,6 +19,7 @@ def test_misuse_is_refused_with_a_clear_message(world2):
         assert "complex" in seen["complex"]
         assert "nothing to synchronize" in seen["frozen"]
         assert "sometimes" in seen["policy"]
+        assert "'weight'" in seen["converted"] and "float64" in seen["converted"], seen["converted"]
 
 
 def test_native_session_refuses_bad_registrations(world2):

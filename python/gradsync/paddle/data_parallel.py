@@ -248,6 +248,10 @@ class DataParallel(StepControls, paddle.nn.Layer):
 
     # ---- the rest of Paddle's DataParallel surface ---------------------------------------------
 
+    @staticmethod
+    def _placement(p):
+        return (p.dtype, str(p.place))
+
     def no_sync(self):
         """Accumulate gradients over several backward passes; the first
         backward outside the context ends the step with the sum."""

@@ -456,6 +456,10 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
 
     # ---- the rest of the DDP surface ------------------------------------------------------
 
+    @staticmethod
+    def _placement(p):
+        return (p.dtype, p.device)
+
     def no_sync(self):
         """Accumulate gradients over several backward passes (micro-batches);
         the first backward outside the context ends the step with the sum.
