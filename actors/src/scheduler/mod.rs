@@ -223,8 +223,7 @@ impl<S: GradStore> Scheduler<S> {
                 self.settles.entry(id).or_insert((0, None)).1 = Some(reply);
                 self.answer_progress(id);
             }
-            SchedMsg::LoanReturned { buffers } if self.fits_plan(&buffers) => self.buffers.spare.push(buffers),
-            SchedMsg::LoanReturned { buffers } => self.drop_set(buffers),
+            SchedMsg::LoanReturned { buffers } => self.take_home(buffers),
             SchedMsg::Rejected { step, why } => self.on_rejected(step, why),
             SchedMsg::Done(done) => self.on_done(done),
             // The plan is being rebuilt: the next step waits for it.

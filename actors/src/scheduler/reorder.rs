@@ -160,17 +160,17 @@ impl<S: GradStore> Scheduler<S> {
         self.answer_waiting_progress();
     }
 
-    /// Make `plan` the plan in force between two steps: buffers of the old
-    /// layout go (those on loan are dropped when they come home), the current
-    /// step's buckets follow the new one, and launches wait for the ranks to
-    /// agree on it.
+    /// Make `plan` the plan in force between two steps: the buffer sets at
+    /// home go through [`Self::take_home`] like loans coming back (kept if
+    /// the new layout fits them, freed otherwise), the current step's buckets
+    /// follow the new plan, and launches wait for the ranks to agree on it.
     fn install(&mut self, plan: super::Plan) {
-        let sets = self.buffers.spare.len() + usize::from(!self.buffers.current.is_empty());
-        self.buffers.spare.clear();
-        self.buffers.current.clear();
-        self.buffers.sets -= sets;
-        self.allocated.fetch_sub(sets * self.plan.bucket_bytes(), std::sync::atomic::Ordering::Relaxed);
         self.plan = Arc::new(plan);
+        let current: Vec<S::Bucket> = std::mem::take(&mut self.buffers.current).into_iter().flatten().collect();
+        let spare = std::mem::take(&mut self.buffers.spare);
+        for set in spare.into_iter().chain((!current.is_empty()).then_some(current)) {
+            self.take_home(set);
+        }
         self.bucket_ends.follow(&self.plan);
         crate::telemetry::plan(&self.rank_label, self.plan.num_buckets(), self.plan.bucket_bytes());
         self.step.resize_buckets(self.plan.num_buckets());
@@ -178,15 +178,15 @@ impl<S: GradStore> Scheduler<S> {
         self.propose_plan();
     }
 
-    /// Whether a set of buffers coming home from a loan has the layout of
-    /// the plan in force (otherwise it is dropped).
-    pub(super) fn fits_plan(&self, set: &[S::Bucket]) -> bool {
-        set.len() == self.plan.num_buckets()
-            && set.iter().enumerate().all(|(b, buf)| self.store.bucket_numel(buf) == self.plan.bucket_numel(b))
-    }
-
-    /// A set of buffers of an older plan came home from a loan: free it.
-    pub(super) fn drop_set(&mut self, set: Vec<S::Bucket>) {
+    /// A set of buffers comes home (from a loan, or set aside by a rebuild):
+    /// a spare if its bucket sizes are those of the plan in force, freed
+    /// otherwise (a plan rebuilt since it was allocated).
+    pub(super) fn take_home(&mut self, set: Vec<S::Bucket>) {
+        let fits = set.len() == self.plan.num_buckets()
+            && set.iter().enumerate().all(|(b, buf)| self.store.bucket_numel(buf) == self.plan.bucket_numel(b));
+        if fits {
+            return self.buffers.spare.push(set);
+        }
         let bytes: usize = set.iter().map(|b| self.store.bucket_numel(b) * std::mem::size_of::<f32>()).sum();
         drop(set);
         self.buffers.sets -= 1;
