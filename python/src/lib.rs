@@ -16,6 +16,7 @@
 
 mod errors;
 mod memory;
+mod shim;
 mod store;
 mod transport;
 
@@ -223,8 +224,9 @@ impl Session {
         let windowed =
             ["start", "wait_oldest", "discard"].iter().all(|m| communicator.bind(py).hasattr(*m).unwrap_or(false));
         let window = if windowed { in_flight } else { 1 };
-        let sync =
-            b.build(PyTransport::new(rank, world, communicator, window)).map_err(|e| errors::build_error(py, &e))?;
+        let sync = b
+            .build(PyTransport::new(py, rank, world, communicator, window)?)
+            .map_err(|e| errors::build_error(py, &e))?;
         let batch = Mutex::new(Some(sync.hook().batch()));
         let params = Arc::new(Params { ids, numel: numels, elem });
         Ok(Session { sync: Some(sync), batch, params, trace: record_timeline.then(ChromeTrace::new) })

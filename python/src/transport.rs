@@ -9,6 +9,12 @@
 //!             ◀── ok / _CollectiveFailed(kind, missing, peer) ──┘   (GIL released while gloo waits)
 //! ```
 //!
+//! When the communicator offers a native path (`communicator.native()`
+//! returns the addresses of `gradsync.torch._collectives`' function table and
+//! endpoint), collectives skip Python altogether: the thread calls torch's
+//! gloo engine through [`NativeGloo`] without the interpreter lock, and
+//! attaches only to name the culprits of a failure and to reset.
+//!
 //! The bucket is one contiguous piece ([`Transport::pieces`] is 1), so the
 //! address covers it whole. Collectives may overlap: `start` launches one and
 //! returns, `wait_oldest` finishes the oldest, up to `window` at a time. The
@@ -17,9 +23,11 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use gradsync_runtime::backend::{BucketBuf, CollectiveTag, CommError, Transport};
+use gradsync_runtime::backend::{BucketBuf, CollectiveKind, CollectiveTag, CommError, Transport};
 use pyo3::prelude::*;
 
+use crate::errors;
+use crate::shim::{NativeGloo, ShimError, Words};
 use crate::store::TensorStore;
 
 /// One rank's endpoint over a Python communicator.
@@ -32,13 +40,26 @@ pub struct PyTransport {
     communicator: Py<PyAny>,
     /// Collectives that may be in flight at once.
     window: usize,
-    /// Tags and start times of the started collectives, oldest first.
+    /// Tags and start times of the collectives started in Python, oldest first.
     started: VecDeque<(CollectiveTag, Instant)>,
+    /// The native path, when the communicator has one.
+    native: Option<NativeGloo>,
 }
 
 impl PyTransport {
-    pub fn new(rank: usize, world: usize, communicator: Py<PyAny>, window: usize) -> Self {
-        PyTransport { rank, world, communicator, window: window.max(1), started: VecDeque::new() }
+    /// The transport over `communicator`; its native path is taken when it
+    /// offers one (`native()` returning addresses rather than `None`).
+    pub fn new(py: Python<'_>, rank: usize, world: usize, communicator: Py<PyAny>, window: usize) -> PyResult<Self> {
+        let native = match native_addresses(py, &communicator)? {
+            // SAFETY: `native()` returns the shim's table and an endpoint the
+            // communicator keeps until its next reset, and this transport
+            // holds the communicator.
+            Some((table, endpoint)) => Some(unsafe { NativeGloo::new(table, endpoint) }.map_err(|why| {
+                errors::raise(py, "ConfigError", format!("gradsync.torch._collectives: {why}; reinstall gradsync"), &[])
+            })?),
+            None => None,
+        };
+        Ok(PyTransport { rank, world, communicator, window: window.max(1), started: VecDeque::new(), native })
     }
 
     /// Call `method` for one collective over `numel` elements at `addr`.
@@ -77,6 +98,10 @@ impl PyTransport {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        if self.native.is_some() {
+            self.start_native(tag, addr, numel, dtype, factor, deadline)?;
+            return if self.window == 1 { self.finish_native() } else { Ok(()) };
+        }
         if self.window == 1 {
             return self.call("all_reduce", tag, addr, numel, dtype, factor, deadline);
         }
@@ -85,12 +110,73 @@ impl PyTransport {
         Ok(())
     }
 
-    /// A Python failure as the runtime's error: the communicator raises
-    /// `_CollectiveFailed` with `kind` (`"timeout"`, `"peer_gone"`, `"backend"`),
-    /// `missing` and `peer`; anything else is a backend error.
+    /// One whole collective, started and finished (natively, every earlier
+    /// one finishes first: gloo completes them in order anyway).
+    #[allow(clippy::too_many_arguments)]
+    fn whole(
+        &mut self,
+        tag: CollectiveTag,
+        addr: usize,
+        numel: usize,
+        dtype: &str,
+        factor: f32,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        if self.native.is_none() {
+            return self.call("all_reduce", tag, addr, numel, dtype, factor, deadline);
+        }
+        self.start_native(tag, addr, numel, dtype, factor, deadline)?;
+        while self.native.as_ref().is_some_and(|n| n.in_flight() > 0) {
+            self.finish_native()?;
+        }
+        Ok(())
+    }
+
+    /// Start one collective on the native path.
+    #[allow(clippy::too_many_arguments)]
+    fn start_native(
+        &mut self,
+        tag: CollectiveTag,
+        addr: usize,
+        numel: usize,
+        dtype: &str,
+        factor: f32,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let Some(native) = &mut self.native else { return Ok(()) };
+        let words = if dtype == "int64" { Words::I64 } else { Words::F32 };
+        let bucket = matches!(tag.kind, CollectiveKind::Bucket { .. });
+        let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        native.start(tag, addr, numel, words, bucket, factor, timeout).map_err(|e| self.failure(e))
+    }
+
+    /// Finish the oldest native collective.
+    fn finish_native(&mut self) -> Result<(), CommError> {
+        let Some(native) = &mut self.native else { return Ok(()) };
+        native.finish_oldest().map_err(|e| self.failure(e))
+    }
+
+    /// A native failure as the runtime's error: the communicator's
+    /// `failure(message, tag)` reads the store positions and classifies it.
+    fn failure(&self, e: ShimError) -> CommError {
+        Python::attach(|py| {
+            match self.communicator.call_method1(py, "failure", (e.message.as_str(), e.tag.to_string())) {
+                Ok(failed) => self.classify(failed.bind(py), e.tag, e.waited),
+                Err(err) => self.translate(py, err, e.tag, e.waited),
+            }
+        })
+    }
+
+    /// A Python failure as the runtime's error (see [`PyTransport::classify`]).
     fn translate(&self, py: Python<'_>, e: PyErr, tag: CollectiveTag, waited: Duration) -> CommError {
+        self.classify(e.value(py).as_any(), tag, waited)
+    }
+
+    /// The communicator's `_CollectiveFailed` (with `kind` `"timeout"`,
+    /// `"peer_gone"` or `"backend"`, `missing` and `peer`) as the runtime's
+    /// error; anything else is a backend error.
+    fn classify(&self, value: &Bound<'_, PyAny>, tag: CollectiveTag, waited: Duration) -> CommError {
         let rank = self.rank;
-        let value = e.value(py);
         let kind: Option<String> = value.getattr("kind").ok().and_then(|k| k.extract().ok());
         let why = value.str().map(|s| s.to_string()).unwrap_or_else(|_| "unprintable error".into());
         match kind.as_deref() {
@@ -135,12 +221,12 @@ impl Transport for PyTransport {
         deadline: Instant,
     ) -> Result<(), CommError> {
         let piece = bucket.piece_mut(0);
-        self.call("all_reduce", tag, piece.as_mut_ptr() as usize, piece.len(), "float32", factor, deadline)
+        self.whole(tag, piece.as_mut_ptr() as usize, piece.len(), "float32", factor, deadline)
     }
 
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
         // Summed as int64: two's complement makes the wrapping sums identical.
-        self.call("all_reduce", tag, words.as_mut_ptr() as usize, words.len(), "int64", 1.0, deadline)
+        self.whole(tag, words.as_mut_ptr() as usize, words.len(), "int64", 1.0, deadline)
     }
 
     fn max_in_flight(&self) -> usize {
@@ -170,6 +256,9 @@ impl Transport for PyTransport {
     }
 
     fn wait_oldest(&mut self) -> Result<(), CommError> {
+        if self.native.is_some() {
+            return self.finish_native();
+        }
         // Nothing started with a window of one: `start_*` ran the whole collective.
         let Some((tag, started)) = self.started.pop_front() else { return Ok(()) };
         Python::attach(|py| {
@@ -182,6 +271,9 @@ impl Transport for PyTransport {
 
     fn discard_in_flight(&mut self) {
         self.started.clear();
+        if let Some(native) = &mut self.native {
+            return native.forget_all();
+        }
         let outcome = Python::attach(|py| self.communicator.call_method0(py, "discard").map(|_| ()));
         if let Err(e) = outcome {
             tracing::error!(rank = self.rank, error = %e, "the communicator could not discard its collectives");
@@ -189,10 +281,29 @@ impl Transport for PyTransport {
     }
 
     fn reset(&mut self) {
-        let outcome = Python::attach(|py| self.communicator.call_method0(py, "reset").map(|_| ()));
+        if let Some(native) = &mut self.native {
+            native.forget_all();
+        }
+        let outcome = Python::attach(|py| {
+            self.communicator.call_method0(py, "reset")?;
+            // The new group has a new endpoint; the old one is gone with it.
+            if let (Some(native), Some((_, endpoint))) = (&mut self.native, native_addresses(py, &self.communicator)?) {
+                native.set_endpoint(endpoint);
+            }
+            Ok::<_, PyErr>(())
+        });
         if let Err(e) = outcome {
             // The reset agreement that follows fails and reports it.
             tracing::error!(rank = self.rank, error = %e, "the communicator could not start a new epoch");
         }
     }
+}
+
+/// `(table, endpoint)` addresses when the communicator has a native path.
+fn native_addresses(py: Python<'_>, communicator: &Py<PyAny>) -> PyResult<Option<(usize, usize)>> {
+    let communicator = communicator.bind(py);
+    if !communicator.hasattr("native")? {
+        return Ok(None);
+    }
+    communicator.call_method0("native")?.extract()
 }

@@ -262,3 +262,33 @@ def training_converges(rank, world, steps=40):
     flat = torch.cat([p.detach().flatten() for p in wrapped.parameters()])
     wrapped.close()
     return {"first": sum(losses[:3]) / 3, "last": sum(losses[-3:]) / 3, "params": flat}
+
+
+def collective_paths(rank, world, steps=3):
+    """The same steps with collectives on the native path and on the Python
+    path, float32 and bfloat16 on the wire: both paths' gradients, bit for
+    bit, and their distance from the averaged reference."""
+    out = {}
+    for wire in ("float32", "bfloat16"):
+        grads = {}
+        for path in ("native", "python"):
+            os.environ["GRADSYNC_COLLECTIVES"] = path
+            try:
+                model = mlp()
+                wrapped = DDP(copy.deepcopy(model), wire_dtype=wire)
+            finally:
+                del os.environ["GRADSYNC_COLLECTIVES"]
+            worst, seen = 0.0, []
+            for step in range(steps):
+                wrapped.zero_grad()
+                wrapped(batch(step, rank)).sum().backward()
+                ref = averaged_reference(model, world, step)
+                worst = max(worst, max((p.grad - q).abs().max().item() for p, q in zip(wrapped.parameters(), ref)))
+                seen.append([p.grad.clone() for p in wrapped.parameters()])
+            grads[path] = seen
+            out[f"{wire}/{path}"] = {"native": wrapped.native_collectives, "max_diff": worst}
+            wrapped.close()
+        out[f"{wire}/identical"] = all(
+            torch.equal(a, b) for sa, sb in zip(grads["native"], grads["python"]) for a, b in zip(sa, sb)
+        )
+    return out

@@ -72,3 +72,16 @@ def test_training_keeps_replicas_identical(world3):
     for rank, o in enumerate(out):
         assert torch.equal(o["params"], out[0]["params"]), f"rank {rank} diverged from rank 0"
         assert o["last"] < 0.7 * o["first"], f"the loss must fall: {o['first']} -> {o['last']}"
+
+
+def test_native_and_python_collectives_agree_bit_for_bit(world2):
+    for rank, out in enumerate(world2.run(features.collective_paths)):
+        for wire, tol in (("float32", 1e-5), ("bfloat16", 5e-2)):
+            # The package's own build compiles the native path: a CI without
+            # it would silently measure and test the slow one.
+            assert out[f"{wire}/native"]["native"], f"rank {rank}: native collectives were not built"
+            assert not out[f"{wire}/python"]["native"], f"rank {rank}: GRADSYNC_COLLECTIVES=python was ignored"
+            for path in ("native", "python"):
+                diff = out[f"{wire}/{path}"]["max_diff"]
+                assert diff < tol, f"rank {rank} {wire} {path}: off by {diff}"
+            assert out[f"{wire}/identical"], f"rank {rank} {wire}: the two paths' gradients differ"

@@ -16,12 +16,25 @@ gradsync's own:
   store. When a collective times out, the ranks whose position is behind this
   one are the ones that never joined: the error names them.
 
-The interpreter lock is released while gloo waits, so backward keeps running
-on the caller's thread.
+Two paths run the collectives on that group:
+
+* **native** (the default, when the package was built with torch): the
+  thread calls the C functions of ``gradsync.torch._collectives``, compiled
+  against torch by ``pip install``, on an :class:`Endpoint` that holds this
+  group and the store. No Python, no interpreter lock: the training thread's
+  hooks never wait for the communicator, nor it for them. Python is entered
+  only to name the culprits of a failure (:meth:`TorchCommunicator.failure`)
+  and to reset.
+* **python**: the thread calls :meth:`TorchCommunicator.start` and
+  :meth:`TorchCommunicator.wait_oldest`, which release the lock while gloo
+  waits. Taken when the shim is missing or was built against another torch
+  (a warning says which), or on request (``GRADSYNC_COLLECTIVES=python``).
 """
 
 import collections
 import datetime
+import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,6 +42,27 @@ import torch.distributed as dist
 from gradsync._gloo import CTYPES, AddressArrays, collective_failure
 
 _TORCH_DTYPES = {"float32": torch.float32, "int64": torch.int64}
+
+
+# The shim's wire codes (python/shim/collectives.cpp, `Wire`).
+_WIRE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _load_shim():
+    """``(module, None)`` when the native path can run, else ``(None, why)``."""
+    if os.environ.get("GRADSYNC_COLLECTIVES", "native") == "python":
+        return None, None
+    try:
+        from gradsync.torch._collectives_built import TORCH_VERSION
+    except ImportError:
+        return None, "gradsync was installed without its native collectives (no torch or no C++ compiler at build time)"
+    if TORCH_VERSION != torch.__version__:
+        return None, f"its native collectives were built against torch {TORCH_VERSION}, this is {torch.__version__}"
+    try:
+        from gradsync.torch import _collectives
+    except ImportError as e:
+        return None, f"its native collectives do not load ({e})"
+    return _collectives, None
 
 
 def _position(text):
@@ -45,6 +79,14 @@ class TorchCommunicator:
 
     def __init__(self, *, store, prefix, rank, world, timeout_s, wire_dtype=torch.float32):
         self.rank = rank
+        self._shim, why = _load_shim()
+        if why is not None:
+            warnings.warn(
+                f"gradsync: collectives run through Python, slower: {why}. Reinstall gradsync with torch installed "
+                "(pip install --no-build-isolation) to build them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         # Data buckets travel in this type (bfloat16 halves the bytes); the
         # control vector and corrections always travel exactly.
         self._wire = wire_dtype
@@ -60,15 +102,33 @@ class TorchCommunicator:
         self._arrays = AddressArrays()
         # Started collectives, oldest first: (work, tensor, wire tensor, factor, position, tag).
         self._flight = collections.deque()
-        self._group = self._new_group()
+        self._group = self._endpoint = None
+        self._new_group()
+
+    @property
+    def is_native(self):
+        """Whether collectives take the native path (see the module docs)."""
+        return self._shim is not None
+
+    def native(self):
+        """``(table address, endpoint address)`` for the runtime's native
+        path, or ``None`` (the Python path)."""
+        if self._shim is None:
+            return None
+        return self._shim.table(), self._endpoint.address
 
     def set_wire(self, dtype):
         """Send the data buckets of later steps as ``dtype`` (set on every rank alike)."""
         self._wire = dtype
+        if self._endpoint is not None:
+            self._endpoint.set_wire(_WIRE_CODES[dtype])
 
     def _new_group(self):
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
-        return dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)
+        self._group = dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)
+        if self._shim is not None:
+            self._endpoint = self._shim.Endpoint(self._group, self._store, self._key(self.rank), self._epoch)
+            self._endpoint.set_wire(_WIRE_CODES[self._wire])
 
     def _key(self, rank):
         return f"{self._prefix}/position/{rank}"
@@ -137,10 +197,15 @@ class TorchCommunicator:
     def _failure(self, error, mine, tag):
         return collective_failure(error, tag, self._behind(mine))
 
+    def failure(self, message, tag):
+        """The native path's failed collective (gloo's ``message``) as the
+        runtime's failure, naming the ranks behind this one."""
+        return self._failure(message, self._endpoint.position, tag)
+
     def reset(self):
         """Start a new epoch on a fresh group (after a failed collective, the
         old group's connections hold half-finished messages)."""
         self._flight.clear()
         self._epoch += 1
         self._seq = 0
-        self._group = self._new_group()
+        self._new_group()

@@ -479,6 +479,14 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._require_sync = bool(value)
 
     @property
+    def native_collectives(self):
+        """Whether the collectives run natively on torch's gloo engine, with no
+        Python on the way (``False``: through ``torch.distributed`` in
+        Python, because the native part was not built for this torch, or
+        ``GRADSYNC_COLLECTIVES=python`` asked for it; a warning said which)."""
+        return self._comm.is_native
+
+    @property
     def broadcast_buffers(self):
         """Whether rank 0's buffers are sent to every rank at each forward."""
         return self._broadcast_buffers

@@ -1,0 +1,136 @@
+//! Builds `gradsync/torch/_collectives` (shim/collectives.cpp), the native
+//! path from gradsync's communicator thread to torch's gloo engine, when the
+//! package is built for an interpreter that has torch.
+//!
+//! maturin (what `pip install ./python` runs) names the interpreter in
+//! `PYO3_PYTHON`. The script asks that interpreter where torch's headers and
+//! libraries are, compiles the shim with the system C++ compiler (`CXX`, else
+//! `c++`) and writes it, with `_collectives_built.py` naming the torch version
+//! it was built against, next to the Python sources, where maturin packs them
+//! into the wheel. Without `PYO3_PYTHON` (a plain `cargo build`), without torch,
+//! or when the compiler fails, nothing is built: `gradsync.torch` then runs its
+//! collectives through `torch.distributed` in Python, and says so
+//! (`DistributedDataParallel.native_collectives`). `GRADSYNC_REQUIRE_SHIM=1`
+//! turns those warnings into build failures.
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Printed by the interpreter: one fact per line.
+const PROBE: &str = r#"
+import sysconfig, torch, torch.utils.cpp_extension as ext
+print(torch.__version__)
+print(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+print(sysconfig.get_paths()["include"])
+print(sysconfig.get_config_var("EXT_SUFFIX"))
+print(ext.library_paths()[0])
+print(torch.version.__file__)
+for p in ext.include_paths():
+    print(p)
+"#;
+
+/// What the build needs to know about the interpreter's torch.
+struct Torch {
+    version: String,
+    cxx11_abi: String,
+    python_include: String,
+    ext_suffix: String,
+    lib_dir: String,
+    version_file: String,
+    includes: Vec<String>,
+}
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let source = manifest.join("shim/collectives.cpp");
+    let out_dir = manifest.join("gradsync/torch");
+    let stamp = out_dir.join("_collectives_built.py");
+    println!("cargo:rerun-if-changed={}", source.display());
+    println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
+    println!("cargo:rerun-if-env-changed=CXX");
+    println!("cargo:rerun-if-env-changed=GRADSYNC_REQUIRE_SHIM");
+    // The outputs' folder: missing outputs (a fresh work tree over an old
+    // target/) bring the script back; `up_to_date` keeps it from recompiling.
+    println!("cargo:rerun-if-changed={}", out_dir.display());
+    let Ok(python) = env::var("PYO3_PYTHON") else { return };
+    let torch = match probe(&python) {
+        Ok(torch) => torch,
+        Err(why) => return skip(&stamp, &format!("{python} has no usable torch ({why})")),
+    };
+    println!("cargo:rerun-if-changed={}", torch.version_file);
+    let target = out_dir.join(format!("_collectives{}", torch.ext_suffix));
+    let text = format!(
+        "# Written by python/build.rs: the torch _collectives{} was compiled against.\nTORCH_VERSION = {:?}\n",
+        torch.ext_suffix, torch.version
+    );
+    if up_to_date(&source, &target, &stamp, &text) {
+        return;
+    }
+    match compile(&source, &target, &torch) {
+        Ok(()) => std::fs::write(&stamp, text).expect("write _collectives_built.py"),
+        Err(why) => skip(&stamp, &why),
+    }
+}
+
+/// The shim exists, is newer than its source and was built against this torch.
+fn up_to_date(source: &Path, target: &Path, stamp: &Path, text: &str) -> bool {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let fresh = matches!((modified(source), modified(target)), (Some(s), Some(t)) if t >= s);
+    fresh && std::fs::read_to_string(stamp).is_ok_and(|s| s == text)
+}
+
+/// Say why the shim is not built (or fail, when it is required), and remove
+/// a stamp from an earlier build so no stale shim is loaded.
+fn skip(stamp: &Path, why: &str) {
+    let _ = std::fs::remove_file(stamp);
+    if env::var("GRADSYNC_REQUIRE_SHIM").is_ok_and(|v| v == "1") {
+        panic!("gradsync.torch's native collectives were not built: {why}");
+    }
+    println!("cargo:warning=gradsync.torch will run its collectives through Python: {why}");
+}
+
+fn probe(python: &str) -> Result<Torch, String> {
+    let out = Command::new(python).args(["-c", PROBE]).output().map_err(|e| format!("cannot run it: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(err.lines().last().unwrap_or("import torch failed").to_string());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines().map(str::to_string);
+    let mut next = || lines.next().ok_or_else(|| "torch's answer was cut short".to_string());
+    Ok(Torch {
+        version: next()?,
+        cxx11_abi: next()?,
+        python_include: next()?,
+        ext_suffix: next()?,
+        lib_dir: next()?,
+        version_file: next()?,
+        includes: lines.collect(),
+    })
+}
+
+fn compile(source: &Path, target: &Path, torch: &Torch) -> Result<(), String> {
+    let cxx = env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut cmd = Command::new(&cxx);
+    cmd.args(["-O2", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-w"])
+        .arg(format!("-D_GLIBCXX_USE_CXX11_ABI={}", torch.cxx11_abi))
+        .arg(format!("-I{}", torch.python_include));
+    for include in &torch.includes {
+        cmd.arg(format!("-I{include}"));
+    }
+    // torch's libraries are loaded by `import torch` before the shim; the
+    // rpath finds them when the shim is loaded first.
+    cmd.arg(source)
+        .arg(format!("-L{}", torch.lib_dir))
+        .arg(format!("-Wl,-rpath,{}", torch.lib_dir))
+        .args(["-ltorch_python", "-ltorch_cpu", "-lc10", "-o"])
+        .arg(target);
+    let out = cmd.output().map_err(|e| format!("cannot run the C++ compiler {cxx:?}: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = err.lines().filter(|l| l.contains("error")).take(3).collect();
+    Err(format!("{cxx} failed to compile {}: {}", source.display(), tail.join(" | ")))
+}
