@@ -58,6 +58,16 @@ pub enum Words {
     I64,
 }
 
+impl Words {
+    /// The name the Python communicator knows the type by.
+    pub fn label(self) -> &'static str {
+        match self {
+            Words::F32 => "float32",
+            Words::I64 => "int64",
+        }
+    }
+}
+
 /// One started collective: the shim's Flight, its tag and start time.
 #[derive(Debug)]
 struct Flight {

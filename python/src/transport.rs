@@ -30,6 +30,45 @@ use crate::errors;
 use crate::shim::{NativeGloo, ShimError, Words};
 use crate::store::TensorStore;
 
+/// One collective as the runtime asks for it: `numel` `words` at `addr`,
+/// summed over every rank, then scaled by `factor`, by `deadline`.
+#[derive(Clone, Copy, Debug)]
+struct Collective {
+    tag: CollectiveTag,
+    addr: usize,
+    numel: usize,
+    words: Words,
+    factor: f32,
+    deadline: Instant,
+}
+
+impl Collective {
+    /// A bucket (one contiguous piece: [`Transport::pieces`] is 1).
+    fn bucket(tag: CollectiveTag, bucket: &mut BucketBuf, factor: f32, deadline: Instant) -> Self {
+        let piece = bucket.piece_mut(0);
+        Collective { tag, addr: piece.as_mut_ptr() as usize, numel: piece.len(), words: Words::F32, factor, deadline }
+    }
+
+    /// Time from `now` to the deadline; at least a millisecond, so a late
+    /// collective still gets a deadline gloo accepts.
+    fn time_left(&self, now: Instant) -> Duration {
+        self.deadline.saturating_duration_since(now).max(Duration::from_millis(1))
+    }
+
+    /// Control words, summed as int64: two's complement makes the wrapping
+    /// sums identical.
+    fn words(tag: CollectiveTag, words: &mut [u64], deadline: Instant) -> Self {
+        Collective {
+            tag,
+            addr: words.as_mut_ptr() as usize,
+            numel: words.len(),
+            words: Words::I64,
+            factor: 1.0,
+            deadline,
+        }
+    }
+}
+
 /// One rank's endpoint over a Python communicator.
 #[derive(Debug)]
 pub struct PyTransport {
@@ -62,92 +101,61 @@ impl PyTransport {
         Ok(PyTransport { rank, world, communicator, window: window.max(1), started: VecDeque::new(), native })
     }
 
-    /// Call `method` for one collective over `numel` elements at `addr`.
-    #[allow(clippy::too_many_arguments)]
-    fn call(
-        &self,
-        method: &str,
-        tag: CollectiveTag,
-        addr: usize,
-        numel: usize,
-        dtype: &str,
-        factor: f32,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    /// Call `method` for collective `c` in Python.
+    fn call(&self, method: &str, c: Collective) -> Result<(), CommError> {
         let started = Instant::now();
-        let timeout = deadline.saturating_duration_since(started).max(Duration::from_millis(1));
+        let timeout = c.time_left(started);
         Python::attach(|py| {
-            let args = (addr, numel, dtype, factor, tag.to_string(), tag.kind.label(), timeout.as_secs_f64());
+            let args = (
+                c.addr,
+                c.numel,
+                c.words.label(),
+                c.factor,
+                c.tag.to_string(),
+                c.tag.kind.label(),
+                timeout.as_secs_f64(),
+            );
             self.communicator
                 .call_method1(py, method, args)
                 .map(|_| ())
-                .map_err(|e| self.translate(py, e, tag, started.elapsed()))
+                .map_err(|e| self.translate(py, e, c.tag, started.elapsed()))
         })
     }
 
-    /// Start one collective: the whole of it with a window of one (nothing
-    /// stays in flight), otherwise `start` it and remember it for
+    /// Start collective `c`: the whole of it with a window of one (nothing
+    /// stays in flight), otherwise start it and remember it for
     /// `wait_oldest`.
-    #[allow(clippy::too_many_arguments)]
-    fn start(
-        &mut self,
-        tag: CollectiveTag,
-        addr: usize,
-        numel: usize,
-        dtype: &str,
-        factor: f32,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
-        if self.native.is_some() {
-            self.start_native(tag, addr, numel, dtype, factor, deadline)?;
-            return if self.window == 1 { self.finish_native() } else { Ok(()) };
-        }
+    fn start(&mut self, c: Collective) -> Result<(), CommError> {
         if self.window == 1 {
-            return self.call("all_reduce", tag, addr, numel, dtype, factor, deadline);
+            return self.whole(c);
         }
-        self.call("start", tag, addr, numel, dtype, factor, deadline)?;
-        self.started.push_back((tag, Instant::now()));
+        if self.native.is_some() {
+            return self.start_native(c);
+        }
+        self.call("start", c)?;
+        self.started.push_back((c.tag, Instant::now()));
         Ok(())
     }
 
-    /// One whole collective, started and finished (natively, every earlier
-    /// one finishes first: gloo completes them in order anyway).
-    #[allow(clippy::too_many_arguments)]
-    fn whole(
-        &mut self,
-        tag: CollectiveTag,
-        addr: usize,
-        numel: usize,
-        dtype: &str,
-        factor: f32,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    /// Collective `c`, started and finished (natively, every earlier one
+    /// finishes first: gloo completes them in order anyway).
+    fn whole(&mut self, c: Collective) -> Result<(), CommError> {
         if self.native.is_none() {
-            return self.call("all_reduce", tag, addr, numel, dtype, factor, deadline);
+            return self.call("all_reduce", c);
         }
-        self.start_native(tag, addr, numel, dtype, factor, deadline)?;
+        self.start_native(c)?;
         while self.native.as_ref().is_some_and(|n| n.in_flight() > 0) {
             self.finish_native()?;
         }
         Ok(())
     }
 
-    /// Start one collective on the native path.
-    #[allow(clippy::too_many_arguments)]
-    fn start_native(
-        &mut self,
-        tag: CollectiveTag,
-        addr: usize,
-        numel: usize,
-        dtype: &str,
-        factor: f32,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    /// Start collective `c` on the native path.
+    fn start_native(&mut self, c: Collective) -> Result<(), CommError> {
         let Some(native) = &mut self.native else { return Ok(()) };
-        let words = if dtype == "int64" { Words::I64 } else { Words::F32 };
-        let bucket = matches!(tag.kind, CollectiveKind::Bucket { .. });
-        let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        native.start(tag, addr, numel, words, bucket, factor, timeout).map_err(|e| self.failure(e))
+        let timeout = c.time_left(Instant::now());
+        let bucket = matches!(c.tag.kind, CollectiveKind::Bucket { .. });
+        native.start(c.tag, c.addr, c.numel, c.words, bucket, c.factor, timeout).map_err(|e| self.failure(e))
     }
 
     /// Finish the oldest native collective.
@@ -220,13 +228,11 @@ impl Transport for PyTransport {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let piece = bucket.piece_mut(0);
-        self.whole(tag, piece.as_mut_ptr() as usize, piece.len(), "float32", factor, deadline)
+        self.whole(Collective::bucket(tag, bucket, factor, deadline))
     }
 
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
-        // Summed as int64: two's complement makes the wrapping sums identical.
-        self.whole(tag, words.as_mut_ptr() as usize, words.len(), "int64", 1.0, deadline)
+        self.whole(Collective::words(tag, words, deadline))
     }
 
     fn max_in_flight(&self) -> usize {
@@ -247,12 +253,11 @@ impl Transport for PyTransport {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let piece = bucket.piece_mut(0);
-        self.start(tag, piece.as_mut_ptr() as usize, piece.len(), "float32", factor, deadline)
+        self.start(Collective::bucket(tag, bucket, factor, deadline))
     }
 
     fn start_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
-        self.start(tag, words.as_mut_ptr() as usize, words.len(), "int64", 1.0, deadline)
+        self.start(Collective::words(tag, words, deadline))
     }
 
     fn wait_oldest(&mut self) -> Result<(), CommError> {

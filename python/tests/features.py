@@ -55,6 +55,12 @@ def averaged_reference(model, world, step, micro=1, rows=6, scale=1.0):
     return [p.grad / world for p in ref.parameters()]
 
 
+def off_reference(wrapped, model, world, step):
+    """How far ``wrapped``'s gradients of ``step`` are from the averaged reference."""
+    want = averaged_reference(model, world, step)
+    return max((p.grad - w).abs().max().item() for p, w in zip(wrapped.parameters(), want))
+
+
 def accumulation(rank, world, micro=3, steps=3):
     """Gradient accumulation over micro-batches with ``no_sync()``: the sum of
     every micro-batch of every rank, averaged; the last micro-batch's backward
@@ -104,8 +110,7 @@ def declared_backwards(rank, world, steps=4):
     for step in range(steps):
         wrapped.zero_grad()
         wrapped(batch(step, rank)).sum().backward()
-        want = averaged_reference(model, world, step)
-        worst = max(worst, max((p.grad - w).abs().max().item() for p, w in zip(wrapped.parameters(), want)))
+        worst = max(worst, off_reference(wrapped, model, world, step))
         overlapped.append(wrapped.last_report.buckets_done_before_finish)
     buckets = wrapped.last_report.buckets_launched
     wrapped.close()
@@ -282,8 +287,7 @@ def collective_paths(rank, world, steps=3):
             for step in range(steps):
                 wrapped.zero_grad()
                 wrapped(batch(step, rank)).sum().backward()
-                ref = averaged_reference(model, world, step)
-                worst = max(worst, max((p.grad - q).abs().max().item() for p, q in zip(wrapped.parameters(), ref)))
+                worst = max(worst, off_reference(wrapped, model, world, step))
                 seen.append([p.grad.clone() for p in wrapped.parameters()])
             grads[path] = seen
             out[f"{wire}/{path}"] = {"native": wrapped.native_collectives, "max_diff": worst}
