@@ -17,7 +17,9 @@
 // * `finish` waits for a Flight, copies the wire tensor back, scales, and frees
 //   the Flight. `forget` frees one without waiting (after a failure).
 // * Errors come back as text (the return value says there is one); the Python
-//   side turns the text and the endpoint's position into a typed failure.
+//   side turns the text and the failed collective's position into a typed
+//   failure (`start` hands that position out, so a failure is judged against
+//   the collective that failed, not the latest one started).
 //
 // The Endpoint belongs to Python (it holds references to the group and the
 // store); the Rust side reads its address again after every reset.
@@ -40,7 +42,7 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 
 // Element types the runtime hands over (`dtype` of `start`).
 enum Elem : int32_t { kF32 = 0, kI64 = 1 };
@@ -57,8 +59,7 @@ struct Endpoint {
   // The reset epoch this group belongs to.
   int64_t epoch;
   // Collectives started on this group; the position of the latest is `epoch:seq`.
-  // Written by the communicator thread only; read by Python only while that
-  // thread waits for it (in the failure path).
+  // Touched by the communicator thread only.
   int64_t seq = 0;
   // The type data buckets travel in; set from Python between steps.
   std::atomic<int32_t> wire{kWireF32};
@@ -119,12 +120,14 @@ int32_t start(
     float factor,
     int64_t timeout_ms,
     void** flight,
+    int64_t* seq,
     char* err,
     size_t err_len) {
   *flight = nullptr;
+  auto* ep = static_cast<Endpoint*>(endpoint);
+  ep->seq += 1;
+  *seq = ep->seq;
   return guarded(err, err_len, [&] {
-    auto* ep = static_cast<Endpoint*>(endpoint);
-    ep->seq += 1;
     std::string position = std::to_string(ep->epoch) + ":" + std::to_string(ep->seq);
     ep->store->set(ep->key, std::vector<uint8_t>(position.begin(), position.end()));
     auto type = dtype == kI64 ? at::kLong : at::kFloat;
@@ -165,7 +168,7 @@ void forget(void* flight) {
 // What the Rust side calls; its layout is mirrored in python/src/shim.rs.
 struct Table {
   uint32_t version;
-  int32_t (*start)(void*, void*, int64_t, int32_t, int32_t, float, int64_t, void**, char*, size_t);
+  int32_t (*start)(void*, void*, int64_t, int32_t, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
   int32_t (*finish)(void*, char*, size_t);
   void (*forget)(void*);
 };
@@ -199,10 +202,6 @@ PYBIND11_MODULE(_collectives, m) {
           "address",
           [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
           "Where the runtime finds this endpoint (valid while the object lives).")
-      .def_property_readonly(
-          "position",
-          [](Endpoint& ep) { return py::make_tuple(ep.epoch, ep.seq); },
-          "(epoch, seq) of the latest collective started here.")
       .def(
           "set_wire",
           [](Endpoint& ep, int32_t wire) { ep.wire.store(wire, std::memory_order_relaxed); },

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 1;
+pub const TABLE_VERSION: u32 = 2;
 
 /// Element type codes of `start`.
 const ELEM_F32: i32 = 0;
@@ -43,6 +43,7 @@ pub struct Table {
         f32,
         i64,
         *mut *mut c_void,
+        *mut i64,
         *mut c_char,
         usize,
     ) -> i32,
@@ -68,11 +69,13 @@ impl Words {
     }
 }
 
-/// One started collective: the shim's Flight, its tag and start time.
+/// One started collective: the shim's Flight, its tag, its place in the
+/// epoch and start time.
 #[derive(Debug)]
 struct Flight {
     handle: *mut c_void,
     tag: CollectiveTag,
+    seq: i64,
     started: Instant,
 }
 
@@ -81,6 +84,9 @@ struct Flight {
 #[derive(Debug)]
 pub struct ShimError {
     pub tag: CollectiveTag,
+    /// The failed collective's place in its epoch (the `seq` of the position
+    /// it wrote): the ranks whose position is before it never joined it.
+    pub seq: i64,
     pub message: String,
     pub waited: Duration,
 }
@@ -154,11 +160,12 @@ impl NativeGloo {
         };
         let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX).max(1);
         let mut handle = std::ptr::null_mut();
+        let mut seq = 0i64;
         let mut err = [0 as c_char; ERROR_BYTES];
         // SAFETY: the endpoint is alive (see `new`); `addr` holds `numel`
         // elements of `words` until this collective is finished or forgotten
-        // (the runtime's contract with its transport); `handle` and `err`
-        // outlive the call.
+        // (the runtime's contract with its transport); `handle`, `seq` and
+        // `err` outlive the call.
         let rc = unsafe {
             (self.table.start)(
                 self.endpoint as *mut c_void,
@@ -169,14 +176,15 @@ impl NativeGloo {
                 factor,
                 timeout_ms,
                 &mut handle,
+                &mut seq,
                 err.as_mut_ptr(),
                 err.len(),
             )
         };
         if rc != 0 {
-            return Err(ShimError { tag, message: message(&err), waited: started.elapsed() });
+            return Err(ShimError { tag, seq, message: message(&err), waited: started.elapsed() });
         }
-        self.flights.push_back(Flight { handle, tag, started });
+        self.flights.push_back(Flight { handle, tag, seq, started });
         Ok(())
     }
 
@@ -188,7 +196,12 @@ impl NativeGloo {
         // `finish` frees it whatever the outcome.
         let rc = unsafe { (self.table.finish)(flight.handle, err.as_mut_ptr(), err.len()) };
         if rc != 0 {
-            return Err(ShimError { tag: flight.tag, message: message(&err), waited: flight.started.elapsed() });
+            return Err(ShimError {
+                tag: flight.tag,
+                seq: flight.seq,
+                message: message(&err),
+                waited: flight.started.elapsed(),
+            });
         }
         Ok(())
     }

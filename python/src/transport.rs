@@ -165,10 +165,11 @@ impl PyTransport {
     }
 
     /// A native failure as the runtime's error: the communicator's
-    /// `failure(message, tag)` reads the store positions and classifies it.
+    /// `failure(message, tag, seq)` reads the store positions and classifies
+    /// it against the failed collective's position.
     fn failure(&self, e: ShimError) -> CommError {
         Python::attach(|py| {
-            match self.communicator.call_method1(py, "failure", (e.message.as_str(), e.tag.to_string())) {
+            match self.communicator.call_method1(py, "failure", (e.message.as_str(), e.tag.to_string(), e.seq)) {
                 Ok(failed) => self.classify(failed.bind(py), e.tag, e.waited),
                 Err(err) => self.translate(py, err, e.tag, e.waited),
             }

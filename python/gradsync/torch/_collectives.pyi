@@ -20,8 +20,5 @@ class Endpoint:
     @property
     def address(self) -> int:
         """Where the runtime finds this endpoint (valid while it lives)."""
-    @property
-    def position(self) -> tuple[int, int]:
-        """``(epoch, seq)`` of the latest collective started here."""
     def set_wire(self, wire: int) -> None:
         """Send later data buckets as 0 float32, 1 bfloat16 or 2 float16."""

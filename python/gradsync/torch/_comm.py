@@ -197,10 +197,12 @@ class TorchCommunicator:
     def _failure(self, error, mine, tag):
         return collective_failure(error, tag, self._behind(mine))
 
-    def failure(self, message, tag):
-        """The native path's failed collective (gloo's ``message``) as the
-        runtime's failure, naming the ranks behind this one."""
-        return self._failure(message, self._endpoint.position, tag)
+    def failure(self, message, tag, seq):
+        """The native path's failed collective (gloo's ``message``; ``seq``
+        its place in this epoch) as the runtime's failure, naming the ranks
+        that had not reached it. Judged against that collective, not the
+        latest one started: later ones may already be on their way."""
+        return self._failure(message, (self._epoch, seq), tag)
 
     def reset(self):
         """Start a new epoch on a fresh group (after a failed collective, the
