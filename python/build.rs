@@ -1,17 +1,21 @@
-//! Builds `gradsync/torch/_collectives` (shim/collectives.cpp), the native
-//! path from gradsync's communicator thread to torch's gloo engine, when the
-//! package is built for an interpreter that has torch.
+//! Builds gradsync's C++ modules against torch, when the package is built for
+//! an interpreter that has torch:
+//!
+//! * `gradsync/torch/_collectives` (shim/collectives.cpp), the native path
+//!   from gradsync's communicator thread to torch's gloo engine;
+//! * `gradsync/torch/_arrivals` (shim/arrivals.cpp), the gradient hooks that
+//!   hand gradients to the runtime without Python.
 //!
 //! maturin (what `pip install ./python` runs) names the interpreter in
 //! `PYO3_PYTHON`. The script asks that interpreter where torch's headers and
-//! libraries are, compiles the shim with the system C++ compiler (`CXX`, else
-//! `c++`) and writes it, with `_collectives_built.py` naming the torch version
+//! libraries are, compiles each module with the system C++ compiler (`CXX`,
+//! else `c++`) and writes it, with `_<name>_built.py` naming the torch version
 //! it was built against, next to the Python sources, where maturin packs them
 //! into the wheel. Without `PYO3_PYTHON` (a plain `cargo build`), without torch,
 //! or when the compiler fails, nothing is built: `gradsync.torch` then runs its
-//! collectives through `torch.distributed` in Python, and says so
-//! (`DistributedDataParallel.native_collectives`). `GRADSYNC_REQUIRE_SHIM=1`
-//! turns those warnings into build failures.
+//! collectives through `torch.distributed` and its hooks in Python, and says
+//! so (`DistributedDataParallel.native_collectives`, `.native_hooks`).
+//! `GRADSYNC_REQUIRE_SHIM=1` turns those warnings into build failures.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -41,35 +45,45 @@ struct Torch {
     includes: Vec<String>,
 }
 
+/// The C++ modules, by name: `shim/<name>.cpp` becomes `gradsync/torch/_<name>`.
+const MODULES: [&str; 2] = ["collectives", "arrivals"];
+
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let source = manifest.join("shim/collectives.cpp");
     let out_dir = manifest.join("gradsync/torch");
-    let stamp = out_dir.join("_collectives_built.py");
-    println!("cargo:rerun-if-changed={}", source.display());
+    for name in MODULES {
+        println!("cargo:rerun-if-changed={}", manifest.join(format!("shim/{name}.cpp")).display());
+    }
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     println!("cargo:rerun-if-env-changed=CXX");
     println!("cargo:rerun-if-env-changed=GRADSYNC_REQUIRE_SHIM");
     // The outputs' folder: missing outputs (a fresh work tree over an old
     // target/) bring the script back; `up_to_date` keeps it from recompiling.
     println!("cargo:rerun-if-changed={}", out_dir.display());
+    let stamps = MODULES.map(|name| out_dir.join(format!("_{name}_built.py")));
     let Ok(python) = env::var("PYO3_PYTHON") else { return };
     let torch = match probe(&python) {
         Ok(torch) => torch,
-        Err(why) => return skip(&stamp, &format!("{python} has no usable torch ({why})")),
+        Err(why) => {
+            let why = format!("{python} has no usable torch ({why})");
+            return MODULES.iter().zip(&stamps).for_each(|(name, stamp)| skip(name, stamp, &why));
+        }
     };
     println!("cargo:rerun-if-changed={}", torch.version_file);
-    let target = out_dir.join(format!("_collectives{}", torch.ext_suffix));
-    let text = format!(
-        "# Written by python/build.rs: the torch _collectives{} was compiled against.\nTORCH_VERSION = {:?}\n",
-        torch.ext_suffix, torch.version
-    );
-    if up_to_date(&source, &target, &stamp, &text) {
-        return;
-    }
-    match compile(&source, &target, &torch) {
-        Ok(()) => std::fs::write(&stamp, text).expect("write _collectives_built.py"),
-        Err(why) => skip(&stamp, &why),
+    for (name, stamp) in MODULES.iter().zip(&stamps) {
+        let source = manifest.join(format!("shim/{name}.cpp"));
+        let target = out_dir.join(format!("_{name}{}", torch.ext_suffix));
+        let text = format!(
+            "# Written by python/build.rs: the torch _{name}{} was compiled against.\nTORCH_VERSION = {:?}\n",
+            torch.ext_suffix, torch.version
+        );
+        if up_to_date(&source, &target, stamp, &text) {
+            continue;
+        }
+        match compile(&source, &target, &torch) {
+            Ok(()) => std::fs::write(stamp, text).expect("write the build stamp"),
+            Err(why) => skip(name, stamp, &why),
+        }
     }
 }
 
@@ -82,12 +96,12 @@ fn up_to_date(source: &Path, target: &Path, stamp: &Path, text: &str) -> bool {
 
 /// Say why the shim is not built (or fail, when it is required), and remove
 /// a stamp from an earlier build so no stale shim is loaded.
-fn skip(stamp: &Path, why: &str) {
+fn skip(name: &str, stamp: &Path, why: &str) {
     let _ = std::fs::remove_file(stamp);
     if env::var("GRADSYNC_REQUIRE_SHIM").is_ok_and(|v| v == "1") {
-        panic!("gradsync.torch's native collectives were not built: {why}");
+        panic!("gradsync.torch's C++ module _{name} was not built: {why}");
     }
-    println!("cargo:warning=gradsync.torch will run its collectives through Python: {why}");
+    println!("cargo:warning=gradsync.torch will do without its C++ module _{name}: {why}");
 }
 
 fn probe(python: &str) -> Result<Torch, String> {

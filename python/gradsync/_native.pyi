@@ -89,6 +89,8 @@ class Session:
         """Hand over a copy of ``param``'s whole local gradient so far, read from ``addr``."""
     def give(self, step: int, param: int, token: int, tensor: Any, addr: int) -> None:
         """Hand over ``tensor`` (one additive contribution, read in place until the step ends)."""
+    def arrival_sink(self) -> ArrivalSink:
+        """The entry through which ``gradsync.torch``'s C++ hooks hand gradients over."""
     def finish(self, step: int) -> Step: ...
     def abort(self, step: int, reason: Union[str, int]) -> Step: ...
     def join(self) -> tuple[int, int]: ...
@@ -98,6 +100,19 @@ class Session:
     def progress(self) -> dict[str, int]: ...
     def write_timeline(self, path: Union[str, PathLike[str]]) -> int: ...
     def close(self) -> None: ...
+
+class ArrivalSink:
+    """A session's arrival entry for the C++ hooks (``gradsync.torch._arrivals``);
+    keep it alive while hooks may call it."""
+
+    @property
+    def address(self) -> int:
+        """The address the hooks pass to the entry table's ``give``."""
+    @staticmethod
+    def table() -> int:
+        """The address of the entry table (static)."""
+    def raise_refusal(self) -> None:
+        """Raise the refusal the last ``give`` kept (``RejectedError`` or ``ClosedError``)."""
 
 def install_prometheus(addr: str, allow_remote: bool = False) -> None: ...
 def version() -> str: ...

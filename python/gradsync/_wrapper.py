@@ -3,7 +3,7 @@ session: ending, aborting, joining and resetting steps, the timeline.
 
 A wrapper mixes :class:`StepControls` in before its framework's module class
 and provides ``_session``, ``_open`` (the step being collected: ``number``,
-``sync_pending``, ``arrivals``), ``_closed``, ``_apply_result(result)``
+``sync_pending``, ``arrivals``; ``gradsync.torch._steps``), ``_closed``, ``_apply_result(result)``
 (write a finished step into the gradients, return its report) and
 ``_new_step()``, ``_params``, ``_names`` and ``_placement(param)`` (its
 dtype and device, as the framework names them); ``_NAME`` names it in errors.

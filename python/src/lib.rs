@@ -14,6 +14,7 @@
 //! releases the interpreter while the runtime waits, and turns errors into
 //! the exception classes of `gradsync._errors`.
 
+mod arrivals;
 mod errors;
 mod memory;
 mod shim;
@@ -30,9 +31,10 @@ use gradsync_runtime::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use arrivals::{ArrivalSink, SharedBatch, Sink};
 use errors::{dict, value};
 use memory::{Elem, Raw};
-use store::{Grad, TensorStore};
+use store::{Grad, Owner, TensorStore};
 use transport::PyTransport;
 
 /// Copy above this many bytes with the interpreter released.
@@ -59,6 +61,19 @@ impl Params {
         }
         Ok(Raw { addr, numel: self.numel[param], elem: self.elem[param] })
     }
+
+    /// Parameter `param`'s gradient at `addr`, kept alive by `owner`: read in
+    /// place when float32, else converted into an owned copy (and `owner`
+    /// let go). `param` must be in range and `addr` as `Raw` requires.
+    fn grad(&self, param: usize, addr: usize, owner: Owner) -> Grad {
+        let src = Raw { addr, numel: self.numel[param], elem: self.elem[param] };
+        if src.elem == Elem::F32 {
+            return Grad::Tensor { addr, numel: src.numel, _owner: owner };
+        }
+        let mut values = Vec::new();
+        memory::read(src, &mut values);
+        Grad::Owned(values)
+    }
 }
 
 /// One rank's gradient synchronizer, its collectives run by `communicator`
@@ -71,7 +86,7 @@ struct Session {
     /// Arrivals checked and held until a bucket can launch (one wake-up of
     /// the actors per group instead of per gradient); delivered before every
     /// step end. `None` once closed.
-    batch: Mutex<Option<ArrivalBatch<TensorStore>>>,
+    batch: SharedBatch,
     params: Arc<Params>,
     /// Every step's timeline, when recording.
     trace: Option<ChromeTrace>,
@@ -227,7 +242,7 @@ impl Session {
         let sync = b
             .build(PyTransport::new(py, rank, world, communicator, window)?)
             .map_err(|e| errors::build_error(py, &e))?;
-        let batch = Mutex::new(Some(sync.hook().batch()));
+        let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
         let params = Arc::new(Params { ids, numel: numels, elem });
         Ok(Session { sync: Some(sync), batch, params, trace: record_timeline.then(ChromeTrace::new) })
     }
@@ -298,15 +313,16 @@ impl Session {
         if self.sync.is_none() {
             return Err(closed(py));
         }
-        let src = self.params.raw(param, addr)?;
-        let grad = if src.elem == Elem::F32 {
-            Grad::Tensor { addr, numel: src.numel, _owner: tensor }
-        } else {
-            let mut values = Vec::new();
-            memory::read(src, &mut values);
-            Grad::Owned(values)
-        };
+        self.params.raw(param, addr)?;
+        let grad = self.params.grad(param, addr, Owner::Python(tensor));
         self.offer(py, |batch| batch.increment(step, self.params.ids[param], Token(token), grad))
+    }
+
+    /// The entry through which `gradsync.torch`'s native hooks hand
+    /// gradients over without the interpreter (the checks and batch of
+    /// `give`).
+    fn arrival_sink(&self) -> ArrivalSink {
+        ArrivalSink::new(Sink::new(Arc::clone(&self.batch), Arc::clone(&self.params)))
     }
 
     /// Backward of `step` is over: launch what is left, agree with every rank
@@ -655,6 +671,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Session>()?;
     m.add_class::<Step>()?;
     m.add_class::<StepReport>()?;
+    m.add_class::<ArrivalSink>()?;
     m.add_function(wrap_pyfunction!(install_prometheus, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     Ok(())

@@ -11,6 +11,8 @@
 use gradsync_runtime::backend::{AllocError, BucketBuf, GradStore, HostStore, WriteMode};
 use pyo3::prelude::*;
 
+use crate::arrivals::NativeTensor;
+
 /// One payload.
 #[derive(Debug)]
 pub enum Grad {
@@ -18,7 +20,18 @@ pub enum Grad {
     Owned(Vec<f32>),
     /// `numel` contiguous f32 values at `addr`, the storage of the tensor `_owner`
     /// (held, never read: the reference keeps that storage allocated).
-    Tensor { addr: usize, numel: usize, _owner: Py<PyAny> },
+    Tensor { addr: usize, numel: usize, _owner: Owner },
+}
+
+/// What keeps a [`Grad::Tensor`]'s memory allocated (held for its drop,
+/// never read).
+#[derive(Debug)]
+#[allow(dead_code)]
+pub enum Owner {
+    /// A tensor handed over from Python (`Session.give`).
+    Python(Py<PyAny>),
+    /// A tensor handed over by the shim's hooks, without the interpreter.
+    Native(NativeTensor),
 }
 
 impl Grad {
@@ -26,11 +39,12 @@ impl Grad {
     fn values(&self) -> &[f32] {
         match self {
             Grad::Owned(v) => v,
-            // SAFETY: `Grad::Tensor` is built only by `Session::give` from a
-            // contiguous float32 CPU tensor of `numel` elements whose data
-            // address is `addr`. The held reference keeps the storage
-            // allocated, and nothing writes it while the runtime holds it:
-            // the wrapper took the tensor out of `.grad` and writes into it
+            // SAFETY: `Grad::Tensor` is built only by `Params::grad` (for
+            // `Session::give` and the shim's `give`) from a contiguous
+            // float32 CPU tensor of `numel` elements whose data address is
+            // `addr`. The held owner keeps the storage allocated, and nothing
+            // writes it while the runtime holds it: the wrapper (or the
+            // shim's hook) took the tensor out of `.grad` and writes into it
             // only after its step has ended, when the runtime has dropped
             // every payload of the step.
             Grad::Tensor { addr, numel, .. } => unsafe { std::slice::from_raw_parts(*addr as *const f32, *numel) },

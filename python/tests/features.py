@@ -296,3 +296,61 @@ def collective_paths(rank, world, steps=3):
             torch.equal(a, b) for sa, sb in zip(grads["native"], grads["python"]) for a, b in zip(sa, sb)
         )
     return out
+
+
+class TiedCheckpointed(nn.Module):
+    """A layer used twice (one use under reentrant checkpointing, so its
+    hook fires in a nested backward), a head, and a layer no forward uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(29)
+        self.shared = nn.Linear(10, 10)
+        self.head = nn.Linear(10, 1)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = checkpoint(lambda t: torch.tanh(self.shared(t)), x.requires_grad_(), use_reentrant=True)
+        return self.head(torch.tanh(self.shared(h)))
+
+
+def hook_paths(rank, world, steps=3):
+    """The same float32 steps with the native (C++) hooks and the Python
+    hooks, over a parameter whose hook fires twice (once in a nested
+    backward), an unused one, and a step whose ``.grad`` tensors are held
+    (``zero_grad(set_to_none=False)``): both paths' gradients bit for bit,
+    their distance from the averaged reference, and whether the held tensors
+    received the average."""
+    out = {"identical": True}
+    seen = {}
+    for path in ("native", "python"):
+        os.environ["GRADSYNC_HOOKS"] = path
+        try:
+            model = TiedCheckpointed()
+            wrapped = DDP(copy.deepcopy(model))
+        finally:
+            del os.environ["GRADSYNC_HOOKS"]
+        worst, held_kept, grads = 0.0, True, []
+        for step in range(steps):
+            wrapped.zero_grad(set_to_none=step != 1)
+            held = [p.grad for p in wrapped.parameters()]
+            wrapped(batch(step, rank, dtype=torch.float32)).sum().backward()
+            if step == 1:
+                held_kept = all(h is p.grad for h, p in zip(held, wrapped.parameters()) if p.grad is not None)
+            ref = copy.deepcopy(model)
+            for r in range(world):
+                ref(batch(step, r, dtype=torch.float32)).sum().backward()
+            for p, q in zip(wrapped.parameters(), ref.parameters()):
+                if q.grad is None:
+                    assert p.grad is None or not p.grad.any(), "an unused parameter got a gradient"
+                    continue
+                worst = max(worst, (p.grad - q.grad / world).abs().max().item())
+            grads.append([None if p.grad is None else p.grad.clone() for p in wrapped.parameters()])
+        out[path] = {"native": wrapped.native_hooks, "max_diff": worst, "held_kept": held_kept}
+        seen[path] = grads
+        wrapped.close()
+    for a_step, b_step in zip(seen["native"], seen["python"]):
+        for a, b in zip(a_step, b_step):
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                out["identical"] = False
+    return out

@@ -85,3 +85,14 @@ def test_native_and_python_collectives_agree_bit_for_bit(world2):
                 diff = out[f"{wire}/{path}"]["max_diff"]
                 assert diff < tol, f"rank {rank} {wire} {path}: off by {diff}"
             assert out[f"{wire}/identical"], f"rank {rank} {wire}: the two paths' gradients differ"
+
+
+def test_native_and_python_hooks_agree_bit_for_bit(world2):
+    for rank, out in enumerate(world2.run(features.hook_paths)):
+        # pip builds the C++ hooks; a CI without them would test the slow path only.
+        assert out["native"]["native"], f"rank {rank}: the native hooks were not built"
+        assert not out["python"]["native"], f"rank {rank}: GRADSYNC_HOOKS=python was ignored"
+        for path in ("native", "python"):
+            assert out[path]["max_diff"] < 1e-5, f"rank {rank} {path}: off by {out[path]['max_diff']}"
+            assert out[path]["held_kept"], f"rank {rank} {path}: a held .grad did not receive the average"
+        assert out["identical"], f"rank {rank}: the two hook paths' gradients differ"

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync._gloo import CTYPES, AddressArrays, collective_failure
+from gradsync.torch import _shim
 
 _TORCH_DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
@@ -52,17 +53,7 @@ def _load_shim():
     """``(module, None)`` when the native path can run, else ``(None, why)``."""
     if os.environ.get("GRADSYNC_COLLECTIVES", "native") == "python":
         return None, None
-    try:
-        from gradsync.torch._collectives_built import TORCH_VERSION
-    except ImportError:
-        return None, "gradsync was installed without its native collectives (no torch or no C++ compiler at build time)"
-    if TORCH_VERSION != torch.__version__:
-        return None, f"its native collectives were built against torch {TORCH_VERSION}, this is {torch.__version__}"
-    try:
-        from gradsync.torch import _collectives
-    except ImportError as e:
-        return None, f"its native collectives do not load ({e})"
-    return _collectives, None
+    return _shim.load("collectives")
 
 
 def _position(text):

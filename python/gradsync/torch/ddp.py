@@ -4,10 +4,11 @@ What happens in one step::
 
     forward          the wrapped module runs; its outputs pass through a sink
                      whose backward marks "backward reached this model"
-    backward         every parameter's post-accumulate-grad hook hands its
-                     .grad (the whole local gradient so far) to the runtime,
-                     token = the hook's firing index in the step; buckets are
-                     all-reduced while backward goes on
+    backward         every parameter's hook (C++ on its AccumulateGrad node,
+                     or Python: ``_steps``) hands its .grad (the contribution
+                     since the last firing) to the runtime, token = the
+                     hook's firing index in the step; buckets are all-reduced
+                     while backward goes on
     end of backward  in the *outermost* backward pass, a callback ends the
                      step: remaining buckets, control, corrections; then the
                      averaged gradients are written into .grad
@@ -55,7 +56,7 @@ from gradsync._errors import (
 )
 from gradsync._native import Session
 from gradsync._wrapper import StepControls
-from gradsync.torch import _autograd, _comm_hooks, _outputs
+from gradsync.torch import _autograd, _comm_hooks, _outputs, _steps
 from gradsync.torch._grads import GradWriter
 from gradsync.torch._join import ShadowStep, rescale_to_initial_world
 from gradsync.torch._states import StateBroadcast
@@ -85,39 +86,18 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
 
 def _backward_reached(ref, grad_outputs=None):
     """Backward reached a wrapped model's outputs (an output node's pre-hook,
-    see ``_outputs``): the gradients pass unchanged."""
+    see ``_outputs``), or a native hook saw a new autograd task: the
+    gradients pass unchanged."""
     ddp = ref()
     if ddp is not None:
         ddp._backward_activity()
 
 
-class _OpenStep:
-    """The wrapper's record of the step gradients are being collected for.
-
-    A plain object, replaced at every step: attribute writes on an
-    ``nn.Module`` go through ``Module.__setattr__`` (several microseconds), too
-    slow for a hook that runs once per gradient."""
-
-    __slots__ = ("number", "fired", "out", "existing", "arrivals", "sync_pending", "task_seen", "end_queued_for")
-
-    def __init__(self, number, params):
-        self.number = number
-        # Hook firings so far, per parameter: the next firing's token.
-        self.fired = [0] * params
-        # Per parameter, the tensor of its first firing that must receive the
-        # average (see ``_on_grad``); None: a view or a fresh tensor will do.
-        self.out = [None] * params
-        # ids of the .grad tensors that existed when this step's backward
-        # began (the caller may hold them: they must receive the average);
-        # None until backward reaches the model.
-        self.existing = None
-        self.arrivals = 0
-        # A forward under grad asked for a synchronized step.
-        self.sync_pending = False
-        # The autograd task last seen (the check for a new backward pass is one comparison).
-        self.task_seen = None
-        # The outermost task whose end will end the step.
-        self.end_queued_for = None
+def _odd_gradient(ref, index):
+    """A native hook met a gradient the runtime cannot read."""
+    ddp = ref()
+    if ddp is not None:
+        raise ddp._layout_error(index, ddp._params[index].grad)
 
 
 class DistributedDataParallel(StepControls, _TORCH_DDP):
@@ -286,7 +266,6 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         )
         self._session = session
         self._give = session.give
-        self._open = _OpenStep(0, len(self._params))
         self._require_sync = True
         self._closed = False
         self._grads = GradWriter(self._params, self._staging)
@@ -299,7 +278,15 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         ref = weakref.ref(self)
         self._ref = ref
         self._on_backward = functools.partial(_backward_reached, ref)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
+        self._recorder = _steps.Recorder(
+            self._params,
+            self._viewable,
+            session,
+            on_grad=self._make_hook,
+            on_task=self._on_backward,
+            on_odd=functools.partial(_odd_gradient, ref),
+        )
+        self._open = self._recorder.step(0)
         module._gradsync_wrapper = ref
         _LIVE.add(self)
         global _OPTIMIZER_HOOK
@@ -351,10 +338,10 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         if task == step.task_seen:
             return
         step.task_seen = task
-        if step.existing is None:
+        if not step.began:
             # Backward begins for this step: which .grad tensors exist already
             # (their holders expect them to receive the average, as with DDP).
-            step.existing = {id(g) for g in (p.grad for p in self._params) if g is not None}
+            step.begin_backward(self._params)
         if step.end_queued_for != task and _autograd.in_outermost_backward():
             step.end_queued_for = task
             _autograd.at_end_of_current_task(self._end_of_backward)
@@ -377,15 +364,14 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         return hook
 
     def _on_grad(self, index, param):
-        # The hot path: one call per gradient; keep lookups to a minimum.
+        # The Python hooks' hot path (the native hooks do the same in C++,
+        # python/shim/arrivals.cpp): one call per gradient; keep lookups to a
+        # minimum.
         if self._closed:
             return
         grad = param.grad
         if grad.layout is not _STRIDED:
-            raise GradientLayoutError(
-                f"parameter {self._names[index]!r} has a {grad.layout} gradient: gradsync reduces dense "
-                "gradients; use a dense embedding (sparse=False)"
-            )
+            raise self._layout_error(index, grad)
         step = self._open
         if _current_task() != step.task_seen:
             self._backward_activity()
@@ -410,6 +396,23 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._give(step.number, index, token, given, given.data_ptr())
         step.arrivals += 1
 
+    def _layout_error(self, index, grad):
+        if grad.layout is not _STRIDED:
+            return GradientLayoutError(
+                f"parameter {self._names[index]!r} has a {grad.layout} gradient: gradsync reduces dense "
+                "gradients; use a dense embedding (sparse=False)"
+            )
+        return GradientLayoutError(
+            f"parameter {self._names[index]!r} has a gradient on {grad.device}, and gradsync was built for "
+            f"parameters on {self._device}: move the module before wrapping it, not after"
+        )
+
+    @property
+    def native_hooks(self):
+        """Whether gradients reach the runtime through the C++ hooks (see
+        ``gradsync.torch._steps``) rather than Python ones."""
+        return self._recorder.native
+
     # ---- ending steps (finish_step, abort_step, join_now, reset: gradsync._wrapper) --------
 
     def join_now(self):
@@ -426,7 +429,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         lent = False
         try:
             if result.applied:
-                lent = self._grads.write(result, step.out, set(report.unused_everywhere))
+                lent = self._grads.write(result, step.outputs(), set(report.unused_everywhere))
                 if self._divide_by_initial_world:
                     rescale_to_initial_world(self._params, report, self._world)
             else:
@@ -442,7 +445,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         return report
 
     def _new_step(self):
-        self._open = _OpenStep(self._session.current_step, len(self._params))
+        self._open = self._recorder.step(self._session.current_step)
 
     def _raise_if_unfinished(self, before):
         step = self._open
@@ -563,8 +566,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
-            h.remove()
+        self._recorder.remove()
         self._session.close()
         _LIVE.discard(self)
         if getattr(self.module, "_gradsync_wrapper", None) is self._ref:

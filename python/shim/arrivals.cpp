@@ -1,0 +1,259 @@
+// gradsync's gradient hooks in C++: each gradient reaches the runtime with
+// no Python on the way.
+//
+// A Python hook costs about a microsecond to enter and several more to run
+// its bookkeeping, once per parameter per backward; DDP's own hook is C++.
+// This module hooks each parameter's AccumulateGrad node as DDP's reducer
+// does (a post hook on the node, kept alive by the Ledger) and does the
+// per-gradient work there:
+//
+//   AccumulateGrad(param) ─▶ ArrivalHook ─▶ Ledger::arrive(index)
+//       take .grad out of the parameter (autograd starts a fresh one for any
+//       later contribution), count the firing (its token), keep the tensor
+//       that must receive the average, and hand it to the runtime:
+//   ─▶ SinkTable.give(sink, step, index, token, data, tensor handle, release)
+//       (Rust, python/src/arrivals.rs; no interpreter lock)
+//
+// Python is entered only on the rare paths, with the lock taken here:
+// * the autograd task changed (a new backward, or a nested one): `on_task`,
+//   the wrapper's own check for a new backward (it then sets `task_seen` and
+//   the `.grad` tensors that existed when backward began);
+// * a gradient the runtime cannot read (sparse, or not on the CPU):
+//   `on_odd(index)`, which raises the wrapper's error;
+// * the runtime refused the arrival: `sink.raise_refusal()`.
+// An exception raised there propagates out of backward unchanged.
+//
+// The wrapper (gradsync/torch/ddp.py) owns the Ledger; `remove()` (or the
+// Ledger's end) takes the hooks off the nodes before the Ledger is freed.
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <memory>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
+
+// The version of the runtime's entry table this module speaks
+// (python/src/arrivals.rs, `TABLE_VERSION`).
+constexpr uint32_t kSinkVersion = 1;
+
+// No autograd task seen yet in this step.
+constexpr int kNoTask = -2;
+
+// The runtime's entry points (python/src/arrivals.rs, `Table`).
+struct SinkTable {
+  uint32_t version;
+  int32_t (*give)(const void* sink, uint64_t step, size_t param, uint64_t token, size_t addr, void* handle,
+                  void (*release)(void*));
+};
+
+// How the runtime gives a tensor handle back.
+void release_tensor(void* handle) {
+  delete static_cast<at::Tensor*>(handle);
+}
+
+// Call into Python with the lock; a Python exception becomes one autograd
+// carries out of backward unchanged.
+template <typename F>
+void with_python(F&& call) {
+  py::gil_scoped_acquire gil;
+  try {
+    call();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+}
+
+class Ledger {
+ public:
+  Ledger(std::vector<at::Tensor> params, std::vector<bool> viewable, uintptr_t table, py::object sink,
+         py::object on_task, py::object on_odd)
+      : params_(std::move(params)),
+        viewable_(std::move(viewable)),
+        table_(reinterpret_cast<const SinkTable*>(table)),
+        sink_(std::move(sink)),
+        on_task_(std::move(on_task)),
+        on_odd_(std::move(on_odd)) {
+    TORCH_CHECK(table_->version == kSinkVersion, "gradsync: the runtime's arrival table is version ",
+                table_->version, ", these hooks speak ", kSinkVersion, "; reinstall gradsync");
+    TORCH_CHECK(viewable_.size() == params_.size(), "one viewable flag per parameter");
+    sink_address_ = reinterpret_cast<const void*>(sink_.attr("address").cast<uintptr_t>());
+    refuse_ = sink_.attr("raise_refusal");
+    fired_.assign(params_.size(), 0);
+    out_.resize(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto node = torch::autograd::impl::grad_accumulator(params_[i]);
+      TORCH_CHECK(node, "gradsync: parameter ", i, " has no gradient accumulator (does it require grad?)");
+      keys_.push_back(node->add_post_hook(std::make_unique<ArrivalHook>(this, i)));
+      accumulators_.push_back(std::move(node));
+    }
+  }
+
+  ~Ledger() {
+    remove();
+  }
+
+  Ledger(const Ledger&) = delete;
+  Ledger& operator=(const Ledger&) = delete;
+
+  // Take the hooks off the nodes; later gradients stay in .grad.
+  void remove() {
+    closed_ = true;
+    for (size_t i = 0; i < accumulators_.size(); ++i) {
+      accumulators_[i]->del_post_hook(keys_[i]);
+    }
+    accumulators_.clear();
+    keys_.clear();
+  }
+
+  // A new step: no firings, no kept tensors, backward not begun.
+  void new_step(uint64_t number) {
+    step_ = number;
+    std::fill(fired_.begin(), fired_.end(), 0);
+    for (auto& t : out_) {
+      t.reset();
+    }
+    existing_.clear();
+    began_ = false;
+    arrivals_ = 0;
+    task_seen_ = kNoTask;
+  }
+
+  // Backward begins for this step: the .grad tensors that exist now are held
+  // by the caller and must receive the average (as with DDP).
+  void begin_backward(const std::vector<std::optional<at::Tensor>>& grads) {
+    began_ = true;
+    for (const auto& g : grads) {
+      if (g.has_value() && g->defined()) {
+        existing_.insert(g->unsafeGetTensorImpl());
+      }
+    }
+  }
+
+  // Per parameter, the tensor that receives the average (None: any will do).
+  std::vector<std::optional<at::Tensor>> outputs() const {
+    std::vector<std::optional<at::Tensor>> result;
+    result.reserve(out_.size());
+    for (const auto& t : out_) {
+      result.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+    }
+    return result;
+  }
+
+  bool began() const {
+    return began_;
+  }
+  int64_t arrivals() const {
+    return arrivals_;
+  }
+  int task_seen() const {
+    return task_seen_;
+  }
+  void set_task_seen(int task) {
+    task_seen_ = task;
+  }
+
+ private:
+  struct ArrivalHook : torch::autograd::FunctionPostHook {
+    ArrivalHook(Ledger* ledger, size_t index) : ledger(ledger), index(index) {}
+    variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+      ledger->arrive(index);
+      return outputs;
+    }
+    Ledger* ledger;
+    size_t index;
+  };
+
+  // The hot path: one call per gradient (see the file's docs).
+  void arrive(size_t index) {
+    if (closed_) {
+      return;
+    }
+    at::Tensor& param = params_[index];
+    at::Tensor grad = param.grad();
+    if (!grad.defined()) {
+      // Something ran before this hook and took the gradient away.
+      return;
+    }
+    if (grad.layout() != at::kStrided || !grad.is_cpu()) {
+      with_python([&] { on_odd_(index); });
+      return;
+    }
+    if (torch::autograd::get_current_graph_task_id() != task_seen_) {
+      with_python([&] { on_task_(); });
+    }
+    param.mutable_grad().reset();
+    at::Tensor given = grad.is_contiguous() ? grad : grad.contiguous();
+    uint64_t token = fired_[index]++;
+    if (token == 0 && (!viewable_[index] || existing_.count(grad.unsafeGetTensorImpl()) != 0)) {
+      out_[index] = grad;
+    }
+    auto* handle = new at::Tensor(given);
+    int32_t rc = table_->give(sink_address_, step_, index, token, reinterpret_cast<size_t>(given.data_ptr()),
+                              handle, &release_tensor);
+    if (rc != 0) {
+      with_python([&] { refuse_(); });
+      return;
+    }
+    ++arrivals_;
+  }
+
+  std::vector<at::Tensor> params_;
+  // Whether a bucket view may stand in for the parameter's .grad.
+  std::vector<bool> viewable_;
+  const SinkTable* table_;
+  // The runtime's ArrivalSink (kept alive here) and its address.
+  py::object sink_;
+  const void* sink_address_ = nullptr;
+  py::object refuse_;
+  py::object on_task_;
+  py::object on_odd_;
+  // Each parameter's AccumulateGrad node (held: a node nobody holds is
+  // recreated at the next forward, without the hook) and the hook's key.
+  std::vector<c10::intrusive_ptr<Node>> accumulators_;
+  std::vector<uintptr_t> keys_;
+  bool closed_ = false;
+  // The open step, as the wrapper's `_OpenStep` (gradsync/torch/ddp.py).
+  uint64_t step_ = 0;
+  std::vector<uint64_t> fired_;
+  std::vector<at::Tensor> out_;
+  std::unordered_set<const c10::TensorImpl*> existing_;
+  bool began_ = false;
+  int64_t arrivals_ = 0;
+  int task_seen_ = kNoTask;
+};
+
+} // namespace
+
+PYBIND11_MODULE(_arrivals, m) {
+  m.doc() = "gradsync's gradient hooks in C++: gradients reach the runtime without the interpreter";
+  m.attr("VERSION") = kSinkVersion;
+  m.attr("NO_TASK") = kNoTask;
+  py::class_<Ledger>(m, "Ledger", "The hooks on a wrapper's parameters and the open step's arrivals.")
+      .def(py::init<std::vector<at::Tensor>, std::vector<bool>, uintptr_t, py::object, py::object, py::object>(),
+           py::arg("params"), py::arg("viewable"), py::arg("table"), py::arg("sink"), py::arg("on_task"),
+           py::arg("on_odd"))
+      .def("remove", &Ledger::remove, "Take the hooks off; later gradients stay in .grad.")
+      .def("new_step", &Ledger::new_step, py::arg("number"), "Start recording step `number`.")
+      .def("begin_backward", &Ledger::begin_backward, py::arg("grads"),
+           "Backward begins: these .grad tensors (None allowed) receive the average.")
+      .def("outputs", &Ledger::outputs, "Per parameter, the tensor that must receive the average, or None.")
+      .def_property_readonly("began", &Ledger::began, "Whether begin_backward was called this step.")
+      .def_property_readonly("arrivals", &Ledger::arrivals, "Gradients handed over this step.")
+      .def_property("task_seen", &Ledger::task_seen, &Ledger::set_task_seen,
+                    "The autograd task last seen (NO_TASK: none this step).");
+}
