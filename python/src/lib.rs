@@ -4,9 +4,11 @@
 //!
 //! ```text
 //! gradsync.torch hook ── Session.give(step, param, token, tensor, addr) ──▶ ArrivalBatch ──▶ parameter actors
+//! C++ hook (_arrivals) ── ArrivalSink's C entry `give` (no interpreter) ──▶ the same ArrivalBatch
 //! end of backward     ── Session.finish(step) (interpreter released) ──▶ GradSync::finish_step
 //!                     ◀── Step { report, gradients } ── Step.copy_into_ptr(param, addr) ──▶ .grad
-//! comm thread         ── PyTransport ──▶ communicator.all_reduce(addr, …)   (torch.distributed)
+//! comm thread         ── PyTransport ──▶ the shim's C table (c10d gloo, no interpreter),
+//!                                       or communicator.all_reduce(addr, …) (torch.distributed)
 //! ```
 //!
 //! Every semantic (dedup, token order, late corrections, aborts, joins,
