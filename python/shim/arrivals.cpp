@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -160,11 +161,12 @@ class Ledger {
   int64_t arrivals() const {
     return arrivals_;
   }
-  int task_seen() const {
-    return task_seen_;
+  // The autograd task last seen; None: none this step.
+  std::optional<int> task_seen() const {
+    return task_seen_ == kNoTask ? std::nullopt : std::optional<int>(task_seen_);
   }
-  void set_task_seen(int task) {
-    task_seen_ = task;
+  void set_task_seen(std::optional<int> task) {
+    task_seen_ = task.value_or(kNoTask);
   }
 
  private:
@@ -242,7 +244,6 @@ class Ledger {
 PYBIND11_MODULE(_arrivals, m) {
   m.doc() = "gradsync's gradient hooks in C++: gradients reach the runtime without the interpreter";
   m.attr("VERSION") = kSinkVersion;
-  m.attr("NO_TASK") = kNoTask;
   py::class_<Ledger>(m, "Ledger", "The hooks on a wrapper's parameters and the open step's arrivals.")
       .def(py::init<std::vector<at::Tensor>, std::vector<bool>, uintptr_t, py::object, py::object, py::object>(),
            py::arg("params"), py::arg("viewable"), py::arg("table"), py::arg("sink"), py::arg("on_task"),
@@ -255,5 +256,5 @@ PYBIND11_MODULE(_arrivals, m) {
       .def_property_readonly("began", &Ledger::began, "Whether begin_backward was called this step.")
       .def_property_readonly("arrivals", &Ledger::arrivals, "Gradients handed over this step.")
       .def_property("task_seen", &Ledger::task_seen, &Ledger::set_task_seen,
-                    "The autograd task last seen (NO_TASK: none this step).");
+                    "The autograd task last seen (None: none this step).");
 }

@@ -45,14 +45,25 @@ def mlp(dtype=torch.float64, seed=23, slow=False):
     return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), *middle, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
 
 
-def averaged_reference(model, world, step, micro=1, rows=6, scale=1.0):
-    """Every rank's micro-batches through one copy of ``model``, gradients / world."""
+def averaged_reference(model, world, step, micro=1, rows=6, scale=1.0, dtype=torch.float64):
+    """Every rank's micro-batches through one copy of ``model``, gradients /
+    world (None for a parameter no forward used)."""
     ref = copy.deepcopy(model)
     ref.zero_grad()
     for r in range(world):
         for m in range(micro):
-            (ref(batch(step * micro + m, r, rows)).sum() * scale).backward()
-    return [p.grad / world for p in ref.parameters()]
+            (ref(batch(step * micro + m, r, rows, dtype=dtype)).sum() * scale).backward()
+    return [None if p.grad is None else p.grad / world for p in ref.parameters()]
+
+
+def wrap_with(variable, value, model, **settings):
+    """``DDP(model)`` built with the environment ``variable`` set to ``value``
+    (how a test picks the native or the Python path)."""
+    os.environ[variable] = value
+    try:
+        return DDP(model, **settings)
+    finally:
+        del os.environ[variable]
 
 
 def off_reference(wrapped, model, world, step):
@@ -277,12 +288,8 @@ def collective_paths(rank, world, steps=3):
     for wire in ("float32", "bfloat16"):
         grads = {}
         for path in ("native", "python"):
-            os.environ["GRADSYNC_COLLECTIVES"] = path
-            try:
-                model = mlp()
-                wrapped = DDP(copy.deepcopy(model), wire_dtype=wire)
-            finally:
-                del os.environ["GRADSYNC_COLLECTIVES"]
+            model = mlp()
+            wrapped = wrap_with("GRADSYNC_COLLECTIVES", path, copy.deepcopy(model), wire_dtype=wire)
             worst, seen = 0.0, []
             for step in range(steps):
                 wrapped.zero_grad()
@@ -324,12 +331,8 @@ def hook_paths(rank, world, steps=3):
     out = {"identical": True}
     seen = {}
     for path in ("native", "python"):
-        os.environ["GRADSYNC_HOOKS"] = path
-        try:
-            model = TiedCheckpointed()
-            wrapped = DDP(copy.deepcopy(model))
-        finally:
-            del os.environ["GRADSYNC_HOOKS"]
+        model = TiedCheckpointed()
+        wrapped = wrap_with("GRADSYNC_HOOKS", path, copy.deepcopy(model))
         worst, held_kept, grads = 0.0, True, []
         for step in range(steps):
             wrapped.zero_grad(set_to_none=step != 1)
@@ -337,14 +340,11 @@ def hook_paths(rank, world, steps=3):
             wrapped(batch(step, rank, dtype=torch.float32)).sum().backward()
             if step == 1:
                 held_kept = all(h is p.grad for h, p in zip(held, wrapped.parameters()) if p.grad is not None)
-            ref = copy.deepcopy(model)
-            for r in range(world):
-                ref(batch(step, r, dtype=torch.float32)).sum().backward()
-            for p, q in zip(wrapped.parameters(), ref.parameters()):
-                if q.grad is None:
+            for p, want in zip(wrapped.parameters(), averaged_reference(model, world, step, dtype=torch.float32)):
+                if want is None:
                     assert p.grad is None or not p.grad.any(), "an unused parameter got a gradient"
                     continue
-                worst = max(worst, (p.grad - q.grad / world).abs().max().item())
+                worst = max(worst, (p.grad - want).abs().max().item())
             grads.append([None if p.grad is None else p.grad.clone() for p in wrapped.parameters()])
         out[path] = {"native": wrapped.native_hooks, "max_diff": worst, "held_kept": held_kept}
         seen[path] = grads

@@ -9,8 +9,6 @@ import torch
 
 #: Version of the runtime's entry table these hooks speak.
 VERSION: int
-#: ``Ledger.task_seen`` when no autograd task was seen this step.
-NO_TASK: int
 
 class Ledger:
     """The hooks on a wrapper's parameters and the open step's arrivals.
@@ -45,7 +43,7 @@ class Ledger:
     def arrivals(self) -> int:
         """Gradients handed over this step."""
     @property
-    def task_seen(self) -> int:
-        """The autograd task last seen (``NO_TASK``: none this step)."""
+    def task_seen(self) -> Optional[int]:
+        """The autograd task last seen (None: none this step)."""
     @task_seen.setter
-    def task_seen(self, task: int) -> None: ...
+    def task_seen(self, task: Optional[int]) -> None: ...

@@ -88,15 +88,14 @@ class LedgerStep:
     """The record of the native hooks: the ledger's, plus the wrapper's own
     ``sync_pending`` and ``end_queued_for`` (as :class:`PythonStep`)."""
 
-    __slots__ = ("number", "sync_pending", "end_queued_for", "_ledger", "_no_task")
+    __slots__ = ("number", "sync_pending", "end_queued_for", "_ledger")
 
-    def __init__(self, number, ledger, module):
+    def __init__(self, number, ledger):
         ledger.new_step(number)
         self.number = number
         self.sync_pending = False
         self.end_queued_for = None
         self._ledger = ledger
-        self._no_task = module.NO_TASK
 
     @property
     def arrivals(self):
@@ -104,12 +103,11 @@ class LedgerStep:
 
     @property
     def task_seen(self):
-        task = self._ledger.task_seen
-        return None if task == self._no_task else task
+        return self._ledger.task_seen
 
     @task_seen.setter
     def task_seen(self, task):
-        self._ledger.task_seen = self._no_task if task is None else task
+        self._ledger.task_seen = task
 
     @property
     def began(self):
@@ -125,11 +123,11 @@ class LedgerStep:
 class Recorder:
     """Makes each step's record and owns the hooks that fill it."""
 
-    def __init__(self, params, viewable, session, on_grad, on_task, on_odd):
+    def __init__(self, params, viewable, staging, session, on_grad, on_task, on_odd):
         self._count = len(params)
-        self._module = None if any(p.device.type != "cpu" for p in params) else load_ledger()
-        if self._module is not None:
-            self._ledger = self._module.Ledger(params, viewable, ArrivalSink.table(), session.arrival_sink(), on_task, on_odd)
+        module = None if staging else load_ledger()
+        if module is not None:
+            self._ledger = module.Ledger(params, viewable, ArrivalSink.table(), session.arrival_sink(), on_task, on_odd)
             self._handles = [self._ledger]
         else:
             self._ledger = None
@@ -143,7 +141,7 @@ class Recorder:
     def step(self, number):
         """A fresh record for step ``number``."""
         if self._ledger is not None:
-            return LedgerStep(number, self._ledger, self._module)
+            return LedgerStep(number, self._ledger)
         return PythonStep(number, self._count)
 
     def remove(self):

@@ -281,6 +281,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._recorder = _steps.Recorder(
             self._params,
             self._viewable,
+            self._staging,
             session,
             on_grad=self._make_hook,
             on_task=self._on_backward,
