@@ -23,6 +23,10 @@
 // * the runtime refused the arrival: `sink.raise_refusal()`.
 // An exception raised there propagates out of backward unchanged.
 //
+// The ledger takes no lock: one backward at a time runs through a wrapped
+// model (two threads backpropagating through the same replica at once race
+// here, where Python hooks were serialized by the interpreter lock).
+//
 // The wrapper (gradsync/torch/ddp.py) owns the Ledger; `remove()` (or the
 // Ledger's end) takes the hooks off the nodes before the Ledger is freed.
 
