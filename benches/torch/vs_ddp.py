@@ -218,6 +218,19 @@ def hook_call_us(samples=20_000):
     return statistics.median(times) / 1000
 
 
+def measured_window(steps, warmup, policies):
+    """The steps the medians are taken over: after ``warmup``, whole rotations
+    of the policy order only, so each policy is measured equally often in each
+    position of a step. The position matters on a shared machine: a policy
+    measured more often first than last would be favoured (on this 2-core
+    machine GPT-2's second policy of a step ran 10–15% slower than its first,
+    whichever it was)."""
+    n = steps - warmup
+    if n < policies:
+        return warmup, steps
+    return warmup, warmup + n - n % policies
+
+
 def rank_main(rank, args, port, out_q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
@@ -291,7 +304,7 @@ def rank_main(rank, args, port, out_q):
             runners[p][0].close()
     result = None
     if rank == 0:
-        warm = args.warmup
+        warm, end = measured_window(args.steps, args.warmup, len([p for p in policies if p not in failed]))
         result = {
             "world": args.world,
             "model": "tiny" if args.tiny_params else args.model,
@@ -301,14 +314,16 @@ def rank_main(rank, args, port, out_q):
             "reentrant": args.reentrant,
             "steps": args.steps,
             "warmup": warm,
+            # Steps [warmup, measured_end) give the medians: whole rotations of the policy order.
+            "measured_end": end,
             "bucket_mb": args.bucket_mb,
             "compile": args.compile,
             "policies": {
                 p: {
-                    "step_s_median": statistics.median(times[p][warm:]),
+                    "step_s_median": statistics.median(times[p][warm:end]),
                     "step_s_first": times[p][0],
-                    "backward_s_median": statistics.median(backward[p][warm:]),
-                    "exposed_comm_s_median": statistics.median(exposed[p][warm:]) if p.startswith("gradsync") else None,
+                    "backward_s_median": statistics.median(backward[p][warm:end]),
+                    "exposed_comm_s_median": statistics.median(exposed[p][warm:end]) if p.startswith("gradsync") else None,
                     # Per step: buckets reduced before backward ended, of those launched.
                     "buckets_overlapped": overlapped[p] or None,
                     "bucket_memory_bytes": memory[p] or None,
@@ -387,8 +402,10 @@ def main():
         checkpointing = "no checkpointing"
     else:
         checkpointing = f"{'reentrant' if args.reentrant else 'non-reentrant'} checkpointing"
+    first, end = result["warmup"], result["measured_end"]
+    left = f", the last {args.steps - end} left out to end on a whole rotation" if end < args.steps else ""
     print(f"world {args.world}, {what}, {checkpointing}{compiled}, "
-          f"{args.steps} steps (medians without the first {args.warmup}), slower rank:")
+          f"{args.steps} steps (medians of steps {first + 1}-{end}: without the first {first}{left}), slower rank:")
     for p, r in pol.items():
         s = r.get("step_s_median")
         if s is None:
@@ -398,8 +415,8 @@ def main():
         exposed = r.get("exposed_comm_s_median")
         exposed = f"  exposed comm {exposed * 1e3:5.1f} ms" if exposed is not None else ""
         if r.get("buckets_overlapped"):
-            done = statistics.median(d for d, _ in r["buckets_overlapped"][args.warmup:])
-            launched = statistics.median(n for _, n in r["buckets_overlapped"][args.warmup:])
+            done = statistics.median(d for d, _ in r["buckets_overlapped"][first:end])
+            launched = statistics.median(n for _, n in r["buckets_overlapped"][first:end])
             exposed += f", buckets done in backward {done:g}/{launched:g}"
             exposed += f", bucket memory {r['bucket_memory_bytes'][-1] / 2**20:.0f} MiB"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
