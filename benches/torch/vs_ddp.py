@@ -222,13 +222,23 @@ def measured_window(steps, warmup, policies):
     """The steps the medians are taken over: after ``warmup``, whole rotations
     of the policy order only, so each policy is measured equally often in each
     position of a step. The position matters on a shared machine: a policy
-    measured more often first than last would be favoured (on this 2-core
-    machine GPT-2's second policy of a step ran 10–15% slower than its first,
-    whichever it was)."""
+    measured more often first than last would be favoured or penalized (on
+    this 2-core machine gradsync's GPT-2 step took 1740 ms right after its own
+    previous step and 2114 ms right after DDP's; DDP's 1800 and 1806)."""
     n = steps - warmup
     if n < policies:
         return warmup, steps
     return warmup, warmup + n - n % policies
+
+
+def split_by_predecessor(steps, after_own):
+    """Median step time after the policy's own previous step and after
+    another policy's, or None where the run has only one kind."""
+    own = [t for t, a in zip(steps, after_own) if a]
+    other = [t for t, a in zip(steps, after_own) if not a]
+    if not own or not other:
+        return None
+    return statistics.median(own), statistics.median(other)
 
 
 def rank_main(rank, args, port, out_q):
@@ -252,6 +262,11 @@ def rank_main(rank, args, port, out_q):
     overlapped = {p: [] for p in policies}
     memory = {p: [] for p in policies}  # gradsync's bucket memory after each step, bytes
     losses = {p: [] for p in policies}
+    # Per step: whether the policy's own previous step was the last thing this
+    # process ran (true only with two policies, every other step). On this
+    # machine a big model's step is slower right after another replica's.
+    after_self = {p: [] for p in policies}
+    previous = None
     failed = {}
     for step in range(args.steps):
         live = [p for p in policies if p not in failed]
@@ -273,12 +288,14 @@ def rank_main(rank, args, port, out_q):
                 opts[policy].step()
             except Exception as e:  # a policy's failure is a result (DDP under reentrant checkpointing)
                 error = first_line(e)
+            follows_itself, previous = previous == policy, policy
             took = torch.tensor([time.perf_counter() - t0, 1.0 if error else 0.0], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if took[1].item():
                 failed[policy] = {"step": step, "error": error or "raised on another rank"}
                 continue
             times[policy].append(took[0].item())
+            after_self[policy].append(follows_itself)
             report = getattr(model, "last_report", None)
             exposed[policy].append(report.exposed_comm_s if report is not None else float("nan"))
             if report is not None:
@@ -331,6 +348,7 @@ def rank_main(rank, args, port, out_q):
                     "loss_last": losses[p][-1],
                     "losses": losses[p] if args.losses else None,
                     "step_s": times[p],
+                    "after_own_step": after_self[p],
                 }
                 for p in policies
                 if p not in failed
@@ -419,6 +437,9 @@ def main():
             launched = statistics.median(n for _, n in r["buckets_overlapped"][first:end])
             exposed += f", buckets done in backward {done:g}/{launched:g}"
             exposed += f", bucket memory {r['bucket_memory_bytes'][-1] / 2**20:.0f} MiB"
+        mixed = split_by_predecessor(r["step_s"][first:end], r["after_own_step"][first:end])
+        if mixed:
+            exposed += f"\n  {'':<14} after its own step {mixed[0] * 1e3:.1f} ms, after another policy's {mixed[1] * 1e3:.1f}"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
               f"backward {r['backward_s_median'] * 1e3:7.1f} ms  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")

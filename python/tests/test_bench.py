@@ -2,6 +2,7 @@
 ``benches/torch/vs_ddp.py`` whose policies must train the same parameters
 (its timings are printed for people, never asserted)."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -23,3 +24,25 @@ def test_vs_ddp_runs_and_its_synchronized_policies_agree_exactly():
     assert result["agree"] == {"gradsync": 0.0, "ddp": 0.0}, result["agree"]
     gradsync = result["policies"]["gradsync"]
     assert gradsync["bucket_memory_bytes"][-1] > 0 and len(gradsync["buckets_overlapped"]) == 4
+    # Four policies take turns: no step of one follows its own previous step.
+    assert gradsync["after_own_step"] == [False] * 4, gradsync["after_own_step"]
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("vs_ddp", REPO / "benches" / "torch" / "vs_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_medians_are_taken_over_whole_rotations_of_the_policy_order():
+    bench = _bench_module()
+    # 10 steps, 3 of warm-up, 2 policies: 7 left, the last one dropped so each
+    # policy is measured 3 times first and 3 times second.
+    assert bench.measured_window(10, 3, 2) == (3, 9)
+    assert bench.measured_window(30, 3, 6) == (3, 27)
+    assert bench.measured_window(13, 3, 5) == (3, 13)
+    # Fewer steps than policies: everything after the warm-up.
+    assert bench.measured_window(4, 1, 4) == (1, 4)
+    assert bench.split_by_predecessor([1.0, 2.0, 3.0, 4.0], [True, False, True, False]) == (2.0, 3.0)
+    assert bench.split_by_predecessor([1.0, 2.0], [False, False]) is None
