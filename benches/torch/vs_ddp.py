@@ -263,8 +263,8 @@ def rank_main(rank, args, port, out_q):
     memory = {p: [] for p in policies}  # gradsync's bucket memory after each step, bytes
     losses = {p: [] for p in policies}
     # Per step: whether the policy's own previous step was the last thing this
-    # process ran (true only with two policies, every other step). On this
-    # machine a big model's step is slower right after another replica's.
+    # process ran (with one policy always, with two every other step, with
+    # more never). gradsync's GPT-2 step is slower right after another replica's.
     after_self = {p: [] for p in policies}
     previous = None
     failed = {}
