@@ -233,7 +233,7 @@ class Ledger {
   std::vector<c10::intrusive_ptr<Node>> accumulators_;
   std::vector<uintptr_t> keys_;
   bool closed_ = false;
-  // The open step, as the wrapper's `_OpenStep` (gradsync/torch/ddp.py).
+  // The open step, as the Python hooks' `PythonStep` (gradsync/torch/_steps.py).
   uint64_t step_ = 0;
   std::vector<uint64_t> fired_;
   std::vector<at::Tensor> out_;

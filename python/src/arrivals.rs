@@ -20,7 +20,7 @@ use gradsync_runtime::{ArrivalBatch, Rejection, Token};
 use pyo3::prelude::*;
 
 use crate::errors;
-use crate::store::{Owner, TensorStore};
+use crate::store::{Grad, Owner, TensorStore};
 use crate::Params;
 
 /// The version of [`Table`] (the shim checks it: `kSinkVersion`).
@@ -122,7 +122,7 @@ impl Sink {
     fn give(&self, step: u64, param: usize, token: u64, addr: usize, owner: NativeTensor) -> Result<(), Rejection> {
         // The shim registered one hook per parameter index it was given.
         let id = self.params.ids[param];
-        let grad = self.params.grad(param, addr, Owner::Native(owner));
+        let grad = Grad::read(self.params.at(param, addr), Owner::Native(owner));
         let mut guard = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         let batch = guard.as_mut().ok_or(Rejection::Closed)?;
         batch.increment(step, id, Token(token), grad)

@@ -51,6 +51,8 @@ struct Params {
 }
 
 impl Params {
+    /// Parameter `param`'s gradient memory at `addr`, checked: the index in
+    /// range, the address not null.
     fn raw(&self, param: usize, addr: usize) -> PyResult<Raw> {
         if param >= self.ids.len() {
             return Err(pyo3::exceptions::PyIndexError::new_err(format!(
@@ -61,20 +63,13 @@ impl Params {
         if addr == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err("null address"));
         }
-        Ok(Raw { addr, numel: self.numel[param], elem: self.elem[param] })
+        Ok(self.at(param, addr))
     }
 
-    /// Parameter `param`'s gradient at `addr`, kept alive by `owner`: read in
-    /// place when float32, else converted into an owned copy (and `owner`
-    /// let go). `param` must be in range and `addr` as `Raw` requires.
-    fn grad(&self, param: usize, addr: usize, owner: Owner) -> Grad {
-        let src = Raw { addr, numel: self.numel[param], elem: self.elem[param] };
-        if src.elem == Elem::F32 {
-            return Grad::Tensor { addr, numel: src.numel, _owner: owner };
-        }
-        let mut values = Vec::new();
-        memory::read(src, &mut values);
-        Grad::Owned(values)
+    /// As [`Params::raw`], unchecked: for callers that registered `param`
+    /// themselves (the shim's hooks).
+    fn at(&self, param: usize, addr: usize) -> Raw {
+        Raw { addr, numel: self.numel[param], elem: self.elem[param] }
     }
 }
 
@@ -315,8 +310,7 @@ impl Session {
         if self.sync.is_none() {
             return Err(closed(py));
         }
-        self.params.raw(param, addr)?;
-        let grad = self.params.grad(param, addr, Owner::Python(tensor));
+        let grad = Grad::read(self.params.raw(param, addr)?, Owner::Python(tensor));
         self.offer(py, |batch| batch.increment(step, self.params.ids[param], Token(token), grad))
     }
 

@@ -12,6 +12,7 @@ use gradsync_runtime::backend::{AllocError, BucketBuf, GradStore, HostStore, Wri
 use pyo3::prelude::*;
 
 use crate::arrivals::NativeTensor;
+use crate::memory::{self, Elem, Raw};
 
 /// One payload.
 #[derive(Debug)]
@@ -35,11 +36,23 @@ pub enum Owner {
 }
 
 impl Grad {
+    /// The gradient at `src`, kept alive by `owner`: read in place when
+    /// float32, else converted into an owned copy (and `owner` let go).
+    /// `src` must be as [`Raw`] requires, and stay so while `owner` is held.
+    pub fn read(src: Raw, owner: Owner) -> Grad {
+        if src.elem == Elem::F32 {
+            return Grad::Tensor { addr: src.addr, numel: src.numel, _owner: owner };
+        }
+        let mut values = Vec::new();
+        memory::read(src, &mut values);
+        Grad::Owned(values)
+    }
+
     /// The values.
     fn values(&self) -> &[f32] {
         match self {
             Grad::Owned(v) => v,
-            // SAFETY: `Grad::Tensor` is built only by `Params::grad` (for
+            // SAFETY: `Grad::Tensor` is built only by `Grad::read` (for
             // `Session::give` and the shim's `give`) from a contiguous
             // float32 CPU tensor of `numel` elements whose data address is
             // `addr`. The held owner keeps the storage allocated, and nothing
