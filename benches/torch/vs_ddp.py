@@ -2,13 +2,17 @@
 
     .venv/bin/python benches/torch/vs_ddp.py [--world 2] [--tokens-per-rank 64] [--steps 30]
                                              [--model tied|gpt2-small|resnet18] [--reentrant]
-                                             [--tiny-params N] [--json]
+                                             [--tiny-params N] [--separate ROUNDS] [--json]
                                              [--compile outer|inner] [--compile-backend inductor]
 
 Spawns ``--world`` processes on loopback (gloo, one thread per rank). Every
 rank builds the same model once per policy and runs the policies interleaved,
 step by step (the order rotates every step), so a noisy machine affects them
-alike:
+alike. With ``--separate ROUNDS`` each policy runs instead in processes of
+its own, one policy after another, ``ROUNDS`` times (the order rotating):
+every step then follows the policy's own previous step, as in training, and
+no other replica's memory comes and goes in between (with GPT-2 that
+changes what a step costs in page faults). Policies:
 
 * ``gradsync``    gradsync.torch.DistributedDataParallel (overlapped, exact);
 * ``ddp``         torch DDP, overlapped (with reentrant checkpointing it
@@ -21,7 +25,8 @@ alike:
 * ``gradsync_bf16`` gradsync with bfloat16 buckets on the wire (opt-in).
 
 A step is forward + backward + communication + SGD; its time is the slower
-rank's. Models (``--model``):
+rank's, printed with the training thread's kernel time and page faults in
+it. Models (``--model``):
 
 * ``tied`` (default): a tied 2048x1024 embedding and head, 4 checkpointed
   Linear+Tanh blocks of 1024 (6.3 M parameters);
@@ -41,18 +46,19 @@ out of the rest of the run. ``--compile outer`` runs every policy as ``torch.com
 ``--compile inner`` wraps ``torch.compile(model)`` (``local`` and ``no_sync``
 compile the model); gradsync's exposed communication (the reduction time
 left after backward ends, from its step report) shows whether the overlap
-survives. The end checks that the synchronized policies' parameters agree,
-and times the Python hook call into the runtime on its own.
+survives. The end checks that the synchronized policies' parameters agree
+(with ``--separate``: their per-step losses), and times the Python hook call
+into the runtime on its own.
 
 With ``--json`` the last line of stdout is one JSON object:
-``{"policies": {"gradsync": {"step_s_median": s, ...}, ...}, "agree": {...}, "hook_call_us_median": x, ...}``.
+``{"policies": {"gradsync": {"step_s_median": s, ...}, ...}, "agree": {...}, "hook_call_us_median": x, ...}``;
+each policy's lists (``step_s``, ``after_own_step``, ...) hold its measured steps.
 """
 
 import argparse
-import contextlib
 import datetime
 import json
-import os
+import resource
 import statistics
 import sys
 import time
@@ -65,6 +71,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"]
+
+# What a rank records of each step of a policy: the step's time (the slower
+# rank's), this rank's ``loss.backward()`` call, the training thread's kernel
+# time and page faults (the slower rank's: zeroing fresh pages for large
+# gradients is most of it), whether the process ran this policy's step just
+# before, gradsync's exposed communication, buckets reduced before backward
+# ended and bucket memory (gradsync only), and the loss.
+STEP_SERIES = ["step_s", "backward_s", "kernel_s", "page_faults", "after_own_step", "exposed_comm_s",
+               "buckets_overlapped", "bucket_memory_bytes", "losses"]
 
 
 class TiedBlocks(nn.Module):
@@ -109,7 +124,7 @@ def make_model(args):
 
         # 124 M parameters, random init; no dropout, so every policy computes the same thing.
         model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": args.reentrant})
         model.config.use_cache = False
         model.train()
         return model
@@ -256,16 +271,8 @@ def rank_main(rank, args, port, out_q):
     if args.compile != "none":
         # One compiled model per policy: more cache entries than dynamo's default allows.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(policies))
-    times = {p: [] for p in policies}
-    exposed = {p: [] for p in policies}
-    backward = {p: [] for p in policies}  # this rank's loss.backward() call, s
-    overlapped = {p: [] for p in policies}
-    memory = {p: [] for p in policies}  # gradsync's bucket memory after each step, bytes
-    losses = {p: [] for p in policies}
-    # Per step: whether the policy's own previous step was the last thing this
-    # process ran (with one policy always, with two every other step, with
-    # more never). gradsync's GPT-2 step is slower right after another replica's.
-    after_self = {p: [] for p in policies}
+    # Per policy, one entry per measured step (see ``STEP_SERIES``).
+    series = {p: {k: [] for k in STEP_SERIES} for p in policies}
     previous = None
     failed = {}
     for step in range(args.steps):
@@ -275,6 +282,7 @@ def rank_main(rank, args, port, out_q):
         for policy in order:
             model, run, fused = runners[policy]
             dist.barrier()  # every rank starts the policy's step together
+            usage0 = resource.getrusage(resource.RUSAGE_THREAD)
             t0 = time.perf_counter()
             error = None
             try:
@@ -282,26 +290,34 @@ def rank_main(rank, args, port, out_q):
                 loss = loss_of(args, run, data)
                 t_backward = time.perf_counter()
                 loss.backward()
-                backward[policy].append(time.perf_counter() - t_backward)
+                backward_s = time.perf_counter() - t_backward
                 if fused is not None:
                     fused.sync()
                 opts[policy].step()
             except Exception as e:  # a policy's failure is a result (DDP under reentrant checkpointing)
                 error = first_line(e)
+            took_s = time.perf_counter() - t0
+            usage1 = resource.getrusage(resource.RUSAGE_THREAD)
             follows_itself, previous = previous == policy, policy
-            took = torch.tensor([time.perf_counter() - t0, 1.0 if error else 0.0], dtype=torch.float64)
+            # The slower rank's time, its training thread's kernel time and page faults.
+            took = torch.tensor([took_s, 1.0 if error else 0.0, usage1.ru_stime - usage0.ru_stime,
+                                 usage1.ru_minflt - usage0.ru_minflt], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if took[1].item():
                 failed[policy] = {"step": step, "error": error or "raised on another rank"}
                 continue
-            times[policy].append(took[0].item())
-            after_self[policy].append(follows_itself)
             report = getattr(model, "last_report", None)
-            exposed[policy].append(report.exposed_comm_s if report is not None else float("nan"))
+            row = series[policy]
+            row["step_s"].append(took[0].item())
+            row["backward_s"].append(backward_s)
+            row["kernel_s"].append(took[2].item())
+            row["page_faults"].append(int(took[3].item()))
+            row["after_own_step"].append(follows_itself)
+            row["exposed_comm_s"].append(report.exposed_comm_s if report is not None else None)
             if report is not None:
-                overlapped[policy].append((report.buckets_done_before_finish, report.buckets_launched))
-                memory[policy].append(model.session.memory_bytes)
-            losses[policy].append(loss.item())
+                row["buckets_overlapped"].append((report.buckets_done_before_finish, report.buckets_launched))
+                row["bucket_memory_bytes"].append(model.session.memory_bytes)
+            row["losses"].append(loss.item())
         if rank == 0 and args.progress and (step + 1) % max(1, args.steps // 10) == 0:
             print(f"  step {step + 1}/{args.steps}", file=sys.stderr, flush=True)
     # The synchronized policies must have trained the same parameters.
@@ -319,44 +335,8 @@ def rank_main(rank, args, port, out_q):
     for p in policies:
         if p.startswith("gradsync"):
             runners[p][0].close()
-    result = None
-    if rank == 0:
-        warm, end = measured_window(args.steps, args.warmup, len([p for p in policies if p not in failed]))
-        result = {
-            "world": args.world,
-            "model": "tiny" if args.tiny_params else args.model,
-            "tokens_per_rank": args.tokens_per_rank,
-            "images_per_rank": args.images_per_rank if args.model == "resnet18" else None,
-            "tiny_params": args.tiny_params,
-            "reentrant": args.reentrant,
-            "steps": args.steps,
-            "warmup": warm,
-            # Steps [warmup, measured_end) give the medians: whole rotations of the policy order.
-            "measured_end": end,
-            "bucket_mb": args.bucket_mb,
-            "compile": args.compile,
-            "policies": {
-                p: {
-                    "step_s_median": statistics.median(times[p][warm:end]),
-                    "step_s_first": times[p][0],
-                    "backward_s_median": statistics.median(backward[p][warm:end]),
-                    "exposed_comm_s_median": statistics.median(exposed[p][warm:end]) if p.startswith("gradsync") else None,
-                    # Per step: buckets reduced before backward ended, of those launched.
-                    "buckets_overlapped": overlapped[p] or None,
-                    "bucket_memory_bytes": memory[p] or None,
-                    "loss_first": losses[p][0],
-                    "loss_last": losses[p][-1],
-                    "losses": losses[p] if args.losses else None,
-                    "step_s": times[p],
-                    "after_own_step": after_self[p],
-                }
-                for p in policies
-                if p not in failed
-            },
-            "agree": agree,
-        }
-        for p, why in failed.items():
-            result["policies"][p] = {"step_s_median": None, "note": f"raises at step {why['step']}: {why['error']}"}
+    # Rank 0 answers with every policy's raw series; main() takes the medians.
+    result = {"series": {p: series[p] for p in policies if p not in failed}, "failed": failed, "agree": agree} if rank == 0 else None
     out_q.put(result)
     dist.destroy_process_group()
 
@@ -381,6 +361,9 @@ def main():
     ap.add_argument("--losses", action="store_true", help="keep every step's loss in the JSON")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-hook-timing", action="store_true")
+    ap.add_argument("--separate", type=int, default=0, metavar="ROUNDS",
+                    help="run each policy in processes of its own, one policy after another, ROUNDS times "
+                         "(the order rotating every round): every step follows the policy's own, as in training")
     args = ap.parse_args()
     if args.compile != "none" and (args.reentrant or args.tiny_params or args.model != "tied"):
         ap.error("--compile measures the default model with non-reentrant checkpointing")
@@ -390,13 +373,48 @@ def main():
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    if args.steps <= args.warmup:
+        ap.error(f"--steps {args.steps} leaves nothing to measure after --warmup {args.warmup}")
+    if args.separate < 0:
+        ap.error("--separate takes a number of rounds, 1 or more")
     args.progress = sys.stderr.isatty()
+    if args.separate:
+        result = run_separately(args)
+    else:
+        raw = run_ranks(args, args.policies)
+        warm, end = measured_window(args.steps, args.warmup, len(args.policies) - len(raw["failed"]))
+        result = {"warmup": warm, "measured_end": end, "rounds": None, "agree": raw["agree"], "agree_losses": None,
+                  "policies": {p: summarize(args, v, v["step_s"][0], v["losses"], warm, end)
+                               for p, v in raw["series"].items()}}
+        for p, why in raw["failed"].items():
+            result["policies"][p] = failure(why)
+    result.update({
+        "world": args.world,
+        "model": "tiny" if args.tiny_params else args.model,
+        "tokens_per_rank": args.tokens_per_rank,
+        "images_per_rank": args.images_per_rank if args.model == "resnet18" else None,
+        "tiny_params": args.tiny_params,
+        "reentrant": args.reentrant,
+        "steps": args.steps,
+        "bucket_mb": args.bucket_mb,
+        "compile": args.compile,
+    })
+    if not args.no_hook_timing:
+        result["hook_call_us_median"] = hook_call_us()
+    print_table(args, result)
+    if args.json:
+        print(json.dumps(result))
+
+
+def run_ranks(args, policies):
+    """Run ``policies`` on ``--world`` fresh processes; rank 0's raw answer."""
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, out_q)) for r in range(args.world)]
+    run_args = argparse.Namespace(**{**vars(args), "policies": list(policies)})
+    procs = [ctx.Process(target=rank_main, args=(r, run_args, port, out_q)) for r in range(args.world)]
     for p in procs:
         p.start()
     results = [out_q.get(timeout=3600) for _ in procs]
@@ -404,9 +422,76 @@ def main():
         p.join()
     if any(p.exitcode for p in procs):
         sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    result = next(r for r in results if r is not None)
-    if not args.no_hook_timing:
-        result["hook_call_us_median"] = hook_call_us()
+    return next(r for r in results if r is not None)
+
+
+def run_separately(args):
+    """``--separate ROUNDS``: each policy alone in its processes, policies one
+    after another, the order rotating every round. Medians over steps
+    ``--warmup``+1 to ``--steps`` of every round; the policies' agreement is
+    that of their per-step losses (their parameters live in different
+    processes), taken in the first round."""
+    policies, merged, first, losses, failed = list(args.policies), {}, {}, {}, {}
+    warm, end = measured_window(args.steps, args.warmup, 1)
+    for r in range(args.separate):
+        for policy in policies[r % len(policies):] + policies[: r % len(policies)]:
+            if policy in failed:
+                continue
+            if args.progress:
+                print(f"round {r + 1}/{args.separate}: {policy}", file=sys.stderr, flush=True)
+            raw = run_ranks(args, [policy])
+            if policy in raw["failed"]:
+                failed[policy] = raw["failed"][policy]
+                continue
+            v = raw["series"][policy]
+            first.setdefault(policy, v["step_s"][0])
+            losses.setdefault(policy, v["losses"])
+            into = merged.setdefault(policy, {k: [] for k in STEP_SERIES})
+            for k in STEP_SERIES:
+                into[k] += v[k][warm:end]
+    result = {"warmup": warm, "measured_end": end, "rounds": args.separate,
+              "agree": {}, "policies": {}}
+    for p in policies:
+        if p in failed:
+            result["policies"][p] = failure(failed[p])
+        elif p in merged:
+            n = len(merged[p]["step_s"])
+            result["policies"][p] = summarize(args, merged[p], first[p], losses[p], 0, n)
+    ref = next((p for p in ("no_sync", "ddp") if p in losses), None)
+    result["agree_losses"] = {
+        p: max(abs(a - b) for a, b in zip(losses[p], losses[ref]))
+        for p in losses if ref is not None and p not in (ref, "local")
+    }
+    return result
+
+
+def summarize(args, v, step_s_first, losses, first, end):
+    """A policy's figures over steps [first, end) of its series ``v``."""
+    part = {k: v[k][first:end] for k in STEP_SERIES}
+    exposed = [x for x in part["exposed_comm_s"] if x is not None]
+    return {
+        "step_s_median": statistics.median(part["step_s"]),
+        "step_s_first": step_s_first,
+        "backward_s_median": statistics.median(part["backward_s"]),
+        "kernel_s_median": statistics.median(part["kernel_s"]),
+        "page_faults_median": statistics.median(part["page_faults"]),
+        "exposed_comm_s_median": statistics.median(exposed) if exposed else None,
+        # Per measured step: buckets reduced before backward ended, of those launched.
+        "buckets_overlapped": part["buckets_overlapped"] or None,
+        "bucket_memory_bytes": part["bucket_memory_bytes"] or None,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "losses": losses if args.losses else None,
+        "step_s": part["step_s"],
+        "after_own_step": part["after_own_step"],
+    }
+
+
+def failure(why):
+    return {"step_s_median": None, "note": f"raises at step {why['step']}: {why['error']}"}
+
+
+def print_table(args, result):
     pol = result["policies"]
     ref = pol.get("no_sync", {}).get("step_s_median")
     if args.tiny_params:
@@ -421,9 +506,13 @@ def main():
     else:
         checkpointing = f"{'reentrant' if args.reentrant else 'non-reentrant'} checkpointing"
     first, end = result["warmup"], result["measured_end"]
-    left = f", the last {args.steps - end} left out to end on a whole rotation" if end < args.steps else ""
-    print(f"world {args.world}, {what}, {checkpointing}{compiled}, "
-          f"{args.steps} steps (medians of steps {first + 1}-{end}: without the first {first}{left}), slower rank:")
+    if result["rounds"]:
+        how = (f"each policy in its own processes, {result['rounds']} round(s) of {args.steps} steps "
+               f"(medians of steps {first + 1}-{end} of every round)")
+    else:
+        left = f", the last {args.steps - end} left out to end on a whole rotation" if end < args.steps else ""
+        how = f"interleaved, {args.steps} steps (medians of steps {first + 1}-{end}: without the first {first}{left})"
+    print(f"world {args.world}, {what}, {checkpointing}{compiled}, {how}, slower rank:")
     for p, r in pol.items():
         s = r.get("step_s_median")
         if s is None:
@@ -433,22 +522,24 @@ def main():
         exposed = r.get("exposed_comm_s_median")
         exposed = f"  exposed comm {exposed * 1e3:5.1f} ms" if exposed is not None else ""
         if r.get("buckets_overlapped"):
-            done = statistics.median(d for d, _ in r["buckets_overlapped"][first:end])
-            launched = statistics.median(n for _, n in r["buckets_overlapped"][first:end])
+            done = statistics.median(d for d, _ in r["buckets_overlapped"])
+            launched = statistics.median(n for _, n in r["buckets_overlapped"])
             exposed += f", buckets done in backward {done:g}/{launched:g}"
             exposed += f", bucket memory {r['bucket_memory_bytes'][-1] / 2**20:.0f} MiB"
-        mixed = split_by_predecessor(r["step_s"][first:end], r["after_own_step"][first:end])
+        mixed = split_by_predecessor(r["step_s"], r["after_own_step"])
         if mixed:
             exposed += f"\n  {'':<14} after its own step {mixed[0] * 1e3:.1f} ms, after another policy's {mixed[1] * 1e3:.1f}"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
-              f"backward {r['backward_s_median'] * 1e3:7.1f} ms  "
+              f"backward {r['backward_s_median'] * 1e3:7.1f} ms  kernel {r['kernel_s_median'] * 1e3:6.1f} ms "
+              f"({r['page_faults_median']:.0f} page faults)  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
     if result["agree"]:
         print("  parameters vs no_sync: " + ", ".join(f"{p} {d:.1e}" for p, d in result["agree"].items()))
+    if result["agree_losses"]:
+        print("  per-step losses, largest difference from the reference: "
+              + ", ".join(f"{p} {d:.1e}" for p, d in result["agree_losses"].items()))
     if "hook_call_us_median" in result:
         print(f"  Python hook call into the runtime: {result['hook_call_us_median']:.2f} µs median")
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items()}))
 
 
 if __name__ == "__main__":
