@@ -74,8 +74,8 @@ POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"
 
 # What a rank records of each step of a policy: the step's time (the slower
 # rank's), this rank's ``loss.backward()`` call, the training thread's kernel
-# time and page faults (the slower rank's: zeroing fresh pages for large
-# gradients is most of it), whether the process ran this policy's step just
+# time and page faults (each the larger of the ranks'; zeroing fresh pages
+# for large gradients is most of that kernel time), whether the process ran this policy's step just
 # before, gradsync's exposed communication, buckets reduced before backward
 # ended and bucket memory (gradsync only), and the loss.
 STEP_SERIES = ["step_s", "backward_s", "kernel_s", "page_faults", "after_own_step", "exposed_comm_s",
@@ -271,7 +271,7 @@ def rank_main(rank, args, port, out_q):
     if args.compile != "none":
         # One compiled model per policy: more cache entries than dynamo's default allows.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(policies))
-    # Per policy, one entry per measured step (see ``STEP_SERIES``).
+    # Per policy, one entry per step it ran (see ``STEP_SERIES``).
     series = {p: {k: [] for k in STEP_SERIES} for p in policies}
     previous = None
     failed = {}
@@ -488,6 +488,7 @@ def summarize(args, v, step_s_first, losses, first, end):
 
 
 def failure(why):
+    """What the table and the JSON say of a policy that raised."""
     return {"step_s_median": None, "note": f"raises at step {why['step']}: {why['error']}"}
 
 
