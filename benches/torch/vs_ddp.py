@@ -455,9 +455,9 @@ def run_separately(args):
         if p in failed:
             result["policies"][p] = failure(failed[p])
         elif p in merged:
-            n = len(merged[p]["step_s"])
-            result["policies"][p] = summarize(args, merged[p], first[p], losses[p], 0, n)
+            result["policies"][p] = summarize(args, merged[p], first[p], losses[p], 0, None)
     ref = next((p for p in ("no_sync", "ddp") if p in losses), None)
+    result["loss_reference"] = ref
     result["agree_losses"] = {
         p: max(abs(a - b) for a, b in zip(losses[p], losses[ref]))
         for p in losses if ref is not None and p not in (ref, "local")
@@ -466,7 +466,8 @@ def run_separately(args):
 
 
 def summarize(args, v, step_s_first, losses, first, end):
-    """A policy's figures over steps [first, end) of its series ``v``."""
+    """A policy's figures over steps [first, end) of its series ``v`` (``end``
+    None: to the last)."""
     part = {k: v[k][first:end] for k in STEP_SERIES}
     exposed = [x for x in part["exposed_comm_s"] if x is not None]
     return {
@@ -537,7 +538,7 @@ def print_table(args, result):
     if result["agree"]:
         print("  parameters vs no_sync: " + ", ".join(f"{p} {d:.1e}" for p, d in result["agree"].items()))
     if result["agree_losses"]:
-        print("  per-step losses, largest difference from the reference: "
+        print(f"  per-step losses, largest difference from {result['loss_reference']}'s: "
               + ", ".join(f"{p} {d:.1e}" for p, d in result["agree_losses"].items()))
     if "hook_call_us_median" in result:
         print(f"  Python hook call into the runtime: {result['hook_call_us_median']:.2f} µs median")
