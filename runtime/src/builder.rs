@@ -62,8 +62,10 @@ impl GradSyncBuilder {
         Ok(self)
     }
 
-    /// Upper bound of a bucket in bytes (default 25 MiB, like DDP). A parameter
-    /// larger than the cap gets a bucket of its own.
+    /// Upper bound of a bucket in bytes (default 25 MiB, like DDP); the last
+    /// buckets of the plan hold a half, a quarter and an eighth of it, so
+    /// little is left to reduce after backward ([`gradsync_actors::plan::TAIL_TAPER`]).
+    /// A parameter larger than its bucket's cap gets a bucket of its own.
     pub fn bucket_cap_bytes(&mut self, bytes: usize) -> &mut Self {
         self.bucket_cap_bytes = bytes;
         self

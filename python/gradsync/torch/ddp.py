@@ -109,7 +109,9 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
     Build one per rank after ``torch.distributed.init_process_group`` (every
     rank wraps its models in the same order). ``process_group`` selects the
     ranks (default: all); gradsync runs its collectives on a gloo group of its
-    own over those ranks. ``bucket_cap_mb`` caps a bucket (default 25).
+    own over those ranks. ``bucket_cap_mb`` caps a bucket (default 25); the
+    last three buckets of backward hold a half, a quarter and an eighth of
+    it, so little is left to reduce when backward ends.
     ``broadcast_buffers`` sends rank 0's buffers to every rank at each
     forward, as DDP does.
 
