@@ -4,6 +4,7 @@
                                              [--model tied|gpt2-small|resnet18] [--reentrant]
                                              [--tiny-params N] [--separate ROUNDS] [--json]
                                              [--compile outer|inner] [--compile-backend inductor]
+                                             [--keep-freed-memory]
 
 Spawns ``--world`` processes on loopback (gloo, one thread per rank). Every
 rank builds the same model once per policy and runs the policies interleaved,
@@ -50,14 +51,21 @@ survives. The end checks that the synchronized policies' parameters agree
 (with ``--separate``: their per-step losses), and times the Python hook call
 into the runtime on its own.
 
+``--keep-freed-memory`` starts every rank with glibc told to keep freed
+memory instead of returning it to the OS (see ``KEEP_FREED_MEMORY``): the
+page faults that otherwise come and go from one process to the next, under
+any policy, leave the comparison.
+
 With ``--json`` the last line of stdout is one JSON object:
 ``{"policies": {"gradsync": {"step_s_median": s, ...}, ...}, "agree": {...}, "hook_call_us_median": x, ...}``;
-each policy's lists (``step_s``, ``after_own_step``, ...) hold its measured steps.
+each policy's lists (``step_s``, ``after_own_step``, ...) hold its measured steps;
+``kept_freed_memory`` says whether the ranks ran with ``KEEP_FREED_MEMORY``.
 """
 
 import argparse
 import datetime
 import json
+import os
 import resource
 import statistics
 import sys
@@ -69,6 +77,15 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+# glibc's malloc, by default, hands large freed blocks back to the OS (munmap,
+# or trimming the heap once its free top passes a threshold that adapts as it
+# goes) and every page of them faults in again, zeroed, the next time: on this
+# machine 15-26 k faults a ResNet-18 step, or none, from one process to the
+# next, under either policy. These keep freed memory in the process (the
+# thresholds as large as allowed), so a step pays for its arithmetic and
+# communication only. Any PyTorch CPU training job can set them.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"]
 
@@ -336,7 +353,9 @@ def rank_main(rank, args, port, out_q):
         if p.startswith("gradsync"):
             runners[p][0].close()
     # Rank 0 answers with every policy's raw series; main() takes the medians.
-    result = {"series": {p: series[p] for p in policies if p not in failed}, "failed": failed, "agree": agree} if rank == 0 else None
+    kept = all(os.environ.get(k) == v for k, v in KEEP_FREED_MEMORY.items())
+    result = {"series": {p: series[p] for p in policies if p not in failed}, "failed": failed, "agree": agree,
+              "kept_freed_memory": kept} if rank == 0 else None
     out_q.put(result)
     dist.destroy_process_group()
 
@@ -361,6 +380,10 @@ def main():
     ap.add_argument("--losses", action="store_true", help="keep every step's loss in the JSON")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-hook-timing", action="store_true")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="tell glibc in every rank to keep freed memory (%s) instead of handing it back to the OS "
+                         "and faulting it in again at the next step; the same for every policy"
+                         % " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
     ap.add_argument("--separate", type=int, default=0, metavar="ROUNDS",
                     help="run each policy in processes of its own, one policy after another, ROUNDS times "
                          "(the order rotating every round): every step follows the policy's own, as in training")
@@ -378,12 +401,16 @@ def main():
     if args.separate < 0:
         ap.error("--separate takes a number of rounds, 1 or more")
     args.progress = sys.stderr.isatty()
+    if args.keep_freed_memory:
+        # glibc reads these when a process starts: the spawned ranks inherit them.
+        os.environ.update(KEEP_FREED_MEMORY)
     if args.separate:
         result = run_separately(args)
     else:
         raw = run_ranks(args, args.policies)
         warm, end = measured_window(args.steps, args.warmup, len(args.policies) - len(raw["failed"]))
         result = {"warmup": warm, "measured_end": end, "rounds": None, "agree": raw["agree"], "agree_losses": None,
+                  "kept_freed_memory": raw["kept_freed_memory"],
                   "policies": {p: summarize(args, v, v["step_s"][0], v["losses"], warm, end)
                                for p, v in raw["series"].items()}}
         for p, why in raw["failed"].items():
@@ -432,6 +459,7 @@ def run_separately(args):
     that of their per-step losses (their parameters live in different
     processes), taken in the first round."""
     policies, merged, first, losses, failed = list(args.policies), {}, {}, {}, {}
+    kept = False
     warm, end = measured_window(args.steps, args.warmup, 1)
     for r in range(args.separate):
         for policy in policies[r % len(policies):] + policies[: r % len(policies)]:
@@ -440,6 +468,7 @@ def run_separately(args):
             if args.progress:
                 print(f"round {r + 1}/{args.separate}: {policy}", file=sys.stderr, flush=True)
             raw = run_ranks(args, [policy])
+            kept = raw["kept_freed_memory"]
             if policy in raw["failed"]:
                 failed[policy] = raw["failed"][policy]
                 continue
@@ -450,7 +479,7 @@ def run_separately(args):
             for k in STEP_SERIES:
                 into[k] += v[k][warm:end]
     result = {"warmup": warm, "measured_end": end, "rounds": args.separate,
-              "agree": {}, "policies": {}}
+              "agree": {}, "policies": {}, "kept_freed_memory": kept}
     for p in policies:
         if p in failed:
             result["policies"][p] = failure(failed[p])
@@ -514,7 +543,8 @@ def print_table(args, result):
     else:
         left = f", the last {args.steps - end} left out to end on a whole rotation" if end < args.steps else ""
         how = f"interleaved, {args.steps} steps (medians of steps {first + 1}-{end}: without the first {first}{left})"
-    print(f"world {args.world}, {what}, {checkpointing}{compiled}, {how}, slower rank:")
+    kept = ", glibc keeping freed memory" if result["kept_freed_memory"] else ""
+    print(f"world {args.world}, {what}, {checkpointing}{compiled}{kept}, {how}, slower rank:")
     for p, r in pol.items():
         s = r.get("step_s_median")
         if s is None:

@@ -28,11 +28,13 @@ def test_vs_ddp_runs_and_its_synchronized_policies_agree_exactly():
     # Four policies take turns: no step of one follows its own previous step.
     assert gradsync["after_own_step"] == [False] * 3, gradsync["after_own_step"]
     assert all(p["page_faults_median"] >= 0 and p["kernel_s_median"] >= 0 for p in result["policies"].values())
+    assert result["kept_freed_memory"] is False, "glibc's defaults unless asked"
 
 
 def test_vs_ddp_runs_each_policy_on_its_own_and_compares_their_losses():
     cmd = [sys.executable, str(REPO / "benches" / "torch" / "vs_ddp.py"), "--tiny-params", "40", "--steps", "3",
-           "--warmup", "1", "--policies", "gradsync,no_sync", "--separate", "2", "--no-hook-timing", "--json"]
+           "--warmup", "1", "--policies", "gradsync,no_sync", "--separate", "2", "--keep-freed-memory",
+           "--no-hook-timing", "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -42,6 +44,8 @@ def test_vs_ddp_runs_each_policy_on_its_own_and_compares_their_losses():
     assert gradsync["after_own_step"] == [True] * 4, gradsync["after_own_step"]
     # In processes of its own, gradsync computed the workaround's losses exactly.
     assert result["agree_losses"] == {"gradsync": 0.0}, result["agree_losses"]
+    # Every rank process started with glibc told to keep freed memory.
+    assert result["kept_freed_memory"] is True
 
 
 def _bench_module():
