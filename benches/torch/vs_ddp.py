@@ -82,8 +82,8 @@ from torch.utils.checkpoint import checkpoint
 # or trimming the heap once its free top passes a threshold that adapts as it
 # goes) and every page of them faults in again, zeroed, the next time: on this
 # machine 15-26 k faults a ResNet-18 step, or none, from one process to the
-# next, under either policy. These keep freed memory in the process (the
-# thresholds as large as allowed), so a step pays for its arithmetic and
+# next, under either policy. These keep freed memory in the process (both
+# thresholds far above any tensor here), so a step pays for its arithmetic and
 # communication only. Any PyTorch CPU training job can set them.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
