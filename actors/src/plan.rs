@@ -342,8 +342,9 @@ impl BucketEnds {
 /// is up to a whole cap of gradients that were ready long before (ResNet-18
 /// at a 4 MB cap: the last bucket took 94 ms to fill and 14 ms to reduce after
 /// backward). Tapered, the buckets before it launch while backward still runs
-/// and what is left after it is an eighth of a cap. DDP cuts every bucket at
-/// the cap (and its *first* one at 1 MB).
+/// and what is left after it is an eighth of a cap. Paddle's `DataParallel`
+/// caps its last bucket at 1 MB (`last_comm_buffer_size`) for the same
+/// reason; DDP cuts every bucket at the cap (and its *first* one at 1 MB).
 pub const TAIL_TAPER: u32 = 3;
 
 /// Buckets in launch order: `order` cut at `cap` bytes, the last

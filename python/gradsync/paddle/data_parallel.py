@@ -69,7 +69,9 @@ class DataParallel(StepControls, paddle.nn.Layer):
     (every rank wraps its models in the same order). ``comm_buffer_size`` caps
     a bucket in MB (Paddle's name, default 25); ``last_comm_buffer_size``,
     ``strategy`` and ``find_unused_parameters`` are accepted and not needed
-    (gradsync finds unused parameters and repeated hooks by itself).
+    (gradsync finds unused parameters and repeated hooks by itself, and
+    makes its last three buckets a half, a quarter and an eighth of the cap,
+    as Paddle makes its last one small).
     ``group``: the ranks (default: all); gradsync builds gloo groups of its
     own over them.
 
