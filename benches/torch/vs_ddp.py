@@ -91,10 +91,10 @@ POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"
 
 # What a rank records of each step of a policy: the step's time (the slower
 # rank's), this rank's ``loss.backward()`` call, the training thread's kernel
-# time and page faults (each the larger of the ranks'; zeroing fresh pages
-# for large gradients is most of that kernel time), whether the process ran this policy's step just
-# before, gradsync's exposed communication, buckets reduced before backward
-# ended and bucket memory (gradsync only), and the loss.
+# time and page faults (each the larger of the ranks'; zeroing fresh pages for
+# large gradients is most of that kernel time), whether the process ran this
+# policy's step just before, gradsync's exposed communication, buckets reduced
+# before backward ended and bucket memory (gradsync only), and the loss.
 STEP_SERIES = ["step_s", "backward_s", "kernel_s", "page_faults", "after_own_step", "exposed_comm_s",
                "buckets_overlapped", "bucket_memory_bytes", "losses"]
 
@@ -459,7 +459,7 @@ def run_separately(args):
     that of their per-step losses (their parameters live in different
     processes), taken in the first round."""
     policies, merged, first, losses, failed = list(args.policies), {}, {}, {}, {}
-    kept = False
+    kept = []  # per run: whether its ranks ran with KEEP_FREED_MEMORY
     warm, end = measured_window(args.steps, args.warmup, 1)
     for r in range(args.separate):
         for policy in policies[r % len(policies):] + policies[: r % len(policies)]:
@@ -468,7 +468,7 @@ def run_separately(args):
             if args.progress:
                 print(f"round {r + 1}/{args.separate}: {policy}", file=sys.stderr, flush=True)
             raw = run_ranks(args, [policy])
-            kept = raw["kept_freed_memory"]
+            kept.append(raw["kept_freed_memory"])
             if policy in raw["failed"]:
                 failed[policy] = raw["failed"][policy]
                 continue
@@ -479,7 +479,7 @@ def run_separately(args):
             for k in STEP_SERIES:
                 into[k] += v[k][warm:end]
     result = {"warmup": warm, "measured_end": end, "rounds": args.separate,
-              "agree": {}, "policies": {}, "kept_freed_memory": kept}
+              "agree": {}, "policies": {}, "kept_freed_memory": bool(kept) and all(kept)}
     for p in policies:
         if p in failed:
             result["policies"][p] = failure(failed[p])
