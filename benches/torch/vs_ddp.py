@@ -59,12 +59,20 @@ any policy, leave the comparison.
 With ``--json`` the last line of stdout is one JSON object:
 ``{"policies": {"gradsync": {"step_s_median": s, ...}, ...}, "agree": {...}, "hook_call_us_median": x, ...}``;
 each policy's lists (``step_s``, ``after_own_step``, ...) hold its measured steps;
-``kept_freed_memory`` says whether the ranks ran with ``KEEP_FREED_MEMORY``.
+``kept_freed_memory`` says whether the ranks ran with ``KEEP_FREED_MEMORY``;
+``paired`` (interleaved runs) compares gradsync with each other synchronized
+policy round by round: ``{"ddp": {"median_s", "low_s", "high_s", "level",
+"rounds", "verdict"}, ...}``, the median difference of their back-to-back
+steps with a distribution-free confidence interval, and whether gradsync was
+``"faster"``, ``"slower"`` or ``"within noise"`` (the interval holds 0).
+A difference of medians can flip from one run to the next where the interval
+says the policies are within noise of each other.
 """
 
 import argparse
 import datetime
 import json
+import math
 import os
 import resource
 import statistics
@@ -263,6 +271,28 @@ def measured_window(steps, warmup, policies):
     return warmup, warmup + n - n % policies
 
 
+def paired_difference(steps, others, level=0.95):
+    """gradsync's steps against another policy's, round by round (interleaved
+    runs: the two steps of a round ran back to back): the median of
+    ``steps[i] - others[i]`` and a distribution-free ``level`` confidence
+    interval for it, the sign test's: the k-th smallest and k-th largest
+    difference, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
+    None below the rounds such an interval needs (6 at 95%). The verdict says
+    which policy was faster, or that the interval holds 0."""
+    d = sorted(a - b for a, b in zip(steps, others))
+    n, tail = len(d), (1 - level) / 2
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k)
+    while below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None
+    low, high = d[k - 1], d[n - k]
+    verdict = "faster" if high < 0 else "slower" if low > 0 else "within noise"
+    return {"rounds": n, "median_s": statistics.median(d), "low_s": low, "high_s": high, "level": level,
+            "verdict": verdict}
+
+
 def split_by_predecessor(steps, after_own):
     """Median step time after the policy's own previous step and after
     another policy's, or None where the run has only one kind."""
@@ -415,6 +445,7 @@ def main():
                                for p, v in raw["series"].items()}}
         for p, why in raw["failed"].items():
             result["policies"][p] = failure(why)
+        result["paired"] = paired_with_gradsync(result["policies"])
     result.update({
         "world": args.world,
         "model": "tiny" if args.tiny_params else args.model,
@@ -479,7 +510,9 @@ def run_separately(args):
             for k in STEP_SERIES:
                 into[k] += v[k][warm:end]
     result = {"warmup": warm, "measured_end": end, "rounds": args.separate,
-              "agree": {}, "policies": {}, "kept_freed_memory": bool(kept) and all(kept)}
+              "agree": {}, "policies": {}, "kept_freed_memory": bool(kept) and all(kept),
+              # Steps of different runs are not back to back: no round-by-round comparison.
+              "paired": {}}
     for p in policies:
         if p in failed:
             result["policies"][p] = failure(failed[p])
@@ -492,6 +525,16 @@ def run_separately(args):
         for p in losses if ref is not None and p not in (ref, "local")
     }
     return result
+
+
+def paired_with_gradsync(policies):
+    """:func:`paired_difference` of gradsync against every other policy that
+    synchronizes and ran to the end."""
+    mine = policies.get("gradsync", {}).get("step_s")
+    if not mine:
+        return {}
+    return {p: paired_difference(mine, r["step_s"]) for p, r in policies.items()
+            if p not in ("gradsync", "local") and r.get("step_s")}
 
 
 def summarize(args, v, step_s_first, losses, first, end):
@@ -565,6 +608,13 @@ def print_table(args, result):
               f"backward {r['backward_s_median'] * 1e3:7.1f} ms  kernel {r['kernel_s_median'] * 1e3:6.1f} ms "
               f"({r['page_faults_median']:.0f} page faults)  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
+    for p, d in result.get("paired", {}).items():
+        if d is None:
+            print(f"  gradsync - {p}, round by round: too few rounds for a confidence interval")
+            continue
+        print(f"  gradsync - {p}, round by round ({d['rounds']} rounds): median {d['median_s'] * 1e3:+.1f} ms, "
+              f"{d['level']:.0%} CI {d['low_s'] * 1e3:+.1f} to {d['high_s'] * 1e3:+.1f} ms: "
+              + (d["verdict"] if d["verdict"] == "within noise" else f"gradsync {d['verdict']}"))
     if result["agree"]:
         print("  parameters vs no_sync: " + ", ".join(f"{p} {d:.1e}" for p, d in result["agree"].items()))
     if result["agree_losses"]:

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -29,6 +31,8 @@ def test_vs_ddp_runs_and_its_synchronized_policies_agree_exactly():
     assert gradsync["after_own_step"] == [False] * 3, gradsync["after_own_step"]
     assert all(p["page_faults_median"] >= 0 and p["kernel_s_median"] >= 0 for p in result["policies"].values())
     assert result["kept_freed_memory"] is False, "glibc's defaults unless asked"
+    # Three rounds are too few for a confidence interval; local is no comparison.
+    assert result["paired"] == {"ddp": None, "no_sync": None}, result["paired"]
 
 
 def test_vs_ddp_runs_each_policy_on_its_own_and_compares_their_losses():
@@ -66,3 +70,20 @@ def test_medians_are_taken_over_whole_rotations_of_the_policy_order():
     assert bench.measured_window(4, 1, 4) == (1, 4)
     assert bench.split_by_predecessor([1.0, 2.0, 3.0, 4.0], [True, False, True, False]) == (2.0, 3.0)
     assert bench.split_by_predecessor([1.0, 2.0], [False, False]) is None
+
+
+def test_paired_difference_names_a_faster_policy_only_when_its_interval_leaves_out_zero():
+    bench = _bench_module()
+    # Five rounds cannot give a 95% interval: even all-equal signs happen 1 time in 16.
+    assert bench.paired_difference([1.0] * 5, [2.0] * 5) is None
+    # Six rounds: the interval runs from the smallest difference to the largest.
+    d = bench.paired_difference([1, 2, 3, 4, 5, 6], [2, 2.5, 3.5, 4.2, 5.1, 6.6])
+    assert d["rounds"] == 6 and d["verdict"] == "faster", d
+    assert (d["low_s"], d["median_s"], d["high_s"]) == pytest.approx((-1.0, -0.5, -0.1))
+    # Twenty rounds: P(Binomial(20, 1/2) <= 5) = 0.021, <= 6: 0.058, so the 6th
+    # smallest and the 6th largest difference bound it.
+    d = bench.paired_difference([float(x) for x in range(1, 21)], [0.0] * 20)
+    assert (d["low_s"], d["high_s"], d["verdict"]) == (6.0, 15.0, "slower"), d
+    # Differences either side of zero: no verdict.
+    d = bench.paired_difference([0.0] * 10, [float(x) for x in range(-5, 5)])
+    assert d["low_s"] < 0 < d["high_s"] and d["verdict"] == "within noise", d
