@@ -416,17 +416,22 @@ def uneven_inputs(rank, world, impl, steps_of, divide_by_initial_world_size, how
 
 
 class Counting(nn.Module):
-    """A model with a buffer each rank changes differently in forward
-    (distributed_test's buffer-broadcast tests)."""
+    """A model with buffers each rank changes differently in forward
+    (distributed_test's buffer-broadcast tests): a float32 count, an int64
+    count beyond float32's exact integers, and a flag."""
 
     def __init__(self, rank):
         super().__init__()
         self.lin = nn.Linear(8, 4)
         self.register_buffer("seen", torch.zeros(1))
+        self.register_buffer("ticks", torch.tensor([2**40 + 1], dtype=torch.int64))
+        self.register_buffer("flag", torch.tensor([rank == 0]))
         self.rank = rank
 
     def forward(self, x):
         self.seen += 1 + self.rank
+        self.ticks += 1 + self.rank
+        self.flag.logical_and_(torch.tensor([self.rank == 0]))
         return self.lin(x)
 
 
@@ -438,11 +443,13 @@ def buffers_and_state(rank, world, impl):
     model = Counting(rank)
     wrapped = wrap(model, impl, device_ids=None, output_device=None)
     wrapped._set_static_graph()
-    seen = []
+    seen, ticks, flags = [], [], []
     with Outcome(impl, wrapped) as outcome:
         for step in range(3):
             wrapped(batch(step, rank)).sum().backward()
             seen.append(model.seen.item())
+            ticks.append(model.ticks.item())
+            flags.append(model.flag.item())
         state = wrapped.state_dict()
         names = [n for n, _ in wrapped.named_parameters()]
         fresh = Counting(rank)
@@ -452,5 +459,5 @@ def buffers_and_state(rank, world, impl):
         if impl == "gradsync":
             twin.close()
     result = outcome.result
-    result.update(seen=seen, keys=sorted(state), names=names, loaded=loaded)
+    result.update(seen=seen, ticks=ticks, flags=flags, keys=sorted(state), names=names, loaded=loaded)
     return result

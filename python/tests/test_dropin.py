@@ -129,6 +129,10 @@ def test_buffers_state_dict_and_names(world2, side_by_side):
     for rank, (o, t) in enumerate(zip(ours, theirs)):
         assert o["status"] == "ok"
         assert o["seen"] == [1.0 + rank, 2.0 + rank, 3.0 + rank], "buffers start from rank 0's at each forward"
+        # Every dtype exactly: an int64 count past 2**24 and a bool flag (rank 0's is True; rank 1 clears its own).
+        assert o["ticks"] == [2**40 + 1 + step + 1 + rank for step in range(3)], o["ticks"]
+        assert o["flags"] == [rank == 0] * 3, o["flags"]
+        assert o["ticks"] == t["ticks"] and o["flags"] == t["flags"]
         assert o["seen"] == t["seen"] and o["keys"] == t["keys"] and o["names"] == t["names"]
         assert all(k.startswith("module.") for k in o["keys"]) and o["loaded"]
     side_by_side("buffer broadcast, state_dict and names with module. prefix", "ok", "ok, same as DDP")

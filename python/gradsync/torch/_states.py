@@ -23,14 +23,27 @@ class StateBroadcast:
         )
 
     def broadcast(self, tensors, root=0):
-        """Rank ``root``'s values into ``tensors`` on every rank (one flat message)."""
+        """Rank ``root``'s values into ``tensors`` on every rank: one flat
+        message per dtype, in the order the dtypes first appear (the same on
+        every rank). One message of mixed dtypes would promote them: an int64
+        buffer sent as float32 loses its low bits above 2**24."""
         if self._world == 1 or not tensors:
             return
+        by_dtype = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            self._broadcast_flat(same, root)
+
+    def _broadcast_flat(self, tensors, root):
+        """:meth:`broadcast` of tensors of one dtype, as one message."""
         flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
         moved = flat.to("cpu") if flat.device.type != "cpu" else flat
+        # gloo sends bytes of the types it knows: bool travels as uint8.
+        message = moved.view(torch.uint8) if moved.dtype == torch.bool else moved
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._group.broadcast([moved], opts).wait()
+        self._group.broadcast([message], opts).wait()
         if moved is not flat:
             flat.copy_(moved)
         with torch.no_grad():
