@@ -41,7 +41,8 @@ it. Models (``--model``):
   checkpointing (torchvision's model has none).
 
 ``--tiny-params N`` replaces the model with N parameters of 16 values, to
-measure the per-parameter overhead. A policy that raises (DDP under
+measure the per-parameter overhead (the models and batches: ``bench_models.py``;
+what is made of the step times: ``step_stats.py``). A policy that raises (DDP under
 reentrant checkpointing, for instance) is reported with its error and left
 out of the rest of the run. ``--compile outer`` runs every policy as ``torch.compile(wrapped)``,
 ``--compile inner`` wraps ``torch.compile(model)`` (``local`` and ``no_sync``
@@ -72,7 +73,6 @@ says the policies are within noise of each other.
 import argparse
 import datetime
 import json
-import math
 import os
 import resource
 import statistics
@@ -83,8 +83,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from bench_models import batch, loss_of, make_model
+from step_stats import measured_window, paired_with_gradsync, split_by_predecessor
 
 # glibc's malloc, by default, hands large freed blocks back to the OS (munmap,
 # or trimming the heap once its free top passes a threshold that adapts as it
@@ -105,81 +106,6 @@ POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"
 # before backward ended and bucket memory (gradsync only), and the loss.
 STEP_SERIES = ["step_s", "backward_s", "kernel_s", "page_faults", "after_own_step", "exposed_comm_s",
                "buckets_overlapped", "bucket_memory_bytes", "losses"]
-
-
-class TiedBlocks(nn.Module):
-    """Tied embedding/head and ``blocks`` checkpointed Linear+Tanh blocks."""
-
-    def __init__(self, vocab=2048, dim=1024, blocks=4, reentrant=False):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(blocks))
-        self.reentrant = reentrant
-
-    def _block(self, i, x):
-        return torch.tanh(self.blocks[i](x))
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        if self.reentrant:
-            x = x + 0 * self.embed.weight[:1]  # reentrant checkpoints need an input that requires grad
-        for i in range(len(self.blocks)):
-            x = checkpoint(self._block, i, x, use_reentrant=self.reentrant)
-        return F.linear(x, self.embed.weight)
-
-
-class TinyParams(nn.Module):
-    """``n`` parameters of 16 values, each used once: overhead per parameter."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(16) * 0.1) for _ in range(n))
-
-    def forward(self, x):
-        return sum((x * p).sum() for p in self.ps)
-
-
-def make_model(args):
-    torch.manual_seed(1234)
-    if args.tiny_params:
-        return TinyParams(args.tiny_params)
-    if args.model == "gpt2-small":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        # 124 M parameters, random init; no dropout, so every policy computes the same thing.
-        model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": args.reentrant})
-        model.config.use_cache = False
-        model.train()
-        return model
-    if args.model == "resnet18":
-        import torchvision
-
-        return torchvision.models.resnet18(weights=None)
-    return TiedBlocks(reentrant=args.reentrant)
-
-
-def batch(args, step, rank):
-    g = torch.Generator().manual_seed(10_000 * step + rank)
-    if args.tiny_params:
-        return torch.randn(16, generator=g), None
-    if args.model == "gpt2-small":
-        return torch.randint(0, 50257, (1, args.tokens_per_rank), generator=g), None
-    if args.model == "resnet18":
-        images = torch.randn(args.images_per_rank, 3, args.image_size, args.image_size, generator=g)
-        return images, torch.randint(0, 1000, (args.images_per_rank,), generator=g)
-    tokens = torch.randint(0, 2048, (args.tokens_per_rank,), generator=g)
-    return tokens, torch.randint(0, 2048, (args.tokens_per_rank,), generator=g)
-
-
-def loss_of(args, model, data):
-    x, y = data
-    if args.tiny_params:
-        return model(x)
-    if args.model == "gpt2-small":
-        return model(input_ids=x, labels=x).loss
-    return F.cross_entropy(model(x), y)
 
 
 def first_line(error):
@@ -256,51 +182,6 @@ def hook_call_us(samples=20_000):
         step += 1
     session.close()
     return statistics.median(times) / 1000
-
-
-def measured_window(steps, warmup, policies):
-    """The steps the medians are taken over: after ``warmup``, whole rotations
-    of the policy order only, so each policy is measured equally often in each
-    position of a step. The position matters on a shared machine: a policy
-    measured more often first than last would be favoured or penalized (on
-    this 2-core machine gradsync's GPT-2 step took 1740 ms right after its own
-    previous step and 2114 ms right after DDP's; DDP's 1800 and 1806)."""
-    n = steps - warmup
-    if n < policies:
-        return warmup, steps
-    return warmup, warmup + n - n % policies
-
-
-def paired_difference(steps, others, level=0.95):
-    """gradsync's steps against another policy's, round by round (interleaved
-    runs: the two steps of a round ran back to back): the median of
-    ``steps[i] - others[i]`` and a distribution-free ``level`` confidence
-    interval for it, the sign test's: the k-th smallest and k-th largest
-    difference, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
-    None below the rounds such an interval needs (6 at 95%). The verdict says
-    which policy was faster, or that the interval holds 0."""
-    d = sorted(a - b for a, b in zip(steps, others))
-    n, tail = len(d), (1 - level) / 2
-    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k)
-    while below + math.comb(n, k) / 2**n <= tail:
-        below += math.comb(n, k) / 2**n
-        k += 1
-    if k == 0:
-        return None
-    low, high = d[k - 1], d[n - k]
-    verdict = "faster" if high < 0 else "slower" if low > 0 else "within noise"
-    return {"rounds": n, "median_s": statistics.median(d), "low_s": low, "high_s": high, "level": level,
-            "verdict": verdict}
-
-
-def split_by_predecessor(steps, after_own):
-    """Median step time after the policy's own previous step and after
-    another policy's, or None where the run has only one kind."""
-    own = [t for t, a in zip(steps, after_own) if a]
-    other = [t for t, a in zip(steps, after_own) if not a]
-    if not own or not other:
-        return None
-    return statistics.median(own), statistics.median(other)
 
 
 def rank_main(rank, args, port, out_q):
@@ -525,16 +406,6 @@ def run_separately(args):
         for p in losses if ref is not None and p not in (ref, "local")
     }
     return result
-
-
-def paired_with_gradsync(policies):
-    """:func:`paired_difference` of gradsync against every other policy that
-    synchronizes and ran to the end."""
-    mine = policies.get("gradsync", {}).get("step_s")
-    if not mine:
-        return {}
-    return {p: paired_difference(mine, r["step_s"]) for p, r in policies.items()
-            if p not in ("gradsync", "local") and r.get("step_s")}
 
 
 def summarize(args, v, step_s_first, losses, first, end):

@@ -52,15 +52,15 @@ def test_vs_ddp_runs_each_policy_on_its_own_and_compares_their_losses():
     assert result["kept_freed_memory"] is True
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("vs_ddp", REPO / "benches" / "torch" / "vs_ddp.py")
+def _step_stats():
+    spec = importlib.util.spec_from_file_location("step_stats", REPO / "benches" / "torch" / "step_stats.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_medians_are_taken_over_whole_rotations_of_the_policy_order():
-    bench = _bench_module()
+    bench = _step_stats()
     # 10 steps, 3 of warm-up, 2 policies: 7 left, the last one dropped so each
     # policy is measured 3 times first and 3 times second.
     assert bench.measured_window(10, 3, 2) == (3, 9)
@@ -73,7 +73,7 @@ def test_medians_are_taken_over_whole_rotations_of_the_policy_order():
 
 
 def test_paired_difference_names_a_faster_policy_only_when_its_interval_leaves_out_zero():
-    bench = _bench_module()
+    bench = _step_stats()
     # Five rounds cannot give a 95% interval: even all-equal signs happen 1 time in 16.
     assert bench.paired_difference([1.0] * 5, [2.0] * 5) is None
     # Six rounds: the interval runs from the smallest difference to the largest.
