@@ -23,32 +23,25 @@ class StateBroadcast:
         )
 
     def broadcast(self, tensors, root=0):
-        """Rank ``root``'s values into ``tensors`` on every rank: one flat
-        message per dtype, in the order the dtypes first appear (the same on
-        every rank). One message of mixed dtypes would promote them: an int64
-        buffer sent as float32 loses its low bits above 2**24."""
+        """Rank ``root``'s values into ``tensors`` on every rank, as one
+        message of their raw bytes. A broadcast does no arithmetic, so every
+        dtype travels bit for bit; a message of values would promote mixed
+        dtypes (an int64 buffer sent as float32 loses its low bits above 2**24)."""
         if self._world == 1 or not tensors:
             return
-        by_dtype = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for same in by_dtype.values():
-            self._broadcast_flat(same, root)
-
-    def _broadcast_flat(self, tensors, root):
-        """:meth:`broadcast` of tensors of one dtype, as one message."""
-        flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
-        moved = flat.to("cpu") if flat.device.type != "cpu" else flat
-        # gloo sends bytes of the types it knows: bool travels as uint8.
-        message = moved.view(torch.uint8) if moved.dtype == torch.bool else moved
+        parts = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors]
+        message = torch.cat(parts)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         self._group.broadcast([message], opts).wait()
-        if moved is not flat:
-            flat.copy_(moved)
         with torch.no_grad():
-            for t, v in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                t.copy_(v)
+            for t, part in zip(tensors, message.split([p.numel() for p in parts])):
+                # Written through a byte view of the destination: a slice of
+                # the message may sit at an offset its dtype cannot view.
+                dst = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+                dst.view(-1).view(torch.uint8).copy_(part)
+                if dst is not t:
+                    t.copy_(dst)
 
     def from_last_joiner(self, tensors, is_last_joiner):
         """Every rank takes the last joiner's values (the end of a ``Join``:
