@@ -479,7 +479,7 @@ def print_table(args, result):
               f"backward {r['backward_s_median'] * 1e3:7.1f} ms  kernel {r['kernel_s_median'] * 1e3:6.1f} ms "
               f"({r['page_faults_median']:.0f} page faults)  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
-    for p, d in result.get("paired", {}).items():
+    for p, d in result["paired"].items():
         if d is None:
             print(f"  gradsync - {p}, round by round: too few rounds for a confidence interval")
             continue
