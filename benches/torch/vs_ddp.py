@@ -101,10 +101,12 @@ POLICIES = ["gradsync", "ddp", "ddp_static", "no_sync", "local", "gradsync_bf16"
 # What a rank records of each step of a policy: the step's time (the slower
 # rank's), this rank's ``loss.backward()`` call, the training thread's kernel
 # time and page faults (each the larger of the ranks'; zeroing fresh pages for
-# large gradients is most of that kernel time), whether the process ran this
+# large gradients is most of that kernel time), the CPU time of every thread
+# of every rank (summed: on a machine with no spare core, what one policy
+# burns beyond another's is taken from the step), whether the process ran this
 # policy's step just before, gradsync's exposed communication, buckets reduced
 # before backward ended and bucket memory (gradsync only), and the loss.
-STEP_SERIES = ["step_s", "backward_s", "kernel_s", "page_faults", "after_own_step", "exposed_comm_s",
+STEP_SERIES = ["step_s", "backward_s", "kernel_s", "page_faults", "cpu_s", "after_own_step", "exposed_comm_s",
                "buckets_overlapped", "bucket_memory_bytes", "losses"]
 
 
@@ -211,6 +213,7 @@ def rank_main(rank, args, port, out_q):
             model, run, fused = runners[policy]
             dist.barrier()  # every rank starts the policy's step together
             usage0 = resource.getrusage(resource.RUSAGE_THREAD)
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             error = None
             try:
@@ -226,11 +229,13 @@ def rank_main(rank, args, port, out_q):
                 error = first_line(e)
             took_s = time.perf_counter() - t0
             usage1 = resource.getrusage(resource.RUSAGE_THREAD)
+            cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
             follows_itself, previous = previous == policy, policy
             # The slower rank's time, its training thread's kernel time and page faults.
             took = torch.tensor([took_s, 1.0 if error else 0.0, usage1.ru_stime - usage0.ru_stime,
                                  usage1.ru_minflt - usage0.ru_minflt], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu)
             if took[1].item():
                 failed[policy] = {"step": step, "error": error or "raised on another rank"}
                 continue
@@ -240,6 +245,7 @@ def rank_main(rank, args, port, out_q):
             row["backward_s"].append(backward_s)
             row["kernel_s"].append(took[2].item())
             row["page_faults"].append(int(took[3].item()))
+            row["cpu_s"].append(cpu.item())
             row["after_own_step"].append(follows_itself)
             row["exposed_comm_s"].append(report.exposed_comm_s if report is not None else None)
             if report is not None:
@@ -419,6 +425,7 @@ def summarize(args, v, step_s_first, losses, first, end):
         "backward_s_median": statistics.median(part["backward_s"]),
         "kernel_s_median": statistics.median(part["kernel_s"]),
         "page_faults_median": statistics.median(part["page_faults"]),
+        "cpu_s_median": statistics.median(part["cpu_s"]),
         "exposed_comm_s_median": statistics.median(exposed) if exposed else None,
         # Per measured step: buckets reduced before backward ended, of those launched.
         "buckets_overlapped": part["buckets_overlapped"] or None,
@@ -477,7 +484,7 @@ def print_table(args, result):
             exposed += f"\n  {'':<14} after its own step {mixed[0] * 1e3:.1f} ms, after another policy's {mixed[1] * 1e3:.1f}"
         print(f"  {p:<14} {s * 1e3:8.1f} ms  first step {r['step_s_first'] * 1e3:8.1f} ms  {ratio}  "
               f"backward {r['backward_s_median'] * 1e3:7.1f} ms  kernel {r['kernel_s_median'] * 1e3:6.1f} ms "
-              f"({r['page_faults_median']:.0f} page faults)  "
+              f"({r['page_faults_median']:.0f} page faults)  cpu {r['cpu_s_median'] * 1e3:6.1f} ms  "
               f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}{exposed}")
     for p, d in result["paired"].items():
         if d is None:
