@@ -13,10 +13,12 @@ import copy
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from cases import Outcome, wrap
+import gradsync
+from cases import Outcome, close, wrap
 
 TOL = 2e-6
 
@@ -461,3 +463,91 @@ def buffers_and_state(rank, world, impl):
     result = outcome.result
     result.update(seen=seen, ticks=ticks, flags=flags, keys=sorted(state), names=names, loaded=loaded)
     return result
+
+
+# ---- 5. what stays each rank's own, and what must not ---------------------------------------
+
+
+class WithLocalState(nn.Module):
+    """An MLP with state its users keep per rank, listed in DDP's ignore list
+    (as code in the wild lists metrics, complex and fp8 tensors): a scale
+    per rank, a complex parameter (no gradient type gradsync reduces), a
+    running count; and a buffer that is shared (rank 0's at each forward).
+    The per-rank state sits in a submodule: torch's DDP still averages the
+    gradient of an ignored parameter of the root module (its reducer looks
+    for the name with a leading dot)."""
+
+    IGNORED = ["own.scale", "own.phase", "own.count"]
+
+    def __init__(self, rank):
+        super().__init__()
+        self.body = mlp()
+        self.own = nn.Module()
+        self.own.scale = nn.Parameter(torch.full((4,), 1.0 + rank))
+        self.own.phase = nn.Parameter(torch.full((2,), complex(1.0 + rank, 1.0)))
+        self.own.register_buffer("count", torch.full((1,), 100.0 * rank))
+        self.register_buffer("shared", torch.full((1,), 10.0 * rank))
+
+    def forward(self, x):
+        self.own.count += 1
+        self.shared += 1
+        return self.body(x) * self.own.scale + self.own.phase.abs().sum()
+
+
+def ignored_state(rank, world, impl, steps=3):
+    """Parameters and buffers named in ``_set_params_and_buffers_to_ignore_for_model``
+    stay each rank's own (not broadcast when wrapped or at forward, gradients
+    not averaged); everything else is synchronized."""
+    model = WithLocalState(rank)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, WithLocalState.IGNORED)
+    wrapped = wrap(model, impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    record = {"scale": [], "count": [], "shared": [], "grads": []}
+    with Outcome(impl, wrapped) as outcome:
+        record["scale"].append(model.own.scale.detach().tolist())
+        for step in range(steps):
+            opt.zero_grad()
+            wrapped(batch(step, rank)).square().sum().backward()
+            record["count"].append(model.own.count.item())
+            record["shared"].append(model.shared.item())
+            record["grads"].append([p.grad.flatten().tolist() for p in model.parameters()])
+            opt.step()
+            record["scale"].append(model.own.scale.detach().tolist())
+    outcome.result.update(record)
+    return outcome.result
+
+
+def unfrozen_after_wrapping(rank, world, impl):
+    """The first layer is frozen when the model is wrapped and unfrozen at
+    step 2 (as fine-tuning schedules do). Neither wrapper averages it; DDP
+    steps it anyway, gradsync refuses the optimizer step and names it, and
+    training goes on once the model is wrapped again."""
+    model = mlp()
+    first = model[0]
+    first.requires_grad_(False)
+    wrapped = wrap(model, impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    refused = None
+    for step in range(2):
+        if step == 1:
+            first.requires_grad_(True)
+        opt.zero_grad()
+        wrapped(batch(step, rank)).square().sum().backward()
+        try:
+            opt.step()
+        except gradsync.ConfigError as error:
+            refused = str(error)
+    gathered = [torch.empty_like(first.weight) for _ in range(world)]
+    dist.all_gather(gathered, first.weight.detach())
+    drift = max((g - gathered[0]).abs().max().item() for g in gathered)
+    rewrapped_drift = None
+    if refused is not None:
+        wrapped.close()
+        wrapped = wrap(model, impl)
+        opt.zero_grad()
+        wrapped(batch(2, rank)).square().sum().backward()
+        opt.step()
+        dist.all_gather(gathered, first.weight.detach())
+        rewrapped_drift = max((g - gathered[0]).abs().max().item() for g in gathered)
+    close(wrapped)
+    return {"refused": refused, "drift": drift, "rewrapped_drift": rewrapped_drift}

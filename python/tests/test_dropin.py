@@ -136,3 +136,38 @@ def test_buffers_state_dict_and_names(world2, side_by_side):
         assert o["seen"] == t["seen"] and o["keys"] == t["keys"] and o["names"] == t["names"]
         assert all(k.startswith("module.") for k in o["keys"]) and o["loaded"]
     side_by_side("buffer broadcast, state_dict and names with module. prefix", "ok", "ok, same as DDP")
+
+
+def test_parameters_and_buffers_ddp_is_told_to_ignore_stay_each_ranks_own(world2, side_by_side):
+    ours = world2.run(dropin.ignored_state, "gradsync")
+    theirs = world2.run(dropin.ignored_state, "ddp")
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        assert o["status"] == "ok", o
+        assert o["scale"][0] == [1.0 + rank] * 4, "an ignored parameter is not broadcast when wrapped"
+        assert o["count"] == [100.0 * rank + step + 1 for step in range(3)], "an ignored buffer is not broadcast"
+        assert o["shared"] == [1.0, 2.0, 3.0], "the other buffers are rank 0's at each forward"
+        # Every gradient as DDP leaves it: the ignored ones this rank's own, the rest averaged.
+        for step, (mine, ddps) in enumerate(zip(o["grads"], t["grads"])):
+            worst = max(abs(a - b) for g, h in zip(mine, ddps) for a, b in zip(g, h))
+            assert worst <= dropin.TOL, f"rank {rank}, step {step}: off DDP's gradients by {worst}"
+    body = len(ours[0]["grads"][0]) - 2
+    assert ours[0]["grads"][0][:body] == ours[1]["grads"][0][:body], "the model's own gradients are averaged"
+    assert ours[0]["grads"][0][body] != ours[1]["grads"][0][body], "the ignored scale's gradient is each rank's"
+    side_by_side("_set_params_and_buffers_to_ignore_for_model (a complex parameter among them)", "ok", "ok, same as DDP")
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_refused_at_the_optimizer_step(world2, side_by_side):
+    ours = world2.run(dropin.unfrozen_after_wrapping, "gradsync")
+    theirs = world2.run(dropin.unfrozen_after_wrapping, "ddp")
+    for o in ours:
+        assert o["refused"] is not None and "'0.weight'" in o["refused"] and "'0.bias'" in o["refused"], o
+        assert o["drift"] == 0.0, "the refused step moved no replica"
+        assert o["rewrapped_drift"] == 0.0, "wrapped again, the unfrozen layer is averaged"
+    assert all(t["refused"] is None for t in theirs)
+    drift = theirs[0]["drift"]
+    assert drift > 0, "torch's DDP steps the unaveraged layer and the replicas drift apart"
+    side_by_side(
+        "a layer unfrozen after wrapping",
+        f"steps it unaveraged: replicas differ by {drift:.1e}",
+        "ConfigError at optimizer.step() naming the parameters",
+    )

@@ -82,6 +82,7 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
     """An optimizer step must not apply gradients a wrapper never averaged."""
     for ddp in list(_LIVE):
         ddp._raise_if_unfinished("optimizer.step()")
+        ddp._raise_if_unaveraged(optimizer)
 
 
 def _backward_reached(ref, grad_outputs=None):
@@ -113,7 +114,12 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
     last three buckets of backward hold a half, a quarter and an eighth of
     it, so little is left to reduce when backward ends.
     ``broadcast_buffers`` sends rank 0's buffers to every rank at each
-    forward, as DDP does.
+    forward, as DDP does. Parameters and buffers named by torch's
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+    stay each rank's own, as under DDP. A parameter that did not require
+    grad when the module was wrapped is not averaged if it is unfrozen later
+    (nor is it by DDP): an optimizer step over its gradient raises
+    :class:`gradsync.ConfigError`; wrap the module again instead.
 
     Accepted for compatibility and not needed: ``find_unused_parameters``,
     ``static_graph``, ``gradient_as_bucket_view``, ``check_reduction``,
@@ -200,9 +206,20 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             raise ConfigError("this module is already wrapped by torch's DistributedDataParallel: wrap the plain module")
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("call torch.distributed.init_process_group(...) before wrapping (torchrun sets it up)")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Names torch's DDP leaves alone (``_set_params_and_buffers_to_ignore_for_model``,
+        # set on the module before wrapping): never averaged or broadcast, each rank's own.
+        # A root-level name may come with a leading dot (torch's own recipe,
+        # f"{module_name}.{param_name}", writes it so): the same tensor.
+        self.parameters_to_ignore = {
+            n[1:] if n.startswith(".") else n for n in getattr(module, "_ddp_params_and_buffers_to_ignore", None) or ()
+        }
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
-            raise ConfigError("the module has no parameter that requires grad: there is nothing to synchronize")
+            raise ConfigError(
+                "the module has no parameter that requires grad"
+                + (" outside the ones it asks DDP to ignore" if self.parameters_to_ignore else "")
+                + ": there is nothing to synchronize"
+            )
         devices = sorted({str(p.device) for _, p in named})
         if len(devices) > 1:
             by_device = {d: [n for n, p in named if str(p.device) == d][:3] for d in devices}
@@ -215,6 +232,11 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self.module = module
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
+        # Parameters frozen when wrapped (and not ignored): gradsync has no hook
+        # on them, so a gradient they get after being unfrozen is not averaged.
+        self._frozen = [
+            (n, p) for n, p in module.named_parameters() if not p.requires_grad and n not in self.parameters_to_ignore
+        ]
         self._device = self._params[0].device
         if self._device.type == "meta":
             raise ConfigError("the module is on the meta device: materialize its parameters first")
@@ -230,7 +252,6 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.mixed_precision = None
-        self.parameters_to_ignore = set()
         self.logger = None
         timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 300.0)
         group = process_group if process_group is not None else dist.group.WORLD
@@ -305,7 +326,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._refuse_if_closed()
         self._raise_if_unfinished("forward")
         if self._broadcast_buffers and self.require_forward_param_sync:
-            buffers = [b for b in self.module.buffers()]
+            buffers = self._shared(self.module.named_buffers())
             if buffers:
                 self._states.broadcast(buffers)
         grad_enabled = torch.is_grad_enabled()
@@ -460,6 +481,24 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
                 "average instead of this rank's own gradient"
             )
 
+    def _raise_if_unaveraged(self, optimizer):
+        """Refuse an optimizer step over a gradient no rank averaged: a
+        parameter unfrozen after wrapping (torch's DDP steps it silently,
+        and the replicas drift apart)."""
+        late = [(n, p) for n, p in self._frozen if p.requires_grad and p.grad is not None]
+        if not late:
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        late = [n for n, p in late if id(p) in stepped]
+        if late:
+            raise ConfigError(
+                f"parameters {late[:5]}{' and more' if len(late) > 5 else ''} did not require grad when the model "
+                "was wrapped and have gradients now; gradsync averages only the parameters it was built with, so "
+                "this step would move every replica its own way. Wrap the model again after changing "
+                "requires_grad (or set it before wrapping); for parameters meant to stay each rank's own, list them "
+                "in DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before wrapping"
+            )
+
     # ---- the rest of the DDP surface ------------------------------------------------------
 
     @staticmethod
@@ -577,7 +616,12 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
 
     def _model_states(self):
         """The wrapped module's parameters and buffers (what replicas share)."""
-        return list(itertools.chain(self.module.parameters(), self.module.buffers()))
+        return self._shared(itertools.chain(self.module.named_parameters(), self.module.named_buffers()))
+
+    def _shared(self, named):
+        """The tensors of ``(name, tensor)`` pairs that are not ignored."""
+        ignored = self.parameters_to_ignore
+        return [t for n, t in named if n not in ignored]
 
     def __getstate__(self):
         raise TypeError("a gradsync DistributedDataParallel holds threads and a process group: pickle .module instead")
