@@ -14,6 +14,8 @@ This package also offers the exceptions (see :mod:`gradsync._errors`), the
 per-step report, and the Prometheus exporter.
 """
 
+import atexit
+
 from gradsync._errors import (
     ClosedError,
     CommunicationError,
@@ -29,9 +31,13 @@ from gradsync._errors import (
     TimeoutError,
     UnfinishedStepError,
 )
-from gradsync._native import Session, Step, StepReport, install_prometheus, version
+from gradsync._native import Session, Step, StepReport, install_prometheus, version, wait_for_closing
 
 __version__ = version()
+
+# A session dropped without close() stops its threads in the background; the
+# program waits for them before the interpreter shuts down (see closing.rs).
+atexit.register(wait_for_closing)
 
 __all__ = [
     "ClosedError",

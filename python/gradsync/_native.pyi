@@ -116,3 +116,6 @@ class ArrivalSink:
 
 def install_prometheus(addr: str, allow_remote: bool = False) -> None: ...
 def version() -> str: ...
+def wait_for_closing() -> None:
+    """Wait until every session dropped without ``close`` has stopped its
+    threads (registered with ``atexit`` by the package)."""

@@ -63,8 +63,25 @@ struct SinkTable {
                   void (*release)(void*));
 };
 
-// How the runtime gives a tensor handle back.
+// Whether the interpreter is shutting down.
+bool python_is_ending() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// How the runtime gives a tensor handle back. A tensor that owns its Python
+// object (a .grad the program read) takes the interpreter lock to free it;
+// during shutdown Python ends any thread that asks for the lock, with a forced
+// unwind that aborts the process in these frames. A session still holding
+// arrivals when the program exits (never closed, a step left open) releases
+// them from its own threads then: the process is ending, so they are left to it.
 void release_tensor(void* handle) {
+  if (python_is_ending()) {
+    return;
+  }
   delete static_cast<at::Tensor*>(handle);
 }
 

@@ -17,6 +17,7 @@
 //! the exception classes of `gradsync._errors`.
 
 mod arrivals;
+mod closing;
 mod errors;
 mod memory;
 mod shim;
@@ -421,7 +422,7 @@ impl Drop for Session {
         if let Some(sync) = self.sync.take() {
             // Dropped by the garbage collector with the interpreter held: the
             // communicator thread may be waiting for it, so join elsewhere.
-            let _ = std::thread::Builder::new().name("gradsync-close".into()).spawn(move || drop(sync));
+            closing::in_background(sync);
         }
     }
 }
@@ -670,5 +671,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ArrivalSink>()?;
     m.add_function(wrap_pyfunction!(install_prometheus, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(closing::wait_for_closing, m)?)?;
     Ok(())
 }

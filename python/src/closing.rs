@@ -1,0 +1,45 @@
+//! Sessions that end without `close`: dropped by the garbage collector (a
+//! wrapper that went out of scope) or at interpreter shutdown.
+//!
+//! Dropping a session joins the runtime's threads, which may wait for the
+//! interpreter (a collective in flight on the Python path, a held gradient
+//! whose Python object must be freed). The garbage collector drops it with
+//! the interpreter held, so the join runs on a thread of its own; those
+//! threads are kept here and [`wait_for_closing`] (registered with `atexit`
+//! by the package) joins them before shutdown. A close still waiting for the
+//! interpreter when shutdown begins would be ended by Python mid-release,
+//! which aborts the process.
+
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+
+use pyo3::prelude::*;
+
+/// Closes running in the background, oldest first (finished ones are pruned).
+static CLOSING: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Drop `what` on a thread of its own, remembered until [`wait_for_closing`].
+pub fn in_background<T: Send + 'static>(what: T) {
+    let spawned = std::thread::Builder::new().name("gradsync-close".into()).spawn(move || drop(what));
+    let mut closing = CLOSING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    closing.retain(|handle| !handle.is_finished());
+    match spawned {
+        Ok(handle) => closing.push(handle),
+        // No thread to be had: drop it here (the interpreter is held, so a
+        // collective in flight on the Python path may then wait for its deadline).
+        Err(returned) => drop(returned),
+    }
+}
+
+/// Wait, with the interpreter released, until every session dropped without
+/// `close` has stopped its threads. The package registers it with `atexit`;
+/// calling it at other times is harmless.
+#[pyfunction]
+pub fn wait_for_closing(py: Python<'_>) {
+    let handles = std::mem::take(&mut *CLOSING.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+    py.detach(move || {
+        for handle in handles {
+            let _ = handle.join();
+        }
+    });
+}
