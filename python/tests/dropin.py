@@ -551,3 +551,28 @@ def unfrozen_after_wrapping(rank, world, impl):
         rewrapped_drift = max((g - gathered[0]).abs().max().item() for g in gathered)
     close(wrapped)
     return {"refused": refused, "drift": drift, "rewrapped_drift": rewrapped_drift}
+
+
+def two_backwards(rank, world, impl, steps=3):
+    """Two losses of one forward, each with its own ``backward()``
+    (``retain_graph=True`` on the first), then one optimizer step: ``.grad``
+    must hold the average of both losses' gradients."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    wrapped = wrap(model, impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            opt.zero_grad()
+            out = wrapped(batch(step, rank))
+            out.mean().backward(retain_graph=True)
+            out.square().mean().backward()
+            ref_opt.zero_grad()
+            for r in range(world):
+                ref_out = reference(batch(step, r))
+                (ref_out.mean() / world + ref_out.square().mean() / world).backward()
+            outcome.record(diff([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()]))
+            opt.step()
+            ref_opt.step()
+    return outcome.result

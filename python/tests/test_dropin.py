@@ -171,3 +171,14 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_at_the_optimizer_step(wo
         f"steps it unaveraged: replicas differ by {drift:.1e}",
         "ConfigError at optimizer.step() naming the parameters",
     )
+
+
+def test_two_backward_passes_through_one_forward(world2, side_by_side):
+    ours = world2.run(dropin.two_backwards, "gradsync")
+    check(ours)
+    theirs = world2.run(dropin.two_backwards, "ddp")
+    side_by_side(
+        "two backward passes through one forward (retain_graph=True), one optimizer step",
+        describe(theirs[0], dropin.TOL),
+        describe(ours[0], dropin.TOL),
+    )

@@ -13,6 +13,10 @@ What happens in one step::
                      step: remaining buckets, control, corrections; then the
                      averaged gradients are written into .grad
 
+A second backward through the outputs of a synchronized forward
+(``retain_graph=True``) after its step ended is a step of its own: its
+average is added to ``.grad``.
+
 So, as with DDP, ``.grad`` holds the averaged gradient when ``loss.backward()``
 returns, but a parameter whose hook fires twice (reentrant checkpointing,
 shared weights, two forwards before one backward) is exact instead of an
@@ -91,6 +95,18 @@ def _backward_reached(ref, grad_outputs=None):
     gradients pass unchanged."""
     ddp = ref()
     if ddp is not None:
+        ddp._backward_activity()
+
+
+def _synced_backward_reached(ref, grad_outputs=None):
+    """As :func:`_backward_reached`, at the outputs of a forward that asked
+    for a synchronized step. A second backward through them
+    (``retain_graph=True``) after that step ended is a step of its own: its
+    gradients are averaged and added to ``.grad``, as one backward of both
+    losses would have left them."""
+    ddp = ref()
+    if ddp is not None:
+        ddp._ask_for_sync()
         ddp._backward_activity()
 
 
@@ -301,6 +317,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         ref = weakref.ref(self)
         self._ref = ref
         self._on_backward = functools.partial(_backward_reached, ref)
+        self._on_synced_backward = functools.partial(_synced_backward_reached, ref)
         self._recorder = _steps.Recorder(
             self._params,
             self._viewable,
@@ -330,13 +347,10 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             if buffers:
                 self._states.broadcast(buffers)
         grad_enabled = torch.is_grad_enabled()
+        synced = grad_enabled and self._require_sync
+        if synced:
+            self._ask_for_sync()
         if grad_enabled:
-            if self._require_sync:
-                if not self._open.sync_pending:
-                    # Inside `with model.join()`: tell ranks whose inputs ran
-                    # out that one more step is coming (they shadow it).
-                    Join.notify_join_context(self)
-                self._open.sync_pending = True
             if _autograd.current_task() != -1:
                 # Recomputed inside backward (the model in a reentrant checkpoint):
                 # the backward running now may be the outermost one.
@@ -351,8 +365,16 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         finally:
             _TORCH_DDP._active_ddp_module = previous
         if grad_enabled:
-            _outputs.hook_backward_entry(output, self._on_backward)
+            _outputs.hook_backward_entry(output, self._on_synced_backward if synced else self._on_backward)
         return output
+
+    def _ask_for_sync(self):
+        """The open step ends, averaged, with the outermost backward that reaches the model."""
+        if not self._open.sync_pending:
+            # Inside `with model.join()`: tell ranks whose inputs ran
+            # out that one more step is coming (they shadow it).
+            Join.notify_join_context(self)
+            self._open.sync_pending = True
 
     def _backward_activity(self):
         """Backward (or a recomputed forward inside it) reached this model: if
