@@ -1,6 +1,8 @@
 """Rank-side cases of ``test_bad_input.py``: every misuse gets a clear
 exception on the spot, never a crash or a hang."""
 
+import gc
+
 import torch
 import torch.nn as nn
 
@@ -40,7 +42,13 @@ def misuse(rank, world):
     again = DDP(lin)
     again(torch.ones(1, 3)).sum().backward()
     seen["rewrapped_step"] = again.last_report.step
-    again.close()
+    # And so it can once a wrapper it never closed is gone.
+    del again
+    gc.collect()
+    dropped = DDP(lin)
+    dropped(torch.ones(1, 3)).sum().backward()
+    seen["wrapped_after_drop"] = dropped.last_report.step
+    dropped.close()
     # Parameters that cannot be averaged, and nothing to synchronize.
     seen["complex"] = expect(gradsync.ConfigError, lambda: DDP(nn.Linear(2, 2).to(torch.complex64)))
     frozen = nn.Linear(2, 2).requires_grad_(False)

@@ -15,7 +15,7 @@ def test_misuse_is_refused_with_a_clear_message(world2):
         assert "already wrapped" in seen["twice"] and "already wrapped" in seen["wrapper"]
         for key in ("closed_forward", "closed_finish", "closed_abort"):
             assert "closed" in seen[key], seen[key]
-        assert seen["rewrapped_step"] == 0
+        assert seen["rewrapped_step"] == 0 and seen["wrapped_after_drop"] == 0
         assert "complex" in seen["complex"]
         assert "nothing to synchronize" in seen["frozen"]
         assert "sometimes" in seen["policy"]

@@ -216,8 +216,11 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         ):
             if value is not None:
                 raise ConfigError(f"{name} is a torch DDP feature gradsync does not have: leave it unset")
-        if isinstance(module, DistributedDataParallel) or getattr(module, "_gradsync_wrapper", None) is not None:
-            raise ConfigError("this module is already wrapped by gradsync: wrap it once")
+        earlier = getattr(module, "_gradsync_wrapper", None)
+        if isinstance(module, DistributedDataParallel) or (earlier is not None and earlier() is not None):
+            raise ConfigError(
+                "this module is already wrapped by gradsync: wrap it once (to wrap it again, close() the first wrapper)"
+            )
         if isinstance(module, _TORCH_DDP):
             raise ConfigError("this module is already wrapped by torch's DistributedDataParallel: wrap the plain module")
         if not (dist.is_available() and dist.is_initialized()):
@@ -516,8 +519,8 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             raise ConfigError(
                 f"parameters {late[:5]}{' and more' if len(late) > 5 else ''} did not require grad when the model "
                 "was wrapped and have gradients now; gradsync averages only the parameters it was built with, so "
-                "this step would move every replica its own way. Wrap the model again after changing "
-                "requires_grad (or set it before wrapping); for parameters meant to stay each rank's own, list them "
+                "this step would move every replica its own way. close() this wrapper and wrap the model again "
+                "after changing requires_grad (or set it before wrapping); for parameters meant to stay each rank's own, list them "
                 "in DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before wrapping"
             )
 
