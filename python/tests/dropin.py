@@ -482,6 +482,8 @@ class WithLocalState(nn.Module):
     def __init__(self, rank):
         super().__init__()
         self.body = mlp()
+        # An empty parameter (a zero-width layer): nothing to average, and no reason to refuse the model.
+        self.stub = nn.Parameter(torch.zeros(0, 4))
         self.own = nn.Module()
         self.own.scale = nn.Parameter(torch.full((4,), 1.0 + rank))
         self.own.phase = nn.Parameter(torch.full((2,), complex(1.0 + rank, 1.0)))
@@ -491,7 +493,7 @@ class WithLocalState(nn.Module):
     def forward(self, x):
         self.own.count += 1
         self.shared += 1
-        return self.body(x) * self.own.scale + self.own.phase.abs().sum()
+        return self.body(x) * self.own.scale + self.own.phase.abs().sum() + self.stub.sum()
 
 
 def ignored_state(rank, world, impl, steps=3):

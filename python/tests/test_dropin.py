@@ -153,7 +153,11 @@ def test_parameters_and_buffers_ddp_is_told_to_ignore_stay_each_ranks_own(world2
     body = len(ours[0]["grads"][0]) - 2
     assert ours[0]["grads"][0][:body] == ours[1]["grads"][0][:body], "the model's own gradients are averaged"
     assert ours[0]["grads"][0][body] != ours[1]["grads"][0][body], "the ignored scale's gradient is each rank's"
-    side_by_side("_set_params_and_buffers_to_ignore_for_model (a complex parameter among them)", "ok", "ok, same as DDP")
+    side_by_side(
+        "_set_params_and_buffers_to_ignore_for_model (a complex parameter among them), an empty parameter",
+        "ok",
+        "ok, same as DDP",
+    )
 
 
 def test_a_parameter_unfrozen_after_wrapping_is_refused_at_the_optimizer_step(world2, side_by_side):

@@ -232,7 +232,13 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self.parameters_to_ignore = {
             n[1:] if n.startswith(".") else n for n in getattr(module, "_ddp_params_and_buffers_to_ignore", None) or ()
         }
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        # Empty parameters (a zero-width layer, a placeholder) have nothing to
+        # average: their gradients are left as they are, as under DDP.
+        named = [
+            (n, p)
+            for n, p in module.named_parameters()
+            if p.requires_grad and n not in self.parameters_to_ignore and p.numel() > 0
+        ]
         if not named:
             raise ConfigError(
                 "the module has no parameter that requires grad"
