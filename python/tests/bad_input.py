@@ -50,7 +50,9 @@ def misuse(rank, world):
     seen["wrapped_after_drop"] = dropped.last_report.step
     dropped.close()
     # Parameters that cannot be averaged, and nothing to synchronize.
-    seen["complex"] = expect(gradsync.ConfigError, lambda: DDP(nn.Linear(2, 2).to(torch.complex64)))
+    fp8 = nn.Module()
+    fp8.weight = nn.Parameter(torch.zeros(2, 2, dtype=torch.float8_e4m3fn))
+    seen["fp8"] = expect(gradsync.ConfigError, lambda: DDP(fp8))
     frozen = nn.Linear(2, 2).requires_grad_(False)
     seen["frozen"] = expect(gradsync.ConfigError, lambda: DDP(frozen))
     # Settings the runtime refuses.

@@ -578,3 +578,34 @@ def two_backwards(rank, world, impl, steps=3):
             opt.step()
             ref_opt.step()
     return outcome.result
+
+
+class ComplexNet(nn.Module):
+    """Complex parameters among real ones (spectral and state-space layers
+    have them): a complex64 projection and a complex128 gate."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.lin = nn.Linear(8, 16)
+        self.proj = nn.Parameter(torch.randn(16, 4, dtype=torch.complex64) * 0.3)
+        self.gate = nn.Parameter(torch.randn(4, dtype=torch.complex128) * 0.3)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)).to(torch.complex64) @ self.proj
+        return (h.to(torch.complex128) * self.gate).abs().float()
+
+
+def complex_parameters(rank, world, impl, steps=3):
+    """Complex gradients are averaged (real and imaginary parts alike), as DDP does."""
+    model = ComplexNet()
+    wrapped = wrap(model, impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            want = reference_grads(model, world, step)
+            opt.zero_grad()
+            wrapped(batch(step, rank)).square().sum().backward()
+            outcome.record(diff([p.grad for p in model.parameters()], want))
+            opt.step()
+    return outcome.result

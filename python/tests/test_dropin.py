@@ -186,3 +186,10 @@ def test_two_backward_passes_through_one_forward(world2, side_by_side):
         describe(theirs[0], dropin.TOL),
         describe(ours[0], dropin.TOL),
     )
+
+
+def test_complex_parameters_are_averaged(world2, side_by_side):
+    ours = world2.run(dropin.complex_parameters, "gradsync")
+    check(ours, tol=1e-5)
+    theirs = world2.run(dropin.complex_parameters, "ddp")
+    side_by_side("complex64 and complex128 parameters", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))

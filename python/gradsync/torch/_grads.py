@@ -24,6 +24,12 @@ import torch
 from gradsync._gloo import AddressArrays
 
 
+def reals(p):
+    """How many real numbers ``p``'s gradient holds in bucket memory (two
+    per complex element: its real and imaginary parts, reduced alike)."""
+    return p.numel() * 2 if p.is_complex() else p.numel()
+
+
 class GradWriter:
     """Writes each finished step's averaged gradients into ``params``' ``.grad``."""
 
@@ -85,7 +91,8 @@ class GradWriter:
 
     def _bucket_layout(self, members):
         params = [self._params[i] for i in members]
-        return [p.numel() for p in params], [None if p.dim() == 1 else p.shape for p in params]
+        # A complex parameter's slice is twice as long (it is copied, never lent as a view).
+        return [reals(p) for p in params], [None if p.dim() == 1 else p.shape for p in params]
 
     def _copy(self, result, index, p, grad):
         """Copy ``p``'s average into ``grad`` (its first firing's tensor, of

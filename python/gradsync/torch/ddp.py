@@ -61,7 +61,7 @@ from gradsync._errors import (
 from gradsync._native import Session
 from gradsync._wrapper import StepControls
 from gradsync.torch import _autograd, _comm_hooks, _outputs, _steps
-from gradsync.torch._grads import GradWriter
+from gradsync.torch._grads import GradWriter, reals
 from gradsync.torch._join import ShadowStep, rescale_to_initial_world
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch._comm import TorchCommunicator
@@ -71,6 +71,9 @@ log = logging.getLogger("gradsync.torch")
 _STRIDED = torch.strided
 _current_task = torch._C._current_graph_task_id
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# A complex gradient is reduced as its real and imaginary parts (the same
+# memory, read as twice as many reals): a sum does not mix them.
+_COMPLEX = {torch.complex64: "float32", torch.complex128: "float64"}
 _WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 
@@ -161,7 +164,8 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
 
     Gradients of float32 parameters are reduced as they are; float64, float16
     and bfloat16 gradients are converted to float32 for the reduction and back
-    (float64 loses precision beyond float32). Non-contiguous gradients are
+    (float64 loses precision beyond float32); complex64 and complex128 ones as
+    their real and imaginary parts (float32, float64). Non-contiguous gradients are
     copied; sparse gradients are refused. CUDA parameters are staged through
     host memory (correct, not fast). See the module docs for what ``.grad``
     holds after a step.
@@ -250,8 +254,13 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             by_device = {d: [n for n, p in named if str(p.device) == d][:3] for d in devices}
             raise ConfigError(f"parameters live on several devices {by_device}: put the module on one device")
         for name, p in named:
-            if p.dtype not in _DTYPES:
-                raise ConfigError(f"parameter {name!r} has dtype {p.dtype}: only floating-point gradients are averaged")
+            if p.dtype not in _DTYPES and p.dtype not in _COMPLEX:
+                raise ConfigError(
+                    f"parameter {name!r} has dtype {p.dtype}: gradsync averages float32, float64, float16, "
+                    "bfloat16 and complex gradients; list it in "
+                    "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before "
+                    "wrapping to keep it out"
+                )
         if wire_dtype not in _WIRES:
             raise ConfigError(f"wire_dtype {wire_dtype!r}: use one of {list(_WIRES)}")
         self.module = module
@@ -305,8 +314,8 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             self._rank,
             self._world,
             self._names,
-            [p.numel() for p in self._params],
-            [_DTYPES[p.dtype] for p in self._params],
+            [reals(p) for p in self._params],
+            [_DTYPES.get(p.dtype) or _COMPLEX[p.dtype] for p in self._params],
             bucket_cap_bytes=max(cap, 1),
             timeout_s=timeout_s,
             abort_policy=abort_policy,
