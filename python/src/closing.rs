@@ -23,11 +23,10 @@ pub fn in_background<T: Send + 'static>(what: T) {
     let spawned = std::thread::Builder::new().name("gradsync-close".into()).spawn(move || drop(what));
     let mut closing = CLOSING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     closing.retain(|handle| !handle.is_finished());
-    match spawned {
-        Ok(handle) => closing.push(handle),
-        // No thread to be had: drop it here (the interpreter is held, so a
-        // collective in flight on the Python path may then wait for its deadline).
-        Err(returned) => drop(returned),
+    // No thread to be had: the closure, and `what` with it, was dropped on
+    // this thread by the failed spawn; nothing is left to wait for.
+    if let Ok(handle) = spawned {
+        closing.push(handle);
     }
 }
 

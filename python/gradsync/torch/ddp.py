@@ -70,10 +70,17 @@ log = logging.getLogger("gradsync.torch")
 
 _STRIDED = torch.strided
 _current_task = torch._C._current_graph_task_id
-_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# A complex gradient is reduced as its real and imaginary parts (the same
-# memory, read as twice as many reals): a sum does not mix them.
-_COMPLEX = {torch.complex64: "float32", torch.complex128: "float64"}
+# Per parameter dtype, the real type the runtime reads its gradient as. A
+# complex gradient is its real and imaginary parts (the same memory, read as
+# twice as many reals): a sum does not mix them.
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.complex64: "float32",
+    torch.complex128: "float64",
+}
 _WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 
@@ -254,7 +261,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             by_device = {d: [n for n, p in named if str(p.device) == d][:3] for d in devices}
             raise ConfigError(f"parameters live on several devices {by_device}: put the module on one device")
         for name, p in named:
-            if p.dtype not in _DTYPES and p.dtype not in _COMPLEX:
+            if p.dtype not in _DTYPES:
                 raise ConfigError(
                     f"parameter {name!r} has dtype {p.dtype}: gradsync averages float32, float64, float16, "
                     "bfloat16 and complex gradients; list it in "
@@ -315,7 +322,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             self._world,
             self._names,
             [reals(p) for p in self._params],
-            [_DTYPES.get(p.dtype) or _COMPLEX[p.dtype] for p in self._params],
+            [_DTYPES[p.dtype] for p in self._params],
             bucket_cap_bytes=max(cap, 1),
             timeout_s=timeout_s,
             abort_policy=abort_policy,
@@ -534,9 +541,10 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             raise ConfigError(
                 f"parameters {late[:5]}{' and more' if len(late) > 5 else ''} did not require grad when the model "
                 "was wrapped and have gradients now; gradsync averages only the parameters it was built with, so "
-                "this step would move every replica its own way. close() this wrapper and wrap the model again "
-                "after changing requires_grad (or set it before wrapping); for parameters meant to stay each rank's own, list them "
-                "in DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before wrapping"
+                "this step would move every replica its own way. close() this wrapper and wrap the model "
+                "again after changing requires_grad (or set it before wrapping); for parameters meant to stay "
+                "each rank's own, list them in "
+                "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before wrapping"
             )
 
     # ---- the rest of the DDP surface ------------------------------------------------------
