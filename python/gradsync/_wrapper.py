@@ -16,10 +16,12 @@ class StepControls:
     """Step controls shared by ``gradsync.torch`` and ``gradsync.paddle``."""
 
     _NAME = "wrapper"
+    # Why later use is refused, once closed (a wrapper may say more).
+    _closed_why = None
 
     def _refuse_if_closed(self):
         if self._closed:
-            raise ClosedError(f"this gradsync {self._NAME} was closed")
+            raise ClosedError(self._closed_why or f"this gradsync {self._NAME} was closed")
 
     def finish_step(self):
         """End the step now. Needed only where the wrapper cannot see the end

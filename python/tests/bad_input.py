@@ -28,11 +28,14 @@ def misuse(rank, world):
     two = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     two[1].to("meta")
     seen["devices"] = expect(gradsync.ConfigError, lambda: DDP(two))
-    # Wrapping twice, by gradsync or over torch's DDP.
+    # Wrapping a wrapper is refused; wrapping the module again takes it over
+    # and retires the first wrapper, whose later use is refused.
     lin = nn.Linear(3, 3)
+    first = DDP(lin)
+    seen["wrapper"] = expect(gradsync.ConfigError, lambda: DDP(first))
     wrapped = DDP(lin)
-    seen["twice"] = expect(gradsync.ConfigError, lambda: DDP(lin))
-    seen["wrapper"] = expect(gradsync.ConfigError, lambda: DDP(wrapped))
+    seen["retired_forward"] = expect(gradsync.ClosedError, lambda: first(torch.ones(1, 3)))
+    first.close()  # closing a retired wrapper does nothing
     # Using the wrapper after close.
     wrapped.close()
     seen["closed_forward"] = expect(gradsync.ClosedError, lambda: wrapped(torch.ones(1, 3)))

@@ -12,7 +12,8 @@ def test_misuse_is_refused_with_a_clear_message(world2):
     for rank, seen in enumerate(world2.run(bad_input.misuse)):
         assert "sparse" in seen["sparse"] and "'weight'" in seen["sparse"], seen["sparse"]
         assert "several devices" in seen["devices"], seen["devices"]
-        assert "already wrapped" in seen["twice"] and "already wrapped" in seen["wrapper"]
+        assert "already" in seen["wrapper"] and ".module" in seen["wrapper"], seen["wrapper"]
+        assert "retired" in seen["retired_forward"] and "'weight'" in seen["retired_forward"], seen["retired_forward"]
         for key in ("closed_forward", "closed_finish", "closed_abort"):
             assert "closed" in seen[key], seen[key]
         assert seen["rewrapped_step"] == 0 and seen["wrapped_after_drop"] == 0

@@ -56,6 +56,7 @@ from gradsync import _accumulate
 from gradsync._errors import (
     ConfigError,
     GradientLayoutError,
+    StepOrderError,
     UnfinishedStepError,
 )
 from gradsync._native import Session
@@ -63,6 +64,7 @@ from gradsync._wrapper import StepControls
 from gradsync.torch import _autograd, _comm_hooks, _outputs, _steps
 from gradsync.torch._grads import GradWriter, reals
 from gradsync.torch._join import ShadowStep, rescale_to_initial_world
+from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch._comm import TorchCommunicator
 
@@ -84,7 +86,8 @@ _DTYPES = {
 _WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 
-# Wrappers alive in this process, for the optimizer check.
+# Wrappers alive and not closed in this process: for the optimizer check,
+# and to find the wrapper a new one takes a module over from.
 _LIVE = weakref.WeakSet()
 # Wrappers built per process group, in order: every rank builds them in the
 # same order (as with DDP), so the n-th wrapper has the same prefix everywhere.
@@ -145,7 +148,11 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
     stay each rank's own, as under DDP. A parameter that did not require
     grad when the module was wrapped is not averaged if it is unfrozen later
     (nor is it by DDP): an optimizer step over its gradient raises
-    :class:`gradsync.ConfigError`; wrap the module again instead.
+    :class:`gradsync.ConfigError`; wrap the module again instead: a new
+    wrapper of a module takes it over from the old one, which is retired
+    (no ``close()`` needed). ``model.reducer`` answers the calls libraries
+    make on torch's reducer (``gradsync.torch._reducer``). The wrapper
+    deep-copies and pickles as torch's DDP does (see :meth:`__setstate__`).
 
     Accepted for compatibility and not needed: ``find_unused_parameters``,
     ``static_graph``, ``gradient_as_bucket_view``, ``check_reduction``,
@@ -215,6 +222,19 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
                 f"settings are {list(self.GRADSYNC_SETTINGS)}"
             )
         settings = {**self._replace_settings, **settings}
+        # What a copy or an unpickled wrapper is rebuilt with (__getstate__).
+        self._init_settings = dict(
+            settings,
+            device_ids=device_ids,
+            output_device=output_device,
+            dim=dim,
+            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
         timeout = settings.get("timeout")
         abort_policy = settings.get("abort_policy", "skip")
         record_timeline = settings.get("record_timeline", False)
@@ -227,11 +247,8 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         ):
             if value is not None:
                 raise ConfigError(f"{name} is a torch DDP feature gradsync does not have: leave it unset")
-        earlier = getattr(module, "_gradsync_wrapper", None)
-        if isinstance(module, DistributedDataParallel) or (earlier is not None and earlier() is not None):
-            raise ConfigError(
-                "this module is already wrapped by gradsync: wrap it once (to wrap it again, close() the first wrapper)"
-            )
+        if isinstance(module, DistributedDataParallel):
+            raise ConfigError("this is a gradsync DistributedDataParallel already: wrap the plain module (its .module)")
         if isinstance(module, _TORCH_DDP):
             raise ConfigError("this module is already wrapped by torch's DistributedDataParallel: wrap the plain module")
         if not (dist.is_available() and dist.is_initialized()):
@@ -308,6 +325,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._comm = TorchCommunicator(
             store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, wire_dtype=_WIRES[wire_dtype]
         )
+        self._wire_name = wire_dtype
         self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s)
         self._broadcast_buffers = broadcast_buffers
         self.require_forward_param_sync = True
@@ -332,6 +350,12 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._give = session.give
         self._require_sync = True
         self._closed = False
+        # Why later use is refused (closed, or retired by a newer wrapper of the same module).
+        self._closed_why = None
+        # finalize_backward() ends each synchronized step instead of the end of backward.
+        self._manual_finalization = False
+        # torch's model.reducer, as far as libraries call it (_reducer).
+        self.reducer = Reducer(self)
         self._grads = GradWriter(self._params, self._staging)
         # The writer's list, read by the hook without an attribute hop.
         self._viewable = self._grads.viewable
@@ -343,6 +367,10 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         self._ref = ref
         self._on_backward = functools.partial(_backward_reached, ref)
         self._on_synced_backward = functools.partial(_synced_backward_reached, ref)
+        # A wrapper that holds any of these parameters is retired: its hooks
+        # come off before this one's go on (``ddp = DDP(model)`` run again).
+        for earlier in [w for w in _LIVE if w is not self and w._holds_any(self._params)]:
+            earlier._retire()
         self._recorder = _steps.Recorder(
             self._params,
             self._viewable,
@@ -353,7 +381,6 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             on_odd=functools.partial(_odd_gradient, ref),
         )
         self._open = self._recorder.step(0)
-        module._gradsync_wrapper = ref
         _LIVE.add(self)
         global _OPTIMIZER_HOOK
         if _OPTIMIZER_HOOK is None:
@@ -421,7 +448,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         step = self._open
         step.end_queued_for = None
         step.task_seen = None
-        if step.sync_pending and not self._closed:
+        if step.sync_pending and not self._closed and not self._manual_finalization:
             self._finish()
 
     def _make_hook(self, index):
@@ -520,8 +547,14 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
 
     def _raise_if_unfinished(self, before):
         step = self._open
-        if step.sync_pending and step.arrivals and not self._closed and step.end_queued_for is None:
+        if not (step.sync_pending and step.arrivals and not self._closed and step.end_queued_for is None):
+            return
+        if self._manual_finalization:
             raise UnfinishedStepError(
+                f"step {step.number}: require_manual_backward_finalization is on and {before} was called before "
+                "model.finalize_backward(): call it once after each synchronized backward"
+            )
+        raise UnfinishedStepError(
                 f"step {step.number}: gradients arrived from a backward whose end gradsync could not see "
                 f"(torch.autograd.grad, or a backward nested in another), and {before} was called before "
                 "the step ended: call model.finish_step() after that backward, so that .grad holds the "
@@ -541,8 +574,9 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
             raise ConfigError(
                 f"parameters {late[:5]}{' and more' if len(late) > 5 else ''} did not require grad when the model "
                 "was wrapped and have gradients now; gradsync averages only the parameters it was built with, so "
-                "this step would move every replica its own way. close() this wrapper and wrap the model "
-                "again after changing requires_grad (or set it before wrapping); for parameters meant to stay "
+                "this step would move every replica its own way. Wrap the model again after changing "
+                "requires_grad (ddp = DistributedDataParallel(model): the new wrapper retires this one), or set it "
+                "before wrapping; for parameters meant to stay "
                 "each rank's own, list them in "
                 "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) before wrapping"
             )
@@ -604,6 +638,7 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         if self._session.current_step != 0 or self._open.arrivals:
             raise ConfigError(f"{what} after training started: register comm hooks before the first step")
         self._comm.set_wire(_WIRES[wire])
+        self._wire_name = wire
 
     def _get_ddp_logging_data(self):
         """DDP's run description, which Lightning reads: gradsync's facts in
@@ -652,15 +687,112 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         return self.process_group
 
     def close(self):
-        """Stop gradsync's threads and remove the hooks; later use raises ``ClosedError``."""
+        """Stop gradsync's threads and remove the hooks; later use raises
+        ``ClosedError``. Optional, as with torch's DDP: wrapping the module
+        again retires this wrapper, and a wrapper the program drops is closed
+        when it is collected."""
+        self._close(f"this gradsync {self._NAME} was closed")
+
+    def _close(self, why):
         if self._closed:
             return
         self._closed = True
+        self._closed_why = why
         self._recorder.remove()
         self._session.close()
         _LIVE.discard(self)
-        if getattr(self.module, "_gradsync_wrapper", None) is self._ref:
-            del self.module._gradsync_wrapper
+
+    def _holds_any(self, params):
+        """Whether this wrapper synchronizes any of ``params``."""
+        mine = {id(p) for p in self._params}
+        return any(id(p) in mine for p in params)
+
+    def _retire(self):
+        """A newer wrapper took this one's module over (as ``ddp = DDP(model)``
+        run again does under torch's DDP, whose old reducer dies with the old
+        wrapper): remove the hooks, stop the threads, refuse later use."""
+        names = ", ".join(repr(n) for n in self._names[:3]) + (" ..." if len(self._names) > 3 else "")
+        self._close(
+            f"this gradsync {self._NAME} was retired: its module (parameters {names}) was wrapped again by a "
+            f"newer {self._NAME}, which synchronizes it now; use the new wrapper"
+        )
+        log.info("gradsync: a newer wrapper took parameters %s over; the older wrapper was retired", names)
+
+    # ---- manual backward finalization (torch's DDP API) -----------------------------------
+
+    @property
+    def require_manual_backward_finalization(self):
+        """Whether each synchronized step ends at :meth:`finalize_backward`
+        rather than when backward ends (torch's DDP option of that name)."""
+        return self._manual_finalization
+
+    @require_manual_backward_finalization.setter
+    def require_manual_backward_finalization(self, required):
+        if self._open.sync_pending and self._open.arrivals:
+            raise StepOrderError(
+                "require_manual_backward_finalization changed while a step has gradients: set it before "
+                "forward or after the step ended"
+            )
+        self._manual_finalization = bool(required)
+
+    @property
+    def should_finalize_after_backward(self):
+        """``True`` in manual finalization: gradsync ends a step after backward
+        returns (every gradient of the step must have arrived)."""
+        return self._manual_finalization
+
+    def finalize_backward(self):
+        """End the synchronized step after backward returned, when
+        :attr:`require_manual_backward_finalization` is on: the gradients are
+        averaged into ``.grad`` as at the end of an ordinary backward.
+        Returns the step's report."""
+        self._refuse_if_closed()
+        if not self._manual_finalization:
+            raise ConfigError(
+                "finalize_backward() needs require_manual_backward_finalization = True; without it the step "
+                "ends by itself when backward does"
+            )
+        if not self._open.sync_pending:
+            raise StepOrderError(
+                "finalize_backward(): no synchronized backward to finalize (none since the last step ended, "
+                "or the forward ran under no_sync)"
+            )
+        return self._finish()
+
+    # ---- copying and pickling (as torch's DDP) ---------------------------------------------
+
+    def __getstate__(self):
+        """The module and the settings this wrapper was built with (as torch's
+        DDP pickles: no process group, no reducer). Only for a wrapper on the
+        default process group, as with torch's DDP."""
+        if self.process_group != dist.distributed_c10d._get_default_group():
+            raise ConfigError(
+                "a gradsync DistributedDataParallel pickles or copies only on the default process group (as "
+                "torch's DDP): it cannot rebuild another group; pickle its .module instead"
+            )
+        settings = dict(self._init_settings, wire_dtype=self._wire_name)
+        return {
+            "module": self.module,
+            "settings": settings,
+            "require_backward_grad_sync": self._require_sync,
+            "require_forward_param_sync": self.require_forward_param_sync,
+            "manual_finalization": self._manual_finalization,
+            "training": self.training,
+        }
+
+    def __setstate__(self, state):
+        """Rebuild a wrapper around the copied or unpickled module on the
+        default process group, as torch's DDP rebuilds its reducer. This is
+        building a wrapper: collective, so every rank must copy or unpickle
+        its wrapper at the same point (in the same order as its other
+        wrappers); it broadcasts rank 0's parameters and buffers and starts a
+        gloo group and two threads of its own, as the constructor does.
+        Steps start again at 0; the original wrapper stays as it was."""
+        DistributedDataParallel.__init__(self, state["module"], **state["settings"])
+        self._require_sync = state["require_backward_grad_sync"]
+        self.require_forward_param_sync = state["require_forward_param_sync"]
+        self._manual_finalization = state["manual_finalization"]
+        self.train(state["training"])
 
     def _model_states(self):
         """The wrapped module's parameters and buffers (what replicas share)."""
@@ -670,6 +802,3 @@ class DistributedDataParallel(StepControls, _TORCH_DDP):
         """The tensors of ``(name, tensor)`` pairs that are not ignored."""
         ignored = self.parameters_to_ignore
         return [t for n, t in named if n not in ignored]
-
-    def __getstate__(self):
-        raise TypeError("a gradsync DistributedDataParallel holds threads and a process group: pickle .module instead")
