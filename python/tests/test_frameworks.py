@@ -1,9 +1,11 @@
-"""Libraries that build torch's DDP themselves get gradsync: HF ``Trainer``
-(through Accelerate) with reentrant gradient checkpointing and
-``ddp_find_unused_parameters=True``, and Lightning's ``ddp`` strategy, each
-launched by torchrun as their users launch them. torch's DDP refuses both
-runs ("Expected to mark a variable ready only once"); its error goes into the
-side-by-side table, and gradsync must train exactly."""
+"""Libraries that build torch's DDP themselves get gradsync, each launched
+by torchrun as their users launch them: HF ``Trainer`` (through Accelerate)
+with reentrant gradient checkpointing and ``ddp_find_unused_parameters=True``,
+and Lightning's ``ddp`` strategy (torch's DDP refuses both: "Expected to mark
+a variable ready only once"); Lightning's manual optimization and
+Accelerate's ``trigger_sync_in_backward``, which drive torch's
+``model.reducer`` themselves. torch's DDP runs each too; its outcome goes
+into the side-by-side table, and gradsync must train exactly."""
 
 import os
 import pathlib
@@ -27,8 +29,23 @@ def torchrun(script, *args, timeout=240):
 
 
 def failure(output):
-    found = re.search(r"failed: (\w+: .*?\.)", output)
-    return f"raises `{found.group(1)}`" if found else "raises (see log)"
+    """The first sentence of the error a script printed ("... failed: Error: ...")."""
+    found = re.search(r"failed: (\w+: .*)", output)
+    if not found:
+        return "raises (see log)"
+    text = found.group(1)
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(?=\s|$|rank \d)", text)
+    return f"raises `{text[: end.end()] if end else text}`"
+
+
+def run_ok(script, *args):
+    """Run ``script`` under torchrun, check a gradsync run's output (the
+    wrapper, equal replicas) and return its distance from the replay."""
+    code, out = torchrun(script, *args)
+    assert code == 0, out[-4000:]
+    assert "wrapper: gradsync.torch.ddp.DistributedDataParallel" in out, out[-3000:]
+    assert "replicas: 0.0e+00" in out, out[-3000:]
+    return float(re.search(r"reference: (\S+)", out).group(1))
 
 
 def test_hf_trainer_with_reentrant_checkpointing(side_by_side):
@@ -67,3 +84,55 @@ def test_lightning_ddp_strategy(side_by_side, impl):
             failure(theirs),
             f"ok, {diff:.1e} (one-process replay)",
         )
+
+
+LIGHTNING_MANUAL = REPO / "python" / "tests" / "scripts" / "lightning_manual.py"
+
+
+def reference_of(output):
+    return float(re.search(r"reference: (\S+)", output).group(1))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [("--impl", "replace"), ("--impl", "strategy", "--static-graph")],
+    ids=["replace_ddp", "strategy_static_graph"],
+)
+def test_lightning_manual_optimization(side_by_side, options):
+    """Lightning's GAN recipe: Lightning calls ``model.reducer`` before each
+    ``manual_backward`` (and ``_delay_all_reduce`` after the first under
+    ``static_graph``). torch's DDP needs ``find_unused_parameters=True`` for
+    it and refuses ``static_graph``; gradsync needs nothing, whichever way it
+    is turned on."""
+    pytest.importorskip("lightning")
+    static = "--static-graph" in options
+    diff = run_ok(LIGHTNING_MANUAL, *options)
+    assert diff <= 1e-5
+    code, theirs = torchrun(LIGHTNING_MANUAL, "--impl", "ddp", *options[2:])
+    assert code != 0, "torch's DDP was expected to refuse this run"
+    ddp = failure(theirs)
+    if not static:
+        code, found = torchrun(LIGHTNING_MANUAL, "--impl", "ddp", "--find-unused")
+        assert code == 0, found[-3000:]
+        ddp += f" (with find_unused_parameters=True: ok, {reference_of(found):.1e})"
+    case = "Lightning manual optimization (GAN recipe: two optimizers, two manual_backward a step), "
+    how = "GradsyncDDPStrategy" if static else "replace_ddp, nothing to set"
+    side_by_side(
+        case + ("DDPStrategy(static_graph=True)" if static else 'strategy="ddp"'),
+        ddp,
+        f"ok, {diff:.1e} (one-process replay; {how})",
+    )
+
+
+def test_accelerate_trigger_sync_in_backward(side_by_side):
+    pytest.importorskip("accelerate")
+    script = REPO / "python" / "tests" / "scripts" / "accelerate_sync.py"
+    diff = run_ok(script, "--impl", "gradsync")
+    assert diff <= 1e-5
+    code, out = torchrun(script, "--impl", "ddp")
+    assert code == 0, out[-3000:]
+    side_by_side(
+        "Accelerate: two forwards under no_sync, the second backward in trigger_sync_in_backward",
+        f"ok, {reference_of(out):.1e}",
+        f"ok, {diff:.1e} (one-process replay)",
+    )

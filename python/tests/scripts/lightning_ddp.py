@@ -8,14 +8,13 @@ replay of every rank's batches."""
 
 import argparse
 import copy
-import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning as L
+from _report import failures_reported, report
 
 STEPS, BATCH, LR = 6, 4, 0.1
 
@@ -68,29 +67,19 @@ def main():
         strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    try:
+    with failures_reported(impl):
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=BATCH))
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        print(f"rank {dist.get_rank()}: {impl} failed: {type(e).__name__}: {first}", flush=True)
-        sys.exit(1)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(2)]
-    dist.all_gather(gathered, flat)
-    seen = [None, None]
-    dist.all_gather_object(seen, model.seen)
-    if dist.get_rank() == 0:
-        print(f"wrapper: {model.wrapper}", flush=True)
-        print(f"replicas: {max((g - gathered[0]).abs().max().item() for g in gathered):.1e}", flush=True)
+
+    def replay(seen):
         ref = copy.deepcopy(initial)
         opt = torch.optim.SGD(ref.parameters(), lr=LR)
         for step in range(STEPS):
             opt.zero_grad()
             ref(torch.cat([s[step] for s in seen])).square().mean().backward()
             opt.step()
-        diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
-        print(f"reference: {diff:.1e}", flush=True)
+        return ref.parameters()
 
+    report(model.wrapper, model.parameters(), replay, model.seen)
 
 if __name__ == "__main__":
     main()
