@@ -60,11 +60,11 @@ fn a_nan_on_one_rank_skips_the_step_on_every_rank() {
     }
 }
 
-/// Rank 2 stops responding mid-step. The others fail within the collective
-/// deadline + 20%, naming rank 2 and the bucket; once rank 2 is back, all
-/// ranks reset, agree on the step, and train on exactly.
-#[test]
-fn a_stalled_rank_is_named_within_the_deadline_and_reset_recovers() {
+/// Rank 2 stops responding at step `stalled` (after `stalled` clean steps).
+/// The others fail within the collective deadline + 20%, naming rank 2 and
+/// the collective it missed (returned by rank); once rank 2 is back, all
+/// ranks reset, agree on the step after, and train on exactly.
+fn stalled_rank(stalled: u64) -> Vec<CollectiveKind> {
     let timeout = Duration::from_millis(1000);
     let syncs = build_world(3, &[8, 8], |b| {
         b.bucket_cap_bytes(32).collective_timeout(timeout);
@@ -72,42 +72,69 @@ fn a_stalled_rank_is_named_within_the_deadline_and_reset_recovers() {
     let (failed_tx, failed_rx) = mpsc::channel::<()>();
     let failed_rx = std::sync::Mutex::new(failed_rx);
     let out = on_ranks(syncs, |rank, mut sync| {
-        let err = if rank == 2 {
+        for step in 0..stalled {
+            for p in (0..2).rev() {
+                Sent::inc(p, 0, vec![1.0; 8]).deliver(&sync, step);
+            }
+            sync.finish_step(step).unwrap();
+        }
+        let (err, missed) = if rank == 2 {
             // Stuck (say, in a slow data loader) until both others have given up.
             let rx = failed_rx.lock().unwrap();
             rx.recv().unwrap();
             rx.recv().unwrap();
-            Sent::inc(1, 0, vec![1.0; 8]).deliver(&sync, 0);
-            Sent::inc(0, 0, vec![1.0; 8]).deliver(&sync, 0);
-            sync.finish_step(0).unwrap_err()
+            Sent::inc(1, 0, vec![1.0; 8]).deliver(&sync, stalled);
+            Sent::inc(0, 0, vec![1.0; 8]).deliver(&sync, stalled);
+            (sync.finish_step(stalled).unwrap_err(), None)
         } else {
             let t0 = Instant::now();
-            Sent::inc(1, 0, vec![1.0; 8]).deliver(&sync, 0); // launches bucket 0 at once
-            Sent::inc(0, 0, vec![1.0; 8]).deliver(&sync, 0);
-            let err = sync.finish_step(0).unwrap_err();
+            Sent::inc(1, 0, vec![1.0; 8]).deliver(&sync, stalled); // launches bucket 0 at once
+            Sent::inc(0, 0, vec![1.0; 8]).deliver(&sync, stalled);
+            let err = sync.finish_step(stalled).unwrap_err();
             let waited = t0.elapsed();
+            failed_tx.send(()).unwrap();
             assert!(waited <= timeout.mul_f64(1.2), "rank {rank} waited {waited:?} for a {timeout:?} deadline");
-            match &err {
+            let missed = match &err {
                 SyncError::Comm(CommError::Timeout { missing, tag, .. }) => {
-                    assert_eq!(missing, &vec![2]);
-                    assert_eq!((tag.step, tag.kind), (0, CollectiveKind::Bucket { index: 0, numel: 8 }));
+                    assert_eq!((missing, tag.step), (&vec![2], stalled), "rank {rank}");
+                    tag.kind
                 }
                 other => panic!("rank {rank}: expected a timeout naming rank 2, got {other}"),
-            }
-            failed_tx.send(()).unwrap();
-            err
+            };
+            (err, Some(missed))
         };
         let restart = sync.reset().unwrap();
         for p in (0..2).rev() {
             Sent::inc(p, 0, vec![(rank + 1) as f32; 8]).deliver(&sync, restart);
         }
         let r = sync.finish_step(restart).unwrap();
-        (err, restart, r.gradients.as_ref().unwrap().to_vec(pid(0)).unwrap())
+        (err, restart, r.gradients.as_ref().unwrap().to_vec(pid(0)).unwrap(), missed)
     });
-    for (rank, (err, restart, g)) in out.into_iter().enumerate() {
+    let mut missed_by = Vec::new();
+    for (rank, (err, restart, g, missed)) in out.into_iter().enumerate() {
         assert!(matches!(err, SyncError::Comm(_)), "rank {rank}: {err}");
-        assert_eq!(restart, 1, "all ranks restart at the step after the failed one");
+        assert_eq!(restart, stalled + 1, "all ranks restart at the step after the failed one");
         assert_eq!(g, vec![2.0; 8], "mean of 1, 2, 3");
+        missed_by.extend(missed);
+    }
+    missed_by
+}
+
+/// Stalled mid-step: the waiting ranks name the first data bucket.
+#[test]
+fn a_stalled_rank_is_named_within_the_deadline_and_reset_recovers() {
+    for missed in stalled_rank(1) {
+        assert_eq!(missed, CollectiveKind::Bucket { index: 0, numel: 8 });
+    }
+}
+
+/// Stalled before its first step: the plan agreement, which runs when the
+/// first step begins (so settings chosen after building join it), is what the
+/// others wait on, and what they name.
+#[test]
+fn a_rank_stalled_before_its_first_step_is_named_on_the_plan_agreement() {
+    for missed in stalled_rank(0) {
+        assert_eq!(missed, CollectiveKind::Plan { len: 3 });
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{build_world, on_ranks, pid, wait_for, Sent};
 use gradsync::{AbortPolicy, AbortReason, DType, Divisor, GradSync, LocalWorld, Outcome, SyncError, Token};
 
-/// Finding 1: a `finish_step_async` dropped by `tokio::time::timeout` leaves a
+/// Invariant: a `finish_step_async` dropped by `tokio::time::timeout` leaves a
 /// usable GradSync; the step completes in the background and the next call
 /// for that step collects its result. The peer sees nothing unusual.
 #[test]
@@ -103,8 +103,8 @@ fn a_desync_names_the_minority_on_every_rank() {
     }
 }
 
-/// Finding 4: the total (token 1) delivered before the partial (token 0) from
-/// another thread still wins.
+/// Invariant: the highest `Accumulated` token wins, also across threads:
+/// the total (token 1) delivered before the partial (token 0) still wins.
 #[test]
 fn the_highest_accumulated_token_wins_across_threads() {
     let syncs = build_world(2, &[3], |b| {
@@ -122,7 +122,7 @@ fn the_highest_accumulated_token_wins_across_threads() {
     }
 }
 
-/// Finding 6: while step 0's gradients are held, step 1's buckets are
+/// Invariant: while step 0's gradients are held, step 1's buckets are
 /// reduced as their gradients arrive (a second set of buffers, counted in
 /// `memory_bytes`).
 #[test]
@@ -185,7 +185,7 @@ fn steps_finish_while_earlier_gradients_are_held_and_each_keeps_its_values() {
     });
 }
 
-/// Finding 7: a failed step is consumed; every later call says `Poisoned`
+/// Invariant: a failed step is consumed; every later call says `Poisoned`
 /// and what to do; a reset on every rank recovers.
 #[test]
 fn after_a_failed_step_every_call_says_to_reset() {
@@ -217,7 +217,7 @@ fn after_a_failed_step_every_call_says_to_reset() {
     });
 }
 
-/// Finding 8: under the partial policy the ranks that finished apply the
+/// Invariant: under the partial policy the ranks that finished apply the
 /// step averaged over themselves, exactly, and so does the aborting rank.
 #[test]
 fn a_partial_step_averages_over_the_ranks_that_finished() {
@@ -245,13 +245,13 @@ fn a_partial_step_averages_over_the_ranks_that_finished() {
     }
 }
 
-/// Finding 9: ranks with fewer batches join; each later step is averaged over
+/// Invariant: ranks with fewer batches join; each later step is averaged over
 /// the ranks still training, and `join` returns once every rank has joined.
 #[test]
 fn joined_ranks_shadow_with_zeros_until_everyone_has_joined() {
     let batches = [5u64, 5, 2, 3];
     let syncs = build_world(4, &[4], |b| {
-        b.divisor(Divisor::WorldSize);
+        b.divisor(Divisor::Contributors);
     });
     let out = on_ranks(syncs, |rank, mut sync| {
         let mut seen = Vec::new();

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 
 use crate::error::{CollectiveKind, CollectiveTag, CommError};
+use crate::policy::Wire;
 use crate::store::{GradStore, HostStore};
 
 /// One rank's endpoint of a communicator: sums buffers across all ranks.
@@ -93,6 +94,20 @@ pub trait Transport: Send + 'static {
     /// Forget every started collective without waiting (they failed with an
     /// earlier one; a reset follows).
     fn discard_in_flight(&mut self) {}
+    /// The types data buckets may travel in on this transport (default:
+    /// float32 only). The builder refuses a wire type not listed.
+    fn wires(&self) -> &'static [Wire] {
+        &[Wire::F32]
+    }
+
+    /// Send data buckets ([`CollectiveKind::Bucket`]) as `wire` from now on,
+    /// converting from and back to float32 around the sum; other collectives
+    /// stay exact. Called by the communicator thread before the first bucket
+    /// of another wire type, never with a type [`Transport::wires`] leaves out.
+    fn set_wire(&mut self, wire: Wire) {
+        debug_assert_eq!(wire, Wire::F32, "a transport that lists only float32 was asked for {wire:?}");
+    }
+
     /// A callback that makes a wait in progress fail promptly with
     /// [`CommError::Cancelled`], used at shutdown. `None` if waits cannot be cut short
     /// (shutdown then waits for the collective deadline).
@@ -132,6 +147,9 @@ pub struct CommJob<S: GradStore = HostStore> {
     pub payload: CommPayload<S>,
     /// Scale applied after summing gradients (`1 / divisor`).
     pub factor: f32,
+    /// The type a data bucket travels in (see [`Transport::set_wire`]);
+    /// `F32` for every other collective.
+    pub wire: Wire,
     /// How long the collective may wait for peers once started.
     pub timeout: Duration,
 }
@@ -181,6 +199,7 @@ pub fn run_communicator<T: Transport>(
     let mut broken: Option<CommError> = None;
     let mut flight: VecDeque<InFlight<T::Store>> = VecDeque::with_capacity(window);
     let mut open = true;
+    let mut wire = Wire::F32;
     while open || !flight.is_empty() {
         // Start what is queued, up to the window; block only when idle.
         while open && flight.len() < window {
@@ -208,6 +227,10 @@ pub fn run_communicator<T: Transport>(
                 transport.discard_in_flight();
                 transport.reset();
                 broken = None;
+            }
+            if matches!(job.tag.kind, CollectiveKind::Bucket { .. }) && job.wire != wire {
+                wire = job.wire;
+                transport.set_wire(wire);
             }
             let started = Instant::now();
             let deadline = started + job.timeout;
@@ -331,6 +354,7 @@ mod tests {
             payload: CommPayload::Grads(BucketBuf::zeroed(1, 1)),
             factor: 1.0,
             timeout: Duration::from_secs(1),
+            wire: Wire::F32,
         }
     }
 

@@ -377,6 +377,15 @@ pub enum SyncError {
     /// The actor threads have stopped (the GradSync was dropped or crashed).
     #[error("the gradsync actors have stopped; build a new GradSync")]
     Closed,
+    /// A setting changed at a point where it cannot take effect alike on
+    /// every rank (nothing changed).
+    #[error("{setting}: {why}")]
+    Setting {
+        /// The setting.
+        setting: &'static str,
+        /// Why it was refused, and when it can be changed.
+        why: String,
+    },
     /// No answer from the local actors within the step deadline.
     #[error("step {step}: no answer from the local actors after {waited:?}; this is a gradsync bug, please report it")]
     Unresponsive {
@@ -398,7 +407,7 @@ impl SyncError {
 
 fn desync_text(step: Step, ranks: &[usize], groups: &[Vec<usize>], majority: bool) -> String {
     let what = "ranks disagree on the collective sequence (the model's parameters, their order and sizes, \
-                the bucket cap or the abort policy)";
+                the bucket cap, the abort policy, the wire type or the divisor)";
     if majority {
         format!("step {step}: {what}: ranks {ranks:?} differ from the majority {:?}", groups.first())
     } else {

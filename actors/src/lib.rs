@@ -51,7 +51,7 @@ pub use comm::{CommDone, CommJob, CommPayload, Interrupt, Transport};
 pub use error::{AllocError, BuildError, CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 pub use gradients::{GradView, Gradients, StepResult};
 pub use plan::Plan;
-pub use policy::{AbortPolicy, Divisor};
+pub use policy::{AbortPolicy, Divisor, Wire};
 pub use report::{AbortReason, Outcome, Progress, StepReport};
 pub use store::{GradStore, HostStore};
 pub use timeline::{Lane, TimelineEvent};

@@ -49,6 +49,17 @@ pub enum Readiness {
     Extra,
 }
 
+/// A setting changed while the runtime runs (see [`SchedMsg::Configure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    /// The divisor of every step that has not begun.
+    Divisor(crate::policy::Divisor),
+    /// The type data buckets travel in: only before the first bucket is
+    /// launched (the plan agreement is run again, so ranks that disagree fail
+    /// together with a desync).
+    Wire(crate::policy::Wire),
+}
+
 /// Inbox of the bucket scheduler.
 #[derive(Debug)]
 pub enum SchedMsg<S: GradStore = HostStore> {
@@ -103,6 +114,13 @@ pub enum SchedMsg<S: GradStore = HostStore> {
         proposed: Step,
         /// Where to answer with the agreed step.
         reply: Reply<Result<Step, SyncError>>,
+    },
+    /// Change a setting that every rank changes at the same point.
+    Configure {
+        /// The new value.
+        setting: Setting,
+        /// Where to answer: refused if it can no longer apply alike everywhere.
+        reply: Reply<Result<(), SyncError>>,
     },
     /// The caller dropped a [`crate::Gradients`]: the bucket buffers come home.
     LoanReturned {

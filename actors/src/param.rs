@@ -402,8 +402,8 @@ mod tests {
         assert_eq!(readies(&drain(&mut rx)), vec![(Readiness::Complete, Token(0), vec![3.0, 3.0])]);
     }
 
-    /// Finding 4 of the scheduler-v2 issue: the total (token 1) delivered
-    /// before the partial (token 0) must still win.
+    /// Invariant: among `Accumulated` values the highest token wins, so the
+    /// total (token 1) delivered before the partial (token 0) still wins.
     #[test]
     fn the_highest_accumulated_token_wins_whatever_the_order() {
         let (tx, mut rx) = unbounded_channel();

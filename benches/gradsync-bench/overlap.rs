@@ -88,7 +88,7 @@ fn builder(cfg: &OverlapCfg, policy: Policy, declared: &[u32]) -> GradSyncBuilde
         cfg.model.params.iter().map(|p| b.param(p.name.clone(), p.numel, DType::F32).expect("valid model")).collect();
     let cap = if policy == Policy::NoSync { usize::MAX } else { cfg.bucket_cap_bytes };
     b.bucket_cap_bytes(cap)
-        .divisor(Divisor::WorldSize)
+        .divisor(Divisor::Contributors)
         .collective_timeout(Duration::from_secs(600))
         .recycle_payloads(true);
     if policy == Policy::DdpStatic {

@@ -32,7 +32,7 @@ use gradsync::sim::{
     mirror_vote, wire, ActorConfig, Arrival, CommDone, CommJob, CommPayload, FinishRequest, HostStore, ParamSpec,
     Registry, Reply, SchedMsg, SchedulerConfig, ShardMsg, StepEnd,
 };
-use gradsync::{AbortPolicy, DType, Divisor, ParamId, Payload, Plan, Token};
+use gradsync::{AbortPolicy, DType, Divisor, ParamId, Payload, Plan, Token, Wire};
 use serde_json::json;
 
 use crate::models::ModelSpec;
@@ -156,7 +156,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
             world: n,
             shards: 1,
             pieces: 1,
-            divisor: Divisor::WorldSize,
+            divisor: Divisor::Contributors,
             policy: AbortPolicy::Skip,
             collective_timeout: Duration::from_secs(3600),
             check_finite: false,
@@ -164,6 +164,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
             scale_when_packing: false,
             // The simulated plan is the model's own layout, kept as is.
             reorder: false,
+            wire: Wire::F32,
         },
         learning_window: 4,
         idle_spin: Duration::ZERO,
@@ -172,14 +173,6 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
     let actors = wire(&cfg, HostStore, Arc::clone(&plan), comm_tx).expect("host buckets always allocate");
     let (mut sched, mut inbox) = actors.scheduler;
     let (mut shard, _) = actors.shards.into_iter().next().expect("one shard");
-    // The plan agreement: identical on every simulated rank.
-    let mut agreement = comm_rx.try_recv().expect("the plan agreement is the first collective");
-    if let CommPayload::Words(w) = &mut agreement.payload {
-        mirror_vote(w, n, 1);
-    }
-    let now = Instant::now();
-    let done = CommDone { tag: agreement.tag, payload: agreement.payload, result: Ok(()), started: now, finished: now };
-    sched.handle(SchedMsg::Done(done));
     let mut times = Vec::new();
     for step in 0..steps {
         // Virtual-time events: (time, order, what). Earlier time first; arrivals before finish.
@@ -230,7 +223,10 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                     let job = in_flight[id as usize].take().expect("job in flight");
                     let mut payload = job.payload;
                     if let CommPayload::Words(w) = &mut payload {
-                        mirror_vote(w, n, 2); // the control vote of n identical ranks
+                        // The plan agreement (once, when step 0 begins) or a
+                        // control vote, of n identical ranks.
+                        let words_per_rank = if matches!(job.tag.kind, CollectiveKind::Plan { .. }) { 1 } else { 2 };
+                        mirror_vote(w, n, words_per_rank);
                     }
                     let now_i = Instant::now();
                     sched.handle(SchedMsg::Done(CommDone {

@@ -130,7 +130,7 @@ pub fn train(cfg: &TrainCfg, lines: mpsc::Sender<StepLine>) -> Result<TrainOutpu
     let cap = if cfg.mode == Mode::NoSync { usize::MAX } else { cfg.bucket_cap_bytes };
     builder
         .bucket_cap_bytes(cap)
-        .divisor(Divisor::WorldSize)
+        .divisor(Divisor::Contributors)
         .collective_timeout(Duration::from_secs(60))
         .record_timeline(cfg.record_timeline);
     let endpoints = LocalWorld::connect(cfg.ranks).expect("at least one rank");

@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use gradsync_actors::plan::Registry;
-use gradsync_actors::{AbortPolicy, BuildError, DType, Divisor, GradStore, ParamId, Transport};
+use gradsync_actors::{AbortPolicy, BuildError, DType, Divisor, GradStore, ParamId, Transport, Wire};
 
-use crate::sync::GradSync;
+use crate::grad_sync::GradSync;
 
 /// Registers parameters (in forward order) and settings, then starts a [`GradSync`].
 ///
@@ -27,6 +27,7 @@ pub struct GradSyncBuilder {
     pub(crate) idle_spin: Duration,
     pub(crate) recycle_payloads: bool,
     pub(crate) reorder_buckets: bool,
+    pub(crate) wire: Wire,
 }
 
 impl Default for GradSyncBuilder {
@@ -35,7 +36,7 @@ impl Default for GradSyncBuilder {
             registry: Registry::default(),
             bucket_cap_bytes: 25 << 20,
             collective_timeout: Duration::from_secs(300),
-            divisor: Divisor::WorldSize,
+            divisor: Divisor::Contributors,
             abort_policy: AbortPolicy::Skip,
             param_shards: 2,
             learning_window: 4,
@@ -44,6 +45,7 @@ impl Default for GradSyncBuilder {
             idle_spin: Duration::ZERO,
             recycle_payloads: false,
             reorder_buckets: true,
+            wire: Wire::F32,
         }
     }
 }
@@ -147,6 +149,16 @@ impl GradSyncBuilder {
         self
     }
 
+    /// The type data buckets travel in (default float32, as packed). A
+    /// half-width type halves their bytes and rounds each sum to it; the
+    /// control vote and corrections always travel exactly. It joins the plan
+    /// agreement, so ranks that choose differently fail with a desync. The
+    /// transport must carry it ([`Transport::wires`]).
+    pub fn wire_dtype(&mut self, wire: Wire) -> &mut Self {
+        self.wire = wire;
+        self
+    }
+
     /// The id of a registered name.
     pub fn id(&self, name: &str) -> Option<ParamId> {
         self.registry.id(name)
@@ -173,6 +185,13 @@ impl GradSyncBuilder {
                 "check_finite",
                 "this backend's gradients live on a device and cannot be checked without \
                  waiting for it; check the loss for NaN instead",
+            );
+        }
+        if !transport.wires().contains(&self.wire) {
+            let carried: Vec<&str> = transport.wires().iter().map(|w| w.label()).collect();
+            return invalid(
+                "wire_dtype",
+                &format!("this transport carries data buckets as {carried:?}, not {}", self.wire.label()),
             );
         }
         let (rank, world) = (transport.rank(), transport.world());

@@ -93,6 +93,12 @@ impl<S: GradStore> GradHook<S> {
         &self.shared.store
     }
 
+    /// The open step: the one arrivals are accepted for. The runtime's one
+    /// record of it (the [`crate::GradSync`] reads it here too).
+    pub fn open_step(&self) -> Step {
+        self.shared.open_step.load(Ordering::Acquire)
+    }
+
     /// Accept arrivals for `step` from now on (the previous step has ended).
     pub(crate) fn open(&self, step: Step) {
         self.shared.open_step.store(step, Ordering::Release);
@@ -296,6 +302,12 @@ impl<S: GradStore> ArrivalBatch<S> {
         }
         shared.held.fetch_sub(count, Ordering::AcqRel);
         result
+    }
+
+    /// The open step (see [`GradHook::open_step`]): arrivals offered for it
+    /// are accepted.
+    pub fn open_step(&self) -> Step {
+        self.hook.open_step()
     }
 
     /// Arrivals held now.

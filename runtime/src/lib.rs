@@ -21,21 +21,21 @@
 mod builder;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod grad_sync;
 mod hook;
 pub mod local;
 pub mod metrics;
 pub mod rendezvous;
-mod sync;
 pub mod trace;
 
 pub use builder::GradSyncBuilder;
+pub use grad_sync::{GradSync, JoinReport};
 pub use gradsync_actors::{
     AbortPolicy, AbortReason, BuildError, DType, Divisor, GradView, Gradients, Outcome, ParamId, Payload, PayloadKind,
-    Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token,
+    Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Wire,
 };
 pub use hook::{ArrivalBatch, GradHook};
 pub use local::{LocalEndpoint, LocalWorld};
-pub use sync::{GradSync, JoinReport};
 pub use trace::ChromeTrace;
 
 /// For backend authors: what a world (a [`Transport`](backend::Transport))

@@ -23,7 +23,7 @@ use crate::error::{CollectiveKind, CollectiveTag, SyncError};
 use crate::gradients::{Gradients, LoanHome, StepResult};
 use crate::messages::{FinishRequest, SchedMsg, ShardSummary, StepEnd};
 use crate::plan::Fnv;
-use crate::policy::{AbortPolicy, Divisor};
+use crate::policy::AbortPolicy;
 use crate::report::{AbortReason, Outcome, StepReport};
 use crate::store::GradStore;
 use crate::timeline::{Lane, TimelineEvent};
@@ -160,6 +160,7 @@ impl<S: GradStore> Scheduler<S> {
         h.write(self.plan.fingerprint());
         h.write(self.step.step);
         h.write(self.step.next_launch as u64);
+        h.write(self.step.divisor.code());
         h.0
     }
 
@@ -258,7 +259,7 @@ impl<S: GradStore> Scheduler<S> {
             unreachable!("a correction follows the control collective")
         };
         self.lifecycle = Lifecycle::Correcting(req, Correction { targets: offsets, outcome, contributors });
-        let factor = self.cfg.divisor.factor(self.step.launch_contributors);
+        let factor = self.launch_factor();
         self.submit(tag, CommPayload::Grads(buf), factor, self.cfg.collective_timeout);
     }
 
@@ -281,11 +282,11 @@ impl<S: GradStore> Scheduler<S> {
     fn complete(&mut self, outcome: Outcome, contributors: usize) {
         let req = self.lifecycle.take_finish().expect("a completing step has a finish request");
         if outcome.is_applied() {
-            self.rescale(contributors);
+            self.rescale(&outcome, contributors);
         }
         let next_contributors = self.cfg.world - self.joined;
-        let next =
-            StepState::new(self.step.step + 1, self.plan.num_params(), self.plan.num_buckets(), next_contributors);
+        let (params, buckets) = (self.plan.num_params(), self.plan.num_buckets());
+        let next = StepState::new(self.step.step + 1, params, buckets, next_contributors, self.cfg.divisor);
         let mut st = std::mem::replace(&mut self.step, next);
         if let Some(early) = self.early_refusals.remove(&self.step.step) {
             self.step.refusals.absorb(early);
@@ -343,15 +344,23 @@ impl<S: GradStore> Scheduler<S> {
         }
     }
 
-    /// Fewer ranks contributed than the launch factor assumed (a rank joined
-    /// or was excluded this step): re-divide so the result is averaged over
-    /// the ranks that contributed.
-    fn rescale(&mut self, contributors: usize) {
-        let assumed = self.step.launch_contributors;
-        if self.cfg.divisor != Divisor::WorldSize || contributors == assumed || contributors == 0 {
+    /// The step's divisor counts otherwise than the launch factor assumed (a
+    /// rank joined, or was excluded under the partial policy, during the
+    /// step): re-divide, so the result is the sum over the step's divisor.
+    /// With [`launch_factor`](Self::launch_factor), the one place gradsync
+    /// divides.
+    fn rescale(&mut self, outcome: &Outcome, contributors: usize) {
+        let excluded = match outcome {
+            Outcome::Partial { excluded } => excluded.len(),
+            _ => 0,
+        };
+        let (world, divisor) = (self.cfg.world, self.step.divisor);
+        let assumed = divisor.count(world, self.step.launch_contributors, 0);
+        let actual = divisor.count(world, contributors, excluded);
+        if contributors == 0 || assumed == actual {
             return;
         }
-        let factor = assumed as f32 / contributors as f32;
+        let factor = assumed as f32 / actual as f32;
         for b in 0..self.plan.num_buckets() {
             let buf = self.buffers.current[b].as_mut().expect("buffers are home at completion");
             self.store.scale(buf, 0, self.plan.bucket_numel(b), factor);

@@ -6,7 +6,7 @@
 //! communicator thread, resets, and buffers coming home from a loan.
 //!
 //! ```text
-//!  Ready(complete) ─▶ pack into slot ─▶ bucket pending -= 1 ─▶ launch buckets in plan order   (data.rs)
+//!  Ready(complete) ─▶ pack into slot ─▶ bucket pending -= 1 ─▶ launch buckets in plan order (launch.rs)
 //!  Ready(extra)    ─▶ bucket not launched? merge into slot : keep as a late contribution
 //!  Finish + every shard Flushed ─▶ close: unused → zeros, launch the rest, then the control vote
 //!  control Done (after every bucket's) ─▶ correction collective? ─▶ StepResult     (finish.rs)
@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Ordering invariant: every rank hands the communicator the same sequence (the
-//! plan agreement once, then per step data buckets strictly in plan order,
+//! plan agreement once, when the first step begins, then per step data buckets strictly in plan order,
 //! control, and a correction decided by the *summed* control words), whatever
 //! order its gradients arrived in. That is what makes dedup, late arrivals and
 //! aborts safe on transports that match collectives by order (NCCL).
@@ -23,8 +23,8 @@
 //! drive it message by message. [`Scheduler::run`] drives it from a tokio task.
 
 pub mod control;
-mod data;
 mod finish;
+mod launch;
 mod reorder;
 mod reset;
 mod step;
@@ -41,10 +41,11 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::arrival::{ParamId, Step};
 use crate::comm::{CommJob, CommPayload};
-use crate::error::{AllocError, CollectiveTag, Rejection, SyncError};
+use crate::error::{AllocError, CollectiveKind, CollectiveTag, Rejection, SyncError};
+use crate::messages::Setting;
 use crate::messages::{Reply, SchedMsg};
 use crate::plan::{BucketEnds, Plan};
-use crate::policy::{AbortPolicy, Divisor};
+use crate::policy::{AbortPolicy, Divisor, Wire};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
 use reorder::OrderWatch;
@@ -81,6 +82,8 @@ pub struct SchedulerConfig {
     pub scale_when_packing: bool,
     /// Rebuild the plan in the order gradients arrive (`reorder.rs`).
     pub reorder: bool,
+    /// The type data buckets travel in (part of the plan agreement).
+    pub wire: Wire,
 }
 
 /// The bucket-scheduler actor of one rank.
@@ -102,6 +105,9 @@ pub struct Scheduler<S: GradStore = HostStore> {
     buffers: BufferPool<S::Bucket>,
     /// Every rank's plan matched ours (launches wait until it did).
     plan_agreed: bool,
+    /// The plan agreement was submitted: at the first step's start, so that
+    /// settings chosen before the first step (the wire type) join it.
+    plan_proposed: bool,
     /// Messages of a later step, held until the current one completes.
     next: VecDeque<SchedMsg<S>>,
     /// Per parameter: treat as ready (zeros) at step start.
@@ -129,8 +135,9 @@ pub struct Scheduler<S: GradStore = HostStore> {
 
 impl<S: GradStore> Scheduler<S> {
     /// A scheduler for `plan` packing with `store`. Allocates one set of bucket
-    /// buffers and submits the plan agreement, the first collective of every
-    /// rank, so it runs while the first forward computes.
+    /// buffers; the plan agreement, the first collective of every rank, is
+    /// submitted when the first step begins (its first gradient or its end),
+    /// after every setting chosen before it.
     pub fn new(
         cfg: SchedulerConfig,
         store: S,
@@ -140,7 +147,7 @@ impl<S: GradStore> Scheduler<S> {
     ) -> Result<Self, AllocError> {
         let allocated = Arc::new(AtomicUsize::new(0));
         let expect_none = plan.param_ids().iter().map(|&p| plan.expected_arrivals(p) == Some(0)).collect();
-        let step = StepState::new(0, plan.num_params(), plan.num_buckets(), cfg.world);
+        let step = StepState::new(0, plan.num_params(), plan.num_buckets(), cfg.world, cfg.divisor);
         let rank_label = cfg.rank.to_string();
         let bucket_ends = BucketEnds::of(&plan);
         crate::telemetry::plan(&rank_label, plan.num_buckets(), plan.bucket_bytes());
@@ -156,6 +163,7 @@ impl<S: GradStore> Scheduler<S> {
             step,
             buffers: BufferPool { current: Vec::new(), spare: Vec::new(), sets: 0 },
             plan_agreed: false,
+            plan_proposed: false,
             next: VecDeque::new(),
             expect_none,
             joined: 0,
@@ -169,7 +177,6 @@ impl<S: GradStore> Scheduler<S> {
         };
         let set = sched.allocate_set()?;
         sched.buffers.current = set.into_iter().map(Some).collect();
-        sched.propose_plan();
         Ok(sched)
     }
 
@@ -230,6 +237,7 @@ impl<S: GradStore> Scheduler<S> {
             SchedMsg::Finish(req) if self.order.pending => self.next.push_back(SchedMsg::Finish(req)),
             SchedMsg::Finish(req) => self.on_finish(req),
             SchedMsg::Reset { proposed, reply } => self.on_reset(proposed, reply),
+            SchedMsg::Configure { setting, reply } => reply.send(self.configure(setting)),
             SchedMsg::Ready { step, epoch, .. }
             | SchedMsg::Flushed(crate::messages::ShardSummary { step, epoch, .. })
                 if epoch != self.epoch || step < self.step.step =>
@@ -275,6 +283,33 @@ impl<S: GradStore> Scheduler<S> {
         }
     }
 
+    /// Apply a [`Setting`] (see [`SchedMsg::Configure`]).
+    fn configure(&mut self, setting: Setting) -> Result<(), SyncError> {
+        match setting {
+            Setting::Divisor(divisor) => {
+                self.cfg.divisor = divisor;
+                if self.step.began.is_none() {
+                    self.step.divisor = divisor;
+                }
+            }
+            Setting::Wire(wire) if wire == self.cfg.wire => {}
+            Setting::Wire(wire) => {
+                if self.plan_proposed {
+                    return Err(SyncError::Setting {
+                        setting: "wire dtype",
+                        why: format!(
+                            "cannot change to {} once the first step began (the ranks agreed on the plan then); \
+                             choose it when building, or before the first step on every rank",
+                            wire.label()
+                        ),
+                    });
+                }
+                self.cfg.wire = wire;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the scheduler is failed or resetting (step messages are dropped).
     fn failed(&self) -> bool {
         matches!(self.lifecycle, Lifecycle::Failed(_) | Lifecycle::Resetting(_))
@@ -298,7 +333,8 @@ impl<S: GradStore> Scheduler<S> {
     /// and arrivals are held, so a snapshot would not show what they caused.
     fn answer_progress(&mut self, id: u64) {
         let settled = matches!(self.settles.get(&id), Some((n, Some(_))) if *n >= self.cfg.shards);
-        if settled && ((self.plan_agreed && !self.order.pending) || self.failed()) {
+        let agreed = self.plan_agreed || !self.plan_proposed;
+        if settled && ((agreed && !self.order.pending) || self.failed()) {
             let (_, reply) = self.settles.remove(&id).expect("entry present");
             let s = &self.step;
             reply.expect("reply present").send(Progress {
@@ -360,7 +396,8 @@ impl<S: GradStore> Scheduler<S> {
     /// Hand a collective to the communicator thread.
     fn submit(&mut self, tag: CollectiveTag, payload: CommPayload<S>, factor: f32, timeout: Duration) {
         self.step.bytes += payload.bytes(&self.store) as u64;
-        let job = CommJob { tag, payload, factor, timeout };
+        let wire = if matches!(tag.kind, CollectiveKind::Bucket { .. }) { self.cfg.wire } else { Wire::F32 };
+        let job = CommJob { tag, payload, factor, timeout, wire };
         if self.comm.send(job).is_err() {
             // The communicator thread is gone (it only exits when we drop the
             // sender, so this is a crash); fail the step instead of waiting forever.

@@ -20,6 +20,8 @@ impl<S: GradStore> Scheduler<S> {
         let mut h = Fnv::default();
         h.write(self.plan.fingerprint());
         h.write(self.cfg.policy.code());
+        h.write(self.cfg.wire.code());
+        self.plan_proposed = true;
         let mut words = vec![0u64; self.cfg.world];
         words[self.cfg.rank] = h.0;
         let tag = CollectiveTag { step: 0, kind: CollectiveKind::Plan { len: words.len() } };
@@ -92,8 +94,16 @@ impl<S: GradStore> Scheduler<S> {
             Ok(words) => {
                 let agreed = words.iter().copied().max().unwrap_or(1).saturating_sub(1);
                 self.epoch += 1;
+                // A plan agreement that failed is run again when the next step begins.
+                self.plan_proposed &= self.plan_agreed;
                 let contributors = self.cfg.world - self.joined;
-                self.step = StepState::new(agreed, self.plan.num_params(), self.plan.num_buckets(), contributors);
+                self.step = StepState::new(
+                    agreed,
+                    self.plan.num_params(),
+                    self.plan.num_buckets(),
+                    contributors,
+                    self.cfg.divisor,
+                );
                 reply.send(Ok(agreed));
             }
             Err(e) => {

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::arrival::{PayloadKind, Step, Token};
 use crate::error::{Rejection, SyncError};
 use crate::messages::{FinishRequest, Reply, StepEnd};
+use crate::policy::Divisor;
 use crate::report::REJECTION_SAMPLES;
 use crate::store::GradStore;
 use crate::timeline::TimelineEvent;
@@ -195,6 +196,8 @@ pub(crate) struct StepState<V> {
     pub(crate) nonfinite: bool,
     /// Contributor count the launch factor assumed (`world` minus known joined ranks).
     pub(crate) launch_contributors: usize,
+    /// What this step's sum is divided by (the setting in force when it began).
+    pub(crate) divisor: Divisor,
     pub(crate) bytes: u64,
     pub(crate) comm_busy: Duration,
     /// Per parameter: no rank used it (known after the control collective).
@@ -214,7 +217,7 @@ pub(crate) struct StepState<V> {
 }
 
 impl<V> StepState<V> {
-    pub(crate) fn new(step: Step, params: usize, buckets: usize, launch_contributors: usize) -> Self {
+    pub(crate) fn new(step: Step, params: usize, buckets: usize, launch_contributors: usize, divisor: Divisor) -> Self {
         StepState {
             step,
             began: None,
@@ -232,6 +235,7 @@ impl<V> StepState<V> {
             refusals: Refusals::default(),
             nonfinite: false,
             launch_contributors,
+            divisor,
             bytes: 0,
             comm_busy: Duration::ZERO,
             unused_everywhere: vec![false; params],

@@ -159,9 +159,10 @@ fn control_words_sum_with_wrapping() {
     }
 }
 
-/// Finding 3 of the scheduler-v2 issue, at the transport: rank 2 issues a
-/// different collective, and rank 0 leaves the moment it notices. Rank 1
-/// must still learn the desync (naming rank 2), not just that rank 0 left.
+/// Invariant: a rank that detects a desync tells every peer before it
+/// leaves. Rank 2 issues a different collective and rank 0 leaves the
+/// moment it notices; rank 1 still learns the desync (naming rank 2), not
+/// just that rank 0 left.
 #[test]
 fn a_rank_that_notices_a_desync_tells_the_others_before_it_leaves() {
     let eps = LocalWorld::connect(3).unwrap();

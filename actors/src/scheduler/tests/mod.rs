@@ -17,9 +17,9 @@ use crate::bucket_buf::{BucketBuf, WriteMode};
 use crate::comm::{CommDone, CommJob, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 use crate::gradients::StepResult;
-use crate::messages::{FinishRequest, Readiness, Reply, SchedMsg, ShardSummary, StepEnd};
+use crate::messages::{FinishRequest, Readiness, Reply, SchedMsg, Setting, ShardSummary, StepEnd};
 use crate::plan::{ParamSpec, Plan};
-use crate::policy::{AbortPolicy, Divisor};
+use crate::policy::{AbortPolicy, Divisor, Wire};
 use crate::report::{AbortReason, Outcome};
 use crate::store::HostStore;
 
@@ -76,6 +76,7 @@ fn rank_configured(
         record_timeline: false,
         scale_when_packing: false,
         reorder,
+        wire: Wire::F32,
     };
     let (jobs_tx, jobs) = crossbeam_channel::unbounded();
     let (home_tx, home) = unbounded_channel();
@@ -86,7 +87,7 @@ fn rank_configured(
 /// A rank of `world` with parameters of `numels` values, one bucket per
 /// parameter (cap 8 bytes = two values), averaging, skip policy.
 fn rank(world: usize, rank: usize, numels: &[usize]) -> Rank {
-    rank_with(world, rank, numels, 8, AbortPolicy::Skip, Divisor::WorldSize)
+    rank_with(world, rank, numels, 8, AbortPolicy::Skip, Divisor::Contributors)
 }
 
 impl Rank {
@@ -121,6 +122,12 @@ impl Rank {
         let (tx, rx) = mpsc::sync_channel(1);
         self.send(SchedMsg::Finish(FinishRequest { step, end, at: Instant::now(), reply: Reply::Blocking(tx) }));
         rx
+    }
+
+    fn configure(&mut self, setting: Setting) -> Result<(), SyncError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(SchedMsg::Configure { setting, reply: Reply::Blocking(tx) });
+        rx.try_recv().expect("answered at once")
     }
 
     fn job(&mut self) -> CommJob {
@@ -162,8 +169,10 @@ impl Rank {
         (answer, control)
     }
 
-    /// Complete the plan agreement as if every rank had the same plan.
+    /// Complete the plan agreement as if every rank had the same plan (the
+    /// first step begins, which submits it, if it has not yet).
     fn agree_plan(&mut self) {
+        assert!(self.sched.begin(), "the step begins");
         let mut job = self.job();
         assert!(matches!(job.tag.kind, CollectiveKind::Plan { .. }), "first collective: {}", job.tag);
         let CommPayload::Words(words) = &mut job.payload else { panic!("plan words") };
@@ -248,10 +257,11 @@ fn kind(job: &CommJob) -> CollectiveKind {
 #[test]
 fn buckets_launch_in_plan_order_and_only_once_the_plan_is_agreed() {
     let mut r = rank(1, 0, &[2, 2]);
+    r.no_job(); // the agreement is submitted when the first step begins
+                // Bucket 0 holds p1 (the last registered: backward produces it first), bucket 1 holds p0.
+    r.inc(0, 0, 1.0);
     let mut plan = r.job();
     assert!(matches!(kind(&plan), CollectiveKind::Plan { len: 1 }));
-    // Bucket 0 holds p1 (the last registered: backward produces it first), bucket 1 holds p0.
-    r.inc(0, 0, 1.0);
     r.inc(0, 1, 2.0);
     r.no_job(); // both buckets are complete, but the plan is not agreed yet
     let CommPayload::Words(words) = &mut plan.payload else { panic!() };
@@ -276,8 +286,8 @@ fn a_bucket_waits_for_the_buckets_before_it() {
 #[test]
 fn the_lifecycle_goes_open_flushing_draining_control_and_opens_the_next_step() {
     let mut r = rank(1, 0, &[2, 2]);
-    let plan = r.job(); // hold the plan agreement: launches wait for it
     r.inc(0, 1, 2.0);
+    let plan = r.job(); // hold the plan agreement: launches wait for it
     assert_eq!(r.sched.phase(), "open");
     let answer = r.end(0, StepEnd::Finish);
     assert_eq!(r.sched.phase(), "flushing", "waits for the shard's flush");
@@ -344,7 +354,7 @@ fn late_increments_are_summed_and_added() {
     assert_eq!(values(&result, r.p(0)), Some(vec![7.0, 7.0]));
 }
 
-/// Finding 4: among `Accumulated` values the highest token wins, whatever
+/// Invariant: among `Accumulated` values the highest token wins, whatever
 /// the order they reach the scheduler in, before launch and after.
 #[test]
 fn a_lower_accumulated_token_never_replaces_a_higher_one() {
@@ -390,7 +400,7 @@ fn an_aborting_rank_sends_zeros_and_every_rank_skips() {
     assert!(result.gradients.is_none(), "a skipped step lends nothing");
 }
 
-/// Finding 6: the next step packs and launches while the caller still holds
+/// Invariant: the next step packs and launches while the caller still holds
 /// the previous step's gradients (a second set of buffers), and the loan's
 /// set is reused once it comes home.
 #[test]
@@ -427,7 +437,7 @@ fn a_returned_loan_is_reused_instead_of_allocating() {
     );
 }
 
-/// Finding 7, and reset: a failed collective fails the step; the same step's
+/// Invariant: a failed collective fails the step; the same step's
 /// finish gets that error, later ones `Poisoned`; a reset agrees on the
 /// restart step and drops what the actors sent before it.
 #[test]
@@ -462,7 +472,8 @@ fn a_failure_poisons_until_a_reset_agrees_on_the_restart_step() {
     assert_eq!(kind(&r.job()), CollectiveKind::Bucket { index: 0, numel: 2 });
 }
 
-/// Finding 2: the odd rank is named even when it is rank 0.
+/// Invariant: a desync names the ranks outside the majority, even when
+/// the odd rank is rank 0.
 #[test]
 fn a_desync_names_the_minority() {
     let mut r = rank(4, 1, &[2]);
@@ -488,11 +499,12 @@ fn a_desync_names_the_minority() {
     assert_eq!(r.sched.phase(), "failed");
 }
 
-/// Finding 3: ranks with different plans fail together at the plan
+/// Invariant: ranks with different plans fail together at the plan
 /// agreement, before any gradient is summed.
 #[test]
 fn a_plan_mismatch_fails_before_the_first_bucket() {
     let mut r = rank(4, 0, &[2]);
+    r.inc(0, 0, 1.0);
     let mut plan = r.job();
     let CommPayload::Words(words) = &mut plan.payload else { panic!() };
     let ours = words[0];
@@ -500,13 +512,12 @@ fn a_plan_mismatch_fails_before_the_first_bucket() {
     words[2] = ours;
     words[3] = ours ^ 1;
     r.done(plan);
-    r.inc(0, 0, 1.0);
     r.no_job();
     let err = r.end(0, StepEnd::Finish).try_recv().unwrap().unwrap_err();
     assert!(matches!(&err, SyncError::Desync { ranks, majority: true, .. } if ranks == &vec![3]), "{err}");
 }
 
-/// Finding 5: a refusal counts in the report of the step it names, if that
+/// Invariant: a refusal counts in the report of the step it names, if that
 /// report is still to come.
 #[test]
 fn refusals_count_in_the_report_of_the_step_they_name() {
@@ -530,12 +541,12 @@ fn refusals_count_in_the_report_of_the_step_they_name() {
     assert_eq!(s2.report.rejections, vec![Rejection::WrongLength { param: p, expected: 2, got: 2 }]);
 }
 
-/// Finding 8: under the partial policy the aborting rank's launched values
+/// Invariant: under the partial policy the aborting rank's launched values
 /// are retracted, the result is averaged over the ranks that finished, and
 /// the aborting rank gets the same gradients.
 #[test]
 fn a_partial_abort_retracts_what_was_sent_and_averages_over_the_rest() {
-    let mut r = rank_with(3, 2, &[2, 2], 8, AbortPolicy::Partial, Divisor::WorldSize);
+    let mut r = rank_with(3, 2, &[2, 2], 8, AbortPolicy::Partial, Divisor::Contributors);
     r.agree_plan();
     r.inc(0, 1, 6.0); // bucket 0 = p1, launched with 6 from this rank
     let b0 = r.job();
@@ -569,7 +580,7 @@ fn a_partial_abort_retracts_what_was_sent_and_averages_over_the_rest() {
 
 #[test]
 fn a_partial_step_nobody_finished_is_skipped() {
-    let mut r = rank_with(2, 0, &[2], 8, AbortPolicy::Partial, Divisor::WorldSize);
+    let mut r = rank_with(2, 0, &[2], 8, AbortPolicy::Partial, Divisor::Contributors);
     r.agree_plan();
     let answer = r.end(0, StepEnd::Abort(AbortReason::BadBatch));
     r.flushed(0, &[]);
@@ -584,7 +595,7 @@ fn a_partial_step_nobody_finished_is_skipped() {
     assert!(matches!(result.report.outcome, Outcome::Skipped { ref aborted } if aborted.len() == 2));
 }
 
-/// Finding 9: a rank that joined contributes zeros; the step is averaged
+/// Invariant: a rank that joined contributes zeros; the step is averaged
 /// over the ranks that contributed, and later steps launch with that divisor.
 #[test]
 fn joined_ranks_are_left_out_of_the_divisor_until_every_rank_has_joined() {
@@ -660,7 +671,7 @@ fn a_collective_tag_names_step_kind_and_size() {
 /// the step even under the partial policy.
 #[test]
 fn a_non_finite_abort_is_skipped_even_under_the_partial_policy() {
-    let mut r = rank_with(3, 0, &[2], 8, AbortPolicy::Partial, Divisor::WorldSize);
+    let mut r = rank_with(3, 0, &[2], 8, AbortPolicy::Partial, Divisor::Contributors);
     r.agree_plan();
     r.inc_reduced(0, 0, 1.0);
     let (answer, control) = r.finish_to_control(0, &[0]);
@@ -705,4 +716,94 @@ fn a_transport_that_scales_gets_raw_sums_and_the_factor() {
     assert_eq!(job.factor, 0.5);
     let CommPayload::Grads(buf) = &job.payload else { panic!("bucket payload") };
     assert_eq!(buf.piece(0), &[3.0, 3.0]);
+}
+
+/// DDP's `divide_by_initial_world_size=True`: a joined rank's zeros count,
+/// so the step is the sum over the whole world; the setting takes effect at
+/// the next step that has not begun and joins the control fingerprint.
+#[test]
+fn a_world_divisor_counts_joined_ranks_and_applies_from_the_next_step() {
+    let mut r = rank(3, 0, &[2]);
+    r.agree_plan();
+    r.inc(0, 0, 3.0);
+    let b = r.job();
+    assert_eq!(b.factor, 1.0 / 3.0);
+    // Changed after step 0 began: step 0 keeps dividing by its contributors.
+    r.configure(Setting::Divisor(Divisor::World)).unwrap();
+    r.reduce_bucket(b, (3.0 + 6.0) / 3.0);
+    let (answer, control) = r.finish_to_control(0, &[0]);
+    r.control(
+        control,
+        &[peer(1, RankStatus::Finished, &[false], &[true]), peer(2, RankStatus::Joined, &[false], &[false])],
+    );
+    let result = answer.try_recv().unwrap().unwrap();
+    assert_eq!(values(&result, r.p(0)), Some(vec![4.5, 4.5]), "step 0: (3 + 6) / 2 contributors");
+    drop(result);
+    let returned = r.home.try_recv().unwrap();
+    r.send(returned);
+    // Step 1 divides by the world: rank 2 (joined) still counts.
+    r.inc(1, 0, 3.0);
+    let b = r.job();
+    assert_eq!(b.factor, 1.0 / 3.0, "the world, joined ranks included");
+    r.reduce_bucket(b, (3.0 + 6.0) / 3.0);
+    let (answer, control) = r.finish_to_control(1, &[0]);
+    r.control(
+        control,
+        &[peer(1, RankStatus::Finished, &[false], &[true]), peer(2, RankStatus::Joined, &[false], &[false])],
+    );
+    let result = answer.try_recv().unwrap().unwrap();
+    assert_eq!(values(&result, r.p(0)), Some(vec![3.0, 3.0]), "step 1: (3 + 6) / 3 ranks");
+}
+
+#[test]
+fn ranks_dividing_differently_fail_the_step_with_a_desync() {
+    let mut r = rank(2, 0, &[2]);
+    r.agree_plan();
+    r.configure(Setting::Divisor(Divisor::Sum)).unwrap();
+    r.inc_reduced(0, 0, 1.0);
+    let (answer, mut control) = r.finish_to_control(0, &[0]);
+    // The peer's vote, as a rank that divides by its contributors computes it.
+    let CommPayload::Words(words) = &mut control.payload else { panic!("control words") };
+    let own = words[r.world + r.rank];
+    let vote = ControlVote {
+        rank: 1,
+        world: 2,
+        status: RankStatus::Finished,
+        fingerprint: own ^ 1,
+        late: &[false],
+        used: &[true],
+        retract: None,
+        reorder: false,
+    };
+    gradsync_kernels::add_assign(words, &vote.encode());
+    r.done(control);
+    let err = answer.try_recv().unwrap().unwrap_err();
+    assert!(matches!(err, SyncError::Desync { ref ranks, .. } if !ranks.is_empty()), "{err}");
+}
+
+/// A wire type chosen after the runtime started (a comm hook registered
+/// before the first step) joins the one plan agreement, which is submitted
+/// when the first step begins; data buckets then carry the type. Once the
+/// first step began it can no longer change, and nothing changes.
+#[test]
+fn a_wire_type_chosen_before_the_first_step_joins_the_plan_agreement() {
+    let mut r = rank(1, 0, &[2]);
+    r.no_job(); // nothing is agreed before the first step begins
+    r.configure(Setting::Wire(Wire::BF16)).unwrap();
+    r.inc(0, 0, 1.0);
+    let mut plan = r.job();
+    assert!(matches!(kind(&plan), CollectiveKind::Plan { .. }), "the agreement comes first: {}", plan.tag);
+    r.no_job(); // the bucket is complete but waits for the agreement
+    let refused = r.configure(Setting::Wire(Wire::F32)).unwrap_err();
+    assert!(matches!(refused, SyncError::Setting { .. }) && refused.to_string().contains("began"), "{refused}");
+    let CommPayload::Words(words) = &mut plan.payload else { panic!("plan words") };
+    mirror_vote(words, 1, 1);
+    r.done(plan);
+    let bucket = r.job();
+    assert_eq!((kind(&bucket), bucket.wire), (CollectiveKind::Bucket { index: 0, numel: 2 }, Wire::BF16));
+    r.done(bucket);
+    let (answer, control) = r.finish_to_control(0, &[0]);
+    assert_eq!(control.wire, Wire::F32, "the control vote travels exactly");
+    r.done(control);
+    assert_eq!(answer.try_recv().unwrap().unwrap().report.outcome, Outcome::Applied);
 }

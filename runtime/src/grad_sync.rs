@@ -23,12 +23,12 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, ShardMsg, StepEnd};
+use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, Setting, ShardMsg, StepEnd};
 use gradsync_actors::scheduler::SchedulerConfig;
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
-    AbortReason, BuildError, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step, StepReport,
-    StepResult, SyncError, Transport,
+    AbortReason, BuildError, Divisor, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step,
+    StepReport, StepResult, SyncError, Transport, Wire,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
@@ -81,8 +81,6 @@ pub struct GradSync<S: GradStore = HostStore> {
     /// Parameter-shard inboxes (also inside `hook`), for flush and settle markers.
     shards: Vec<UnboundedSender<ShardMsg<S>>>,
     sched: UnboundedSender<SchedMsg<S>>,
-    /// The open step: the one arrivals are for and the next to end.
-    next_step: Step,
     /// A step whose end was requested but whose result was not collected.
     pending: Option<Pending<S>>,
     /// The step that failed and why, once this rank learned it: calls are
@@ -99,6 +97,8 @@ pub struct GradSync<S: GradStore = HostStore> {
     spent: Option<crossbeam_channel::Receiver<(ParamId, S::Values)>>,
     /// Bytes of bucket buffers the scheduler has allocated.
     allocated: Arc<AtomicUsize>,
+    /// The wire types the transport carries.
+    wires: &'static [Wire],
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -126,12 +126,14 @@ impl<S: GradStore> GradSync<S> {
                 record_timeline: b.record_timeline,
                 scale_when_packing: transport.scale_when_packing(),
                 reorder: b.reorder_buckets,
+                wire: b.wire,
             },
             learning_window: b.learning_window,
             idle_spin: b.idle_spin,
             recycle_payloads: b.recycle_payloads,
         };
         let interrupt = transport.interrupter().map(Interrupter);
+        let wires = transport.wires();
         let store = transport.store();
         let (comm_tx, comm_rx) = crossbeam_channel::unbounded();
         let actors = wiring::wire(&cfg, store.clone(), Arc::clone(&plan), comm_tx)?;
@@ -166,7 +168,6 @@ impl<S: GradStore> GradSync<S> {
             plan,
             shards: actors.shard_inboxes,
             sched: actors.scheduler_inbox,
-            next_step: 0,
             pending: None,
             failed: None,
             epoch: 0,
@@ -176,6 +177,7 @@ impl<S: GradStore> GradSync<S> {
             interrupt,
             spent: actors.spent,
             allocated: actors.allocated,
+            wires,
             threads: vec![actor_thread, comm_thread],
         })
     }
@@ -214,8 +216,11 @@ impl<S: GradStore> GradSync<S> {
     }
 
     /// The open step: the one hooks deliver to and the next one to end.
+    /// gradsync keeps it in one place, the hooks' handle, which moves it on
+    /// when a step ends (and to the agreed step at a reset); callers read it
+    /// here rather than counting steps themselves.
     pub fn current_step(&self) -> Step {
-        self.next_step
+        self.hook.open_step()
     }
 
     /// Memory gradsync holds beyond the caller's gradients: the bucket buffers
@@ -269,7 +274,7 @@ impl<S: GradStore> GradSync<S> {
     /// report names the joined ranks. Call it when the data loader is
     /// exhausted; the gradients of the shadowed steps are not lent to this rank.
     pub fn join(&mut self) -> Result<JoinReport, SyncError> {
-        let first_step = self.next_step;
+        let first_step = self.hook.open_step();
         let mut steps = 0;
         loop {
             let report = self.shadow_step()?;
@@ -287,7 +292,7 @@ impl<S: GradStore> GradSync<S> {
     /// training themselves, as torch's `Join` context manager does: call it
     /// once per step the others run, on every joined rank.
     pub fn shadow_step(&mut self) -> Result<StepReport, SyncError> {
-        let step = self.next_step;
+        let step = self.hook.open_step();
         Ok(self.end_step(step, StepEnd::Join)?.report)
     }
 
@@ -317,8 +322,8 @@ impl<S: GradStore> GradSync<S> {
         if let Some((failed, cause)) = &self.failed {
             return Err(SyncError::Poisoned { step: *failed, cause: cause.clone() });
         }
-        if step != self.next_step {
-            return Err(SyncError::NotCurrentStep { expected: self.next_step, got: step });
+        if step != self.hook.open_step() {
+            return Err(SyncError::NotCurrentStep { expected: self.hook.open_step(), got: step });
         }
         let held = self.hook.held();
         if held > 0 {
@@ -326,8 +331,7 @@ impl<S: GradStore> GradSync<S> {
         }
         let at = Instant::now();
         // Arrivals for `step` are refused from now on; the shards move on at the flush.
-        self.next_step += 1;
-        self.hook.open(self.next_step);
+        self.hook.open(step + 1);
         for shard in &self.shards {
             shard.send(ShardMsg::Flush { step }).map_err(|_| SyncError::Closed)?;
         }
@@ -343,7 +347,7 @@ impl<S: GradStore> GradSync<S> {
         &mut self,
         answer: Result<Result<StepResult<S>, SyncError>, oneshot::error::RecvError>,
     ) -> Result<StepResult<S>, SyncError> {
-        let step = self.pending.take().map_or(self.next_step, |p| p.step);
+        let step = self.pending.take().map_or(self.hook.open_step(), |p| p.step);
         let answer = answer.unwrap_or(Err(SyncError::Closed));
         match &answer {
             Ok(_) => {}
@@ -364,7 +368,7 @@ impl<S: GradStore> GradSync<S> {
     /// A rank that is gone (crashed) cannot agree: `reset` then fails naming it,
     /// and the survivors must drop their GradSync and build a new world.
     pub fn reset(&mut self) -> Result<Step, SyncError> {
-        let proposed = self.next_step;
+        let proposed = self.hook.open_step();
         self.pending = None;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.sched.send(SchedMsg::Reset { proposed, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
@@ -373,10 +377,44 @@ impl<S: GradStore> GradSync<S> {
         for shard in &self.shards {
             shard.send(ShardMsg::Reset { step: agreed, epoch: self.epoch }).map_err(|_| SyncError::Closed)?;
         }
-        self.next_step = agreed;
         self.hook.reopen(agreed);
         self.failed = None;
         Ok(agreed)
+    }
+
+    /// Divide the sum of every step that has not begun by `divisor` (the
+    /// step open now too, unless a gradient of it was already packed). Every
+    /// rank must change it at the same point (between the same two steps):
+    /// the divisor joins each step's control vote, so ranks that divide
+    /// differently fail that step with a desync instead of diverging.
+    pub fn set_divisor(&mut self, divisor: Divisor) -> Result<(), SyncError> {
+        if divisor == Divisor::Fixed(0) {
+            return Err(SyncError::Setting { setting: "divisor", why: "division by zero".into() });
+        }
+        self.configure(Setting::Divisor(divisor))
+    }
+
+    /// Send data buckets as `wire` (see [`crate::GradSyncBuilder::wire_dtype`])
+    /// when it could not be chosen at build time (a comm hook registered
+    /// before the first step). Only before the first bucket is launched, on
+    /// every rank: the plan agreement runs again with the new type, so
+    /// ranks that disagree fail together with a desync.
+    pub fn set_wire_dtype(&mut self, wire: Wire) -> Result<(), SyncError> {
+        if !self.wires.contains(&wire) {
+            let carried: Vec<&str> = self.wires.iter().map(|w| w.label()).collect();
+            let why = format!("this transport carries data buckets as {carried:?}, not {}", wire.label());
+            return Err(SyncError::Setting { setting: "wire dtype", why });
+        }
+        self.configure(Setting::Wire(wire))
+    }
+
+    fn configure(&mut self, setting: Setting) -> Result<(), SyncError> {
+        if let Some((failed, cause)) = &self.failed {
+            return Err(SyncError::Poisoned { step: *failed, cause: cause.clone() });
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.sched.send(SchedMsg::Configure { setting, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
+        self.await_answer(&rx, self.hook.open_step())?
     }
 
     /// Payload vectors gradsync has finished with, for reuse as the next
@@ -396,7 +434,7 @@ impl<S: GradStore> GradSync<S> {
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.sched.send(SchedMsg::Progress { id, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
-        self.await_answer(&rx, self.next_step)
+        self.await_answer(&rx, self.hook.open_step())
     }
 
     /// Wait for the actors' answer about `step`, at most `answer_timeout`.

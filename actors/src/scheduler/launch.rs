@@ -24,6 +24,9 @@ impl<S: GradStore> Scheduler<S> {
             return true;
         }
         self.step.began = Some(Instant::now());
+        if !self.plan_proposed {
+            self.propose_plan();
+        }
         if let Err(e) = self.ensure_buffers() {
             self.fail(e.into());
             return false;
@@ -52,6 +55,7 @@ impl<S: GradStore> Scheduler<S> {
         let slot = self.plan.slot(param);
         let launched = self.step.launched(slot.bucket);
         let partial = self.cfg.policy == AbortPolicy::Partial;
+        let factor = self.launch_factor();
         self.step.seq += 1;
         let seq = self.step.seq;
         let ps = &mut self.step.params[param.index()];
@@ -100,7 +104,6 @@ impl<S: GradStore> Scheduler<S> {
         }
         let mode = if kind == PayloadKind::Increment && ps.written { WriteMode::Add } else { WriteMode::Set };
         if self.cfg.scale_when_packing {
-            let factor = self.cfg.divisor.factor(self.step.launch_contributors);
             self.store.write_scaled(buf, slot.offset, &values, mode, factor);
         } else {
             self.store.write(buf, slot.offset, &values, mode);
@@ -126,6 +129,13 @@ impl<S: GradStore> Scheduler<S> {
         if let Some(v) = spent {
             self.recycle(param, v);
         }
+    }
+
+    /// The factor data buckets and corrections are multiplied by: one over
+    /// the step's divisor, counting the ranks not known to have joined as its
+    /// contributors (corrected at completion by [`Self::rescale`]).
+    pub(super) fn launch_factor(&self) -> f32 {
+        self.step.divisor.factor(self.cfg.world, self.step.launch_contributors, 0)
     }
 
     /// Launch every bucket that is complete and whose predecessors are
@@ -162,8 +172,7 @@ impl<S: GradStore> Scheduler<S> {
             self.step.launched_before_finish += 1;
         }
         // Scaled while packing, or by the transport after the sum.
-        let factor =
-            if self.cfg.scale_when_packing { 1.0 } else { self.cfg.divisor.factor(self.step.launch_contributors) };
+        let factor = if self.cfg.scale_when_packing { 1.0 } else { self.launch_factor() };
         self.submit(tag, CommPayload::Grads(buf), factor, self.cfg.collective_timeout);
     }
 
