@@ -127,11 +127,18 @@ fn probe(python: &str) -> Result<Torch, String> {
 fn compile(source: &Path, target: &Path, torch: &Torch) -> Result<(), String> {
     let cxx = env::var("CXX").unwrap_or_else(|_| "c++".into());
     let mut cmd = Command::new(&cxx);
-    cmd.args(["-O2", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-w"])
+    // gradsync's own code compiles with every common warning as an error, as
+    // its Rust is held to `-D warnings`. torch's and Python's headers come in
+    // as system headers (`-isystem`): the compiler does not warn about code
+    // that is not ours (torch's headers trip -Wunused-parameter and
+    // -Wmissing-field-initializers by the hundred), and a warning in a
+    // template of theirs instantiated by our code is still reported.
+    cmd.args(["-O2", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror"])
         .arg(format!("-D_GLIBCXX_USE_CXX11_ABI={}", torch.cxx11_abi))
-        .arg(format!("-I{}", torch.python_include));
+        .arg("-isystem")
+        .arg(&torch.python_include);
     for include in &torch.includes {
-        cmd.arg(format!("-I{include}"));
+        cmd.arg("-isystem").arg(include);
     }
     // torch's libraries are loaded by `import torch` before the shim; the
     // rpath finds them when the shim is loaded first.
@@ -145,6 +152,6 @@ fn compile(source: &Path, target: &Path, torch: &Torch) -> Result<(), String> {
         return Ok(());
     }
     let err = String::from_utf8_lossy(&out.stderr);
-    let tail: Vec<&str> = err.lines().filter(|l| l.contains("error")).take(3).collect();
+    let tail: Vec<&str> = err.lines().filter(|l| l.contains("error")).take(5).collect();
     Err(format!("{cxx} failed to compile {}: {}", source.display(), tail.join(" | ")))
 }

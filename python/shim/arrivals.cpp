@@ -8,11 +8,17 @@
 // per-gradient work there:
 //
 //   AccumulateGrad(param) ─▶ ArrivalHook ─▶ Ledger::arrive(index)
-//       take .grad out of the parameter (autograd starts a fresh one for any
-//       later contribution), count the firing (its token), keep the tensor
-//       that must receive the average, and hand it to the runtime:
-//   ─▶ SinkTable.give(sink, step, index, token, data, tensor handle, release)
+//       in a synchronized backward: take .grad out of the parameter (autograd
+//       starts a fresh one for any later contribution), count the firing (its
+//       token), keep the tensor that must receive the average, and hand it to
+//       the runtime, for the step the runtime has open:
+//   ─▶ SinkTable.give(sink, index, token, data, tensor handle, release)
 //       (Rust, python/src/arrivals.rs; no interpreter lock)
+//       in a backward under no_sync: leave .grad where it is (autograd sums
+//       the micro-batches into it, as under DDP, and the program may read or
+//       change it) and remember the parameter: the synchronized backward's
+//       first firing hands over the whole sum, and `give_held()` hands over
+//       a parameter that backward never reached.
 //
 // Python is entered only on the rare paths, with the lock taken here:
 // * the autograd task changed (a new backward, or a nested one): `on_task`,
@@ -51,7 +57,7 @@ namespace {
 
 // The version of the runtime's entry table this module speaks
 // (python/src/arrivals.rs, `TABLE_VERSION`).
-constexpr uint32_t kSinkVersion = 1;
+constexpr uint32_t kSinkVersion = 2;
 
 // No autograd task seen yet in this step.
 constexpr int kNoTask = -2;
@@ -59,8 +65,7 @@ constexpr int kNoTask = -2;
 // The runtime's entry points (python/src/arrivals.rs, `Table`).
 struct SinkTable {
   uint32_t version;
-  int32_t (*give)(const void* sink, uint64_t step, size_t param, uint64_t token, size_t addr, void* handle,
-                  void (*release)(void*));
+  int32_t (*give)(const void* sink, size_t param, uint64_t token, size_t addr, void* handle, void (*release)(void*));
 };
 
 // Whether the interpreter is shutting down.
@@ -116,6 +121,7 @@ class Ledger {
     sink_address_ = reinterpret_cast<const void*>(sink_.attr("address").cast<uintptr_t>());
     refuse_ = sink_.attr("raise_refusal");
     fired_.assign(params_.size(), 0);
+    held_.assign(params_.size(), false);
     out_.resize(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
       auto node = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -142,10 +148,11 @@ class Ledger {
     keys_.clear();
   }
 
-  // A new step: no firings, no kept tensors, backward not begun.
-  void new_step(uint64_t number) {
-    step_ = number;
+  // A new step: no firings, no kept tensors, nothing held, backward not
+  // begun, not synchronized (a forward or prepare_for_backward asks for it).
+  void new_step() {
     std::fill(fired_.begin(), fired_.end(), 0);
+    std::fill(held_.begin(), held_.end(), false);
     for (auto& t : out_) {
       t.reset();
     }
@@ -153,6 +160,34 @@ class Ledger {
     began_ = false;
     arrivals_ = 0;
     task_seen_ = kNoTask;
+    sync_ = false;
+    end_queued_for_.reset();
+  }
+
+  // Whether this step's backward passes hand gradients over (a synchronized
+  // step) or leave them in .grad (micro-batches under no_sync). Turning it
+  // on starts the record of which .grad tensors the caller holds anew: the
+  // synchronized backward's own start decides which receive the average.
+  bool sync() const {
+    return sync_;
+  }
+  void set_sync(bool on) {
+    if (on && !sync_) {
+      existing_.clear();
+      began_ = false;
+    }
+    sync_ = on;
+  }
+
+  // Hand over the .grad of every parameter a no_sync micro-batch reached and
+  // the synchronized backward did not (used only in an earlier micro-batch):
+  // it holds this rank's local sum. Called before the step ends.
+  void give_held() {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (held_[i] && fired_[i] == 0) {
+        hand_over(i, params_[i].grad());
+      }
+    }
   }
 
   // Backward begins for this step: the .grad tensors that exist now are held
@@ -178,6 +213,13 @@ class Ledger {
 
   bool began() const {
     return began_;
+  }
+  // The outermost autograd task whose end will end the step; None: none queued.
+  std::optional<int64_t> end_queued_for() const {
+    return end_queued_for_;
+  }
+  void set_end_queued_for(std::optional<int64_t> task) {
+    end_queued_for_ = task;
   }
   int64_t arrivals() const {
     return arrivals_;
@@ -219,15 +261,30 @@ class Ledger {
     if (torch::autograd::get_current_graph_task_id() != task_seen_) {
       with_python([&] { on_task_(); });
     }
-    param.mutable_grad().reset();
+    if (!sync_) {
+      // A micro-batch under no_sync: autograd keeps summing into .grad.
+      held_[index] = true;
+      return;
+    }
+    hand_over(index, grad);
+  }
+
+  // Take `grad` (parameter `index`'s .grad) out of the parameter and give it
+  // to the runtime as the parameter's next contribution. By value: resetting
+  // the parameter's .grad must not empty the tensor handed over.
+  void hand_over(size_t index, at::Tensor grad) {
+    if (!grad.defined()) {
+      return;
+    }
+    params_[index].mutable_grad().reset();
     at::Tensor given = grad.is_contiguous() ? grad : grad.contiguous();
     uint64_t token = fired_[index]++;
     if (token == 0 && (!viewable_[index] || existing_.count(grad.unsafeGetTensorImpl()) != 0)) {
       out_[index] = grad;
     }
     auto* handle = new at::Tensor(given);
-    int32_t rc = table_->give(sink_address_, step_, index, token, reinterpret_cast<size_t>(given.data_ptr()),
-                              handle, &release_tensor);
+    int32_t rc = table_->give(sink_address_, index, token, reinterpret_cast<size_t>(given.data_ptr()), handle,
+                              &release_tensor);
     if (rc != 0) {
       with_python([&] { refuse_(); });
       return;
@@ -250,14 +307,17 @@ class Ledger {
   std::vector<c10::intrusive_ptr<Node>> accumulators_;
   std::vector<uintptr_t> keys_;
   bool closed_ = false;
-  // The open step, as the Python hooks' `PythonStep` (gradsync/torch/_steps.py).
-  uint64_t step_ = 0;
+  // The open step's record, as the Python hooks' `StepRecord` (gradsync/_record.py).
   std::vector<uint64_t> fired_;
+  // Per parameter: a no_sync micro-batch left its gradient in .grad.
+  std::vector<bool> held_;
   std::vector<at::Tensor> out_;
   std::unordered_set<const c10::TensorImpl*> existing_;
   bool began_ = false;
   int64_t arrivals_ = 0;
   int task_seen_ = kNoTask;
+  bool sync_ = false;
+  std::optional<int64_t> end_queued_for_;
 };
 
 } // namespace
@@ -270,7 +330,13 @@ PYBIND11_MODULE(_arrivals, m) {
            py::arg("params"), py::arg("viewable"), py::arg("table"), py::arg("sink"), py::arg("on_task"),
            py::arg("on_odd"))
       .def("remove", &Ledger::remove, "Take the hooks off; later gradients stay in .grad.")
-      .def("new_step", &Ledger::new_step, py::arg("number"), "Start recording step `number`.")
+      .def("new_step", &Ledger::new_step, "Start recording the runtime's next step.")
+      .def("give_held", &Ledger::give_held,
+           "Hand over the .grad of parameters only no_sync micro-batches reached (before the step ends).")
+      .def_property("sync", &Ledger::sync, &Ledger::set_sync,
+                    "Whether backward hands gradients over (else they accumulate in .grad, as under no_sync).")
+      .def_property("end_queued_for", &Ledger::end_queued_for, &Ledger::set_end_queued_for,
+                    "The outermost autograd task whose end ends the step (None: none).")
       .def("begin_backward", &Ledger::begin_backward, py::arg("grads"),
            "Backward begins: these .grad tensors (None allowed) receive the average.")
       .def("outputs", &Ledger::outputs, "Per parameter, the tensor that must receive the average, or None.")

@@ -7,19 +7,23 @@
 // functions instead, over the same c10d gloo backend and store the Python
 // side created:
 //
-//   Python (gradsync.torch._comm)            Rust (python/src/shim.rs)
-//   Endpoint(group, store, key, epoch)  ──▶  address ─┐
+//   Python (gradsync.torch._comm)            Rust (python/src/collectives.rs)
+//   Endpoint(group, store, key)         ──▶  address ─┐
 //   table()                             ──▶  address ─┴▶ start / finish / forget
 //
-// * `start` writes this rank's position (`epoch:seq`) to the store, wraps the
-//   runtime's memory as a tensor (no copy), converts a bucket to the wire type
-//   when it is not float32, and launches the all-reduce. It returns a Flight.
-// * `finish` waits for a Flight, copies the wire tensor back, scales, and frees
-//   the Flight. `forget` frees one without waiting (after a failure).
+// * `start` counts this rank's position in the store (`add(key, 1)`: the
+//   collectives this rank started in the group's epoch), wraps the runtime's
+//   memory as a tensor of the element type it is given (no copy) and launches
+//   the all-reduce. It returns a Flight and the position.
+// * `finish` waits for a Flight, scales a float32 sum, and frees the Flight.
+//   `forget` frees one without waiting (after a failure).
 // * Errors come back as text (the return value says there is one); the Python
 //   side turns the text and the failed collective's position into a typed
-//   failure (`start` hands that position out, so a failure is judged against
-//   the collective that failed, not the latest one started).
+//   failure (ranks whose position is lower never reached it).
+//
+// Nothing is converted here: a bucket that travels as bfloat16 or float16 was
+// rounded into a buffer of that type by the runtime's transport
+// (python/src/transport.rs), the one place gradsync converts wire types.
 //
 // The Endpoint belongs to Python (it holds references to the group and the
 // store); the Rust side reads its address again after every reset.
@@ -28,7 +32,6 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/utils/pybind.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -42,27 +45,18 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 
-// Element types the runtime hands over (`dtype` of `start`).
-enum Elem : int32_t { kF32 = 0, kI64 = 1 };
-// Types a bucket may travel in (`Endpoint::wire`).
-enum Wire : int32_t { kWireF32 = 0, kWireBF16 = 1, kWireF16 = 2 };
+// Element types the runtime hands over (`elem` of `start`; python/src/collectives.rs, `Words`).
+enum Elem : int32_t { kF32 = 0, kI64 = 1, kBF16 = 2, kF16 = 3 };
 
 // One process group as the communicator thread sees it.
 struct Endpoint {
   c10::intrusive_ptr<c10d::Backend> group;
-  // The job's store, where positions are written.
+  // The job's store, where positions are counted.
   c10::intrusive_ptr<c10d::Store> store;
-  // This rank's position key in `store`.
+  // This rank's position key in `store` (one per group epoch).
   std::string key;
-  // The reset epoch this group belongs to.
-  int64_t epoch;
-  // Collectives started on this group; the position of the latest is `epoch:seq`.
-  // Touched by the communicator thread only.
-  int64_t seq = 0;
-  // The type data buckets travel in; set from Python between steps.
-  std::atomic<int32_t> wire{kWireF32};
 };
 
 // One started collective.
@@ -70,20 +64,22 @@ struct Flight {
   c10::intrusive_ptr<c10d::Work> work;
   // The runtime's memory, as a tensor.
   at::Tensor tensor;
-  // What travels: `tensor` itself, or a converted copy.
-  at::Tensor wire;
-  // Applied after the sum.
+  // Applied to a float32 sum.
   float factor;
 };
 
-at::ScalarType wire_type(int32_t wire) {
-  switch (wire) {
-    case kWireBF16:
+at::ScalarType scalar_type(int32_t elem) {
+  switch (elem) {
+    case kF32:
+      return at::kFloat;
+    case kI64:
+      return at::kLong;
+    case kBF16:
       return at::kBFloat16;
-    case kWireF16:
+    case kF16:
       return at::kHalf;
     default:
-      return at::kFloat;
+      TORCH_CHECK(false, "gradsync: unknown element code ", elem);
   }
 }
 
@@ -111,38 +107,20 @@ int32_t guarded(char* err, size_t len, F&& body) {
   return 1;
 }
 
-int32_t start(
-    void* endpoint,
-    void* addr,
-    int64_t numel,
-    int32_t dtype,
-    int32_t is_bucket,
-    float factor,
-    int64_t timeout_ms,
-    void** flight,
-    int64_t* seq,
-    char* err,
-    size_t err_len) {
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, float factor, int64_t timeout_ms,
+              void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
+  *seq = 0;
   auto* ep = static_cast<Endpoint*>(endpoint);
-  ep->seq += 1;
-  *seq = ep->seq;
   return guarded(err, err_len, [&] {
-    std::string position = std::to_string(ep->epoch) + ":" + std::to_string(ep->seq);
-    ep->store->set(ep->key, std::vector<uint8_t>(position.begin(), position.end()));
-    auto type = dtype == kI64 ? at::kLong : at::kFloat;
-    auto tensor = at::from_blob(addr, {numel}, at::TensorOptions().dtype(type));
-    auto wire = tensor;
-    auto travel = wire_type(ep->wire.load(std::memory_order_relaxed));
-    if (is_bucket != 0 && type == at::kFloat && travel != at::kFloat) {
-      wire = tensor.to(travel);
-    }
+    *seq = ep->store->add(ep->key, 1);
+    auto tensor = at::from_blob(addr, {numel}, at::TensorOptions().dtype(scalar_type(elem)));
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     opts.timeout = std::chrono::milliseconds(timeout_ms);
-    std::vector<at::Tensor> tensors{wire};
+    std::vector<at::Tensor> tensors{tensor};
     auto work = ep->group->allreduce(tensors, opts);
-    *flight = new Flight{std::move(work), tensor, wire, factor};
+    *flight = new Flight{std::move(work), tensor, elem == kF32 ? factor : 1.0f};
   });
 }
 
@@ -150,9 +128,6 @@ int32_t finish(void* flight, char* err, size_t err_len) {
   auto* f = static_cast<Flight*>(flight);
   int32_t rc = guarded(err, err_len, [&] {
     f->work->wait();
-    if (!f->wire.is_same(f->tensor)) {
-      f->tensor.copy_(f->wire);
-    }
     if (f->factor != 1.0f) {
       f->tensor.mul_(f->factor);
     }
@@ -165,45 +140,34 @@ void forget(void* flight) {
   delete static_cast<Flight*>(flight);
 }
 
-// What the Rust side calls; its layout is mirrored in python/src/shim.rs.
+// What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
 struct Table {
   uint32_t version;
-  int32_t (*start)(void*, void*, int64_t, int32_t, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
+  int32_t (*start)(void*, void*, int64_t, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
   int32_t (*finish)(void*, char*, size_t);
   void (*forget)(void*);
 };
 
 const Table kTable{kVersion, &start, &finish, &forget};
 
-} // namespace
+}  // namespace
 
 PYBIND11_MODULE(_collectives, m) {
   m.doc() = "gradsync's collectives on torch's gloo engine, called by the runtime without the interpreter lock";
   m.attr("VERSION") = kVersion;
   m.def(
-      "table",
-      [] { return reinterpret_cast<uintptr_t>(&kTable); },
+      "table", [] { return reinterpret_cast<uintptr_t>(&kTable); },
       "Address of the C function table the runtime's communicator thread calls.");
-  py::class_<Endpoint>(m, "Endpoint", "One gloo group and the store positions are written to.")
-      .def(
-          py::init([](py::object group, py::object store, std::string key, int64_t epoch) {
-            auto ep = std::make_unique<Endpoint>();
-            ep->group = group.cast<c10::intrusive_ptr<c10d::Backend>>();
-            ep->store = store.cast<c10::intrusive_ptr<c10d::Store>>();
-            ep->key = std::move(key);
-            ep->epoch = epoch;
-            return ep;
-          }),
-          py::arg("group"),
-          py::arg("store"),
-          py::arg("key"),
-          py::arg("epoch"))
+  py::class_<Endpoint>(m, "Endpoint", "One gloo group and the store key its positions are counted under.")
+      .def(py::init([](py::object group, py::object store, std::string key) {
+             auto ep = std::make_unique<Endpoint>();
+             ep->group = group.cast<c10::intrusive_ptr<c10d::Backend>>();
+             ep->store = store.cast<c10::intrusive_ptr<c10d::Store>>();
+             ep->key = std::move(key);
+             return ep;
+           }),
+           py::arg("group"), py::arg("store"), py::arg("key"))
       .def_property_readonly(
-          "address",
-          [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
-          "Where the runtime finds this endpoint (valid while the object lives).")
-      .def(
-          "set_wire",
-          [](Endpoint& ep, int32_t wire) { ep.wire.store(wire, std::memory_order_relaxed); },
-          "Send later data buckets as 0 float32, 1 bfloat16 or 2 float16.");
+          "address", [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
+          "Where the runtime finds this endpoint (valid while the object lives).");
 }

@@ -3,13 +3,14 @@
 //! gradient hooks.
 //!
 //! ```text
-//! AccumulateGrad post hook (C++, no GIL) ── give(sink, step, param, token, addr, tensor) ──▶ ArrivalBatch
+//! AccumulateGrad post hook (C++, no GIL) ── give(sink, param, token, addr, tensor) ──▶ ArrivalBatch
 //!                                       ◀── 0, or a code (the refusal is kept for raise_refusal)
 //! ```
 //!
 //! A [`Sink`] shares the session's arrival batch and parameter table, so
 //! arrivals from C++ and from `Session.give` meet the same checks and the same
-//! batch. The tensor comes as a handle the shim allocated; the runtime keeps
+//! batch. An arrival is for the step the runtime has open: the hooks keep no
+//! step number of their own. The tensor comes as a handle the shim allocated; the runtime keeps
 //! it while it reads the memory and gives it back through the shim's
 //! `release` (a C++ reference count: no interpreter needed).
 
@@ -20,11 +21,11 @@ use gradsync_runtime::{ArrivalBatch, Rejection, Token};
 use pyo3::prelude::*;
 
 use crate::errors;
-use crate::store::{Grad, Owner, TensorStore};
-use crate::Params;
+use crate::params::Params;
+use crate::tensor_grads::{Grad, Owner, TensorGrads};
 
 /// The version of [`Table`] (the shim checks it: `kSinkVersion`).
-pub const TABLE_VERSION: u32 = 1;
+pub const TABLE_VERSION: u32 = 2;
 
 /// What `give` returns.
 const GIVEN: i32 = 0;
@@ -55,7 +56,7 @@ impl Drop for NativeTensor {
 }
 
 /// The session's arrival batch; `None` once the session is closed.
-pub type SharedBatch = Arc<Mutex<Option<ArrivalBatch<TensorStore>>>>;
+pub type SharedBatch = Arc<Mutex<Option<ArrivalBatch<TensorGrads>>>>;
 
 /// Where the shim's hooks hand gradients over (see the module docs).
 #[derive(Debug)]
@@ -72,21 +73,13 @@ pub struct Sink {
 pub struct Table {
     version: u32,
     #[allow(clippy::type_complexity)]
-    give: unsafe extern "C" fn(
-        *const Sink,
-        u64,
-        usize,
-        u64,
-        usize,
-        *mut c_void,
-        unsafe extern "C" fn(*mut c_void),
-    ) -> i32,
+    give: unsafe extern "C" fn(*const Sink, usize, u64, usize, *mut c_void, unsafe extern "C" fn(*mut c_void)) -> i32,
 }
 
 static TABLE: Table = Table { version: TABLE_VERSION, give };
 
 /// Hand over the tensor `handle` (data at `addr`) as one additive
-/// contribution to parameter `param` (as `Session.give`). Takes the handle
+/// contribution to parameter `param` in the open step (as `Session.give`). Takes the handle
 /// whatever the outcome; returns 0, or 1 with the refusal kept in the sink.
 ///
 /// # Safety
@@ -95,7 +88,6 @@ static TABLE: Table = Table { version: TABLE_VERSION, give };
 /// which `handle` keeps alive and nobody writes until the runtime releases it.
 unsafe extern "C" fn give(
     sink: *const Sink,
-    step: u64,
     param: usize,
     token: u64,
     addr: usize,
@@ -105,7 +97,7 @@ unsafe extern "C" fn give(
     let owner = NativeTensor { handle, release };
     // SAFETY: the caller vouches that `sink` is alive.
     let sink = unsafe { &*sink };
-    match sink.give(step, param, token, addr, owner) {
+    match sink.give(param, token, addr, owner) {
         Ok(()) => GIVEN,
         Err(refusal) => {
             *sink.refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(refusal);
@@ -119,13 +111,13 @@ impl Sink {
         Sink { batch, params, refused: Mutex::new(None) }
     }
 
-    fn give(&self, step: u64, param: usize, token: u64, addr: usize, owner: NativeTensor) -> Result<(), Rejection> {
+    fn give(&self, param: usize, token: u64, addr: usize, owner: NativeTensor) -> Result<(), Rejection> {
         // The shim registered one hook per parameter index it was given.
         let id = self.params.ids[param];
         let grad = Grad::read(self.params.at(param, addr), Owner::Native(owner));
         let mut guard = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         let batch = guard.as_mut().ok_or(Rejection::Closed)?;
-        batch.increment(step, id, Token(token), grad)
+        batch.increment(batch.open_step(), id, Token(token), grad)
     }
 }
 

@@ -20,11 +20,7 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 2;
-
-/// Element type codes of `start`.
-const ELEM_F32: i32 = 0;
-const ELEM_I64: i32 = 1;
+pub const TABLE_VERSION: u32 = 3;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -39,7 +35,6 @@ pub struct Table {
         *mut c_void,
         i64,
         i32,
-        i32,
         f32,
         i64,
         *mut *mut c_void,
@@ -51,12 +46,14 @@ pub struct Table {
     forget: unsafe extern "C" fn(*mut c_void),
 }
 
-/// What the runtime hands over: float32 buckets and corrections, or the
-/// control words (summed as int64).
-#[derive(Clone, Copy, Debug)]
+/// What a collective sums: float32 buckets and corrections, control words
+/// (summed as int64), or a bucket staged in its half-width wire type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Words {
     F32,
     I64,
+    BF16,
+    F16,
 }
 
 impl Words {
@@ -65,6 +62,18 @@ impl Words {
         match self {
             Words::F32 => "float32",
             Words::I64 => "int64",
+            Words::BF16 => "bfloat16",
+            Words::F16 => "float16",
+        }
+    }
+
+    /// The shim's element code (its `Elem`).
+    fn code(self) -> i32 {
+        match self {
+            Words::F32 => 0,
+            Words::I64 => 1,
+            Words::BF16 => 2,
+            Words::F16 => 3,
         }
     }
 }
@@ -141,23 +150,17 @@ impl NativeGloo {
     }
 
     /// Start summing `numel` `words` at `addr` over every rank, scaled by
-    /// `factor` when finished. `bucket` data travels in the endpoint's wire type.
-    #[allow(clippy::too_many_arguments)]
+    /// `factor` when finished (float32 only).
     pub fn start(
         &mut self,
         tag: CollectiveTag,
         addr: usize,
         numel: usize,
         words: Words,
-        bucket: bool,
         factor: f32,
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let started = Instant::now();
-        let elem = match words {
-            Words::F32 => ELEM_F32,
-            Words::I64 => ELEM_I64,
-        };
         let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX).max(1);
         let mut handle = std::ptr::null_mut();
         let mut seq = 0i64;
@@ -171,8 +174,7 @@ impl NativeGloo {
                 self.endpoint as *mut c_void,
                 addr as *mut c_void,
                 numel as i64,
-                elem,
-                i32::from(bucket),
+                words.code(),
                 factor,
                 timeout_ms,
                 &mut handle,

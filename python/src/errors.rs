@@ -52,6 +52,7 @@ pub fn sync_error(py: Python<'_>, e: &SyncError) -> PyErr {
             raise(py, "StepOrderError", message, &[])
         }
         SyncError::Closed => raise(py, "ClosedError", message, &[]),
+        SyncError::Setting { .. } => raise(py, "ConfigError", message, &[]),
         SyncError::Alloc(_) | SyncError::Unresponsive { .. } => raise(py, "StepFailedError", message, &[]),
     }
 }

@@ -1,4 +1,4 @@
-//! [`TensorStore`]: host buckets, and payloads that are either the runtime's
+//! [`TensorGrads`]: host buckets, and payloads that are either the runtime's
 //! own vectors or a tensor taken from Python, read in place.
 //!
 //! `gradsync.torch` moves each gradient tensor out of `.grad` in its hook and
@@ -78,9 +78,9 @@ impl Grad {
 
 /// Host buckets (as [`HostStore`]) with [`Grad`] payloads.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct TensorStore;
+pub struct TensorGrads;
 
-impl GradStore for TensorStore {
+impl GradStore for TensorGrads {
     type Values = Grad;
     type Bucket = BucketBuf;
 

@@ -19,16 +19,25 @@
 //! address covers it whole. Collectives may overlap: `start` launches one and
 //! returns, `wait_oldest` finishes the oldest, up to `window` at a time. The
 //! communicator must not keep the tensor it makes after the collective finished.
+//!
+//! **The wire type is converted here, and only here.** A data bucket that
+//! travels as bfloat16 or float16 ([`Transport::set_wire`]) is rounded into a
+//! half-width buffer of this transport's before the collective starts; the
+//! communicator (native or Python) sums whatever element type it is handed,
+//! and the sum is widened back into the bucket when it finishes. Control
+//! words and corrections always travel as they are.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use gradsync_runtime::backend::{BucketBuf, CollectiveKind, CollectiveTag, CommError, Transport};
+use gradsync_runtime::Wire;
+use half::{bf16, f16};
 use pyo3::prelude::*;
 
+use crate::collectives::{NativeGloo, ShimError, Words};
 use crate::errors;
-use crate::shim::{NativeGloo, ShimError, Words};
-use crate::store::TensorStore;
+use crate::tensor_grads::TensorGrads;
 
 /// One collective as the runtime asks for it: `numel` `words` at `addr`,
 /// summed over every rank, then scaled by `factor`, by `deadline`.
@@ -55,6 +64,13 @@ impl Collective {
         self.deadline.saturating_duration_since(now).max(Duration::from_millis(1))
     }
 
+    /// This collective's data moved into `staged` (rounded to its wire type):
+    /// the collective now sums that buffer, unscaled; [`Staged::finish`]
+    /// widens and scales the sum back into the bucket.
+    fn staged(self, staged: &mut Staged) -> Self {
+        Collective { addr: staged.wire.as_mut_ptr() as usize, words: staged.words, factor: 1.0, ..self }
+    }
+
     /// Control words, summed as int64: two's complement makes the wrapping
     /// sums identical.
     fn words(tag: CollectiveTag, words: &mut [u64], deadline: Instant) -> Self {
@@ -65,6 +81,48 @@ impl Collective {
             words: Words::I64,
             factor: 1.0,
             deadline,
+        }
+    }
+}
+
+/// A data bucket's half-width copy while its collective runs.
+#[derive(Debug)]
+struct Staged {
+    /// The bucket's values rounded to the wire type (bf16 or f16 bits).
+    wire: Vec<u16>,
+    words: Words,
+    /// The bucket: `numel` float32 values the sum is widened back into.
+    bucket: usize,
+    numel: usize,
+    factor: f32,
+}
+
+impl Staged {
+    /// Round the `c.numel` float32 values at `c.addr` to `wire`.
+    fn start(c: &Collective, wire: Wire) -> Staged {
+        // SAFETY: `c.addr` holds the bucket's `c.numel` float32 values (one
+        // piece, `Collective::bucket`), owned by the runtime and untouched by
+        // anyone else until this collective is finished or forgotten.
+        let values = unsafe { std::slice::from_raw_parts(c.addr as *const f32, c.numel) };
+        let (wire, words) = match wire {
+            Wire::BF16 => (values.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(), Words::BF16),
+            Wire::F16 => (values.iter().map(|&x| f16::from_f32(x).to_bits()).collect(), Words::F16),
+            Wire::F32 => unreachable!("float32 buckets travel as they are"),
+        };
+        Staged { wire, words, bucket: c.addr, numel: c.numel, factor: c.factor }
+    }
+
+    /// Widen the summed wire values back into the bucket, scaled.
+    fn finish(self) {
+        // SAFETY: as in `start`: the bucket is still the runtime's and
+        // untouched until this collective is reported finished.
+        let out = unsafe { std::slice::from_raw_parts_mut(self.bucket as *mut f32, self.numel) };
+        let widen: fn(u16) -> f32 = match self.words {
+            Words::BF16 => |h| bf16::from_bits(h).to_f32(),
+            _ => |h| f16::from_bits(h).to_f32(),
+        };
+        for (o, &h) in out.iter_mut().zip(&self.wire) {
+            *o = widen(h) * self.factor;
         }
     }
 }
@@ -83,6 +141,11 @@ pub struct PyTransport {
     started: VecDeque<(CollectiveTag, Instant)>,
     /// The native path, when the communicator has one.
     native: Option<NativeGloo>,
+    /// The type data buckets travel in.
+    wire: Wire,
+    /// Per collective started and not finished, oldest first: its staged
+    /// half-width copy, if it has one.
+    staged: VecDeque<Option<Staged>>,
 }
 
 impl PyTransport {
@@ -98,7 +161,16 @@ impl PyTransport {
             })?),
             None => None,
         };
-        Ok(PyTransport { rank, world, communicator, window: window.max(1), started: VecDeque::new(), native })
+        Ok(PyTransport {
+            rank,
+            world,
+            communicator,
+            window: window.max(1),
+            started: VecDeque::new(),
+            native,
+            wire: Wire::F32,
+            staged: VecDeque::new(),
+        })
     }
 
     /// Call `method` for collective `c` in Python.
@@ -129,10 +201,14 @@ impl PyTransport {
         if self.window == 1 {
             return self.whole(c);
         }
+        let c = self.stage(c);
         if self.native.is_some() {
             return self.start_native(c);
         }
-        self.call("start", c)?;
+        if let Err(e) = self.call("start", c) {
+            self.staged.pop_back();
+            return Err(e);
+        }
         self.started.push_back((c.tag, Instant::now()));
         Ok(())
     }
@@ -140,8 +216,11 @@ impl PyTransport {
     /// Collective `c`, started and finished (natively, every earlier one
     /// finishes first: gloo completes them in order anyway).
     fn whole(&mut self, c: Collective) -> Result<(), CommError> {
+        let c = self.stage(c);
         if self.native.is_none() {
-            return self.call("all_reduce", c);
+            let outcome = self.call("all_reduce", c);
+            self.unstage(outcome.is_ok());
+            return outcome;
         }
         self.start_native(c)?;
         while self.native.as_ref().is_some_and(|n| n.in_flight() > 0) {
@@ -150,18 +229,50 @@ impl PyTransport {
         Ok(())
     }
 
+    /// Stage `c` in its wire type when it is a data bucket that travels
+    /// narrower than float32 (see the module docs); remember either way, so
+    /// the collective's finish knows.
+    fn stage(&mut self, c: Collective) -> Collective {
+        if self.wire == Wire::F32 || !matches!(c.tag.kind, CollectiveKind::Bucket { .. }) {
+            self.staged.push_back(None);
+            return c;
+        }
+        let mut staged = Staged::start(&c, self.wire);
+        let c = c.staged(&mut staged);
+        self.staged.push_back(Some(staged));
+        c
+    }
+
+    /// The oldest collective finished (`ok`) or failed: widen its staged sum
+    /// back into the bucket, or drop it.
+    fn unstage(&mut self, ok: bool) {
+        if let Some(Some(staged)) = self.staged.pop_front() {
+            if ok {
+                staged.finish();
+            }
+        }
+    }
+
     /// Start collective `c` on the native path.
     fn start_native(&mut self, c: Collective) -> Result<(), CommError> {
         let Some(native) = &mut self.native else { return Ok(()) };
         let timeout = c.time_left(Instant::now());
-        let bucket = matches!(c.tag.kind, CollectiveKind::Bucket { .. });
-        native.start(c.tag, c.addr, c.numel, c.words, bucket, c.factor, timeout).map_err(|e| self.failure(e))
+        match native.start(c.tag, c.addr, c.numel, c.words, c.factor, timeout) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Never started: it will not be finished.
+                self.staged.pop_back();
+                Err(self.failure(e))
+            }
+        }
     }
 
     /// Finish the oldest native collective.
     fn finish_native(&mut self) -> Result<(), CommError> {
         let Some(native) = &mut self.native else { return Ok(()) };
-        native.finish_oldest().map_err(|e| self.failure(e))
+        let outcome = native.finish_oldest();
+        self.unstage(outcome.is_ok());
+        outcome.map_err(|e| self.failure(e))
     }
 
     /// A native failure as the runtime's error: the communicator's
@@ -203,10 +314,10 @@ impl PyTransport {
 }
 
 impl Transport for PyTransport {
-    type Store = TensorStore;
+    type Store = TensorGrads;
 
-    fn store(&self) -> TensorStore {
-        TensorStore
+    fn store(&self) -> TensorGrads {
+        TensorGrads
     }
 
     fn rank(&self) -> usize {
@@ -240,6 +351,15 @@ impl Transport for PyTransport {
         self.window
     }
 
+    /// gloo sums any of them; the conversion is [`Staged`]'s.
+    fn wires(&self) -> &'static [Wire] {
+        &[Wire::F32, Wire::BF16, Wire::F16]
+    }
+
+    fn set_wire(&mut self, wire: Wire) {
+        self.wire = wire;
+    }
+
     /// Buckets are averaged while they are packed (as DDP divides before its
     /// all-reduce), so the communicator thread only sums: a separate
     /// `mul_` over every bucket would cost it a full pass over the bytes.
@@ -267,16 +387,19 @@ impl Transport for PyTransport {
         }
         // Nothing started with a window of one: `start_*` ran the whole collective.
         let Some((tag, started)) = self.started.pop_front() else { return Ok(()) };
-        Python::attach(|py| {
+        let outcome = Python::attach(|py| {
             self.communicator
                 .call_method0(py, "wait_oldest")
                 .map(|_| ())
                 .map_err(|e| self.translate(py, e, tag, started.elapsed()))
-        })
+        });
+        self.unstage(outcome.is_ok());
+        outcome
     }
 
     fn discard_in_flight(&mut self) {
         self.started.clear();
+        self.staged.clear();
         if let Some(native) = &mut self.native {
             return native.forget_all();
         }
@@ -287,6 +410,7 @@ impl Transport for PyTransport {
     }
 
     fn reset(&mut self) {
+        self.staged.clear();
         if let Some(native) = &mut self.native {
             native.forget_all();
         }

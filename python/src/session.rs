@@ -1,0 +1,365 @@
+//! [`Session`]: one rank's runtime, as Python drives it: registration and
+//! settings, arrivals, the end of each step, reset, the timeline.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gradsync_runtime::{
+    ArrivalBatch, ChromeTrace, DType, Divisor, GradSync, Rejection, StepReport as RustReport, StepResult, Token,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::arrivals::{ArrivalSink, SharedBatch, Sink};
+use crate::closing;
+use crate::errors::{self, dict, value};
+use crate::memory::{self, Elem};
+use crate::params::Params;
+use crate::report::StepReport;
+use crate::settings;
+use crate::step::{Step, DETACH_BYTES};
+use crate::tensor_grads::{Grad, Owner, TensorGrads};
+use crate::transport::PyTransport;
+
+/// One rank's gradient synchronizer, its collectives run by `communicator`
+/// (see `gradsync.torch`). Most programs use `gradsync.torch.DistributedDataParallel`
+/// rather than this class.
+#[pyclass(module = "gradsync._native")]
+pub struct Session {
+    /// `None` once closed.
+    sync: Option<GradSync<TensorGrads>>,
+    /// Arrivals checked and held until a bucket can launch (one wake-up of
+    /// the actors per group instead of per gradient); delivered before every
+    /// step end. `None` once closed.
+    batch: SharedBatch,
+    params: Arc<Params>,
+    /// Every step's timeline, when recording.
+    trace: Option<ChromeTrace>,
+}
+
+fn closed(py: Python<'_>) -> PyErr {
+    errors::raise(py, "ClosedError", "this gradsync session is closed".into(), &[])
+}
+
+impl Session {
+    fn sync(&mut self, py: Python<'_>) -> PyResult<&mut GradSync<TensorGrads>> {
+        self.sync.as_mut().ok_or_else(|| closed(py))
+    }
+
+    /// Run `offer` on the batch (refusals become `RejectedError`).
+    fn offer(
+        &self,
+        py: Python<'_>,
+        offer: impl FnOnce(&mut ArrivalBatch<TensorGrads>) -> Result<(), Rejection>,
+    ) -> PyResult<()> {
+        let mut guard = self.batch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let batch = guard.as_mut().ok_or_else(|| closed(py))?;
+        offer(batch).map_err(|e| errors::rejection(py, &e))
+    }
+
+    /// Send every held arrival to the actors (before a step ends).
+    fn deliver(&self, py: Python<'_>) -> PyResult<()> {
+        self.offer(py, ArrivalBatch::deliver)
+    }
+
+    /// Add a finished step to the timeline, when recording.
+    fn record(&mut self, report: &RustReport) {
+        if let Some(trace) = &mut self.trace {
+            trace.add(report);
+        }
+    }
+
+    fn wrap(&mut self, py: Python<'_>, result: StepResult<TensorGrads>) -> PyResult<Step> {
+        self.record(&result.report);
+        let report = Py::new(py, StepReport::new(&result.report))?;
+        Ok(Step::new(report, result.gradients, Arc::clone(&self.params)))
+    }
+
+    /// `step`, or the open step when `None` (the runtime's one step number).
+    fn step_or_open(&self, py: Python<'_>, step: Option<u64>) -> PyResult<u64> {
+        match step {
+            Some(step) => Ok(step),
+            None => Ok(self.sync.as_ref().ok_or_else(|| closed(py))?.current_step()),
+        }
+    }
+}
+
+#[pymethods]
+impl Session {
+    /// Register the parameters (in forward order) and start the runtime.
+    /// `dtypes` name each gradient's element type (`"float32"`, `"float64"`,
+    /// `"float16"`, `"bfloat16"`); gradsync reduces in float32. Up to
+    /// `in_flight` collectives overlap when the communicator has `start` and
+    /// `wait_oldest`. `reorder_buckets` rebuilds the bucket plan in the order
+    /// gradients arrive (after the first step, and when that order changes
+    /// for several steps), the same plan on every rank. `wire_dtype`
+    /// (`"float32"`, `"bfloat16"`, `"float16"`) is the type data buckets
+    /// travel in; `divisor` what each step's sum is divided by
+    /// (`"contributors"`, the default, `"world"`, `"sum"` or an integer).
+    #[new]
+    #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
+                        timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
+                        param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        communicator: Py<PyAny>,
+        rank: usize,
+        world: usize,
+        names: Vec<String>,
+        numels: Vec<usize>,
+        dtypes: Vec<String>,
+        bucket_cap_bytes: usize,
+        timeout_s: f64,
+        abort_policy: &str,
+        divisor: Option<Bound<'_, PyAny>>,
+        record_timeline: bool,
+        param_shards: usize,
+        in_flight: usize,
+        reorder_buckets: bool,
+        wire_dtype: &str,
+    ) -> PyResult<Session> {
+        if names.len() != numels.len() || names.len() != dtypes.len() {
+            let why = "names, numels and dtypes must have one entry per parameter".to_string();
+            return Err(errors::raise(py, "ConfigError", why, &[]));
+        }
+        if !(timeout_s.is_finite() && timeout_s > 0.0) {
+            return Err(errors::raise(py, "ConfigError", format!("timeout_s {timeout_s}: must be positive"), &[]));
+        }
+        let mut b = GradSync::builder();
+        let mut ids = Vec::with_capacity(names.len());
+        let mut elem = Vec::with_capacity(names.len());
+        for ((name, &numel), dtype) in names.iter().zip(&numels).zip(&dtypes) {
+            let e = Elem::parse(dtype).ok_or_else(|| {
+                let why = format!(
+                    "parameter {name:?} has dtype {dtype}: gradsync reduces float32 and converts float64, \
+                     float16 and bfloat16; other types cannot be averaged"
+                );
+                errors::raise(py, "ConfigError", why, &[])
+            })?;
+            ids.push(b.param(name.clone(), numel, DType::F32).map_err(|e| errors::build_error(py, &e))?);
+            elem.push(e);
+        }
+        let divisor = match divisor {
+            Some(d) => settings::divisor(py, &d)?,
+            None => Divisor::Contributors,
+        };
+        b.bucket_cap_bytes(bucket_cap_bytes)
+            .collective_timeout(Duration::from_secs_f64(timeout_s))
+            .abort_policy(settings::policy(py, abort_policy)?)
+            .wire_dtype(settings::wire(py, wire_dtype)?)
+            .divisor(divisor)
+            .record_timeline(record_timeline)
+            .param_shards(param_shards)
+            .reorder_buckets(reorder_buckets);
+        // Collectives overlap only with a communicator that can start and wait separately.
+        let windowed =
+            ["start", "wait_oldest", "discard"].iter().all(|m| communicator.bind(py).hasattr(*m).unwrap_or(false));
+        let window = if windowed { in_flight } else { 1 };
+        let sync = b
+            .build(PyTransport::new(py, rank, world, communicator, window)?)
+            .map_err(|e| errors::build_error(py, &e))?;
+        let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
+        let params = Arc::new(Params { ids, numel: numels, elem });
+        Ok(Session { sync: Some(sync), batch, params, trace: record_timeline.then(ChromeTrace::new) })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&mut self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.sync(py)?.rank())
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world(&mut self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.sync(py)?.world())
+    }
+
+    /// The open step (the one arrivals are for, and the next to end).
+    #[getter]
+    fn current_step(&mut self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.sync(py)?.current_step())
+    }
+
+    /// Bytes of bucket buffers and metadata the runtime holds.
+    #[getter]
+    fn memory_bytes(&mut self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.sync(py)?.memory_bytes())
+    }
+
+    /// Hand over parameter `param`'s whole local gradient so far, read from
+    /// `addr`, for `step` (`None`: the open step). Among a step's arrivals of
+    /// one parameter the highest `token` wins (use the hook's firing index);
+    /// a repeated `token` is a duplicate.
+    ///
+    /// Low level: `addr` must be the data address of a live, contiguous CPU
+    /// buffer with the parameter's element count and type, not written during
+    /// the call (`gradsync.torch` checks the tensor it takes it from).
+    #[pyo3(signature = (step, param, token, addr))]
+    fn arrive_ptr(&self, py: Python<'_>, step: Option<u64>, param: usize, token: u64, addr: usize) -> PyResult<()> {
+        let step = self.step_or_open(py, step)?;
+        let src = self.params.raw(param, addr)?;
+        let mut values = Vec::new();
+        if src.numel * 4 >= DETACH_BYTES {
+            py.detach(|| memory::read(src, &mut values));
+        } else {
+            memory::read(src, &mut values);
+        }
+        self.offer(py, |batch| batch.accumulated(step, self.params.ids[param], Token(token), Grad::Owned(values)))
+    }
+
+    /// Hand over `tensor`, one additive contribution to parameter `param`'s
+    /// gradient in `step` (`None`: the open step; a `.grad` the caller has
+    /// just moved out of the parameter):
+    /// contributions with distinct tokens are summed, a repeated token is a
+    /// duplicate. A float32 tensor is read in place (the runtime keeps a
+    /// reference until the step ends; the caller must not write it before);
+    /// other float types are converted into a copy.
+    ///
+    /// Low level: `addr` must be `tensor`'s data address, and the tensor
+    /// contiguous, on the CPU, with the parameter's element count and type.
+    #[pyo3(signature = (step, param, token, tensor, addr))]
+    fn give(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+        param: usize,
+        token: u64,
+        tensor: Py<PyAny>,
+        addr: usize,
+    ) -> PyResult<()> {
+        let step = self.step_or_open(py, step)?;
+        let grad = Grad::read(self.params.raw(param, addr)?, Owner::Python(tensor));
+        self.offer(py, |batch| batch.increment(step, self.params.ids[param], Token(token), grad))
+    }
+
+    /// The entry through which `gradsync.torch`'s native hooks hand
+    /// gradients over without the interpreter (the checks and batch of
+    /// `give`).
+    fn arrival_sink(&self) -> ArrivalSink {
+        ArrivalSink::new(Sink::new(Arc::clone(&self.batch), Arc::clone(&self.params)))
+    }
+
+    /// Backward of `step` is over: launch what is left, agree with every rank
+    /// and return the finished step. Waits with the interpreter released.
+    fn finish(&mut self, py: Python<'_>, step: u64) -> PyResult<Step> {
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        let result = py.detach(|| sync.finish_step(step)).map_err(|e| errors::sync_error(py, &e))?;
+        self.wrap(py, result)
+    }
+
+    /// This rank cannot finish `step` (`reason`: `"out_of_memory"`,
+    /// `"bad_batch"`, `"non_finite"` or an integer code).
+    fn abort(&mut self, py: Python<'_>, step: u64, reason: Bound<'_, PyAny>) -> PyResult<Step> {
+        let reason = settings::abort_reason(py, &reason)?;
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        let result = py.detach(|| sync.abort_step(step, reason)).map_err(|e| errors::sync_error(py, &e))?;
+        self.wrap(py, result)
+    }
+
+    /// This rank is out of data: contribute zeros to every later step until
+    /// every rank has joined. Returns `(first_step, steps_shadowed)`.
+    fn join(&mut self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        let joined = py.detach(|| sync.join()).map_err(|e| errors::sync_error(py, &e))?;
+        Ok((joined.first_step, joined.steps))
+    }
+
+    /// One step of `join`: this rank is out of data and contributes zeros
+    /// to the other ranks' open step; returns that step's report (outcome
+    /// `"all_joined"` once every rank shadowed it). For torch's `Join`
+    /// context manager, which counts the ranks still training itself.
+    fn shadow_step(&mut self, py: Python<'_>) -> PyResult<Py<StepReport>> {
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        let report = py.detach(|| sync.shadow_step()).map_err(|e| errors::sync_error(py, &e))?;
+        self.record(&report);
+        Py::new(py, StepReport::new(&report))
+    }
+
+    /// After a failed step, on every rank: agree on the step to continue at.
+    fn reset(&mut self, py: Python<'_>) -> PyResult<u64> {
+        let sync = self.sync(py)?;
+        py.detach(|| sync.reset()).map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// Divide the sum of every step that has not begun by `divisor`
+    /// (`"contributors"`, `"world"`, `"sum"` or an integer); every rank at
+    /// the same point (it joins each step's control vote).
+    fn set_divisor(&mut self, py: Python<'_>, divisor: Bound<'_, PyAny>) -> PyResult<()> {
+        let divisor = settings::divisor(py, &divisor)?;
+        let sync = self.sync(py)?;
+        py.detach(|| sync.set_divisor(divisor)).map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// Send data buckets as `wire` (`"float32"`, `"bfloat16"`, `"float16"`)
+    /// from the first step on: only before the first bucket is launched, on
+    /// every rank (the plan agreement runs again).
+    fn set_wire_dtype(&mut self, py: Python<'_>, wire: &str) -> PyResult<()> {
+        let wire = settings::wire(py, wire)?;
+        let sync = self.sync(py)?;
+        py.detach(|| sync.set_wire_dtype(wire)).map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// The current step's progress: buckets launched and reduced, parameters ready.
+    fn progress<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let sync = self.sync(py)?;
+        let p = py.detach(|| sync.progress()).map_err(|e| errors::sync_error(py, &e))?;
+        dict(
+            py,
+            vec![
+                ("step", value(py, p.step)),
+                ("buckets_launched", value(py, p.buckets_launched)),
+                ("buckets_done", value(py, p.buckets_done)),
+                ("params_ready", value(py, p.params_ready)),
+            ],
+        )
+    }
+
+    /// Write every recorded step's timeline as Chrome trace JSON (Perfetto);
+    /// needs `record_timeline=True`.
+    fn write_timeline(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
+        let Some(trace) = &self.trace else {
+            return Err(errors::raise(
+                py,
+                "ConfigError",
+                "no timeline: create the session with record_timeline=True".into(),
+                &[],
+            ));
+        };
+        let file = std::fs::File::create(&path)?;
+        trace.write_json(std::io::BufWriter::new(file))?;
+        Ok(trace.len())
+    }
+
+    /// Stop the runtime's threads (waits for a collective in flight to end).
+    /// Every later call raises `ClosedError`.
+    fn close(&mut self, py: Python<'_>) {
+        // Held arrivals die with the session (their tensors are released here).
+        self.batch.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        if let Some(sync) = self.sync.take() {
+            // The communicator thread may need the interpreter to finish its collective.
+            py.detach(move || drop(sync));
+        }
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.sync.is_none()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(sync) = self.sync.take() {
+            // Dropped by the garbage collector with the interpreter held: the
+            // communicator thread may be waiting for it, so join elsewhere.
+            closing::in_background(sync);
+        }
+    }
+}

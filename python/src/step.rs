@@ -1,0 +1,125 @@
+//! [`Step`]: a finished step as Python holds it: its report, and the
+//! averaged gradients lent until released.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use gradsync_runtime::Gradients;
+use pyo3::prelude::*;
+
+use crate::memory;
+use crate::params::Params;
+use crate::report::StepReport;
+use crate::tensor_grads::TensorGrads;
+
+/// Copy above this many bytes with the interpreter released.
+pub const DETACH_BYTES: usize = 256 << 10;
+
+/// The lent gradients of a step: `None` once released, or for a step that
+/// does not apply.
+type Lent = Option<Gradients<TensorGrads>>;
+
+/// A finished step: its report, and (when it applies) the averaged
+/// gradients, lent until [`Step::release`] or garbage collection. Weakly
+/// referenceable, so a wrapper can tell whether views of it are still alive.
+#[pyclass(module = "gradsync._native", weakref)]
+pub struct Step {
+    report: Py<StepReport>,
+    /// Behind a lock only because Python objects must be shareable between threads.
+    gradients: Mutex<Lent>,
+    params: Arc<Params>,
+}
+
+impl Step {
+    pub fn new(report: Py<StepReport>, gradients: Lent, params: Arc<Params>) -> Step {
+        Step { report, gradients: Mutex::new(gradients), params }
+    }
+
+    /// The lent gradients. A lock poisoned by a panic in an earlier call is
+    /// an error, never read as "nothing lent".
+    fn lent(&self) -> PyResult<MutexGuard<'_, Lent>> {
+        self.gradients.lock().map_err(|_| {
+            pyo3::exceptions::PyRuntimeError::new_err(
+                "this step's gradients are unusable: an earlier call on it panicked (a gradsync bug, please report it)",
+            )
+        })
+    }
+}
+
+#[pymethods]
+impl Step {
+    /// The step's report.
+    #[getter]
+    fn report(&self, py: Python<'_>) -> Py<StepReport> {
+        self.report.clone_ref(py)
+    }
+
+    /// Whether the step's gradients may be applied (applied or partial) and
+    /// are not released yet.
+    #[getter]
+    fn applied(&self) -> PyResult<bool> {
+        Ok(self.lent()?.is_some())
+    }
+
+    /// Whether parameter `param` has an averaged gradient (`False`: unused on
+    /// every rank, or the step does not apply).
+    fn has(&self, param: usize) -> PyResult<bool> {
+        let Some(&id) = self.params.ids.get(param) else { return Ok(false) };
+        Ok(self.lent()?.as_ref().is_some_and(|g| g.has(id)))
+    }
+
+    /// Write parameter `param`'s averaged gradient into `addr` (converted to
+    /// its type); `False` if it has none. `addr` must be the data address of
+    /// a live, contiguous CPU buffer with the parameter's element count and
+    /// type, written by nobody else during the call.
+    fn copy_into_ptr(&self, py: Python<'_>, param: usize, addr: usize) -> PyResult<bool> {
+        let dst = self.params.raw(param, addr)?;
+        let id = self.params.ids[param];
+        let guard = self.lent()?;
+        let Some(view) = guard.as_ref().and_then(|g| g.get(id)) else { return Ok(false) };
+        if dst.numel * 4 >= DETACH_BYTES {
+            py.detach(|| memory::write(view, dst));
+        } else {
+            memory::write(view, dst);
+        }
+        Ok(true)
+    }
+
+    /// The address of parameter `param`'s averaged gradient inside the
+    /// step's bucket memory (float32, the parameter's element count), or
+    /// `None` if it has none. The memory belongs to this `Step`: it stays
+    /// valid while this object lives and is not released, and goes back to
+    /// the runtime when it is collected (`gradsync.torch` hands out tensors
+    /// that view it and keep the object alive).
+    fn address(&self, param: usize) -> PyResult<Option<usize>> {
+        let Some(&id) = self.params.ids.get(param) else { return Ok(None) };
+        let guard = self.lent()?;
+        let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(None) };
+        if bucket.num_pieces() != 1 {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous"));
+        }
+        Ok(Some(bucket.piece(0)[range].as_ptr() as usize))
+    }
+
+    /// Every bucket as `(address, numel, members)`: `numel` float32 values
+    /// at `address` holding the averaged gradients of the parameter indices
+    /// `members`, back to back in that order. Same lifetime as [`Step::address`].
+    fn buckets(&self) -> PyResult<Vec<(usize, usize, Vec<usize>)>> {
+        let guard = self.lent()?;
+        let Some(g) = guard.as_ref() else { return Ok(Vec::new()) };
+        g.buckets()
+            .map(|(bucket, members)| {
+                if bucket.num_pieces() != 1 {
+                    return Err(pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous"));
+                }
+                let piece = bucket.piece(0);
+                Ok((piece.as_ptr() as usize, piece.len(), members.iter().map(|p| p.index()).collect()))
+            })
+            .collect()
+    }
+
+    /// Return the gradients' buffers to the runtime now.
+    fn release(&self) -> PyResult<()> {
+        self.lent()?.take();
+        Ok(())
+    }
+}
