@@ -11,11 +11,13 @@ for ``torch.nn.parallel.DistributedDataParallel``::
     model = DDP(model)
 
 This package also offers the exceptions (see :mod:`gradsync._errors`), the
-per-step report, and the Prometheus exporter.
+per-step report, the :class:`DataPath` a wrapper reports, and the
+Prometheus exporter. Paddle users want :class:`gradsync.paddle.DataParallel`.
 """
 
 import atexit
 
+from gradsync._core import DataPath
 from gradsync._errors import (
     ClosedError,
     CommunicationError,
@@ -43,6 +45,7 @@ __all__ = [
     "ClosedError",
     "CommunicationError",
     "ConfigError",
+    "DataPath",
     "DesyncError",
     "GradientLayoutError",
     "GradsyncError",

@@ -74,6 +74,7 @@ class Session:
         param_shards: int = ...,
         in_flight: int = ...,
         reorder_buckets: bool = ...,
+        wire_dtype: str = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -85,10 +86,12 @@ class Session:
     def memory_bytes(self) -> int: ...
     @property
     def closed(self) -> bool: ...
-    def arrive_ptr(self, step: int, param: int, token: int, addr: int) -> None:
-        """Hand over a copy of ``param``'s whole local gradient so far, read from ``addr``."""
-    def give(self, step: int, param: int, token: int, tensor: Any, addr: int) -> None:
-        """Hand over ``tensor`` (one additive contribution, read in place until the step ends)."""
+    def arrive_ptr(self, step: Optional[int], param: int, token: int, addr: int) -> None:
+        """Hand over a copy of ``param``'s whole local gradient so far, read
+        from ``addr``, for ``step`` (``None``: the open step)."""
+    def give(self, step: Optional[int], param: int, token: int, tensor: Any, addr: int) -> None:
+        """Hand over ``tensor`` (one additive contribution, read in place until
+        the step ends) for ``step`` (``None``: the open step)."""
     def arrival_sink(self) -> ArrivalSink:
         """The entry through which ``gradsync.torch``'s C++ hooks hand gradients over."""
     def finish(self, step: int) -> Step: ...
@@ -97,6 +100,11 @@ class Session:
     def shadow_step(self) -> StepReport:
         """Contribute zeros to the other ranks' open step (one step of ``join``)."""
     def reset(self) -> int: ...
+    def set_divisor(self, divisor: Union[str, int]) -> None:
+        """Divide every step that has not begun by ``divisor`` (``"contributors"``,
+        ``"world"``, ``"sum"`` or an integer); every rank at the same point."""
+    def set_wire_dtype(self, wire: str) -> None:
+        """Send data buckets as ``wire`` (before the first bucket, on every rank)."""
     def progress(self) -> dict[str, int]: ...
     def write_timeline(self, path: Union[str, PathLike[str]]) -> int: ...
     def close(self) -> None: ...

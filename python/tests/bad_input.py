@@ -88,4 +88,46 @@ def native_misuse(rank, world):
         gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a"], [1], ["float32"], timeout_s=0)
     )
     seen["world"] = expect(gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 3, 2, ["a"], [1], ["float32"]))
+    seen["divisor"] = expect(
+        gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a"], [1], ["float32"], divisor="average")
+    )
+    seen["wire"] = expect(
+        gradsync.ConfigError, lambda: gradsync.Session(NoComm(), 0, 1, ["a"], [1], ["float32"], wire_dtype="int8")
+    )
     return seen
+
+
+def unknown_abort_reason(rank, world):
+    """An abort reason gradsync does not know is refused on the spot (it used
+    to be taken silently for an anonymous code); the step can then be
+    aborted with a known reason, on every rank, and nobody blocks."""
+    wrapped = DDP(nn.Linear(3, 3))
+    wrapped(torch.ones(1, 3)).sum().backward()
+    refused = expect(gradsync.ConfigError, lambda: wrapped.abort_step("disk_full"))
+    wrapped(torch.ones(1, 3)).sum()
+    report = wrapped.abort_step("bad_batch")
+    wrapped.close()
+    return {"refused": refused, "outcome": report.outcome, "aborted": report.aborted}
+
+
+def wire_types_that_differ(rank, world, how):
+    """Ranks that choose different wire types fail together with a
+    ``DesyncError`` naming the odd rank (before, gloo failed on mismatched
+    messages): chosen at construction (``"constructor"``) or by a comm hook
+    registered on one rank only (``"comm_hook"``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(3)
+    if how == "constructor":
+        wrapped = DDP(nn.Linear(4, 4), wire_dtype="bfloat16" if rank == 1 else "float32", timeout=20)
+    else:
+        wrapped = DDP(nn.Linear(4, 4), timeout=20)
+        if rank == 1:
+            wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    try:
+        wrapped(torch.ones(2, 4)).sum().backward()
+    except gradsync.DesyncError as e:
+        return {"ranks": e.ranks, "message": str(e)}
+    finally:
+        wrapped.close()
+    return None

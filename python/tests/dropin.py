@@ -609,3 +609,93 @@ def complex_parameters(rank, world, impl, steps=3):
             outcome.record(diff([p.grad for p in model.parameters()], want))
             opt.step()
     return outcome.result
+
+
+def accumulation_grads_visible(rank, world, impl, micro=3, steps=2):
+    """Between micro-batches under ``no_sync``, ``.grad`` holds this rank's
+    local sum so far (a loop that logs the gradient norm after each
+    micro-batch, Lightning's ``on_after_backward``); what the program writes
+    into it there (here: the sum halved after the first micro-batch) is what
+    gets averaged, as under DDP. Returns the largest difference from the
+    reference, local sums and final average alike."""
+    model = mlp()
+    wrapped = wrap(copy.deepcopy(model), impl)
+    params = list(wrapped.parameters())
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            wrapped.zero_grad()
+            for m in range(micro):
+                last = m == micro - 1
+                context = contextlib.nullcontext() if last else wrapped.no_sync()
+                with context:
+                    wrapped(batch(step * micro + m, rank)).square().sum().backward()
+                if not last:
+                    # This rank's own sum so far, as one process computes it.
+                    ref = copy.deepcopy(model)
+                    ref.zero_grad()
+                    for k in range(m + 1):
+                        loss = ref(batch(step * micro + k, rank)).square().sum()
+                        (loss * (0.5 if m >= 1 and k == 0 else 1.0)).backward()
+                    outcome.record(diff([p.grad for p in params], [p.grad for p in ref.parameters()]))
+                if m == 0:
+                    with torch.no_grad():
+                        for p in params:
+                            p.grad.mul_(0.5)
+            want = None
+            for m in range(micro):
+                g = reference_grads(model, world, step * micro + m)
+                g = [x * 0.5 for x in g] if m == 0 else g
+                want = g if want is None else [a + b for a, b in zip(want, g)]
+            outcome.record(diff([p.grad for p in params], want))
+    return outcome.result
+
+
+class EarlyBranch(nn.Module):
+    """An MLP with a side branch that only the first micro-batch of each
+    step uses (``use_side``): its gradient comes from a ``no_sync``
+    micro-batch only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        torch.manual_seed(13)
+        self.side = nn.Linear(8, 4)
+        self.use_side = True
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.side(x) if self.use_side else out
+
+
+def accumulation_early_branch(rank, world, impl, hooks="native", micro=3, steps=2):
+    """A parameter that only a ``no_sync`` micro-batch reached is averaged
+    with the step (its ``.grad`` holds the local sum; the synchronized
+    backward never fires its hook). torch's DDP needs
+    ``find_unused_parameters=True`` for it. ``hooks="python"`` runs the
+    Python hooks (a build without the C++ module)."""
+    model = EarlyBranch()
+    kwargs = {"find_unused_parameters": True} if impl == "ddp" else {}
+    if impl == "gradsync" and hooks == "python":
+        from features import wrap_without
+
+        wrapped = wrap_without("arrivals", copy.deepcopy(model))
+        assert wrapped.path.hooks == "python"
+    else:
+        wrapped = wrap(copy.deepcopy(model), impl, **kwargs)
+    inner = wrapped.module
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            wrapped.zero_grad()
+            for m in range(micro):
+                inner.use_side = m == 0
+                context = contextlib.nullcontext() if m == micro - 1 else wrapped.no_sync()
+                with context:
+                    wrapped(batch(step * micro + m, rank)).square().sum().backward()
+            ref = copy.deepcopy(model)
+            for m in range(micro):
+                ref.use_side = m == 0
+                for r in range(world):
+                    ref(batch(step * micro + m, r)).square().sum().backward()
+            want = [p.grad / world for p in ref.parameters()]
+            outcome.record(diff([p.grad for p in inner.parameters()], want))
+    return outcome.result

@@ -56,14 +56,20 @@ def averaged_reference(model, world, step, micro=1, rows=6, scale=1.0, dtype=tor
     return [None if p.grad is None else p.grad / world for p in ref.parameters()]
 
 
-def wrap_with(variable, value, model, **settings):
-    """``DDP(model)`` built with the environment ``variable`` set to ``value``
-    (how a test picks the native or the Python path)."""
-    os.environ[variable] = value
+def wrap_without(module, model, **settings):
+    """``DDP(model)`` built as if the package had been built without its C++
+    module ``module`` (``"collectives"`` or ``"arrivals"``), or normally for
+    ``None``: how a test runs the Python path a build without the shim takes."""
+    if module is None:
+        return DDP(model, **settings)
+    from gradsync.torch import _shim
+
+    load = _shim.load
+    _shim.load = lambda name: (None, "left out by the test") if name == module else load(name)
     try:
         return DDP(model, **settings)
     finally:
-        del os.environ[variable]
+        _shim.load = load
 
 
 def off_reference(wrapped, model, world, step):
@@ -289,7 +295,7 @@ def collective_paths(rank, world, steps=3):
         grads = {}
         for path in ("native", "python"):
             model = mlp()
-            wrapped = wrap_with("GRADSYNC_COLLECTIVES", path, copy.deepcopy(model), wire_dtype=wire)
+            wrapped = wrap_without(None if path == "native" else "collectives", copy.deepcopy(model), wire_dtype=wire)
             worst, seen = 0.0, []
             for step in range(steps):
                 wrapped.zero_grad()
@@ -297,7 +303,7 @@ def collective_paths(rank, world, steps=3):
                 worst = max(worst, off_reference(wrapped, model, world, step))
                 seen.append([p.grad.clone() for p in wrapped.parameters()])
             grads[path] = seen
-            out[f"{wire}/{path}"] = {"native": wrapped.native_collectives, "max_diff": worst}
+            out[f"{wire}/{path}"] = {"native": wrapped.path.collectives == "native", "max_diff": worst}
             wrapped.close()
         out[f"{wire}/identical"] = all(
             torch.equal(a, b) for sa, sb in zip(grads["native"], grads["python"]) for a, b in zip(sa, sb)
@@ -332,7 +338,7 @@ def hook_paths(rank, world, steps=3):
     seen = {}
     for path in ("native", "python"):
         model = TiedCheckpointed()
-        wrapped = wrap_with("GRADSYNC_HOOKS", path, copy.deepcopy(model))
+        wrapped = wrap_without(None if path == "native" else "arrivals", copy.deepcopy(model))
         worst, held_kept, grads = 0.0, True, []
         for step in range(steps):
             wrapped.zero_grad(set_to_none=step != 1)
@@ -346,7 +352,7 @@ def hook_paths(rank, world, steps=3):
                     continue
                 worst = max(worst, (p.grad - want).abs().max().item())
             grads.append([None if p.grad is None else p.grad.clone() for p in wrapped.parameters()])
-        out[path] = {"native": wrapped.native_hooks, "max_diff": worst, "held_kept": held_kept}
+        out[path] = {"native": wrapped.path.hooks == "native", "max_diff": worst, "held_kept": held_kept}
         seen[path] = grads
         wrapped.close()
     for a_step, b_step in zip(seen["native"], seen["python"]):

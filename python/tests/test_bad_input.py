@@ -30,6 +30,21 @@ def test_native_session_refuses_bad_registrations(world2):
     assert "int8" in seen["dtype"]
     assert "must be positive" in seen["timeout"]
     assert "invalid world" in seen["world"]
+    assert "average" in seen["divisor"] and "contributors" in seen["divisor"], seen["divisor"]
+    assert "int8" in seen["wire"] and "bfloat16" in seen["wire"], seen["wire"]
+
+
+def test_an_unknown_abort_reason_is_refused_and_the_step_still_aborts(world2):
+    for seen in world2.run(bad_input.unknown_abort_reason):
+        assert "disk_full" in seen["refused"] and "out_of_memory" in seen["refused"], seen["refused"]
+        assert seen["outcome"] == "skipped" and sorted(r for r, _ in seen["aborted"]) == [0, 1], seen
+
+
+@pytest.mark.parametrize("how", ["constructor", "comm_hook"])
+def test_ranks_with_different_wire_types_get_a_desync_naming_the_odd_rank(world2, how):
+    for rank, seen in enumerate(world2.run(bad_input.wire_types_that_differ, how)):
+        assert seen is not None, f"rank {rank}: no DesyncError"
+        assert "wire type" in seen["message"], seen["message"]
 
 
 def test_wrapping_without_a_process_group_says_what_to_do():

@@ -193,3 +193,27 @@ def test_complex_parameters_are_averaged(world2, side_by_side):
     check(ours, tol=1e-5)
     theirs = world2.run(dropin.complex_parameters, "ddp")
     side_by_side("complex64 and complex128 parameters", describe(theirs[0], 1e-5), describe(ours[0], 1e-5))
+
+
+def test_grad_holds_the_local_sum_between_micro_batches(world2, side_by_side):
+    ours = world2.run(dropin.accumulation_grads_visible, "gradsync")
+    check(ours, tol=1e-5)
+    theirs = world2.run(dropin.accumulation_grads_visible, "ddp")
+    side_by_side(
+        "no_sync: .grad read and halved in place between micro-batches (local sum), then averaged",
+        describe(theirs[0], 1e-5),
+        describe(ours[0], 1e-5),
+    )
+
+
+@pytest.mark.parametrize("hooks", ["native", "python"])
+def test_a_parameter_only_an_early_micro_batch_reached_is_averaged(world2, side_by_side, hooks):
+    ours = world2.run(dropin.accumulation_early_branch, "gradsync", hooks)
+    check(ours, tol=1e-5)
+    if hooks == "native":
+        theirs = world2.run(dropin.accumulation_early_branch, "ddp")
+        side_by_side(
+            "no_sync: a branch only the first micro-batch uses, DDP find_unused_parameters",
+            describe(theirs[0], 1e-5),
+            describe(ours[0], 1e-5),
+        )

@@ -80,7 +80,7 @@ def test_native_and_python_collectives_agree_bit_for_bit(world2):
             # The package's own build compiles the native path: a CI without
             # it would silently measure and test the slow one.
             assert out[f"{wire}/native"]["native"], f"rank {rank}: native collectives were not built"
-            assert not out[f"{wire}/python"]["native"], f"rank {rank}: GRADSYNC_COLLECTIVES=python was ignored"
+            assert not out[f"{wire}/python"]["native"], f"rank {rank}: a build without _collectives still ran them natively"
             for path in ("native", "python"):
                 diff = out[f"{wire}/{path}"]["max_diff"]
                 assert diff < tol, f"rank {rank} {wire} {path}: off by {diff}"
@@ -91,7 +91,7 @@ def test_native_and_python_hooks_agree_bit_for_bit(world2):
     for rank, out in enumerate(world2.run(features.hook_paths)):
         # pip builds the C++ hooks; a CI without them would test the slow path only.
         assert out["native"]["native"], f"rank {rank}: the native hooks were not built"
-        assert not out["python"]["native"], f"rank {rank}: GRADSYNC_HOOKS=python was ignored"
+        assert not out["python"]["native"], f"rank {rank}: a build without _arrivals still ran native hooks"
         for path in ("native", "python"):
             assert out[path]["max_diff"] < 1e-5, f"rank {rank} {path}: off by {out[path]['max_diff']}"
             assert out[path]["held_kept"], f"rank {rank} {path}: a held .grad did not receive the average"

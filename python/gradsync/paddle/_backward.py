@@ -3,11 +3,12 @@
 Every backward, the nested ones that recompute (``use_reentrant=True``)
 runs inside it included, is a call of ``paddle.base.core.eager.run_backward``
 (``Tensor.backward`` and ``paddle.autograd.backward`` go through it; measured
-on 3.3.1). gradsync wraps that function once, per process, with a depth
-counter: when a depth-1 call returns, the outermost backward is over and
-every wrapper with a step waiting ends it. Paddle's own "final hook" cannot
-serve: it runs at the end of the first backward that ends, a nested one.
-``paddle.grad`` does not go through it; call ``finish_step()`` after it.
+on 3.3.1, docs/paddle.md). gradsync wraps that function once, per process,
+with a depth counter: when a depth-1 call begins, every watching wrapper's
+step learns that an outermost backward will end it; when it returns, the
+wrapper ends the step. Paddle's own "final hook" cannot serve: it runs at
+the end of the first backward that ends, a nested one. ``paddle.grad`` does
+not go through it; call ``finish_step()`` after it.
 """
 
 import threading
@@ -19,10 +20,15 @@ from paddle.base import core
 _WAITING = weakref.WeakSet()
 _DEPTH = threading.local()
 _INSTALLED = []
+# What a record's end_queued_for holds while an outermost backward runs.
+OUTERMOST = "outermost backward"
 
 
 def _run_backward(*args, **kwargs):
     depth = getattr(_DEPTH, "n", 0)
+    if depth == 0:
+        for wrapper in list(_WAITING):
+            wrapper._sync.record.end_queued_for = OUTERMOST
     _DEPTH.n = depth + 1
     try:
         result = _INSTALLED[0](*args, **kwargs)
@@ -30,13 +36,8 @@ def _run_backward(*args, **kwargs):
         _DEPTH.n = depth
     if depth == 0:
         for wrapper in list(_WAITING):
-            wrapper._end_of_backward()
+            wrapper._sync.end_of_backward()
     return result
-
-
-def in_backward():
-    """Whether a backward pass is running on this thread."""
-    return getattr(_DEPTH, "n", 0) > 0
 
 
 def watch(wrapper):

@@ -8,7 +8,9 @@ What happens in one step::
                      whole local gradient so far (token = the hook's firing
                      index in the step: recompute fires a parameter's hook once
                      per recomputed segment, ``param.grad`` growing); buckets
-                     are all-reduced while backward goes on
+                     are all-reduced while backward goes on (under
+                     ``no_sync`` the gradients sum up in ``param.grad`` and
+                     the synchronized backward hands over the sum)
     end of backward  when the *outermost* backward returns (``_backward``),
                      the step ends: remaining buckets, control, corrections;
                      the averages are written into each ``param.grad`` in place
@@ -22,6 +24,10 @@ skips it on every rank at once; a rank out of data calls
 :meth:`DataParallel.join_now`; after a failed collective (a rank gone or
 stalled past gloo's 30 s) every rank calls :meth:`DataParallel.reset` and
 goes on, on a fresh group (``_comm``).
+
+The step state and its rules are the framework-neutral core's
+(``gradsync._core``); this module holds what is Paddle's own: its hooks,
+writing averages into ``param.grad``, its groups and its forward.
 """
 
 import logging
@@ -31,35 +37,95 @@ import paddle
 import paddle.distributed as dist
 from paddle.distributed import collective
 
-from gradsync import _accumulate
-from gradsync._errors import ConfigError, UnfinishedStepError
-from gradsync._native import Session
-from gradsync._wrapper import StepControls
+from gradsync._controls import StepControls
+from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
+from gradsync._errors import ConfigError
+from gradsync._record import PythonRecord
 from gradsync.paddle import _backward
-from gradsync.paddle._comm import GLOO_TIMEOUT_S, PaddleCommunicator
+from gradsync.paddle._comm import GLOO_TIMEOUT_S, REFUSED_WIRES, PaddleCommunicator
 
 log = logging.getLogger("gradsync.paddle")
 
 _DTYPES = {paddle.float32: "float32", paddle.float64: "float64", paddle.float16: "float16", paddle.bfloat16: "bfloat16"}
-# Wire types of the data buckets. float16 is not one: Paddle's gloo sums it to inf.
-_WIRES = ("float32", "bfloat16")
 # Wrappers built per set of ranks, in order: every rank builds them in the
 # same order, so the n-th wrapper's groups have the same ids everywhere.
 _BUILT = {}
+# Where a Paddle backward can end without gradsync seeing it.
+_UNSEEN_END = "paddle.grad"
+_PATH = DataPath(
+    hooks="python",
+    collectives="python",
+    why="Paddle's gradient hooks and gloo groups are reached from Python (gradsync has no C++ module for Paddle)",
+)
 
 
-class _OpenStep:
-    """The step gradients are being collected for (replaced at every step)."""
+class PaddleGrads:
+    """The Paddle side of a wrapped model's gradients, for its
+    ``gradsync._core.ModelSync``: each hook hands over the parameter's whole
+    ``param.grad`` so far (a copy; the highest token wins); averages are
+    written into ``param.grad`` in place."""
 
-    __slots__ = ("number", "fired", "arrivals", "sync_pending")
+    def __init__(self, params, session):
+        self._params = params
+        self._arrive = session.arrive_ptr
 
-    def __init__(self, number, params):
-        self.number = number
-        # Hook firings so far, per parameter: the next firing's token.
-        self.fired = [0] * params
-        self.arrivals = 0
-        # A forward under grad (outside no_sync) asked for a synchronized step.
-        self.sync_pending = False
+    def new_record(self):
+        """A record of the next step's firings (Python: Paddle's hooks are Python)."""
+        return PythonRecord(len(self._params))
+
+    def on_grad(self, record, index):
+        """A parameter's gradient grew (Paddle calls the hook with no argument
+        after accumulating into ``param.grad``)."""
+        grad = self._params[index].grad
+        if grad is None:
+            return
+        if not record.sync_pending:
+            # A micro-batch under no_sync: the sum stays in param.grad.
+            record.held[index] = True
+            return
+        token = record.fired[index]
+        record.fired[index] = token + 1
+        self._arrive(None, index, token, grad.data_ptr())
+        record.arrivals += 1
+
+    def hand_over_held(self, record):
+        """Hand over the local sums of parameters only ``no_sync`` micro-batches reached."""
+        for index in record.held_unsent():
+            grad = self._params[index].grad
+            if grad is not None:
+                record.fired[index] = 1
+                self._arrive(None, index, 0, grad.data_ptr())
+                record.arrivals += 1
+
+    def write(self, result, record):
+        """Copy an applied step's averages into ``param.grad``; nothing is lent."""
+        for i, p in enumerate(self._params):
+            if not result.has(i):
+                continue
+            if p.grad is None:  # unused on this rank, used on another
+                p.grad = paddle.zeros_like(p)
+            # Converted to the parameter's type on the way (Paddle's
+            # gradients are dense, contiguous and of that type).
+            result.copy_into_ptr(i, p.grad.data_ptr())
+        return False
+
+    def clear(self):
+        """Skipped on every rank: no optimizer may apply this step."""
+        for p in self._params:
+            p.clear_gradient(False)
+
+    def remove_hooks(self):
+        """Paddle's backward hooks cannot be removed: each holds the core
+        weakly and does nothing once it is closed or gone."""
+
+
+def _hook(core, grads, index):
+    def hook():
+        sync = core()
+        if sync is not None and sync.closed_why is None:
+            grads.on_grad(sync.record, index)
+
+    return hook
 
 
 class DataParallel(StepControls, paddle.nn.Layer):
@@ -123,53 +189,38 @@ class DataParallel(StepControls, paddle.nn.Layer):
             )
         if isinstance(layers, DataParallel) or isinstance(layers, paddle.DataParallel):
             raise ConfigError("these layers are already wrapped for data parallelism: wrap the plain layers")
-        if wire_dtype not in _WIRES:
-            why = " (Paddle's gloo sums float16 to inf)" if wire_dtype == "float16" else ""
-            raise ConfigError(f"wire_dtype {wire_dtype!r}: use one of {list(_WIRES)}{why}")
+        wire = check_wire(wire_dtype, REFUSED_WIRES)
         named = [(n, p) for n, p in layers.named_parameters() if not p.stop_gradient]
-        if not named:
-            raise ConfigError("the layers have no trainable parameter: there is nothing to synchronize")
+        self._names, self._params = select_parameters(
+            named, dtype_name=lambda p: _DTYPES.get(p.dtype), device_of=lambda p: str(p.place), kind=self._NAME
+        )
         for name, p in named:
-            if p.dtype not in _DTYPES:
-                raise ConfigError(f"parameter {name!r} has dtype {p.dtype}: only floating-point gradients are averaged")
             if not p.place.is_cpu_place():
                 raise ConfigError(f"parameter {name!r} is on {p.place}: gradsync.paddle runs on the CPU for now")
         self._layers = layers
-        self._params = [p for _, p in named]
-        self._names = [n for n, _ in named]
         ranks = list(group.ranks) if group is not None else list(range(dist.get_world_size()))
         self._rank = ranks.index(dist.get_rank())
         self._world = len(ranks)
-        key = tuple(ranks)
+        key = "-".join(map(str, ranks))
         nth = _BUILT[key] = _BUILT.get(key, 0) + 1
         # The runtime's collectives run on a gloo group the communicator
         # creates itself (and re-creates after a reset); model states go
         # over a second one, from this thread.
-        self._comm = PaddleCommunicator(store=store, nth=nth, rank=self._rank, world=self._world, wire_dtype=wire_dtype)
+        comm = PaddleCommunicator(
+            store=store, prefix=f"gradsync/{key}/{nth}", nth=nth, rank=self._rank, world=self._world
+        )
         self._states = dist.new_group(ranks=ranks, backend="gloo")
         self._ranks = ranks
         self._broadcast_parameters()
-        self._session = Session(
-            self._comm,
-            self._rank,
-            self._world,
-            self._names,
-            [int(p.size) for p in self._params],
-            [_DTYPES[p.dtype] for p in self._params],
-            bucket_cap_bytes=max(int(comm_buffer_size * (1 << 20)), 1),
-            timeout_s=GLOO_TIMEOUT_S,
-            abort_policy=abort_policy,
-            record_timeline=record_timeline,
-        )
-        self._open = _OpenStep(0, len(self._params))
-        self._require_sync = True
-        self._closed = False
-        self.last_report = None
-        # Paddle's backward hooks cannot be removed: each holds the wrapper
-        # weakly and does nothing once it is closed or gone.
-        ref = weakref.ref(self)
+        layout = Replica(self._rank, self._world, self._names, [int(p.size) for p in self._params],
+                         [_DTYPES[p.dtype] for p in self._params])
+        settings = SyncSettings(comm_buffer_size * (1 << 20), GLOO_TIMEOUT_S, abort_policy, record_timeline, wire)
+        self._sync = ModelSync(self._NAME, _UNSEEN_END, _PATH, comm, layout, settings)
+        grads = PaddleGrads(self._params, self._sync.session)
+        core = weakref.ref(self._sync)
         for i, p in enumerate(self._params):
-            p._register_backward_hook(_hook(ref, i))
+            p._register_backward_hook(_hook(core, grads, i))
+        self._sync.attach(grads)
         _backward.watch(self)
 
     def _broadcast_parameters(self):
@@ -180,90 +231,21 @@ class DataParallel(StepControls, paddle.nn.Layer):
             for p in self._params:
                 dist.broadcast(p, src=self._ranks[0], group=self._states)
 
-    # ---- forward, hooks, the end of backward ------------------------------------------------
-
     def forward(self, *inputs, **kwargs):
-        self._refuse_if_closed()
-        self._raise_if_unfinished("forward")
-        if self._require_sync and paddle.is_grad_enabled():
-            self._open.sync_pending = True
+        """Run the layer; a backward that reaches its outputs under grad ends a step."""
+        self._sync.before_forward(paddle.is_grad_enabled())
         return self._layers(*inputs, **kwargs)
-
-    def _on_grad(self, index):
-        """A parameter's gradient grew (Paddle calls the hook with no argument
-        after accumulating into ``param.grad``): hand over the whole local
-        gradient so far (a copy; a later firing of the same parameter in the
-        same step replaces it, as its token says)."""
-        if self._closed:
-            return
-        grad = self._params[index].grad
-        if grad is None:
-            return
-        step = self._open
-        token = step.fired[index]
-        step.fired[index] = token + 1
-        self._session.arrive_ptr(step.number, index, token, grad.data_ptr())
-        step.arrivals += 1
-
-    def _end_of_backward(self):
-        step = self._open
-        if step.sync_pending and not self._closed:
-            self._finish()
-
-    def _apply_result(self, result):
-        """Write a finished step's averages into ``param.grad`` (or clear the
-        gradients of a step no rank may apply); returns its report."""
-        report = result.report
-        self.last_report = report
-        try:
-            if result.applied:
-                for i, p in enumerate(self._params):
-                    if not result.has(i):
-                        continue
-                    if p.grad is None:  # unused on this rank, used on another
-                        p.grad = paddle.zeros_like(p)
-                    # Converted to the parameter's type on the way (Paddle's
-                    # gradients are dense, contiguous and of that type).
-                    result.copy_into_ptr(i, p.grad.data_ptr())
-            else:
-                # Skipped on every rank: no optimizer may apply this step.
-                for p in self._params:
-                    p.clear_gradient(False)
-                if report.outcome == "skipped":
-                    log.warning("gradsync step %d skipped: ranks %s aborted", report.step, report.aborted)
-        finally:
-            result.release()
-            self._new_step()
-        return report
-
-    def _new_step(self):
-        self._open = _OpenStep(self._session.current_step, len(self._params))
-
-    def _raise_if_unfinished(self, before):
-        step = self._open
-        if step.arrivals and not _backward.in_backward() and step.sync_pending:
-            raise UnfinishedStepError(
-                f"step {step.number}: gradients arrived from a backward whose end gradsync could not see "
-                f"(paddle.grad), and {before} was called before the step ended: call model.finish_step() "
-                "after that backward"
-            )
-
-    # ---- the rest of Paddle's DataParallel surface ---------------------------------------------
 
     @staticmethod
     def _placement(p):
         return (p.dtype, str(p.place))
-
-    def no_sync(self):
-        """Accumulate gradients over several backward passes; the first
-        backward outside the context ends the step with the sum."""
-        return _accumulate.no_sync(self)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped layers' state (no wrapper prefix, as Paddle's DataParallel)."""
         return self._layers.state_dict(*args, **kwargs)
 
     def set_state_dict(self, state_dict, *args, **kwargs):
+        """Load ``state_dict`` into the wrapped layers (as Paddle's DataParallel)."""
         return self._layers.set_state_dict(state_dict, *args, **kwargs)
 
     set_dict = set_state_dict
@@ -273,17 +255,5 @@ class DataParallel(StepControls, paddle.nn.Layer):
         """Stop gradsync's threads; later use raises ``ClosedError``. The
         parameters' hooks stay registered (Paddle cannot remove them) and do
         nothing from now on."""
-        if not self._closed:
-            self._closed = True
-            _backward.unwatch(self)
-            self._session.close()
-
-
-def _hook(ref, index):
-    def hook():
-        wrapper = ref()
-        if wrapper is not None:
-            wrapper._on_grad(index)
-
-    return hook
-
+        self._sync.close(f"this gradsync {self._NAME} was closed")
+        _backward.unwatch(self)

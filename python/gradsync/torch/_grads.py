@@ -15,6 +15,8 @@ decides, per parameter, between
   every reference and view of it sees it) or a fresh one.
 
 It owns the layouts and host staging tensors it caches between steps.
+:class:`TorchGrads` is the torch side of a wrapped model as the core sees
+it (``gradsync._core.Framework``): the hooks, the writer, clearing.
 """
 
 import weakref
@@ -108,3 +110,31 @@ class GradWriter:
             host = self._host[index] = torch.empty(p.shape, dtype=p.dtype, device="cpu")
         result.copy_into_ptr(index, host.data_ptr())
         grad.copy_(host)
+
+
+class TorchGrads:
+    """The torch side of a wrapped model's gradients, for its
+    ``gradsync._core.ModelSync``: records and held gradients come from the
+    hooks (``_hooks.Hooks``), results are written by a :class:`GradWriter`."""
+
+    def __init__(self, params, hooks, writer):
+        self._params = params
+        self.hooks = hooks
+        self._writer = writer
+
+    def new_record(self):
+        return self.hooks.record()
+
+    def hand_over_held(self, record):
+        self.hooks.hand_over_held(record)
+
+    def write(self, result, record):
+        return self._writer.write(result, record.outputs(), set(result.report.unused_everywhere))
+
+    def clear(self):
+        """Skipped on every rank: no optimizer may apply this step."""
+        for p in self._params:
+            p.grad = None
+
+    def remove_hooks(self):
+        self.hooks.remove()

@@ -108,7 +108,7 @@ class Reducer:
     def _check_reducer_finalized(self):
         """Raise :class:`gradsync.UnfinishedStepError` if gradients were
         handed over by a backward whose end gradsync could not see."""
-        self._model()._raise_if_unfinished("_check_reducer_finalized()")
+        self._model()._sync.raise_if_unfinished("_check_reducer_finalized()")
 
     def _set_grads_to_none(self):
         """Set every synchronized parameter's ``.grad`` to ``None``."""

@@ -1,0 +1,340 @@
+"""The framework-neutral core of a wrapped model: one owner of its step state.
+
+``gradsync.torch.DistributedDataParallel`` and ``gradsync.paddle.DataParallel``
+each hold one :class:`ModelSync`. It owns everything about the wrapped
+model's steps that does not depend on the framework:
+
+* the runtime :class:`gradsync.Session` (built from the selected
+  parameters and the settings, which it checks), whose step number is the
+  only one: everything else reads it;
+* the open step's record (a :class:`gradsync._record.StepRecord` the
+  framework makes) and the rules that end a step: a synchronized step ends
+  with the outermost backward (or ``finish_step``, ``finalize_backward``),
+  ``abort_step`` and ``join`` end it too, an end gradsync could not see is
+  an :class:`gradsync.UnfinishedStepError`;
+* applying a finished step (written into the gradients, or cleared when no
+  rank may apply it), reset, close and retirement, the settings that can
+  change between steps (the wire type, the divisor).
+
+What differs per framework is behind :class:`Framework`: how a record is
+made, how held gradients are handed over, how results are written back and
+gradients cleared, how hooks come off. The wrappers keep only that, plus how
+their hooks attach and how their groups are built.
+"""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from gradsync._errors import ClosedError, ConfigError, UnfinishedStepError
+from gradsync._native import Session, Step, StepReport
+from gradsync._record import StepRecord
+
+log = logging.getLogger("gradsync")
+
+#: The gradient element types the runtime reads (it reduces in float32).
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+#: The types data buckets may travel in (``wire_dtype``).
+WIRES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class DataPath:
+    """Which path a wrapped model's gradients take, and why: ``hooks`` is
+    ``"native"`` (C++ hooks, no Python per gradient) or ``"python"``;
+    ``collectives`` is ``"native"`` (the runtime calls the collective engine
+    without the interpreter) or ``"python"``; ``why`` says why a Python path
+    runs (``None`` when both are native)."""
+
+    hooks: str
+    collectives: str
+    why: Optional[str] = None
+
+
+class Framework(Protocol):
+    """What a framework wrapper gives its :class:`ModelSync`: how its
+    gradients are recorded, handed over, written back and cleared. The core
+    decides when each happens."""
+
+    def new_record(self) -> StepRecord:
+        """A fresh record for the runtime's next step."""
+
+    def hand_over_held(self, record: StepRecord) -> None:
+        """Before a synchronized step ends: hand the runtime the ``.grad`` of
+        every parameter that only ``no_sync`` micro-batches reached."""
+
+    def write(self, result: Step, record: StepRecord) -> bool:
+        """Put an applied step's averages into the gradients; return whether
+        views of ``result``'s memory were lent (then it must not be released)."""
+
+    def clear(self) -> None:
+        """A step no rank may apply: leave no gradient an optimizer would step on."""
+
+    def remove_hooks(self) -> None:
+        """Take the gradient hooks off (the wrapper is closed or retired)."""
+
+
+def select_parameters(named, *, dtype_name, device_of, kind, empty_hint="", dtype_hint=""):
+    """The parameters to synchronize from ``(name, parameter)`` pairs (those
+    that require grad and have elements, already filtered by the caller),
+    checked: at least one, one device, a dtype the runtime averages
+    (``dtype_name(p)`` names it, or ``None``). The hints end the messages of
+    the first and the last check. Returns ``(names, params)``."""
+    if not named:
+        raise ConfigError(
+            f"the model wrapped by {kind} has no parameter that requires grad{empty_hint}: there is nothing to "
+            "synchronize"
+        )
+    devices = sorted({device_of(p) for _, p in named})
+    if len(devices) > 1:
+        by_device = {d: [n for n, p in named if device_of(p) == d][:3] for d in devices}
+        raise ConfigError(f"parameters live on several devices {by_device}: put the model on one device")
+    for name, p in named:
+        if dtype_name(p) not in DTYPES:
+            raise ConfigError(
+                f"parameter {name!r} has dtype {p.dtype}: gradsync averages float32, float64, float16 and bfloat16 "
+                f"gradients (torch's complex ones too){dtype_hint}"
+            )
+    return [n for n, _ in named], [p for _, p in named]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This rank's place in the group and its model's layout, as the runtime
+    registers it (every rank must agree on the layout: the plan agreement
+    checks it): parameter ``names``, element counts ``numels`` and gradient
+    element types ``dtypes`` (see :data:`DTYPES`), in registration order."""
+
+    rank: int
+    world: int
+    names: list
+    numels: list
+    dtypes: list
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """A wrapped model's runtime settings: the bucket cap in bytes, the
+    collective deadline in seconds, the abort policy (``"skip"`` or
+    ``"partial"``), whether the timeline is kept, and the wire type."""
+
+    bucket_cap_bytes: int
+    timeout_s: float
+    abort_policy: str = "skip"
+    record_timeline: bool = False
+    wire_dtype: str = "float32"
+
+
+def check_wire(wire, refused=None):
+    """``wire`` if it is a wire type gradsync sends and the framework does
+    not refuse (``refused``: type -> why); else :class:`ConfigError`."""
+    refused = refused or {}
+    allowed = [w for w in WIRES if w not in refused]
+    if wire not in allowed:
+        why = f" ({refused[wire]})" if wire in refused else ""
+        raise ConfigError(f"wire_dtype {wire!r}: use one of {allowed}{why}")
+    return wire
+
+
+class ModelSync:
+    """One rank's synchronization of one wrapped model (see the module docs).
+
+    ``kind`` names the wrapper in messages; ``unseen_end`` names where this
+    framework's backward can end unseen (for :class:`UnfinishedStepError`);
+    ``path`` is the :class:`DataPath` the wrapper chose. ``communicator``,
+    ``replica`` (a :class:`Replica`) and ``settings`` (:class:`SyncSettings`)
+    build the :class:`gradsync.Session`. Call :meth:`attach` with
+    the framework's part once its hooks exist (they need :attr:`session`).
+    """
+
+    def __init__(self, kind, unseen_end, path, communicator, replica, settings):
+        self.kind = kind
+        self.unseen_end = unseen_end
+        self.path = path
+        self.session = Session(
+            communicator,
+            replica.rank,
+            replica.world,
+            replica.names,
+            replica.numels,
+            replica.dtypes,
+            bucket_cap_bytes=max(int(settings.bucket_cap_bytes), 1),
+            timeout_s=settings.timeout_s,
+            abort_policy=settings.abort_policy,
+            record_timeline=settings.record_timeline,
+            wire_dtype=settings.wire_dtype,
+        )
+        self.names = replica.names
+        self.wire = settings.wire_dtype
+        self.framework: Optional[Framework] = None
+        self.record: Optional[StepRecord] = None
+        #: Whether the next backward under grad ends a synchronized step
+        #: (``False`` inside ``no_sync``).
+        self.require_sync = True
+        #: ``finalize_backward()`` ends each synchronized step (torch's DDP option).
+        self.manual_finalization = False
+        #: Why later use is refused, once closed or retired.
+        self.closed_why: Optional[str] = None
+        #: The report of the last step that ended.
+        self.last_report: Optional[StepReport] = None
+
+    def attach(self, framework):
+        """Start recording steps with the framework's part (hooks in place)."""
+        self.framework = framework
+        self.record = framework.new_record()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def closed(self):
+        return self.closed_why is not None
+
+    @property
+    def current_step(self):
+        """The runtime's open step (the one step number)."""
+        return self.session.current_step
+
+    def refuse_if_closed(self):
+        if self.closed_why is not None:
+            raise ClosedError(self.closed_why)
+
+    def raise_if_unfinished(self, before):
+        """Refuse ``before`` (a forward, an optimizer step) while gradients
+        of a synchronized step wait for an end gradsync could not see."""
+        r = self.record
+        if self.closed_why is not None or not (r.sync_pending and r.arrivals and r.end_queued_for is None):
+            return
+        step = self.session.current_step
+        if self.manual_finalization:
+            raise UnfinishedStepError(
+                f"step {step}: require_manual_backward_finalization is on and {before} was called before "
+                "model.finalize_backward(): call it once after each synchronized backward"
+            )
+        raise UnfinishedStepError(
+            f"step {step}: gradients arrived from a backward whose end gradsync could not see "
+            f"({self.unseen_end}), and {before} was called before the step ended: call model.finish_step() "
+            "after that backward, so that the gradients hold the average instead of this rank's own"
+        )
+
+    # ---- the step's course ------------------------------------------------------------------
+
+    def before_forward(self, grad_enabled):
+        """A forward of the wrapped model begins; returns whether it asks for
+        a synchronized step (under grad, outside ``no_sync``)."""
+        self.refuse_if_closed()
+        self.raise_if_unfinished("forward")
+        synced = grad_enabled and self.require_sync
+        if synced:
+            self.ask_for_sync()
+        return synced
+
+    def ask_for_sync(self):
+        """The open step ends, averaged, with the outermost backward that
+        reaches the model; until then its backward passes hand gradients over."""
+        self.record.ask_for_sync()
+
+    def end_of_backward(self):
+        """The outermost backward ended: end a synchronized step (unless it
+        is finalized by hand)."""
+        r = self.record
+        r.end_queued_for = None
+        r.task_seen = None
+        if r.sync_pending and self.closed_why is None and not self.manual_finalization:
+            self.finish()
+
+    def finish(self):
+        """End the open step: held gradients handed over, the runtime's
+        remaining collectives, the result applied. Returns its report."""
+        self.framework.hand_over_held(self.record)
+        return self.apply(self.session.finish(self.session.current_step))
+
+    def finish_step(self):
+        """The public ``finish_step``: nothing to do without a synchronized
+        step or gradients."""
+        self.refuse_if_closed()
+        r = self.record
+        if not (r.sync_pending or r.arrivals):
+            return None
+        return self.finish()
+
+    def abort(self, reason):
+        self.refuse_if_closed()
+        return self.apply(self.session.abort(self.session.current_step, reason))
+
+    def join(self):
+        self.refuse_if_closed()
+        first, steps = self.session.join()
+        self.new_step()
+        return {"first_step": first, "steps": steps}
+
+    def shadow_step(self):
+        """One step of a rank out of data: zeros for the others' open step."""
+        self.raise_if_unfinished("join")
+        self.last_report = self.session.shadow_step()
+        self.new_step()
+        return self.last_report
+
+    def reset(self):
+        self.refuse_if_closed()
+        step = self.session.reset()
+        self.new_step()
+        return step
+
+    def apply(self, result):
+        """Write a finished step into the gradients (or clear them when no
+        rank may apply it), open the next step; returns the report."""
+        report = result.report
+        self.last_report = report
+        lent = False
+        try:
+            if result.applied:
+                lent = self.framework.write(result, self.record)
+            else:
+                self.framework.clear()
+                if report.outcome == "skipped":
+                    log.warning("gradsync step %d skipped: ranks %s aborted", report.step, report.aborted)
+        finally:
+            if not lent:
+                result.release()
+            self.new_step()
+        return report
+
+    def new_step(self):
+        self.record = self.framework.new_record()
+
+    # ---- settings between steps -------------------------------------------------------------
+
+    def set_wire(self, wire, what):
+        """Send data buckets as ``wire`` from the first step (``what`` names
+        the call in errors): before the first step, on every rank."""
+        if self.session.current_step != 0 or self.record.arrivals:
+            raise ConfigError(f"{what} after training started: choose the wire type before the first step")
+        self.session.set_wire_dtype(wire)
+        self.wire = wire
+
+    def set_divisor(self, divisor):
+        """What the sum of every step that has not begun is divided by
+        (``"contributors"``, ``"world"``, ...): every rank at the same point."""
+        self.session.set_divisor(divisor)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside the block accumulate into the gradients
+        without ending a step."""
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def close(self, why):
+        """Remove the hooks and stop the runtime; later use raises
+        :class:`gradsync.ClosedError` with ``why``."""
+        if self.closed_why is not None:
+            return
+        self.closed_why = why
+        if self.framework is not None:
+            self.framework.remove_hooks()
+        self.session.close()
