@@ -14,7 +14,7 @@
 //! into the wheel. Without `PYO3_PYTHON` (a plain `cargo build`), without torch,
 //! or when the compiler fails, nothing is built: `gradsync.torch` then runs its
 //! collectives through `torch.distributed` and its hooks in Python, and says
-//! so (`DistributedDataParallel.native_collectives`, `.native_hooks`).
+//! so (a warning, and `DistributedDataParallel.path`).
 //! `GRADSYNC_REQUIRE_SHIM=1` turns those warnings into build failures.
 
 use std::env;

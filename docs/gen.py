@@ -1,0 +1,257 @@
+"""Everything in the docs that carries a number is drawn here from output.
+
+Sources, never edited by hand:
+
+* ``target/pytest/*.md``: the side-by-side tables the pytest suites write
+  (``scripts/test`` runs them);
+* ``docs/data/bench/*.json``: ``benches/torch/vs_ddp.py --json`` runs, written
+  by ``benches/torch/record.py`` (which also records the command);
+* ``docs/data/sim.json``: ``gradsync-bench sim --json``.
+
+The mkdocs hook (``docs/hooks.py``) calls :func:`expand` on every page, so a
+page says ``<!-- gen: NAME -->`` where a generated block goes. The README
+carries two generated blocks, the cost table and its chart
+(``docs/img/cost.svg``), between ``<!-- gen:cost -->`` markers:
+``.venv/bin/python docs/gen.py --write`` rewrites them from the JSON, and the
+docs build (strict, in CI) fails when the README's copy is stale.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "docs" / "data" / "bench"
+SIM = ROOT / "docs" / "data" / "sim.json"
+PYTEST = ROOT / "target" / "pytest"
+README = ROOT / "README.md"
+COST_SVG = ROOT / "docs" / "img" / "cost.svg"
+MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
+EXCERPT = re.compile(r"<!-- excerpt: ([a-z0-9-]+) -->\n(.*?)<!-- /excerpt -->", re.S)
+README_BLOCK = re.compile(r"(<!-- gen:cost -->\n)(.*?)(<!-- /gen:cost -->)", re.S)
+POLICY_LABELS = {
+    "gradsync": "gradsync",
+    "ddp": "torch DDP",
+    "no_sync": "no_sync + one all-reduce",
+    "local": "no communication",
+}
+
+
+class Missing(RuntimeError):
+    """A source a generated block needs is not there; the message says how to make it."""
+
+
+def bench_runs() -> list[dict]:
+    """The recorded benchmark runs, in the order their files sort."""
+    if not BENCH.is_dir():
+        raise Missing(f"{BENCH} is missing: run benches/torch/record.py")
+    runs = []
+    for path in sorted(BENCH.glob("*.json")):
+        run = json.loads(path.read_text())
+        run["_file"] = path.name
+        runs.append(run)
+    if not runs:
+        raise Missing(f"no runs in {BENCH}: run benches/torch/record.py")
+    return runs
+
+
+def _ms(seconds) -> str:
+    return "raises" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _what(run: dict) -> str:
+    if run["model"] == "tiny":
+        return f"{run['tiny_params']} tiny parameters"
+    if run["model"] == "tied":
+        return f"tied LM, {run['tokens_per_rank']} tokens/rank"
+    return run["model"]
+
+
+def _paired(run: dict, other: str) -> str:
+    p = run.get("paired", {}).get(other)
+    if not p:
+        return ""
+    cell = f"{p['median_s'] * 1e3:+.1f} ({p['low_s'] * 1e3:+.1f}, {p['high_s'] * 1e3:+.1f})"
+    return f"**{cell}**" if p["verdict"] != "within noise" else cell
+
+
+def cost_table() -> str:
+    """Median step per policy, and gradsync - DDP round by round, per recorded run."""
+    runs = bench_runs()
+    head = "| model (world 2, CPU, gloo) | " + " | ".join(POLICY_LABELS.values()) + " | gradsync − DDP (95% interval) |"
+    lines = [head, "|---" * (len(POLICY_LABELS) + 2) + "|"]
+    for run in runs:
+        cells = [_ms(run["policies"].get(p, {}).get("step_s_median")) for p in POLICY_LABELS]
+        lines.append(f"| {_what(run)} | " + " | ".join(cells) + f" | {_paired(run, 'ddp')} |")
+    return "\n".join(lines)
+
+
+def bench_details() -> str:
+    """Every recorded run: its command, and each policy's line."""
+    out = []
+    for run in bench_runs():
+        out.append(f"### {_what(run)}\n\n```sh\n{run['command']}\n```\n")
+        out.append("| policy | median step ms | first step ms | backward ms | CPU ms (both ranks) |")
+        out.append("|---|---|---|---|---|")
+        for name, p in run["policies"].items():
+            if p.get("step_s_median") is None:
+                out.append(f"| {name} | {p.get('note', 'raises')} | | | |")
+                continue
+            cpu = p.get("cpu_s_median")
+            out.append(
+                f"| {name} | {_ms(p['step_s_median'])} | {_ms(p.get('step_s_first'))} | "
+                f"{_ms(p.get('backward_s_median'))} | {_ms(cpu) if cpu is not None else ''} |"
+            )
+        rows = [(o, _paired(run, o)) for o in run.get("paired", {})]
+        if rows:
+            out.append("\nRound by round, gradsync minus each policy, ms: median (95% interval); **bold** where "
+                       "the interval leaves out 0: " + "; ".join(f"{o} {c}" for o, c in rows) + ".\n")
+        out.append("")
+    return "\n".join(out)
+
+
+def cost_svg() -> str:
+    """A grouped bar chart: by how much each synchronized policy's median
+    step exceeds the step without communication (the bound), per recorded
+    run, as SVG text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matplotlib.rcParams["svg.hashsalt"] = "gradsync"
+    runs = bench_runs()
+    fig, ax = plt.subplots(figsize=(8.0, 2.8))
+    width = 0.8 / (len(POLICY_LABELS) - 1)
+    for i, (policy, label) in enumerate(list(POLICY_LABELS.items())[:-1]):
+        xs, ys = [], []
+        for j, run in enumerate(runs):
+            s = run["policies"].get(policy, {}).get("step_s_median")
+            bound = run["policies"]["local"]["step_s_median"]
+            if s is not None:
+                xs.append(j + (i - (len(POLICY_LABELS) - 2) / 2) * width)
+                ys.append((s / bound - 1) * 100)
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(runs)), [_what(r) for r in runs])
+    ax.set_ylabel("step time over no\ncommunication, %")
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def readme_cost_block() -> str:
+    """The README's generated block: the cost table and the chart."""
+    return cost_table() + "\n\n![step time over no communication, per policy](docs/img/cost.svg)\n\n"
+
+
+def side_by_side(name: str) -> str:
+    """A table the pytest suites wrote (``target/pytest/NAME.md``)."""
+    path = PYTEST / f"{name}.md"
+    if not path.is_file():
+        raise Missing(f"{path} is missing: the tests write it (scripts/test)")
+    return path.read_text().strip()
+
+
+def sim_table() -> str:
+    """Scaling efficiency per rank count, from ``gradsync-bench sim --json``."""
+    if not SIM.is_file():
+        raise Missing(f"{SIM} is missing: see docs/benchmarks.md for the command that writes it")
+    data = json.loads(SIM.read_text())
+    names = ["gradsync", "no_sync", "ddp_static", "ideal"]
+    by_ranks = {}
+    for name in names:
+        for point in data["policies"][name]:
+            by_ranks.setdefault(point["ranks"], {})[name] = point["efficiency"]
+    lines = [
+        f"SIMULATED: {data['model']} on the {data['preset']} preset, recompute {'on' if data['recompute'] else 'off'}, "
+        f"backward {data['compute_s'] * 1e3:.1f} ms.",
+        "",
+        "| ranks | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for ranks, eff in sorted(by_ranks.items()):
+        lines.append(f"| {ranks} | " + " | ".join(f"{eff[n]:.3f}" for n in names) + " |")
+    sweep = data["bucket_sweep"]
+    compute = data["compute_s"]
+    points = ", ".join(f"{p['bucket_mb']} MB {compute / p['step_s']:.3f}" for p in sweep["points"])
+    lines += ["", f"Bucket size against efficiency at {sweep['ranks']} ranks (gradsync): {points}."]
+    return "\n".join(lines)
+
+
+GENERATORS = {
+    "cost-table": cost_table,
+    "bench-details": bench_details,
+    "sim-table": sim_table,
+    "ddp-side-by-side": lambda: side_by_side("ddp-side-by-side"),
+    "paddle-side-by-side": lambda: side_by_side("paddle-side-by-side"),
+    "paddle-faults": lambda: side_by_side("paddle-faults"),
+}
+
+
+def expand(markdown: str) -> str:
+    """Replace every ``<!-- gen: NAME -->`` marker with its block."""
+
+    def block(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in GENERATORS:
+            raise Missing(f"unknown generated block {name!r}; known: {sorted(GENERATORS)}")
+        return GENERATORS[name]()
+
+    return MARKER.sub(block, markdown)
+
+
+def readme_is_current() -> str | None:
+    """``None`` if the README's generated parts are current, else what is
+    stale: the cost block and chart must match the JSON, and every row of a
+    side-by-side excerpt must be in the table the tests wrote (checked when
+    the tests have run: ``target/pytest``)."""
+    text = README.read_text()
+    for m in EXCERPT.finditer(text):
+        path = PYTEST / f"{m.group(1)}.md"
+        if not path.is_file():
+            continue
+        table = path.read_text().splitlines()
+        for row in m.group(2).splitlines()[2:]:
+            if row not in table:
+                return (f"README.md's excerpt row {row[:60]!r}... is not in {path.relative_to(ROOT)}: copy the "
+                        "excerpt's rows from that table (written by scripts/test)")
+    m = README_BLOCK.search(text)
+    if m is None:
+        return "README.md has no <!-- gen:cost --> block"
+    redraw = "is stale: run `.venv/bin/python docs/gen.py --write`"
+    if m.group(2) != readme_cost_block():
+        return f"README.md's cost table {redraw}"
+    if not COST_SVG.is_file() or COST_SVG.read_text() != cost_svg():
+        return f"{COST_SVG.relative_to(ROOT)} {redraw}"
+    return None
+
+
+def write_readme() -> None:
+    """Rewrite the README's cost block and the chart from the JSON."""
+    text = README.read_text()
+    if README_BLOCK.search(text) is None:
+        raise Missing("README.md has no <!-- gen:cost --> ... <!-- /gen:cost --> block")
+    text = README_BLOCK.sub(lambda m: m.group(1) + readme_cost_block() + m.group(3), text)
+    README.write_text(text)
+    COST_SVG.parent.mkdir(parents=True, exist_ok=True)
+    COST_SVG.write_text(cost_svg())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write_readme()
+        print(f"wrote README.md's cost block and {COST_SVG.relative_to(ROOT)}")
+    elif sys.argv[1:] == ["--check"]:
+        stale = readme_is_current()
+        print("README cost block current" if stale is None else f"stale: {stale}")
+        sys.exit(stale is not None)
+    else:
+        sys.exit("usage: docs/gen.py --write | --check")
