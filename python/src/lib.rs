@@ -17,13 +17,13 @@
 //! and turns errors into the exception classes of `gradsync._errors`. The
 //! step number is the runtime's: hooks hand gradients to the open step.
 //!
-//! Modules, by concept: [`session`] (the runtime as Python drives it),
-//! [`step`] and [`report`] (a finished step), [`settings`] (names parsed into
-//! the runtime's types), [`params`] and [`memory`] (gradient memory by
-//! address), [`tensor_grads`] (payloads that are tensors held in place),
-//! [`arrivals`] (the C entry of the C++ hooks), [`transport`] and
-//! [`collectives`] (the communicator thread's way to gloo), [`errors`],
-//! [`closing`].
+//! Modules, by concept (private: the Python API is what they register):
+//! `session` (the runtime as Python drives it), `step` and `report` (a
+//! finished step), `settings` (names parsed into the runtime's types),
+//! `params` and `memory` (gradient memory by address), `tensor_grads`
+//! (payloads that are tensors held in place), `arrivals` (the C entry of the
+//! C++ hooks), `transport` and `collectives` (the communicator thread's way
+//! to gloo), `errors`, `closing`.
 
 mod arrivals;
 mod closing;
