@@ -10,9 +10,17 @@ is running on this thread has a ``torch.autograd.backward`` (or
 ``torch.autograd.grad``) frame. Exactly one ``backward`` frame means the code
 runs in the outermost pass, and a callback queued there runs when that pass
 ends, after every nested one.
+
+A backward through CUDA tensors runs on the engine's worker thread for the
+device (a thread torch starts, with no Python caller of its own), while the
+thread that called ``backward`` waits in it. There, the frames on this
+thread are the *nested* passes (the engine runs a backward called from a
+node on the worker itself), and the outermost pass is the one some other
+thread is waiting in. :func:`in_outermost_backward` reads both.
 """
 
 import sys
+import threading
 
 import torch
 from torch.autograd import Variable
@@ -21,12 +29,12 @@ _BACKWARD = torch.autograd.backward.__code__
 _GRAD = torch.autograd.grad.__code__
 
 
-def engine_calls():
-    """The backward passes running on this thread, innermost first:
-    ``"backward"`` for ``torch.autograd.backward`` (``Tensor.backward``),
-    ``"grad"`` for ``torch.autograd.grad``."""
+def engine_calls(frame=None):
+    """The backward passes running on this thread (or on the stack of
+    ``frame``), innermost first: ``"backward"`` for ``torch.autograd.backward``
+    (``Tensor.backward``), ``"grad"`` for ``torch.autograd.grad``."""
     calls = []
-    frame = sys._getframe(1)
+    frame = sys._getframe(1) if frame is None else frame
     while frame is not None:
         code = frame.f_code
         if code is _BACKWARD:
@@ -39,8 +47,19 @@ def engine_calls():
 
 def in_outermost_backward():
     """Whether this code runs in a backward pass that is not nested in another
-    (and is ``backward``, not ``grad``: ``grad`` does not accumulate ``.grad``)."""
-    return engine_calls() == ["backward"]
+    (and is ``backward``, not ``grad``: ``grad`` does not accumulate ``.grad``).
+    On an engine worker thread (CUDA): no pass nested on this thread, and the
+    one thread waiting in a pass waits in ``backward`` (with two threads in
+    backward at once, the end is not seen, and the step says so)."""
+    calls = engine_calls()
+    if not isinstance(threading.current_thread(), threading._DummyThread):
+        return calls == ["backward"]
+    if calls:
+        return False
+    me = threading.get_ident()
+    callers = [engine_calls(f) for tid, f in sys._current_frames().items() if tid != me]
+    callers = [c for c in callers if c]
+    return len(callers) == 1 and callers[0] == ["backward"]
 
 
 def current_task():
