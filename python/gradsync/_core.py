@@ -44,12 +44,15 @@ class DataPath:
     """Which path a wrapped model's gradients take, and why: ``hooks`` is
     ``"native"`` (C++ hooks, no Python per gradient) or ``"python"``;
     ``collectives`` is ``"native"`` (the runtime calls the collective engine
-    without the interpreter) or ``"python"``; ``why`` says why a Python path
-    runs (``None`` when both are native)."""
+    without the interpreter) or ``"python"``; ``buckets`` is ``"host"``
+    (the runtime's own memory, reduced by gloo) or ``"device"`` (torch
+    tensors on the parameters' device, reduced by the device's engine: NCCL
+    for CUDA); ``why`` says why a slower path runs (``None`` when none does)."""
 
     hooks: str
     collectives: str
     why: Optional[str] = None
+    buckets: str = "host"
 
 
 class Framework(Protocol):

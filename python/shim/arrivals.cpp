@@ -12,7 +12,7 @@
 //       starts a fresh one for any later contribution), count the firing (its
 //       token), keep the tensor that must receive the average, and hand it to
 //       the runtime, for the step the runtime has open:
-//   ─▶ SinkTable.give(sink, index, token, data, tensor handle, release)
+//   ─▶ SinkTable.give(sink, index, token, data, Given handle, release)
 //       (Rust, python/src/arrivals.rs; no interpreter lock)
 //       in a backward under no_sync: leave .grad where it is (autograd sums
 //       the micro-batches into it, as under DDP, and the program may read or
@@ -24,10 +24,16 @@
 // * the autograd task changed (a new backward, or a nested one): `on_task`,
 //   the wrapper's own check for a new backward (it then sets `task_seen` and
 //   the `.grad` tensors that existed when backward began);
-// * a gradient the runtime cannot read (sparse, or not on the CPU):
-//   `on_odd(index)`, which raises the wrapper's error;
+// * a gradient the runtime cannot read (sparse, or on a device when the
+//   wrapper's buckets are in host memory): `on_odd(index)`, which raises the
+//   wrapper's error;
 // * the runtime refused the arrival: `sink.raise_refusal()`.
 // An exception raised there propagates out of backward unchanged.
+//
+// With buckets on the device (`device_plane`), a gradient on a device is
+// handed over with an event recorded on the stream autograd produced it on
+// (the current stream of this thread, at hook time; given.h): the device
+// plane orders its packing after that event.
 //
 // The ledger takes no lock: one backward at a time runs through a wrapped
 // model (two threads backpropagating through the same replica at once race
@@ -36,6 +42,7 @@
 // The wrapper (gradsync/torch/ddp.py) owns the Ledger; `remove()` (or the
 // Ledger's end) takes the hooks off the nodes before the Ledger is freed.
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -49,6 +56,8 @@
 #include <utility>
 #include <vector>
 
+#include "given.h"
+
 namespace py = pybind11;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
@@ -57,7 +66,7 @@ namespace {
 
 // The version of the runtime's entry table this module speaks
 // (python/src/arrivals.rs, `TABLE_VERSION`).
-constexpr uint32_t kSinkVersion = 2;
+constexpr uint32_t kSinkVersion = 3;
 
 // No autograd task seen yet in this step.
 constexpr int kNoTask = -2;
@@ -87,8 +96,12 @@ void release_tensor(void* handle) {
   if (python_is_ending()) {
     return;
   }
-  delete static_cast<at::Tensor*>(handle);
+  delete static_cast<gradsync::Given*>(handle);
 }
+
+// What torch's grad_accumulator returns: a shared_ptr<Node> up to torch
+// 2.11, an intrusive_ptr<Node> in later versions.
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // Call into Python with the lock; a Python exception becomes one autograd
 // carries out of backward unchanged.
@@ -108,8 +121,9 @@ void with_python(F&& call) {
 class Ledger {
  public:
   Ledger(std::vector<at::Tensor> params, std::vector<bool> viewable, uintptr_t table, py::object sink,
-         py::object on_task, py::object on_odd)
-      : params_(std::move(params)),
+         py::object on_task, py::object on_odd, bool device_plane)
+      : device_plane_(device_plane),
+        params_(std::move(params)),
         viewable_(std::move(viewable)),
         table_(reinterpret_cast<const SinkTable*>(table)),
         sink_(std::move(sink)),
@@ -254,7 +268,7 @@ class Ledger {
       // Something ran before this hook and took the gradient away.
       return;
     }
-    if (grad.layout() != at::kStrided || !grad.is_cpu()) {
+    if (grad.layout() != at::kStrided || (!grad.is_cpu() && !device_plane_)) {
       with_python([&] { on_odd_(index); });
       return;
     }
@@ -282,7 +296,12 @@ class Ledger {
     if (token == 0 && (!viewable_[index] || existing_.count(grad.unsafeGetTensorImpl()) != 0)) {
       out_[index] = grad;
     }
-    auto* handle = new at::Tensor(given);
+    auto* handle = new gradsync::Given{given, std::nullopt};
+    if (!given.is_cpu()) {
+      c10::impl::VirtualGuardImpl device(given.device().type());
+      handle->ready.emplace(given.device().type());
+      handle->ready->record(device.getStream(given.device()));
+    }
     int32_t rc = table_->give(sink_address_, index, token, reinterpret_cast<size_t>(given.data_ptr()), handle,
                               &release_tensor);
     if (rc != 0) {
@@ -292,6 +311,8 @@ class Ledger {
     ++arrivals_;
   }
 
+  // Whether gradients on a device are handed over (else they are odd).
+  bool device_plane_;
   std::vector<at::Tensor> params_;
   // Whether a bucket view may stand in for the parameter's .grad.
   std::vector<bool> viewable_;
@@ -304,7 +325,7 @@ class Ledger {
   py::object on_odd_;
   // Each parameter's AccumulateGrad node (held: a node nobody holds is
   // recreated at the next forward, without the hook) and the hook's key.
-  std::vector<c10::intrusive_ptr<Node>> accumulators_;
+  std::vector<NodePtr> accumulators_;
   std::vector<uintptr_t> keys_;
   bool closed_ = false;
   // The open step's record, as the Python hooks' `StepRecord` (gradsync/_record.py).
@@ -326,9 +347,10 @@ PYBIND11_MODULE(_arrivals, m) {
   m.doc() = "gradsync's gradient hooks in C++: gradients reach the runtime without the interpreter";
   m.attr("VERSION") = kSinkVersion;
   py::class_<Ledger>(m, "Ledger", "The hooks on a wrapper's parameters and the open step's arrivals.")
-      .def(py::init<std::vector<at::Tensor>, std::vector<bool>, uintptr_t, py::object, py::object, py::object>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<bool>, uintptr_t, py::object, py::object, py::object,
+                    bool>(),
            py::arg("params"), py::arg("viewable"), py::arg("table"), py::arg("sink"), py::arg("on_task"),
-           py::arg("on_odd"))
+           py::arg("on_odd"), py::arg("device_plane") = false)
       .def("remove", &Ledger::remove, "Take the hooks off; later gradients stay in .grad.")
       .def("new_step", &Ledger::new_step, "Start recording the runtime's next step.")
       .def("give_held", &Ledger::give_held,

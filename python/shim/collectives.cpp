@@ -27,7 +27,18 @@
 //
 // The Endpoint belongs to Python (it holds references to the group and the
 // store); the Rust side reads its address again after every reset.
+//
+// The device plane (the second half of this file) keeps a wrapper's buckets
+// as torch tensors on the parameters' device, allocated by torch's caching
+// allocator, and does every bucket operation (pack, zero, scale, correct)
+// as a torch op on a communication stream of its own; `start_tensor` sums a
+// bucket on the endpoint's data group (NCCL for CUDA tensors) on that stream.
+// On the CPU the same functions run on CPU tensors and gloo, with no stream
+// and no events: the only lines a CPU never runs are the ones under
+// `if (plane.comm)` and `if (given.ready)`.
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/utils/pybind.h>
@@ -39,20 +50,25 @@
 #include <utility>
 #include <vector>
 
+#include "given.h"
+
 namespace py = pybind11;
 
 namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 
 // Element types the runtime hands over (`elem` of `start`; python/src/collectives.rs, `Words`).
 enum Elem : int32_t { kF32 = 0, kI64 = 1, kBF16 = 2, kF16 = 3 };
 
 // One process group as the communicator thread sees it.
 struct Endpoint {
+  // Control words, plan agreements, host buckets (gloo).
   c10::intrusive_ptr<c10d::Backend> group;
+  // Device-plane buckets: NCCL for CUDA tensors; `group` itself on the CPU.
+  c10::intrusive_ptr<c10d::Backend> data;
   // The job's store, where positions are counted.
   c10::intrusive_ptr<c10d::Store> store;
   // This rank's position key in `store` (one per group epoch).
@@ -62,10 +78,15 @@ struct Endpoint {
 // One started collective.
 struct Flight {
   c10::intrusive_ptr<c10d::Work> work;
-  // The runtime's memory, as a tensor.
+  // The runtime's memory, as a tensor (a device-plane bucket's wire copy).
   at::Tensor tensor;
   // Applied to a float32 sum.
   float factor;
+  // A device-plane bucket that travelled in `tensor` as a half type: the sum
+  // is widened back into it. Undefined otherwise.
+  at::Tensor bucket = {};
+  // The device plane's stream the collective was ordered on (none: host).
+  std::optional<c10::Stream> stream = std::nullopt;
 };
 
 at::ScalarType scalar_type(int32_t elem) {
@@ -127,9 +148,20 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, float fac
 int32_t finish(void* flight, char* err, size_t err_len) {
   auto* f = static_cast<Flight*>(flight);
   int32_t rc = guarded(err, err_len, [&] {
+    // On a device, wait() orders the plane's stream after the collective
+    // (the host does not block), and the scaling below is queued behind it.
+    std::optional<c10::StreamGuard> on_stream;
+    if (f->stream) {
+      on_stream.emplace(*f->stream);
+    }
     f->work->wait();
+    at::Tensor sum = f->tensor;
+    if (f->bucket.defined()) {
+      f->bucket.copy_(f->tensor);
+      sum = f->bucket;
+    }
     if (f->factor != 1.0f) {
-      f->tensor.mul_(f->factor);
+      sum.mul_(f->factor);
     }
   });
   delete f;
@@ -140,15 +172,209 @@ void forget(void* flight) {
   delete static_cast<Flight*>(flight);
 }
 
+// ---- the device plane ---------------------------------------------------------------
+
+// A wrapper's device plane: its device, and on a device (not the CPU) the
+// communication stream every bucket operation and collective is queued on.
+struct Plane {
+  c10::Device device;
+  std::optional<c10::Stream> comm;
+};
+
+Plane* new_plane(const c10::Device& device) {
+  auto plane = std::make_unique<Plane>(Plane{device, std::nullopt});
+  if (!device.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    plane->comm = impl.getNewStream(device);
+  }
+  return plane.release();
+}
+
+// Runs `body` with the plane's stream as this thread's current stream.
+template <typename F>
+void on_comm(const Plane& plane, F&& body) {
+  if (plane.comm) {
+    c10::StreamGuard guard(*plane.comm);
+    body();
+  } else {
+    body();
+  }
+}
+
+// The current stream of the caller (the training thread) on the plane's device.
+c10::Stream caller_stream(const Plane& plane) {
+  c10::impl::VirtualGuardImpl impl(plane.device.type());
+  return impl.getStream(plane.device);
+}
+
+// `a` waits for everything queued on `b` so far (an event; the host does not block).
+void stream_waits(const c10::Stream& a, const c10::Stream& b) {
+  c10::Event event(b.device_type());
+  event.record(b);
+  event.block(a);
+}
+
+// A handed-over gradient as the flat float values the bucket holds, ready
+// on the plane's stream: the stream waits for the producer's event, and the
+// caching allocator keeps the memory until the stream is done with it.
+at::Tensor ready(const Plane& plane, gradsync::Given& given) {
+  if (given.ready) {
+    given.ready->block(*plane.comm);
+  }
+  if (plane.comm) {
+    given.tensor.record_stream(*plane.comm);
+  }
+  const at::Tensor& t = given.tensor;
+  return (t.is_complex() ? at::view_as_real(t) : t).reshape({-1});
+}
+
+at::Tensor& bucket_at(void* bucket) {
+  return *static_cast<at::Tensor*>(bucket);
+}
+
+void release_given(void* given) {
+  delete static_cast<gradsync::Given*>(given);
+}
+
+int32_t plane_alloc(void* plane, int64_t numel, void** bucket, char* err, size_t err_len) {
+  const auto& p = *static_cast<Plane*>(plane);
+  *bucket = nullptr;
+  return guarded(err, err_len, [&] {
+    on_comm(p, [&] {
+      auto t = at::zeros({numel}, at::TensorOptions().dtype(at::kFloat).device(p.device));
+      *bucket = new at::Tensor(std::move(t));
+    });
+  });
+}
+
+void plane_free(void* bucket) {
+  delete static_cast<at::Tensor*>(bucket);
+}
+
+// bucket[offset..][..n] (=|+=) src * factor.
+int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, float factor, char* err,
+                    size_t err_len) {
+  const auto& p = *static_cast<Plane*>(plane);
+  return guarded(err, err_len, [&] {
+    on_comm(p, [&] {
+      at::Tensor values = ready(p, *static_cast<gradsync::Given*>(src));
+      at::Tensor slot = bucket_at(bucket).narrow(0, offset, values.numel());
+      if (add != 0) {
+        slot.add_(values, factor);
+      } else {
+        slot.copy_(values);
+        if (factor != 1.0f) {
+          slot.mul_(factor);
+        }
+      }
+    });
+  });
+}
+
+// bucket[offset..][..n] = last - sent.
+int32_t plane_difference(void* plane, void* bucket, int64_t offset, void* last, void* sent, char* err,
+                         size_t err_len) {
+  const auto& p = *static_cast<Plane*>(plane);
+  return guarded(err, err_len, [&] {
+    on_comm(p, [&] {
+      at::Tensor a = ready(p, *static_cast<gradsync::Given*>(last));
+      at::Tensor b = ready(p, *static_cast<gradsync::Given*>(sent));
+      at::Tensor slot = bucket_at(bucket).narrow(0, offset, a.numel());
+      at::sub_out(slot, a.to(at::kFloat), b.to(at::kFloat));
+    });
+  });
+}
+
+// bucket[offset..][..len] *= factor (0: zeroed).
+int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, float factor, char* err,
+                    size_t err_len) {
+  const auto& p = *static_cast<Plane*>(plane);
+  return guarded(err, err_len, [&] {
+    on_comm(p, [&] {
+      at::Tensor slot = bucket_at(bucket).narrow(0, offset, len);
+      if (factor == 0.0f) {
+        slot.zero_();
+      } else {
+        slot.mul_(factor);
+      }
+    });
+  });
+}
+
+// dst[dst_offset..][..len] += src[src_offset..][..len].
+int32_t plane_add_from(void* plane, void* dst, int64_t dst_offset, void* src, int64_t src_offset, int64_t len,
+                       char* err, size_t err_len) {
+  const auto& p = *static_cast<Plane*>(plane);
+  return guarded(err, err_len, [&] {
+    on_comm(p, [&] { bucket_at(dst).narrow(0, dst_offset, len).add_(bucket_at(src).narrow(0, src_offset, len)); });
+  });
+}
+
+// A new gradient `a + b` (both handed over; neither is written), ready on the
+// plane's stream, with its release function.
+int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t err_len) {
+  const auto& p = *static_cast<Plane*>(plane);
+  *out = nullptr;
+  return guarded(err, err_len, [&] {
+    on_comm(p, [&] {
+      auto& ga = *static_cast<gradsync::Given*>(a);
+      auto& gb = *static_cast<gradsync::Given*>(b);
+      ready(p, ga);
+      ready(p, gb);
+      *out = new gradsync::Given{ga.tensor + gb.tensor, std::nullopt};
+    });
+  });
+}
+
+// Start summing a device-plane bucket on the endpoint's data group, on the
+// plane's stream, travelling as `elem` (float32, or a half type it is
+// rounded to first); `finish` widens, scales and frees.
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, float factor, int64_t timeout_ms,
+                     void** flight, int64_t* seq, char* err, size_t err_len) {
+  *flight = nullptr;
+  *seq = 0;
+  auto* ep = static_cast<Endpoint*>(endpoint);
+  const auto& p = *static_cast<Plane*>(plane);
+  return guarded(err, err_len, [&] {
+    *seq = ep->store->add(ep->key, 1);
+    on_comm(p, [&] {
+      at::Tensor& t = bucket_at(bucket);
+      auto f = std::make_unique<Flight>(Flight{{}, t, factor, {}, p.comm});
+      if (elem != kF32) {
+        f->tensor = t.to(scalar_type(elem));
+        f->bucket = t;
+      }
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      opts.timeout = std::chrono::milliseconds(timeout_ms);
+      std::vector<at::Tensor> tensors{f->tensor};
+      f->work = ep->data->allreduce(tensors, opts);
+      *flight = f.release();
+    });
+  });
+}
+
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
 struct Table {
   uint32_t version;
   int32_t (*start)(void*, void*, int64_t, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
   int32_t (*finish)(void*, char*, size_t);
   void (*forget)(void*);
+  // The device plane.
+  int32_t (*start_tensor)(void*, void*, void*, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
+  int32_t (*alloc)(void*, int64_t, void**, char*, size_t);
+  void (*free)(void*);
+  int32_t (*write)(void*, void*, int64_t, void*, int32_t, float, char*, size_t);
+  int32_t (*difference)(void*, void*, int64_t, void*, void*, char*, size_t);
+  int32_t (*scale)(void*, void*, int64_t, int64_t, float, char*, size_t);
+  int32_t (*add_from)(void*, void*, int64_t, void*, int64_t, int64_t, char*, size_t);
+  int32_t (*sum)(void*, void*, void*, void**, char*, size_t);
+  void (*release_given)(void*);
 };
 
-const Table kTable{kVersion, &start, &finish, &forget};
+const Table kTable{kVersion,    &start,          &finish,         &forget,     &start_tensor,
+                   &plane_alloc, &plane_free,     &plane_write,    &plane_difference,
+                   &plane_scale, &plane_add_from, &plane_sum,      &release_given};
 
 }  // namespace
 
@@ -159,15 +385,47 @@ PYBIND11_MODULE(_collectives, m) {
       "table", [] { return reinterpret_cast<uintptr_t>(&kTable); },
       "Address of the C function table the runtime's communicator thread calls.");
   py::class_<Endpoint>(m, "Endpoint", "One gloo group and the store key its positions are counted under.")
-      .def(py::init([](py::object group, py::object store, std::string key) {
+      .def(py::init([](py::object group, py::object store, std::string key, py::object data) {
              auto ep = std::make_unique<Endpoint>();
              ep->group = group.cast<c10::intrusive_ptr<c10d::Backend>>();
+             ep->data = data.is_none() ? ep->group : data.cast<c10::intrusive_ptr<c10d::Backend>>();
              ep->store = store.cast<c10::intrusive_ptr<c10d::Store>>();
              ep->key = std::move(key);
              return ep;
            }),
-           py::arg("group"), py::arg("store"), py::arg("key"))
+           py::arg("group"), py::arg("store"), py::arg("key"), py::arg("data") = py::none())
       .def_property_readonly(
           "address", [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
           "Where the runtime finds this endpoint (valid while the object lives).");
+  py::class_<Plane>(m, "Plane",
+                    "A wrapper's device plane: buckets as torch tensors on its device, operated on a stream of "
+                    "its own (none on the CPU).")
+      .def(py::init([](const c10::Device& device) { return std::unique_ptr<Plane>(new_plane(device)); }),
+           py::arg("device"))
+      .def_property_readonly(
+          "address", [](Plane& p) { return reinterpret_cast<uintptr_t>(&p); },
+          "Where the runtime finds this plane (valid while the object lives).")
+      .def_property_readonly(
+          "streamed", [](Plane& p) { return p.comm.has_value(); }, "Whether the plane has a stream (a device).")
+      .def(
+          "enter",
+          [](Plane& p) {
+            if (p.comm) {
+              stream_waits(*p.comm, caller_stream(p));
+            }
+          },
+          "A step begins: the plane's stream waits for what the caller's current stream queued so far "
+          "(the previous optimizer step that read the buckets). No-op on the CPU.")
+      .def(
+          "leave",
+          [](Plane& p) {
+            if (p.comm) {
+              stream_waits(caller_stream(p), *p.comm);
+            }
+          },
+          "A step's reduction is queued: the caller's current stream waits for it, so what the caller queues "
+          "next (writing .grad, optimizer.step()) reads the averages. The host does not block. No-op on the CPU.");
+  m.def(
+      "bucket_tensor", [](uintptr_t bucket) { return *reinterpret_cast<at::Tensor*>(bucket); }, py::arg("address"),
+      "The device-plane bucket at `address` (from the runtime's Step.buckets()), as a tensor sharing its memory.");
 }

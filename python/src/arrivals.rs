@@ -22,17 +22,19 @@ use pyo3::prelude::*;
 
 use crate::errors;
 use crate::params::Params;
+use crate::plane::PlaneGrad;
 use crate::tensor_grads::{Grad, Owner, TensorGrads};
 
 /// The version of [`Table`] (the shim checks it: `kSinkVersion`).
-pub const TABLE_VERSION: u32 = 2;
+pub const TABLE_VERSION: u32 = 3;
 
 /// What `give` returns.
 const GIVEN: i32 = 0;
 const REFUSED: i32 = 1;
 
-/// A tensor the shim allocated (an `at::Tensor*`), held until the runtime is
-/// done with its memory and then handed back to `release`.
+/// A gradient the shim allocated (its `Given`: the tensor and, on a device,
+/// the event of the stream that produced it; python/shim/given.h), held
+/// until the runtime is done with its memory and then handed back to `release`.
 #[derive(Debug)]
 pub struct NativeTensor {
     handle: *mut c_void,
@@ -46,6 +48,22 @@ pub struct NativeTensor {
 unsafe impl Send for NativeTensor {}
 // SAFETY: shared references never touch the handle (only `drop` does).
 unsafe impl Sync for NativeTensor {}
+
+impl NativeTensor {
+    /// Take ownership of `handle`, to be handed back to `release`.
+    ///
+    /// # Safety
+    /// `handle` must be a `Given` the shim allocated, with the `release`
+    /// that frees it, owned by nobody else.
+    pub unsafe fn new(handle: *mut c_void, release: unsafe extern "C" fn(*mut c_void)) -> NativeTensor {
+        NativeTensor { handle, release }
+    }
+
+    /// The shim's `Given*`, for the device plane's functions.
+    pub fn handle(&self) -> *mut c_void {
+        self.handle
+    }
+}
 
 impl Drop for NativeTensor {
     fn drop(&mut self) {
@@ -114,7 +132,11 @@ impl Sink {
     fn give(&self, param: usize, token: u64, addr: usize, owner: NativeTensor) -> Result<(), Rejection> {
         // The shim registered one hook per parameter index it was given.
         let id = self.params.ids[param];
-        let grad = Grad::read(self.params.at(param, addr), Owner::Native(owner));
+        let grad = if self.params.device_plane {
+            Grad::Plane(PlaneGrad { given: owner, numel: self.params.numel[param] })
+        } else {
+            Grad::read(self.params.at(param, addr), Owner::Native(owner))
+        };
         let mut guard = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         let batch = guard.as_mut().ok_or(Rejection::Closed)?;
         batch.increment(batch.open_step(), id, Token(token), grad)

@@ -20,13 +20,23 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 3;
+pub const TABLE_VERSION: u32 = 4;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
 
-/// The shim's function table (its `Table`, field for field).
+/// A shim error message buffer.
+pub(crate) type ErrorText = [c_char; ERROR_BYTES];
+
+/// An empty error message buffer.
+pub(crate) fn error_text() -> ErrorText {
+    [0; ERROR_BYTES]
+}
+
+/// The shim's function table (its `Table`, field for field). The fields
+/// after `forget` are the device plane's (python/src/plane.rs).
 #[repr(C)]
+#[allow(clippy::type_complexity)]
 pub struct Table {
     version: u32,
     #[allow(clippy::type_complexity)]
@@ -44,6 +54,47 @@ pub struct Table {
     ) -> i32,
     finish: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32,
     forget: unsafe extern "C" fn(*mut c_void),
+    start_tensor: unsafe extern "C" fn(
+        *mut c_void,
+        *mut c_void,
+        *mut c_void,
+        i32,
+        f32,
+        i64,
+        *mut *mut c_void,
+        *mut i64,
+        *mut c_char,
+        usize,
+    ) -> i32,
+    pub(crate) alloc: unsafe extern "C" fn(*mut c_void, i64, *mut *mut c_void, *mut c_char, usize) -> i32,
+    pub(crate) free: unsafe extern "C" fn(*mut c_void),
+    pub(crate) write:
+        unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, i32, f32, *mut c_char, usize) -> i32,
+    pub(crate) difference:
+        unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, *mut c_void, *mut c_char, usize) -> i32,
+    pub(crate) scale: unsafe extern "C" fn(*mut c_void, *mut c_void, i64, i64, f32, *mut c_char, usize) -> i32,
+    pub(crate) add_from:
+        unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, i64, i64, *mut c_char, usize) -> i32,
+    pub(crate) sum:
+        unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, *mut *mut c_void, *mut c_char, usize) -> i32,
+    pub(crate) release_given: unsafe extern "C" fn(*mut c_void),
+}
+
+impl Table {
+    /// The shim's table at `table` (an address from `_collectives.table()`,
+    /// which lives as long as the process: Python never unloads an
+    /// extension module), if it speaks this side's version.
+    ///
+    /// # Safety
+    /// `table` must be the address `_collectives.table()` returned.
+    pub unsafe fn at(table: usize) -> Result<&'static Table, String> {
+        // SAFETY: the caller vouches that `table` is the shim's static table.
+        let table: &'static Table = unsafe { &*(table as *const Table) };
+        if table.version != TABLE_VERSION {
+            return Err(format!("the shim speaks version {}, this runtime {TABLE_VERSION}", table.version));
+        }
+        Ok(table)
+    }
 }
 
 /// What a collective sums: float32 buckets and corrections, control words
@@ -131,11 +182,8 @@ impl NativeGloo {
     /// `table` must be the address `_collectives.table()` returned and
     /// `endpoint` the address of an `Endpoint` the caller keeps alive.
     pub unsafe fn new(table: usize, endpoint: usize) -> Result<NativeGloo, String> {
-        // SAFETY: the caller vouches that `table` is the shim's static table.
-        let table: &'static Table = unsafe { &*(table as *const Table) };
-        if table.version != TABLE_VERSION {
-            return Err(format!("the shim speaks version {}, this runtime {TABLE_VERSION}", table.version));
-        }
+        // SAFETY: as this function's own contract.
+        let table = unsafe { Table::at(table) }?;
         Ok(NativeGloo { table, endpoint, flights: VecDeque::new() })
     }
 
@@ -160,30 +208,77 @@ impl NativeGloo {
         factor: f32,
         timeout: Duration,
     ) -> Result<(), ShimError> {
+        let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
+        self.launch(tag, timeout, |timeout_ms, handle, seq, err| {
+            // SAFETY: the endpoint is alive (see `new`); `addr` holds `numel`
+            // elements of `words` until this collective is finished or
+            // forgotten (the runtime's contract with its transport);
+            // `handle`, `seq` and `err` outlive the call.
+            unsafe {
+                (table.start)(
+                    endpoint,
+                    addr as *mut c_void,
+                    numel as i64,
+                    words.code(),
+                    factor,
+                    timeout_ms,
+                    handle,
+                    seq,
+                    err.as_mut_ptr(),
+                    err.len(),
+                )
+            }
+        })
+    }
+
+    /// Start summing the device-plane bucket `bucket` (an `at::Tensor*` of
+    /// the plane at `plane`) on the endpoint's data group, travelling as
+    /// `words`, scaled by `factor` when finished.
+    pub fn start_tensor(
+        &mut self,
+        tag: CollectiveTag,
+        plane: usize,
+        bucket: usize,
+        words: Words,
+        factor: f32,
+        timeout: Duration,
+    ) -> Result<(), ShimError> {
+        let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
+        self.launch(tag, timeout, |timeout_ms, handle, seq, err| {
+            // SAFETY: the endpoint and the plane are alive (the communicator
+            // holds both); the bucket is the runtime's and untouched until
+            // this collective is finished or forgotten; `handle`, `seq` and
+            // `err` outlive the call.
+            unsafe {
+                (table.start_tensor)(
+                    endpoint,
+                    plane as *mut c_void,
+                    bucket as *mut c_void,
+                    words.code(),
+                    factor,
+                    timeout_ms,
+                    handle,
+                    seq,
+                    err.as_mut_ptr(),
+                    err.len(),
+                )
+            }
+        })
+    }
+
+    /// Run one of the shim's start functions and keep its Flight.
+    fn launch(
+        &mut self,
+        tag: CollectiveTag,
+        timeout: Duration,
+        start: impl FnOnce(i64, *mut *mut c_void, *mut i64, &mut ErrorText) -> i32,
+    ) -> Result<(), ShimError> {
         let started = Instant::now();
         let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX).max(1);
         let mut handle = std::ptr::null_mut();
         let mut seq = 0i64;
-        let mut err = [0 as c_char; ERROR_BYTES];
-        // SAFETY: the endpoint is alive (see `new`); `addr` holds `numel`
-        // elements of `words` until this collective is finished or forgotten
-        // (the runtime's contract with its transport); `handle`, `seq` and
-        // `err` outlive the call.
-        let rc = unsafe {
-            (self.table.start)(
-                self.endpoint as *mut c_void,
-                addr as *mut c_void,
-                numel as i64,
-                words.code(),
-                factor,
-                timeout_ms,
-                &mut handle,
-                &mut seq,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        if rc != 0 {
+        let mut err = error_text();
+        if start(timeout_ms, &mut handle, &mut seq, &mut err) != 0 {
             return Err(ShimError { tag, seq, message: message(&err), waited: started.elapsed() });
         }
         self.flights.push_back(Flight { handle, tag, seq, started });
@@ -193,7 +288,7 @@ impl NativeGloo {
     /// Finish the oldest started collective (none: nothing to do).
     pub fn finish_oldest(&mut self) -> Result<(), ShimError> {
         let Some(flight) = self.flights.pop_front() else { return Ok(()) };
-        let mut err = [0 as c_char; ERROR_BYTES];
+        let mut err = error_text();
         // SAFETY: `flight.handle` came from `start` and is finished once;
         // `finish` frees it whatever the outcome.
         let rc = unsafe { (self.table.finish)(flight.handle, err.as_mut_ptr(), err.len()) };
@@ -223,7 +318,7 @@ impl Drop for NativeGloo {
     }
 }
 
-fn message(err: &[c_char]) -> String {
+pub(crate) fn message(err: &[c_char]) -> String {
     // SAFETY: the shim writes a NUL-terminated string into `err` (and the
     // buffer starts zeroed, so an untouched one is empty).
     let text = unsafe { CStr::from_ptr(err.as_ptr()) };

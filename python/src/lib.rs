@@ -7,9 +7,14 @@
 //! C++ hook (_arrivals) ── ArrivalSink's C entry `give` (no interpreter) ──▶ the same ArrivalBatch
 //! end of backward     ── Session.finish(step) (interpreter released) ──▶ GradSync::finish_step
 //!                     ◀── Step { report, gradients } ── Step.copy_into_ptr(param, addr) ──▶ .grad
+//!                                                       (device plane: Step.buckets() ──▶ tensors ──▶ .grad)
 //! comm thread         ── PyTransport (wire conversion) ──▶ the C++ shim's table (c10d gloo, no interpreter),
 //!                                                          or communicator.all_reduce(addr, …) (Python)
 //! ```
+//!
+//! Buckets live in host memory, or on the **device plane**: torch tensors
+//! on the parameters' device, packed and reduced (NCCL for CUDA) on a stream
+//! of the shim's, with the same actors deciding (`plane`).
 //!
 //! Every semantic (dedup, token order, late corrections, aborts, joins,
 //! desync, deadlines, the divisor, the wire type) is the Rust runtime's; this
@@ -21,7 +26,8 @@
 //! `session` (the runtime as Python drives it), `step` and `report` (a
 //! finished step), `settings` (names parsed into the runtime's types),
 //! `params` and `memory` (gradient memory by address), `tensor_grads`
-//! (payloads that are tensors held in place), `arrivals` (the C entry of the
+//! (the store: payloads that are tensors held in place, on either plane),
+//! `plane` (the device plane's operations), `arrivals` (the C entry of the
 //! C++ hooks), `transport` and `collectives` (the communicator thread's way
 //! to gloo), `errors`, `closing`.
 
@@ -31,6 +37,7 @@ mod collectives;
 mod errors;
 mod memory;
 mod params;
+mod plane;
 mod report;
 mod session;
 mod settings;

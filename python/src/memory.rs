@@ -6,7 +6,6 @@
 //! for the reduction (the result is rounded back), `float16` and `bfloat16`
 //! are exact in f32.
 
-use gradsync_runtime::GradView;
 use half::{bf16, f16};
 
 /// The element type of a parameter's gradient memory.
@@ -64,7 +63,7 @@ pub fn read(src: Raw, out: &mut Vec<f32>) {
 }
 
 /// Write the averaged gradient `view` into `dst` (converted to its type).
-pub fn write(view: GradView<'_>, dst: Raw) {
+pub fn write(view: &[f32], dst: Raw) {
     assert_eq!(view.len(), dst.numel, "destination size checked by the caller");
     // SAFETY: `Raw`'s contract, for writing: `addr` holds `numel` elements of
     // `elem`, aligned, alive and touched by nobody else until this returns;
@@ -73,7 +72,7 @@ pub fn write(view: GradView<'_>, dst: Raw) {
         match dst.elem {
             Elem::F32 => {
                 let out = std::slice::from_raw_parts_mut(dst.addr as *mut f32, dst.numel);
-                view.copy_to(out);
+                out.copy_from_slice(view);
             }
             Elem::F64 => {
                 write_converted(view, std::slice::from_raw_parts_mut(dst.addr as *mut f64, dst.numel), f64::from)
@@ -88,12 +87,8 @@ pub fn write(view: GradView<'_>, dst: Raw) {
     }
 }
 
-fn write_converted<T>(view: GradView<'_>, out: &mut [T], convert: impl Fn(f32) -> T) {
-    let mut at = 0;
-    for chunk in view.chunks() {
-        for (o, &x) in out[at..at + chunk.len()].iter_mut().zip(chunk) {
-            *o = convert(x);
-        }
-        at += chunk.len();
+fn write_converted<T>(view: &[f32], out: &mut [T], convert: impl Fn(f32) -> T) {
+    for (o, &x) in out.iter_mut().zip(view) {
+        *o = convert(x);
     }
 }

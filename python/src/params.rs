@@ -12,6 +12,9 @@ pub struct Params {
     pub ids: Vec<ParamId>,
     pub numel: Vec<usize>,
     pub elem: Vec<Elem>,
+    /// Whether gradients are handed over as tensors for the device plane
+    /// (else their memory is read into host buckets).
+    pub device_plane: bool,
 }
 
 impl Params {

@@ -75,6 +75,18 @@ impl Session {
         Ok(Step::new(report, result.gradients, Arc::clone(&self.params)))
     }
 
+    /// Host memory cannot be handed to buckets on the device plane: only
+    /// the C++ hooks (the ledger) give it tensors.
+    fn refuse_on_device_plane(&self, py: Python<'_>) -> PyResult<()> {
+        if self.params.device_plane {
+            let why = "this session keeps its buckets on the device: gradients reach it through gradsync's C++ \
+                       hooks (gradsync.torch._arrivals), not from host memory"
+                .to_string();
+            return Err(errors::raise(py, "ConfigError", why, &[]));
+        }
+        Ok(())
+    }
+
     /// `step`, or the open step when `None` (the runtime's one step number).
     fn step_or_open(&self, py: Python<'_>, step: Option<u64>) -> PyResult<u64> {
         match step {
@@ -156,11 +168,11 @@ impl Session {
         let windowed =
             ["start", "wait_oldest", "discard"].iter().all(|m| communicator.bind(py).hasattr(*m).unwrap_or(false));
         let window = if windowed { in_flight } else { 1 };
-        let sync = b
-            .build(PyTransport::new(py, rank, world, communicator, window)?)
-            .map_err(|e| errors::build_error(py, &e))?;
+        let transport = PyTransport::new(py, rank, world, communicator, window)?;
+        let device_plane = transport.on_device_plane();
+        let sync = b.build(transport).map_err(|e| errors::build_error(py, &e))?;
         let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
-        let params = Arc::new(Params { ids, numel: numels, elem });
+        let params = Arc::new(Params { ids, numel: numels, elem, device_plane });
         Ok(Session { sync: Some(sync), batch, params, trace: record_timeline.then(ChromeTrace::new) })
     }
 
@@ -198,6 +210,7 @@ impl Session {
     /// the call (`gradsync.torch` checks the tensor it takes it from).
     #[pyo3(signature = (step, param, token, addr))]
     fn arrive_ptr(&self, py: Python<'_>, step: Option<u64>, param: usize, token: u64, addr: usize) -> PyResult<()> {
+        self.refuse_on_device_plane(py)?;
         let step = self.step_or_open(py, step)?;
         let src = self.params.raw(param, addr)?;
         let mut values = Vec::new();
@@ -229,6 +242,7 @@ impl Session {
         tensor: Py<PyAny>,
         addr: usize,
     ) -> PyResult<()> {
+        self.refuse_on_device_plane(py)?;
         let step = self.step_or_open(py, step)?;
         let grad = Grad::read(self.params.raw(param, addr)?, Owner::Python(tensor));
         self.offer(py, |batch| batch.increment(step, self.params.ids[param], Token(token), grad))

@@ -6,10 +6,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use gradsync_runtime::Gradients;
 use pyo3::prelude::*;
 
+use crate::errors;
 use crate::memory;
 use crate::params::Params;
 use crate::report::StepReport;
-use crate::tensor_grads::TensorGrads;
+use crate::tensor_grads::{Bucket, TensorGrads};
 
 /// Copy above this many bytes with the interpreter released.
 pub const DETACH_BYTES: usize = 256 << 10;
@@ -36,6 +37,18 @@ impl Step {
 
     /// The lent gradients. A lock poisoned by a panic in an earlier call is
     /// an error, never read as "nothing lent".
+    /// The host memory of a bucket (one contiguous piece in this binding).
+    fn host(bucket: &Bucket) -> PyResult<&[f32]> {
+        match bucket {
+            Bucket::Host(b) if b.num_pieces() == 1 => Ok(b.piece(0)),
+            Bucket::Host(_) => Err(pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous")),
+            Bucket::Plane(_) => Err(Python::attach(|py| {
+                let why = "this step's buckets are on the device: read them with buckets() (gradsync.torch does)";
+                errors::raise(py, "ConfigError", why.to_string(), &[])
+            })),
+        }
+    }
+
     fn lent(&self) -> PyResult<MutexGuard<'_, Lent>> {
         self.gradients.lock().map_err(|_| {
             pyo3::exceptions::PyRuntimeError::new_err(
@@ -75,7 +88,8 @@ impl Step {
         let dst = self.params.raw(param, addr)?;
         let id = self.params.ids[param];
         let guard = self.lent()?;
-        let Some(view) = guard.as_ref().and_then(|g| g.get(id)) else { return Ok(false) };
+        let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(false) };
+        let view = &Self::host(bucket)?[range];
         if dst.numel * 4 >= DETACH_BYTES {
             py.detach(|| memory::write(view, dst));
         } else {
@@ -94,25 +108,28 @@ impl Step {
         let Some(&id) = self.params.ids.get(param) else { return Ok(None) };
         let guard = self.lent()?;
         let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(None) };
-        if bucket.num_pieces() != 1 {
-            return Err(pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous"));
-        }
-        Ok(Some(bucket.piece(0)[range].as_ptr() as usize))
+        Ok(Some(Self::host(bucket)?[range].as_ptr() as usize))
     }
 
     /// Every bucket as `(address, numel, members)`: `numel` float32 values
     /// at `address` holding the averaged gradients of the parameter indices
     /// `members`, back to back in that order. Same lifetime as [`Step::address`].
+    /// On the device plane `address` is the bucket's `at::Tensor*` instead,
+    /// for `gradsync.torch._collectives.bucket_tensor` (the tensor it makes
+    /// shares the bucket's memory, whose lifetime is the same).
     fn buckets(&self) -> PyResult<Vec<(usize, usize, Vec<usize>)>> {
         let guard = self.lent()?;
         let Some(g) = guard.as_ref() else { return Ok(Vec::new()) };
         g.buckets()
             .map(|(bucket, members)| {
-                if bucket.num_pieces() != 1 {
-                    return Err(pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous"));
-                }
-                let piece = bucket.piece(0);
-                Ok((piece.as_ptr() as usize, piece.len(), members.iter().map(|p| p.index()).collect()))
+                let members = members.iter().map(|p| p.index()).collect();
+                Ok(match bucket {
+                    Bucket::Plane(b) => (b.address(), b.numel(), members),
+                    host => {
+                        let piece = Self::host(host)?;
+                        (piece.as_ptr() as usize, piece.len(), members)
+                    }
+                })
             })
             .collect()
     }

@@ -30,14 +30,15 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use gradsync_runtime::backend::{BucketBuf, CollectiveKind, CollectiveTag, CommError, Transport};
+use gradsync_runtime::backend::{CollectiveKind, CollectiveTag, CommError, Transport};
 use gradsync_runtime::Wire;
 use half::{bf16, f16};
 use pyo3::prelude::*;
 
 use crate::collectives::{NativeGloo, ShimError, Words};
 use crate::errors;
-use crate::tensor_grads::TensorGrads;
+use crate::plane::DevicePlane;
+use crate::tensor_grads::{Bucket, TensorGrads};
 
 /// One collective as the runtime asks for it: `numel` `words` at `addr`,
 /// summed over every rank, then scaled by `factor`, by `deadline`.
@@ -49,13 +50,30 @@ struct Collective {
     words: Words,
     factor: f32,
     deadline: Instant,
+    /// A device-plane bucket (its `at::Tensor*`): summed on the data group,
+    /// converted to the wire type by the shim; `addr` is unused.
+    tensor: Option<usize>,
 }
 
 impl Collective {
     /// A bucket (one contiguous piece: [`Transport::pieces`] is 1).
-    fn bucket(tag: CollectiveTag, bucket: &mut BucketBuf, factor: f32, deadline: Instant) -> Self {
-        let piece = bucket.piece_mut(0);
-        Collective { tag, addr: piece.as_mut_ptr() as usize, numel: piece.len(), words: Words::F32, factor, deadline }
+    fn bucket(tag: CollectiveTag, bucket: &mut Bucket, factor: f32, deadline: Instant) -> Self {
+        match bucket {
+            Bucket::Host(bucket) => {
+                let piece = bucket.piece_mut(0);
+                let (addr, numel) = (piece.as_mut_ptr() as usize, piece.len());
+                Collective { tag, addr, numel, words: Words::F32, factor, deadline, tensor: None }
+            }
+            Bucket::Plane(bucket) => Collective {
+                tag,
+                addr: 0,
+                numel: bucket.numel(),
+                words: Words::F32,
+                factor,
+                deadline,
+                tensor: Some(bucket.address()),
+            },
+        }
     }
 
     /// Time from `now` to the deadline; at least a millisecond, so a late
@@ -81,6 +99,7 @@ impl Collective {
             words: Words::I64,
             factor: 1.0,
             deadline,
+            tensor: None,
         }
     }
 }
@@ -146,6 +165,9 @@ pub struct PyTransport {
     /// Per collective started and not finished, oldest first: its staged
     /// half-width copy, if it has one.
     staged: VecDeque<Option<Staged>>,
+    /// Where buckets live when they are on the device plane (the
+    /// communicator's `plane()`; `None`: host memory).
+    plane: Option<DevicePlane>,
 }
 
 impl PyTransport {
@@ -161,6 +183,19 @@ impl PyTransport {
             })?),
             None => None,
         };
+        let plane = match plane_addresses(py, &communicator)? {
+            // SAFETY: `plane()` returns the shim's table and a Plane the
+            // communicator keeps for its whole life, and this transport (and
+            // the session whose store copies it) holds the communicator.
+            Some((table, plane)) => Some(unsafe { DevicePlane::new(table, plane) }.map_err(|why| {
+                errors::raise(py, "ConfigError", format!("gradsync.torch._collectives: {why}; reinstall gradsync"), &[])
+            })?),
+            None => None,
+        };
+        if plane.is_some() && native.is_none() {
+            let why = "buckets on the device need gradsync's C++ collectives (communicator.native())".to_string();
+            return Err(errors::raise(py, "ConfigError", why, &[]));
+        }
         Ok(PyTransport {
             rank,
             world,
@@ -170,7 +205,13 @@ impl PyTransport {
             native,
             wire: Wire::F32,
             staged: VecDeque::new(),
+            plane,
         })
+    }
+
+    /// Whether buckets live on the device plane.
+    pub fn on_device_plane(&self) -> bool {
+        self.plane.is_some()
     }
 
     /// Call `method` for collective `c` in Python.
@@ -237,6 +278,12 @@ impl PyTransport {
             self.staged.push_back(None);
             return c;
         }
+        if c.tensor.is_some() {
+            // A device bucket is rounded and widened on the device, by the shim.
+            self.staged.push_back(None);
+            let words = if self.wire == Wire::BF16 { Words::BF16 } else { Words::F16 };
+            return Collective { words, ..c };
+        }
         let mut staged = Staged::start(&c, self.wire);
         let c = c.staged(&mut staged);
         self.staged.push_back(Some(staged));
@@ -257,7 +304,13 @@ impl PyTransport {
     fn start_native(&mut self, c: Collective) -> Result<(), CommError> {
         let Some(native) = &mut self.native else { return Ok(()) };
         let timeout = c.time_left(Instant::now());
-        match native.start(c.tag, c.addr, c.numel, c.words, c.factor, timeout) {
+        let started = match (c.tensor, &self.plane) {
+            (Some(bucket), Some(plane)) => {
+                native.start_tensor(c.tag, plane.address(), bucket, c.words, c.factor, timeout)
+            }
+            _ => native.start(c.tag, c.addr, c.numel, c.words, c.factor, timeout),
+        };
+        match started {
             Ok(()) => Ok(()),
             Err(e) => {
                 // Never started: it will not be finished.
@@ -317,7 +370,7 @@ impl Transport for PyTransport {
     type Store = TensorGrads;
 
     fn store(&self) -> TensorGrads {
-        TensorGrads
+        TensorGrads::new(self.plane)
     }
 
     fn rank(&self) -> usize {
@@ -336,7 +389,7 @@ impl Transport for PyTransport {
     fn all_reduce_f32(
         &mut self,
         tag: CollectiveTag,
-        bucket: &mut BucketBuf,
+        bucket: &mut Bucket,
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
@@ -370,7 +423,7 @@ impl Transport for PyTransport {
     fn start_f32(
         &mut self,
         tag: CollectiveTag,
-        bucket: &mut BucketBuf,
+        bucket: &mut Bucket,
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
@@ -427,6 +480,16 @@ impl Transport for PyTransport {
             tracing::error!(rank = self.rank, error = %e, "the communicator could not start a new epoch");
         }
     }
+}
+
+/// `(table, plane)` addresses when the communicator keeps buckets on the
+/// device plane.
+fn plane_addresses(py: Python<'_>, communicator: &Py<PyAny>) -> PyResult<Option<(usize, usize)>> {
+    let communicator = communicator.bind(py);
+    if !communicator.hasattr("plane")? {
+        return Ok(None);
+    }
+    communicator.call_method0("plane")?.extract()
 }
 
 /// `(table, endpoint)` addresses when the communicator has a native path.

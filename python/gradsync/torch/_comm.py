@@ -24,6 +24,14 @@ One path runs the collectives, chosen when the wrapper is built:
 Either way the memory arrives as an address and an element type (a bucket
 that travels as bfloat16 or float16 was converted by the runtime) and is
 summed in place, without a copy.
+
+**Buckets on the device** (``plane_device``): the buckets are torch tensors
+on the parameters' device, packed on a stream of a ``_collectives.Plane``
+and summed on a *data group* beside the gloo group, over the same store
+prefix (no second rendezvous): ``ProcessGroupNCCL`` for CUDA, the gloo group
+itself on the CPU (what CI runs: the same code, no stream). Control words and
+plan agreements stay on gloo, in host memory: they are a few words, and the
+host reads them at once. This path needs the native collectives.
 """
 
 import collections
@@ -41,11 +49,18 @@ class TorchCommunicator(GlooCommunicator):
     """One rank's end of gradsync's private gloo group (see the module docs).
 
     ``shim`` is the loaded ``_collectives`` module for the native path, or
-    ``None`` for the Python path."""
+    ``None`` for the Python path; ``plane_device``, the device whose tensors
+    hold the buckets (``None``: host memory)."""
 
-    def __init__(self, *, store, prefix, rank, world, timeout_s, shim):
+    def __init__(self, *, store, prefix, rank, world, timeout_s, shim, plane_device=None):
         super().__init__(store=store, prefix=prefix, rank=rank, world=world)
         self._shim = shim
+        # The device plane (its stream), kept for the communicator's life:
+        # the runtime's store holds its address.
+        self.plane_device = plane_device
+        self._plane = None if plane_device is None else shim.Plane(plane_device)
+        # The data group of the device plane (NCCL on CUDA), per epoch.
+        self._data = None
         # Each operation has its own deadline (AllreduceOptions.timeout). This one
         # bounds connecting a group: after a failure, ranks reach their reset up
         # to a deadline apart, and the reset agreement waits three deadlines.
@@ -67,11 +82,50 @@ class TorchCommunicator(GlooCommunicator):
             return None
         return self._shim.table(), self._endpoint.address
 
+    def plane(self):
+        """``(table address, plane address)`` when the buckets are on the
+        device plane, else ``None``."""
+        if self._plane is None:
+            return None
+        return self._shim.table(), self._plane.address
+
+    def enter(self):
+        """A step's backward begins: the device plane's stream waits for
+        what the caller queued so far (no-op without a device stream)."""
+        if self._plane is not None:
+            self._plane.enter()
+
+    def leave(self):
+        """A step's reduction is queued: the caller's current stream waits
+        for the device plane's stream (the host does not block)."""
+        if self._plane is not None:
+            self._plane.leave()
+
+    def bucket_tensor(self, address):
+        """The device-plane bucket at ``address`` (``Step.buckets()``) as a tensor."""
+        return self._shim.bucket_tensor(address)
+
     def _new_group(self):
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
         self._group = dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)
+        self._abort_data()
+        if self.plane_device is not None and self.plane_device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+            data_store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}/nccl", self._store)
+            self._data = dist.ProcessGroupNCCL(data_store, self.rank, self.world, options)
         if self._shim is not None:
-            self._endpoint = self._shim.Endpoint(self._group, self._store, self._key(self.rank))
+            self._endpoint = self._shim.Endpoint(self._group, self._store, self._key(self.rank), self._data)
+
+    def _abort_data(self):
+        """End the previous epoch's NCCL group: after a failure its kernels
+        may wait for a peer that never comes (abort frees them)."""
+        if self._data is not None and hasattr(self._data, "abort"):
+            try:
+                self._data.abort()
+            except RuntimeError:  # already torn down by torch's watchdog
+                pass
+        self._data = None
 
     def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
         """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in

@@ -14,6 +14,11 @@ decides, per parameter, between
   ``.grad`` the caller already held (it receives the average in place, so
   every reference and view of it sees it) or a fresh one.
 
+On the device plane the bucket memory is a torch tensor on the parameters'
+device (the communicator's ``bucket_tensor``): views and copies are torch
+ops queued on the caller's stream, after the caller's stream was made to
+wait for the reduction (``leave``); the host never waits for the device.
+
 It owns the layouts and host staging tensors it caches between steps.
 :class:`TorchGrads` is the torch side of a wrapped model as the core sees
 it (``gradsync._core.Framework``): the hooks, the writer, clearing.
@@ -35,10 +40,12 @@ def reals(p):
 class GradWriter:
     """Writes each finished step's averaged gradients into ``params``' ``.grad``."""
 
-    def __init__(self, params, staging):
+    def __init__(self, params, staging, plane=None):
         self._params = params
         # Gradients travel through host memory (a CUDA module on the gloo path).
         self._staging = staging
+        # The communicator when the buckets are on the device plane, else None.
+        self._plane = plane
         # Per parameter: may its average be a view of the bucket memory?
         self.viewable = [not staging and p.dtype == torch.float32 and p.is_contiguous() for p in params]
         # Per bucket (its members, which a plan rebuilt in gradient order
@@ -59,6 +66,8 @@ class GradWriter:
         rank used. Returns whether views were lent (then ``result`` must not
         be released: the views release it when they die)."""
         params = self._params
+        if self._plane is not None:
+            return self._write_device(result, out, unused)
         if self._lent is None or self._lent() is None:
             lent, copied = self._view(result, out, unused)
         else:
@@ -90,6 +99,45 @@ class GradWriter:
                 else:
                     copied.append(i)
         return lent, copied
+
+    def _write_device(self, result, out, unused):
+        """:meth:`write` for buckets on the device plane: views of the bucket
+        tensors where allowed, else copies, all queued on the caller's stream
+        behind the reduction."""
+        self._plane.leave()
+        params, viewable = self._params, self.viewable
+        may_lend = self._lent is None or self._lent() is None
+        lent = False
+        for addr, _numel, members in result.buckets():
+            key = tuple(members)
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = self._layouts[key] = self._bucket_layout(members)
+            sizes, shapes = layout
+            bucket = self._plane.bucket_tensor(addr)
+            for i, shape, flat in zip(members, shapes, bucket.split(sizes)):
+                if i in unused or not result.has(i):
+                    continue
+                p = params[i]
+                if may_lend and viewable[i] and out[i] is None:
+                    view = flat if shape is None else flat.view(shape)
+                    view._gradsync_step = result  # the loan lives as long as any view of it
+                    p.grad = view
+                    lent = True
+                    continue
+                grad = out[i]
+                if grad is None:
+                    grad = p.grad if p.grad is not None else torch.empty_like(p, memory_format=torch.preserve_format)
+                p.grad = grad
+                target = torch.view_as_real(grad) if grad.is_complex() else grad
+                target.copy_(flat.view(target.shape))
+            if lent and bucket.is_cuda:
+                # The caching allocator must not reuse the bucket's memory before
+                # what the caller queued on its stream has read the views.
+                bucket.record_stream(torch.cuda.current_stream(bucket.device))
+        if lent:
+            self._lent = weakref.ref(result)
+        return lent
 
     def _bucket_layout(self, members):
         params = [self._params[i] for i in members]

@@ -12,9 +12,9 @@ One path is taken per wrapper, chosen when it is built (and reported by
   :class:`LedgerRecord` shows it to the core.
 * **python**: a post-accumulate-grad hook per parameter runs
   :meth:`Hooks.on_grad`; the record is a :class:`gradsync._record.PythonRecord`.
-  Taken only where it is needed: parameters off the CPU (their gradients are
-  staged through host memory until the device path runs) and a build
-  without the C++ module (``gradsync.torch._shim`` says why).
+  Taken only where it is needed: CUDA parameters with ``buckets="host"``
+  (their gradients are staged through host memory) and a build without the
+  C++ module (``gradsync.torch._shim`` says why).
 
 Either way, in a synchronized backward each firing moves the gradient out
 of ``.grad`` and hands it over (one additive contribution; its token is the
@@ -95,7 +95,8 @@ class Hooks:
     ``ledger_module`` is the loaded ``_arrivals`` module for the native path,
     or ``None``; ``on_task()`` runs when a hook sees a new autograd task."""
 
-    def __init__(self, core, names, params, viewable, staging, device, session, ledger_module, on_task):
+    def __init__(self, core, names, params, viewable, staging, device, session, ledger_module, on_task,
+                 device_plane=False):
         self._core = core
         self._names = names
         self._params = params
@@ -106,7 +107,8 @@ class Hooks:
         self._on_task = on_task
         if ledger_module is not None:
             self._ledger = ledger_module.Ledger(
-                params, viewable, ArrivalSink.table(), session.arrival_sink(), on_task, self._odd_gradient
+                params, viewable, ArrivalSink.table(), session.arrival_sink(), on_task, self._odd_gradient,
+                device_plane,
             )
             self._handles = [self._ledger]
         else:

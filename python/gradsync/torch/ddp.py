@@ -123,21 +123,43 @@ def _synced_backward_reached(ref, grad_outputs=None):
         ddp._backward_activity()
 
 
-def _data_path(device):
-    """The hooks and collectives a wrapper of parameters on ``device`` runs:
-    the native ones, unless the build lacks them, or the parameters are off
-    the CPU (hooks in Python, gradients staged through host memory, until
-    gradsync's device path runs). Returns ``(path, ledger module, collectives module)``."""
+def _data_path(device, buckets):
+    """The hooks, collectives and bucket memory a wrapper of parameters on
+    ``device`` runs (``buckets``: the user's ``buckets`` setting, or None).
+    Returns ``(path, ledger module, collectives module)``.
+
+    CPU parameters: native hooks and collectives over host buckets, unless
+    the build lacks the C++ modules (then Python, with a warning);
+    ``buckets="device"`` runs the device plane on CPU tensors (what CI
+    checks of it). CUDA parameters: the device plane (buckets on the GPU,
+    NCCL), or, with ``buckets="host"``, gradients staged through host memory
+    and gloo with hooks in Python (a warning says so)."""
+    if buckets not in (None, "host", "device"):
+        raise ConfigError(f"buckets={buckets!r}: use 'device' (on the parameters' device) or 'host' (host memory)")
     collectives, missing = _shim.load("collectives")
     ledger, ledger_missing = _shim.load("arrivals")
     why = missing or ledger_missing
-    if device.type != "cpu":
-        ledger = None
+    on_device = device.type != "cpu"
+    if buckets is None:
+        buckets = "device" if on_device else "host"
+    if buckets == "device":
+        if why is not None:
+            raise ConfigError(
+                f"buckets on {device} need gradsync's C++ modules, and {why}. Reinstall gradsync with torch "
+                "installed (pip install --no-build-isolation), or pass buckets='host' (slower on a GPU)"
+            )
+        if on_device and device.type != "cuda":
+            raise ConfigError(f"buckets on {device}: gradsync's device plane runs on CUDA; pass buckets='host'")
+        return DataPath(hooks="native", collectives="native", why=None, buckets="device"), ledger, collectives
+    if on_device:
         why = (
-            f"parameters on {device} are staged through host memory and reduced by gloo, with hooks in Python "
-            "(gradsync's device path has not run on a GPU yet)"
+            f"buckets='host': gradients of parameters on {device} are staged through host memory and reduced by "
+            "gloo, with hooks in Python (two PCIe copies and a CPU sum per gradient; the default, "
+            "buckets='device', keeps them on the GPU and reduces them with NCCL)"
         )
-    elif why is not None:
+        warnings.warn(f"gradsync: {why}", RuntimeWarning, stacklevel=4)
+        return DataPath(hooks="python", collectives=("native" if collectives else "python"), why=why), None, collectives
+    if why is not None:
         which = " and ".join(w for w, m in (("hooks", ledger), ("collectives", collectives)) if m is None)
         warnings.warn(
             f"gradsync: {which} run in Python, slower: {why}. Reinstall gradsync with torch "
@@ -198,19 +220,27 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
       that type (half the bytes, like DDP's ``bf16_compress_hook`` /
       ``fp16_compress_hook``; the sum loses precision), ``"float32"`` (default)
       sends them as they are. Control words and corrections always travel exactly.
+    * ``buckets``: where the buckets live. ``"device"`` (the default for CUDA
+      parameters): torch tensors on the parameters' GPU, packed on a stream
+      of gradsync's after each gradient's producing stream (an event, no host
+      wait), summed by NCCL while backward goes on; the caller's stream waits
+      for the result when backward ends, as under DDP. ``"host"`` (the
+      default for CPU parameters): the runtime's own memory, summed by gloo;
+      for CUDA parameters that stages every gradient through host memory
+      (slow, warned about).
 
     Gradients of float32 parameters are reduced as they are; float64, float16
     and bfloat16 gradients are converted to float32 for the reduction and back
     (float64 loses precision beyond float32); complex64 and complex128 ones as
     their real and imaginary parts (float32, float64). Non-contiguous gradients are
-    copied; sparse gradients are refused. CUDA parameters are staged through
-    host memory (correct, not fast; ``path`` says so). See the module docs for
-    what ``.grad`` holds after a step.
+    copied; sparse gradients are refused. ``path`` says which hooks,
+    collectives and bucket memory run. See the module docs for what
+    ``.grad`` holds after a step.
     """
 
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
-    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype")
+    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -284,11 +314,13 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         # torch.compile's DDPOptimizer splits compiled graphs at this many
         # bytes of parameters; it refuses less than torch's first-bucket size.
         self.bucket_bytes_cap = max(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
-        path, ledger, collectives = _data_path(self._device)
+        path, ledger, collectives = _data_path(self._device, settings.get("buckets"))
         prefix, store = self._join_group(process_group)
         comm = TorchCommunicator(
-            store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, shim=collectives
+            store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, shim=collectives,
+            plane_device=self._device if path.buckets == "device" else None,
         )
+        self._comm = comm
         self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s)
         self._states.broadcast(self._model_states())
         replica = Replica(self._rank, self._world, self._names, [reals(p) for p in self._params],
@@ -296,7 +328,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
                                SyncSettings(cap, timeout_s, wire_dtype=wire, **options))
-        self._attach_hooks(ledger)
+        self._attach_hooks(ledger, comm if path.buckets == "device" else None)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
         _LIVE.add(self)
@@ -347,11 +379,12 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         nth = _BUILT[key] = _BUILT.get(key, 0) + 1
         return f"gradsync/{key}/{nth}", dist.distributed_c10d._get_default_store()
 
-    def _attach_hooks(self, ledger):
+    def _attach_hooks(self, ledger, plane):
         """Hooks on the parameters, after retiring any wrapper that holds one
-        of them (``ddp = DDP(model)`` run again: its hooks come off first)."""
-        staging = self._device.type != "cpu"
-        writer = GradWriter(self._params, staging)
+        of them (``ddp = DDP(model)`` run again: its hooks come off first).
+        ``plane``: the communicator, when the buckets are on the device plane."""
+        staging = plane is None and self._device.type != "cpu"
+        writer = GradWriter(self._params, staging, plane)
         for earlier in [w for w in _LIVE if w is not self and w._holds_any(self._params)]:
             earlier._retire()
         ref = weakref.ref(self)
@@ -359,7 +392,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         self._on_synced_backward = functools.partial(_synced_backward_reached, ref)
         hooks = Hooks(
             weakref.ref(self._sync), self._names, self._params, writer.viewable, staging, self._device,
-            self._sync.session, ledger, self._on_backward,
+            self._sync.session, ledger, self._on_backward, device_plane=plane is not None,
         )
         self._sync.attach(TorchGrads(self._params, hooks, writer))
 
@@ -419,6 +452,9 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             # Backward begins for this step: which .grad tensors exist already
             # (their holders expect them to receive the average, as with DDP).
             record.begin_backward([p.grad for p in self._params])
+            # The device plane's stream starts after what the caller queued
+            # (the last optimizer step, which read the buckets).
+            self._comm.enter()
         if record.end_queued_for != task and _autograd.in_outermost_backward():
             record.end_queued_for = task
             _autograd.at_end_of_current_task(self._sync.end_of_backward)

@@ -1,0 +1,219 @@
+//! The device plane: buckets as torch tensors on the parameters' device,
+//! every bucket operation a torch op queued on the plane's communication
+//! stream, through the C functions of `gradsync.torch._collectives`
+//! (python/shim/collectives.cpp, second half).
+//!
+//! ```text
+//! hook (C++) ── Given {tensor, event on the producing stream} ──▶ PlaneGrad
+//! scheduler ── DevicePlane::write(bucket, offset, grad, …) ──▶ stream waits on the event; bucket slice = grad
+//! communicator ── NativeGloo::start_tensor(plane, bucket) ──▶ c10d allreduce (NCCL on CUDA) on that stream
+//! Python, end of step ── Plane.leave() ──▶ the caller's stream waits on the plane's
+//! ```
+//!
+//! The actors decide what goes where, exactly as with host buckets
+//! ([`crate::tensor_grads::TensorGrads`] is the one store for both); the
+//! plane only executes. On the CPU (what CI runs) the same functions run on
+//! CPU tensors with no stream and no event.
+//!
+//! Every operation is queued, not waited for, so it cannot report a device
+//! fault when it happens: torch raises those at the caller's next
+//! synchronization. A failure the shim sees at once (an invalid argument, an
+//! allocation) stops the actor with the shim's message.
+
+use std::ffi::c_void;
+
+use crate::arrivals::NativeTensor;
+use crate::collectives::{error_text, message, Table};
+
+/// A wrapper's plane as the runtime calls it: the shim's table and the
+/// address of the Python-owned `Plane` (kept alive by the communicator for
+/// the session's life).
+#[derive(Clone, Copy)]
+pub struct DevicePlane {
+    table: &'static Table,
+    plane: usize,
+}
+
+impl std::fmt::Debug for DevicePlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevicePlane").field("plane", &self.plane).finish_non_exhaustive()
+    }
+}
+
+/// One bucket: an `at::Tensor*` of `numel` float32 values on the plane's
+/// device, freed through the shim when dropped.
+#[derive(Debug)]
+pub struct PlaneBucket {
+    handle: *mut c_void,
+    numel: usize,
+    free: unsafe extern "C" fn(*mut c_void),
+}
+
+// SAFETY: the handle is a heap `at::Tensor` owned by this value alone (atomic
+// reference count); it is used by one thread at a time (the bucket moves
+// between actors by message).
+unsafe impl Send for PlaneBucket {}
+
+impl PlaneBucket {
+    /// Its float32 element count.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// The `at::Tensor*` (for `_collectives.bucket_tensor` and the collectives).
+    pub fn address(&self) -> usize {
+        self.handle as usize
+    }
+}
+
+impl Drop for PlaneBucket {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from the shim's `alloc` and is freed once.
+        unsafe { (self.free)(self.handle) }
+    }
+}
+
+/// One handed-over gradient on the plane: the shim's `Given` (the tensor and
+/// its producer's event) and its length in float32 values.
+#[derive(Debug)]
+pub struct PlaneGrad {
+    pub given: NativeTensor,
+    pub numel: usize,
+}
+
+impl DevicePlane {
+    /// The plane at `plane` (a `_collectives.Plane`'s address) driven through
+    /// the shim's `table`.
+    ///
+    /// # Safety
+    /// `table` must be the address `_collectives.table()` returned and `plane`
+    /// the address of a `Plane` kept alive while this value or a copy is used.
+    pub unsafe fn new(table: usize, plane: usize) -> Result<DevicePlane, String> {
+        // SAFETY: as this function's own contract.
+        let table = unsafe { Table::at(table) }?;
+        Ok(DevicePlane { table, plane })
+    }
+
+    /// The plane's address (for the collectives).
+    pub fn address(&self) -> usize {
+        self.plane
+    }
+
+    fn ptr(&self) -> *mut c_void {
+        self.plane as *mut c_void
+    }
+
+    /// Stop the actor on a failure the shim reported (see the module docs).
+    fn check(rc: i32, what: &str, err: &[std::ffi::c_char]) {
+        assert!(rc == 0, "gradsync device plane: {what} failed: {}", message(err));
+    }
+
+    /// A zeroed bucket of `numel` float32 values, from torch's allocator.
+    pub fn alloc(&self, numel: usize) -> Result<PlaneBucket, String> {
+        let mut handle = std::ptr::null_mut();
+        let mut err = error_text();
+        // SAFETY: the plane is alive (see `new`); `handle` and `err` outlive the call.
+        let rc = unsafe { (self.table.alloc)(self.ptr(), numel as i64, &mut handle, err.as_mut_ptr(), err.len()) };
+        if rc != 0 {
+            return Err(message(&err));
+        }
+        Ok(PlaneBucket { handle, numel, free: self.table.free })
+    }
+
+    /// `bucket[offset..][..len(src)]` = (or `+=`, when `add`) `src * factor`.
+    pub fn write(&self, bucket: &mut PlaneBucket, offset: usize, src: &PlaneGrad, add: bool, factor: f32) {
+        assert!(offset + src.numel <= bucket.numel, "write past the bucket's end");
+        let mut err = error_text();
+        // SAFETY: the plane, the bucket and the given tensor are alive and
+        // the range is inside the bucket (checked above); `err` outlives the call.
+        let rc = unsafe {
+            (self.table.write)(
+                self.ptr(),
+                bucket.handle,
+                offset as i64,
+                src.given.handle(),
+                i32::from(add),
+                factor,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        Self::check(rc, "packing a gradient", &err);
+    }
+
+    /// `bucket[offset..][..len]` = `last - sent`.
+    pub fn difference(&self, bucket: &mut PlaneBucket, offset: usize, last: &PlaneGrad, sent: &PlaneGrad) {
+        assert!(last.numel == sent.numel && offset + last.numel <= bucket.numel, "difference out of range");
+        let mut err = error_text();
+        // SAFETY: as in `write`.
+        let rc = unsafe {
+            (self.table.difference)(
+                self.ptr(),
+                bucket.handle,
+                offset as i64,
+                last.given.handle(),
+                sent.given.handle(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        Self::check(rc, "packing a correction", &err);
+    }
+
+    /// `bucket[offset..][..len] *= factor` (zeroed when `factor` is 0).
+    pub fn scale(&self, bucket: &mut PlaneBucket, offset: usize, len: usize, factor: f32) {
+        assert!(offset + len <= bucket.numel, "scale past the bucket's end");
+        let mut err = error_text();
+        // SAFETY: as in `write`.
+        let rc = unsafe {
+            (self.table.scale)(
+                self.ptr(),
+                bucket.handle,
+                offset as i64,
+                len as i64,
+                factor,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        Self::check(rc, "scaling a bucket", &err);
+    }
+
+    /// `dst[dst_offset..][..len] += src[src_offset..][..len]`.
+    pub fn add_from(&self, dst: &mut PlaneBucket, dst_offset: usize, src: &PlaneBucket, src_offset: usize, len: usize) {
+        assert!(dst_offset + len <= dst.numel && src_offset + len <= src.numel, "add_from out of range");
+        let mut err = error_text();
+        // SAFETY: as in `write`; `dst` and `src` are distinct buckets.
+        let rc = unsafe {
+            (self.table.add_from)(
+                self.ptr(),
+                dst.handle,
+                dst_offset as i64,
+                src.handle,
+                src_offset as i64,
+                len as i64,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        Self::check(rc, "adding buckets", &err);
+    }
+
+    /// A new gradient `a + b` (neither is written: a handed-over tensor may be
+    /// the caller's own `.grad`, which must only ever receive the average).
+    pub fn sum(&self, a: &PlaneGrad, b: &PlaneGrad) -> PlaneGrad {
+        assert_eq!(a.numel, b.numel, "sum: length mismatch");
+        let mut out = std::ptr::null_mut();
+        let mut err = error_text();
+        // SAFETY: the plane and both given tensors are alive; `out` and `err`
+        // outlive the call.
+        let rc = unsafe {
+            (self.table.sum)(self.ptr(), a.given.handle(), b.given.handle(), &mut out, err.as_mut_ptr(), err.len())
+        };
+        Self::check(rc, "adding two contributions", &err);
+        // SAFETY: `out` is a new `Given` the shim allocated, released by its
+        // `release_given`.
+        let given = unsafe { NativeTensor::new(out, self.table.release_given) };
+        PlaneGrad { given, numel: a.numel }
+    }
+}
