@@ -17,6 +17,7 @@ checkpointing tests (``test/distributed/test_c10d_common.py``).
 
 import copy
 import datetime
+import importlib
 import time
 
 import torch
@@ -549,3 +550,34 @@ def report_dict(report):
 
 def gradsync_exception_name(e):
     return type(e).__name__ if isinstance(e, gradsync.GradsyncError) else None
+
+
+def on_device_plane(rank, world, case, *args, device=None, settings=None, **kwargs):
+    """Run ``case`` with every gradsync wrapper it builds keeping its
+    buckets on the device plane (``buckets="device"`` plus ``settings``),
+    on the parameters' device: the CPU, or ``device`` (``"cuda"``: this
+    rank's GPU), where the case's tensors and random generators are then
+    made (torch's default device). Returns ``(case's result, each wrapper's path)``."""
+    built = []
+    saved = GradsyncDDP._replace_settings
+    GradsyncDDP._replace_settings = {**saved, "buckets": "device", **(settings or {})}
+    init, generator = GradsyncDDP.__init__, torch.Generator
+
+    def recording_init(self, *a, **kw):
+        init(self, *a, **kw)
+        built.append((self.path.hooks, self.path.collectives, self.path.buckets))
+
+    GradsyncDDP.__init__ = recording_init
+    if device == "cuda":
+        # torch's lazy imports annotate with torch.Generator: done before it is replaced.
+        importlib.import_module("torch._dynamo")
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+        torch.Generator = lambda device=f"cuda:{rank}": generator(device)
+    try:
+        return case(rank, world, *args, **kwargs), built
+    finally:
+        GradsyncDDP._replace_settings = saved
+        GradsyncDDP.__init__ = init
+        torch.Generator = generator
+        torch.set_default_device(None)
