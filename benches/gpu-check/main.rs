@@ -67,7 +67,13 @@ fn check_bf16(stream: &Arc<CudaStream>, k: &DeviceKernels, rng: &mut Rng) -> Che
     }
     // Accumulate: dst += f32(bf16) * scale, against the reference (FMA may round once instead of twice).
     let dst0: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
-    let finite: Vec<u16> = src.iter().map(|&x| cpu::f32_to_bf16(if x.is_finite() { x } else { 1.0 })).collect();
+    // Finite in bf16, not only in f32: the largest f32 values round to bf16
+    // infinity, and inf - inf in the comparison below would read as NaN.
+    let finite: Vec<u16> = src
+        .iter()
+        .map(|&x| cpu::f32_to_bf16(x))
+        .map(|h| if cpu::bf16_to_f32(h).is_finite() { h } else { cpu::f32_to_bf16(1.0) })
+        .collect();
     let d_h = stream.clone_htod(&finite).map_err(err)?;
     let mut d_acc = stream.clone_htod(&dst0).map_err(err)?;
     let scale = 0.25f32;

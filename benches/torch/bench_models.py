@@ -51,7 +51,10 @@ def make_model(args):
 
         # 124 M parameters, random init; no dropout, so every policy computes the same thing.
         model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": args.reentrant})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": args.reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant})
         model.config.use_cache = False
         model.train()
         return model
