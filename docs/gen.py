@@ -6,12 +6,16 @@ Sources, never edited by hand:
   (``scripts/test`` runs them);
 * ``docs/data/bench/*.json``: ``benches/torch/vs_ddp.py --json`` runs, written
   by ``benches/torch/record.py`` (which also records the command);
-* ``docs/data/sim.json``: ``gradsync-bench sim --json``.
+* ``docs/data/sim.json``: ``gradsync-bench sim --json``;
+* ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
+  the GPU suite's and gpu-check's output, ``gpu_overhead.py --json`` per
+  model, the suite's memory comparison).
 
 The mkdocs hook (``docs/hooks.py``) calls :func:`expand` on every page, so a
 page says ``<!-- gen: NAME -->`` where a generated block goes. The README
-carries two generated blocks, the cost table and its chart
-(``docs/img/cost.svg``), between ``<!-- gen:cost -->`` markers:
+carries generated blocks between ``<!-- gen:NAME -->`` and
+``<!-- /gen:NAME -->`` markers: ``cost`` (the CPU cost table and its chart,
+``docs/img/cost.svg``) and ``gpu-cost`` (the GPU overhead table).
 ``.venv/bin/python docs/gen.py --write`` rewrites them from the JSON, and the
 docs build (strict, in CI) fails when the README's copy is stale.
 """
@@ -32,7 +36,7 @@ README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
 MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
 EXCERPT = re.compile(r"<!-- excerpt: ([a-z0-9-]+) -->\n(.*?)<!-- /excerpt -->", re.S)
-README_BLOCK = re.compile(r"(<!-- gen:cost -->\n)(.*?)(<!-- /gen:cost -->)", re.S)
+GPU = ROOT / "docs" / "gpu"
 POLICY_LABELS = {
     "gradsync": "gradsync",
     "ddp": "torch DDP",
@@ -152,6 +156,86 @@ def readme_cost_block() -> str:
     return cost_table() + "\n\n![step time over no communication, per policy](docs/img/cost.svg)\n\n"
 
 
+def _gpu_json(name: str) -> dict:
+    path = GPU / name
+    if not path.is_file():
+        raise Missing(f"{path} is missing: scripts/gpu/run writes it on a GPU machine (docs/gpu.md)")
+    return json.loads(path.read_text())
+
+
+def gpu_device() -> str:
+    """The device and software the GPU outputs come from."""
+    return " · ".join(line.strip() for line in (GPU / "device.txt").read_text().splitlines() if line.strip())
+
+
+GPU_POLICIES = {
+    "ddp": "torch DDP",
+    "ddp_view": "DDP, gradient_as_bucket_view",
+    "gradsync": "gradsync",
+    "gradsync_host": "gradsync, buckets='host'",
+}
+
+
+def gpu_cost_table() -> str:
+    """Each wrapper's overhead over no wrapper on one GPU, per model
+    (``gpu_overhead.py --json``: median of the per-round differences)."""
+    head = "| model (world 1, " + _gpu_json("overhead-gpt2-small.json")["device"] + ") | no wrapper, ms | "
+    lines = [head + " | ".join(f"{v}, +ms" for v in GPU_POLICIES.values()) + " |", "|---" * (len(GPU_POLICIES) + 2) + "|"]
+    for path in sorted(GPU.glob("overhead-*.json")):
+        run = json.loads(path.read_text())
+        pol = run["policies"]
+        cells = [f"{pol[p]['overhead_s_median'] * 1e3:+.2f}" if p in pol else "" for p in GPU_POLICIES]
+        lines.append(f"| {run['model']} ({run['params'] / 1e6:.0f} M parameters) | "
+                     f"{pol['local']['step_s_median'] * 1e3:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gpu_bench_details() -> str:
+    """Every GPU benchmark run: its command, and each policy's line."""
+    out = []
+    for path in sorted(GPU.glob("overhead-*.json")):
+        run = json.loads(path.read_text())
+        out.append(f"### {run['model']}\n\n{run['device']}, torch {run['torch']}, NCCL {run['nccl']}, "
+                   f"{run['steps']} measured steps, buckets of {run['bucket_mb']:g} MB.\n\n```sh\n{run['command']}\n```\n")
+        out.append("| policy | median step ms | overhead ms | peak in a step, MiB | parameters vs no wrapper |")
+        out.append("|---|---|---|---|---|")
+        for name, p in run["policies"].items():
+            over = p.get("overhead_s_median")
+            diff = p.get("max_param_diff_vs_local")
+            out.append(f"| {name} | {p['step_s_median'] * 1e3:.2f} | {'' if over is None else f'{over * 1e3:+.2f}'} | "
+                       f"{p['peak_bytes_median'] / 2**20:.0f} | {'' if diff is None else f'{diff:.1e}'} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def gpu_memory_table() -> str:
+    """Device memory above what the process held before the model, from the GPU suite."""
+    mem = _gpu_json("gpu-memory.json")
+    labels = {"local": "no wrapper", "ddp": "torch DDP", "ddp_bucket_view": "DDP, gradient_as_bucket_view",
+              "gradsync": "gradsync"}
+    params = mem["local"]["param_bytes"] / 2**20
+    lines = [f"4 × Linear(4096, 4096), {params:.0f} MiB of float32 parameters, 3 SGD steps, {mem['device']}:", "",
+             "| policy | peak MiB | held after the step, MiB |", "|---|---|---|"]
+    for key, label in labels.items():
+        lines.append(f"| {label} | {mem[key]['peak'] / 2**20:.0f} | {mem[key]['held'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def gpu_outputs() -> str:
+    """The GPU suite's and gpu-check's output, as they printed it."""
+    out = []
+    for name, what in (("suite.txt", "GPU suite (python/tests/test_gpu.py)"), ("gpu-check.txt", "scripts/gpu-check.sh run")):
+        path = GPU / name
+        if not path.is_file():
+            raise Missing(f"{path} is missing: scripts/gpu/run writes it on a GPU machine")
+        out.append(f"{what}:\n\n```text\n{path.read_text().strip()}\n```\n")
+    return "\n".join(out)
+
+
+# The README's generated blocks: each text ends with a line break, before its end marker.
+README_BLOCKS = {"cost": lambda: readme_cost_block(), "gpu-cost": lambda: gpu_cost_table() + "\n"}
+
+
 def side_by_side(name: str) -> str:
     """A table the pytest suites wrote (``target/pytest/NAME.md``)."""
     path = PYTEST / f"{name}.md"
@@ -193,6 +277,11 @@ GENERATORS = {
     "ddp-side-by-side": lambda: side_by_side("ddp-side-by-side"),
     "paddle-side-by-side": lambda: side_by_side("paddle-side-by-side"),
     "paddle-faults": lambda: side_by_side("paddle-faults"),
+    "gpu-device": gpu_device,
+    "gpu-cost": gpu_cost_table,
+    "gpu-bench-details": gpu_bench_details,
+    "gpu-memory": gpu_memory_table,
+    "gpu-outputs": gpu_outputs,
 }
 
 
@@ -223,23 +312,30 @@ def readme_is_current() -> str | None:
             if row not in table:
                 return (f"README.md's excerpt row {row[:60]!r}... is not in {path.relative_to(ROOT)}: copy the "
                         "excerpt's rows from that table (written by scripts/test)")
-    m = README_BLOCK.search(text)
-    if m is None:
-        return "README.md has no <!-- gen:cost --> block"
     redraw = "is stale: run `.venv/bin/python docs/gen.py --write`"
-    if m.group(2) != readme_cost_block():
-        return f"README.md's cost table {redraw}"
+    for name, make in README_BLOCKS.items():
+        m = _readme_block(name).search(text)
+        if m is None:
+            return f"README.md has no <!-- gen:{name} --> ... <!-- /gen:{name} --> block"
+        if m.group(2) != make():
+            return f"README.md's {name} block {redraw}"
     if not COST_SVG.is_file() or COST_SVG.read_text() != cost_svg():
         return f"{COST_SVG.relative_to(ROOT)} {redraw}"
     return None
 
 
+def _readme_block(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- gen:{name} -->\n)(.*?)(<!-- /gen:{name} -->)", re.S)
+
+
 def write_readme() -> None:
-    """Rewrite the README's cost block and the chart from the JSON."""
+    """Rewrite the README's generated blocks and the chart from the JSON."""
     text = README.read_text()
-    if README_BLOCK.search(text) is None:
-        raise Missing("README.md has no <!-- gen:cost --> ... <!-- /gen:cost --> block")
-    text = README_BLOCK.sub(lambda m: m.group(1) + readme_cost_block() + m.group(3), text)
+    for name, make in README_BLOCKS.items():
+        block = _readme_block(name)
+        if block.search(text) is None:
+            raise Missing(f"README.md has no <!-- gen:{name} --> ... <!-- /gen:{name} --> block")
+        text = block.sub(lambda m, make=make: m.group(1) + make() + m.group(3), text)
     README.write_text(text)
     COST_SVG.parent.mkdir(parents=True, exist_ok=True)
     COST_SVG.write_text(cost_svg())

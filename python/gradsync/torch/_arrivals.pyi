@@ -17,7 +17,7 @@ class Ledger:
     session's ``arrival_sink()``. ``on_task()`` is called (with the
     interpreter lock) when a hook runs in an autograd task other than
     ``task_seen``; ``on_odd(index)`` for a gradient the runtime cannot read
-    (sparse, or off the CPU), and should raise."""
+    (sparse, or on a device without ``device_plane``), and should raise."""
 
     def __init__(
         self,
@@ -27,6 +27,7 @@ class Ledger:
         sink: Any,
         on_task: Callable[[], None],
         on_odd: Callable[[int], None],
+        device_plane: bool = False,
     ) -> None: ...
     def remove(self) -> None:
         """Take the hooks off; later gradients stay in ``.grad``."""

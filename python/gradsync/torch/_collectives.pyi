@@ -1,9 +1,12 @@
-"""gradsync's collectives on torch's gloo engine (python/shim/collectives.cpp),
+"""gradsync's collectives on torch's c10d engines (python/shim/collectives.cpp),
 compiled by ``pip install`` against the installed torch. The runtime's
 communicator thread calls the C functions of :func:`table` on an
-:class:`Endpoint`'s address, without the interpreter lock."""
+:class:`Endpoint`'s address, without the interpreter lock; for buckets on
+the device plane it also calls them on a :class:`Plane`'s address."""
 
 from typing import Any
+
+import torch
 
 #: Version of the C function table (the Rust side checks it).
 VERSION: int
@@ -12,13 +15,34 @@ def table() -> int:
     """Address of the C function table the communicator thread calls."""
 
 class Endpoint:
-    """One gloo group (``group``, a ``ProcessGroupGloo``) and the store
-    (``store``) this rank's position ``epoch:seq`` is written to under
-    ``key`` before each collective."""
+    """One gloo group (``group``, a ``ProcessGroupGloo``: control words, plan
+    agreements, host buckets), the job's store (``store``) this rank's
+    position is counted in under ``key``, and the device plane's data group
+    (``data``: a ``ProcessGroupNCCL`` for CUDA buckets; ``None``: ``group``)."""
 
-    def __init__(self, group: Any, store: Any, key: str, epoch: int) -> None: ...
+    def __init__(self, group: Any, store: Any, key: str, data: Any = None) -> None: ...
     @property
     def address(self) -> int:
         """Where the runtime finds this endpoint (valid while it lives)."""
-    def set_wire(self, wire: int) -> None:
-        """Send later data buckets as 0 float32, 1 bfloat16 or 2 float16."""
+
+class Plane:
+    """A wrapper's device plane: buckets as torch tensors on ``device``,
+    every operation queued on a stream of its own (none on the CPU)."""
+
+    def __init__(self, device: torch.device) -> None: ...
+    @property
+    def address(self) -> int:
+        """Where the runtime finds this plane (valid while it lives)."""
+    @property
+    def streamed(self) -> bool:
+        """Whether the plane has a stream (a device, not the CPU)."""
+    def enter(self) -> None:
+        """A step begins: the plane's stream waits for what the caller's
+        current stream queued so far. No-op on the CPU."""
+    def leave(self) -> None:
+        """A step's reduction is queued: the caller's current stream waits
+        for the plane's (the host does not block). No-op on the CPU."""
+
+def bucket_tensor(address: int) -> torch.Tensor:
+    """The device-plane bucket at ``address`` (``Step.buckets()``), as a
+    tensor sharing its memory."""
