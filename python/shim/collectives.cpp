@@ -46,7 +46,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -228,8 +230,49 @@ at::Tensor ready(const Plane& plane, gradsync::Given& given) {
   return (t.is_complex() ? at::view_as_real(t) : t).reshape({-1});
 }
 
-at::Tensor& bucket_at(void* bucket) {
-  return *static_cast<at::Tensor*>(bucket);
+// A device-plane bucket: its float32 tensor, and the packs staged into it.
+//
+// A gradient handed over is not copied into the bucket at once: the copy is
+// staged, and the staged copies run as one `_foreach_copy_` (a few kernel
+// launches instead of one copy per gradient: on a GPU each copy costs the
+// communicator thread a driver call, and those calls compete with the
+// training thread's launches) when anything else touches the bucket: its
+// collective, or any other bucket operation. The order of effects on the
+// bucket is the order of the calls: a second pack into a slot already staged,
+// a pack with another scale factor, or an accumulating pack flushes first.
+struct Bucket {
+  at::Tensor tensor;
+  // Staged packs: slot <- values * factor (every staged pack shares `factor`).
+  std::vector<at::Tensor> slots;
+  std::vector<at::Tensor> values;
+  float factor = 1.0f;
+  // Offsets of the staged slots (a parameter's slot starts at one offset).
+  std::unordered_set<int64_t> offsets;
+};
+
+Bucket& bucket_of(void* bucket) {
+  return *static_cast<Bucket*>(bucket);
+}
+
+// Run the staged packs of `b`, on the plane's stream (the caller is there).
+void flush(Bucket& b) {
+  if (b.slots.empty()) {
+    return;
+  }
+  at::_foreach_copy_(b.slots, b.values);
+  if (b.factor != 1.0f) {
+    at::_foreach_mul_(b.slots, b.factor);
+  }
+  b.slots.clear();
+  b.values.clear();
+  b.offsets.clear();
+}
+
+// The bucket's tensor, every staged pack done (queued on the plane's stream).
+at::Tensor& flushed(const Plane& plane, void* bucket) {
+  Bucket& b = bucket_of(bucket);
+  on_comm(plane, [&] { flush(b); });
+  return b.tensor;
 }
 
 void release_given(void* given) {
@@ -242,31 +285,38 @@ int32_t plane_alloc(void* plane, int64_t numel, void** bucket, char* err, size_t
   return guarded(err, err_len, [&] {
     on_comm(p, [&] {
       auto t = at::zeros({numel}, at::TensorOptions().dtype(at::kFloat).device(p.device));
-      *bucket = new at::Tensor(std::move(t));
+      auto b = std::make_unique<Bucket>();
+      b->tensor = std::move(t);
+      *bucket = b.release();
     });
   });
 }
 
 void plane_free(void* bucket) {
-  delete static_cast<at::Tensor*>(bucket);
+  delete static_cast<Bucket*>(bucket);
 }
 
-// bucket[offset..][..n] (=|+=) src * factor.
+// bucket[offset..][..n] (=|+=) src * factor: a copy is staged (see `Bucket`),
+// an accumulation runs at once, after the staged packs.
 int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, float factor, char* err,
                     size_t err_len) {
   const auto& p = *static_cast<Plane*>(plane);
+  Bucket& b = bucket_of(bucket);
   return guarded(err, err_len, [&] {
     on_comm(p, [&] {
       at::Tensor values = ready(p, *static_cast<gradsync::Given*>(src));
-      at::Tensor slot = bucket_at(bucket).narrow(0, offset, values.numel());
+      at::Tensor slot = b.tensor.narrow(0, offset, values.numel());
+      if (add != 0 || b.offsets.count(offset) != 0 || (!b.slots.empty() && factor != b.factor)) {
+        flush(b);
+      }
       if (add != 0) {
         slot.add_(values, factor);
-      } else {
-        slot.copy_(values);
-        if (factor != 1.0f) {
-          slot.mul_(factor);
-        }
+        return;
       }
+      b.slots.push_back(std::move(slot));
+      b.values.push_back(std::move(values));
+      b.factor = factor;
+      b.offsets.insert(offset);
     });
   });
 }
@@ -279,7 +329,7 @@ int32_t plane_difference(void* plane, void* bucket, int64_t offset, void* last, 
     on_comm(p, [&] {
       at::Tensor a = ready(p, *static_cast<gradsync::Given*>(last));
       at::Tensor b = ready(p, *static_cast<gradsync::Given*>(sent));
-      at::Tensor slot = bucket_at(bucket).narrow(0, offset, a.numel());
+      at::Tensor slot = flushed(p, bucket).narrow(0, offset, a.numel());
       at::sub_out(slot, a.to(at::kFloat), b.to(at::kFloat));
     });
   });
@@ -291,7 +341,7 @@ int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, floa
   const auto& p = *static_cast<Plane*>(plane);
   return guarded(err, err_len, [&] {
     on_comm(p, [&] {
-      at::Tensor slot = bucket_at(bucket).narrow(0, offset, len);
+      at::Tensor slot = flushed(p, bucket).narrow(0, offset, len);
       if (factor == 0.0f) {
         slot.zero_();
       } else {
@@ -306,7 +356,7 @@ int32_t plane_add_from(void* plane, void* dst, int64_t dst_offset, void* src, in
                        char* err, size_t err_len) {
   const auto& p = *static_cast<Plane*>(plane);
   return guarded(err, err_len, [&] {
-    on_comm(p, [&] { bucket_at(dst).narrow(0, dst_offset, len).add_(bucket_at(src).narrow(0, src_offset, len)); });
+    on_comm(p, [&] { flushed(p, dst).narrow(0, dst_offset, len).add_(flushed(p, src).narrow(0, src_offset, len)); });
   });
 }
 
@@ -338,7 +388,7 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, fl
   return guarded(err, err_len, [&] {
     *seq = ep->store->add(ep->key, 1);
     on_comm(p, [&] {
-      at::Tensor& t = bucket_at(bucket);
+      at::Tensor& t = flushed(p, bucket);
       auto f = std::make_unique<Flight>(Flight{{}, t, factor, {}, p.comm});
       if (elem != kF32) {
         f->tensor = t.to(scalar_type(elem));
@@ -352,6 +402,30 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, fl
       *flight = f.release();
     });
   });
+}
+
+// Makes each `params[k].grad` a view of `bucket[offsets[k]..]` shaped as the
+// parameter, set in C++ as DDP's reducer sets its bucket views (Python's
+// `.grad` setter and a Python loop cost microseconds per parameter at the end
+// of every backward). The views share one base, a fresh tensor over the
+// bucket's storage that carries `loan` (the runtime's Step) as its Python
+// attribute `_gradsync_step`: a view keeps its base alive, so the loan lives
+// exactly as long as any of the views, and ends with the last one.
+void lend(const at::Tensor& bucket, const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+          const py::object& loan) {
+  if (params.size() != offsets.size()) {
+    throw std::invalid_argument("lend: one offset per parameter");
+  }
+  at::Tensor base = at::empty({0}, bucket.options())
+                        .set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
+  py::cast(base).attr("_gradsync_step") = loan;
+  for (size_t k = 0; k < params.size(); ++k) {
+    at::Tensor param = params[k];
+    if (offsets[k] < 0 || offsets[k] + param.numel() > base.numel()) {
+      throw std::out_of_range("lend: a parameter's slice runs past the bucket's end");
+    }
+    param.mutable_grad() = base.narrow(0, offsets[k], param.numel()).view(param.sizes());
+  }
 }
 
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
@@ -425,7 +499,10 @@ PYBIND11_MODULE(_collectives, m) {
           },
           "A step's reduction is queued: the caller's current stream waits for it, so what the caller queues "
           "next (writing .grad, optimizer.step()) reads the averages. The host does not block. No-op on the CPU.");
+  m.def("lend", &lend, py::arg("bucket"), py::arg("params"), py::arg("offsets"), py::arg("loan"),
+        "Make each parameter's .grad a view of `bucket` at its offset, the views keeping `loan` alive "
+        "(see the C++ comment above `lend`).");
   m.def(
-      "bucket_tensor", [](uintptr_t bucket) { return *reinterpret_cast<at::Tensor*>(bucket); }, py::arg("address"),
+      "bucket_tensor", [](uintptr_t bucket) { return reinterpret_cast<Bucket*>(bucket)->tensor; }, py::arg("address"),
       "The device-plane bucket at `address` (from the runtime's Step.buckets()), as a tensor sharing its memory.");
 }

@@ -231,7 +231,7 @@ impl NativeGloo {
         })
     }
 
-    /// Start summing the device-plane bucket `bucket` (an `at::Tensor*` of
+    /// Start summing the device-plane bucket `bucket` (the shim's `Bucket*` of
     /// the plane at `plane`) on the endpoint's data group, travelling as
     /// `words`, scaled by `factor` when finished.
     pub fn start_tensor(

@@ -40,8 +40,9 @@ impl std::fmt::Debug for DevicePlane {
     }
 }
 
-/// One bucket: an `at::Tensor*` of `numel` float32 values on the plane's
-/// device, freed through the shim when dropped.
+/// One bucket: the shim's `Bucket*` (a tensor of `numel` float32 values on
+/// the plane's device, and the packs staged into it), freed through the shim
+/// when dropped.
 #[derive(Debug)]
 pub struct PlaneBucket {
     handle: *mut c_void,
@@ -49,9 +50,9 @@ pub struct PlaneBucket {
     free: unsafe extern "C" fn(*mut c_void),
 }
 
-// SAFETY: the handle is a heap `at::Tensor` owned by this value alone (atomic
-// reference count); it is used by one thread at a time (the bucket moves
-// between actors by message).
+// SAFETY: the handle is a heap `Bucket` owned by this value alone (its tensors
+// have atomic reference counts); it is used by one thread at a time (the
+// bucket moves between actors by message).
 unsafe impl Send for PlaneBucket {}
 
 impl PlaneBucket {
@@ -60,7 +61,7 @@ impl PlaneBucket {
         self.numel
     }
 
-    /// The `at::Tensor*` (for `_collectives.bucket_tensor` and the collectives).
+    /// The shim's `Bucket*` (for `_collectives.bucket_tensor` and the collectives).
     pub fn address(&self) -> usize {
         self.handle as usize
     }

@@ -114,7 +114,7 @@ impl Step {
     /// Every bucket as `(address, numel, members)`: `numel` float32 values
     /// at `address` holding the averaged gradients of the parameter indices
     /// `members`, back to back in that order. Same lifetime as [`Step::address`].
-    /// On the device plane `address` is the bucket's `at::Tensor*` instead,
+    /// On the device plane `address` is the shim's `Bucket*` instead,
     /// for `gradsync.torch._collectives.bucket_tensor` (the tensor it makes
     /// shares the bucket's memory, whose lifetime is the same).
     fn buckets(&self) -> PyResult<Vec<(usize, usize, Vec<usize>)>> {

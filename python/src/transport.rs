@@ -50,7 +50,7 @@ struct Collective {
     words: Words,
     factor: f32,
     deadline: Instant,
-    /// A device-plane bucket (its `at::Tensor*`): summed on the data group,
+    /// A device-plane bucket (the shim's `Bucket*`): summed on the data group,
     /// converted to the wire type by the shim; `addr` is unused.
     tensor: Option<usize>,
 }

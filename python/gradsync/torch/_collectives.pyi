@@ -46,3 +46,7 @@ class Plane:
 def bucket_tensor(address: int) -> torch.Tensor:
     """The device-plane bucket at ``address`` (``Step.buckets()``), as a
     tensor sharing its memory."""
+
+def lend(bucket: torch.Tensor, params: list[torch.Tensor], offsets: list[int], loan: Any) -> None:
+    """Make each of ``params``' ``.grad`` a view of ``bucket`` at its offset,
+    the views sharing one base that keeps ``loan`` alive while any view lives."""

@@ -105,6 +105,12 @@ class TorchCommunicator(GlooCommunicator):
         """The device-plane bucket at ``address`` (``Step.buckets()``) as a tensor."""
         return self._shim.bucket_tensor(address)
 
+    def lend(self, bucket, params, offsets, loan):
+        """Make each of ``params``' ``.grad`` a view of ``bucket`` at its offset
+        in ``offsets``, the views keeping ``loan`` alive (in C++, as DDP's
+        reducer sets its bucket views)."""
+        self._shim.lend(bucket, params, offsets, loan)
+
     def _new_group(self):
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
         self._group = dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)

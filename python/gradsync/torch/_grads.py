@@ -24,6 +24,7 @@ It owns the layouts and host staging tensors it caches between steps.
 it (``gradsync._core.Framework``): the hooks, the writer, clearing.
 """
 
+import itertools
 import weakref
 
 import torch
@@ -51,6 +52,8 @@ class GradWriter:
         # Per bucket (its members, which a plan rebuilt in gradient order
         # changes): member sizes and the shape of each view (None: flat already).
         self._layouts = {}
+        # Per bucket, on the device plane: each member's offset in it.
+        self._offsets = {}
         # ctypes arrays over the step's bucket memory.
         self._arrays = AddressArrays()
         # Per parameter: the host tensor its average is staged in (non-contiguous or CUDA grads).
@@ -102,8 +105,8 @@ class GradWriter:
 
     def _write_device(self, result, out, unused):
         """:meth:`write` for buckets on the device plane: views of the bucket
-        tensors where allowed, else copies, all queued on the caller's stream
-        behind the reduction."""
+        tensors where allowed (set in C++, the loan carried once per bucket),
+        else copies, all queued on the caller's stream behind the reduction."""
         self._plane.leave()
         params, viewable = self._params, self.viewable
         may_lend = self._lent is None or self._lent() is None
@@ -113,28 +116,33 @@ class GradWriter:
             layout = self._layouts.get(key)
             if layout is None:
                 layout = self._layouts[key] = self._bucket_layout(members)
-            sizes, shapes = layout
+            sizes, _shapes = layout
+            offsets = self._offsets.get(key)
+            if offsets is None:
+                offsets = self._offsets[key] = list(itertools.accumulate(sizes, initial=0))
             bucket = self._plane.bucket_tensor(addr)
-            for i, shape, flat in zip(members, shapes, bucket.split(sizes)):
+            lend_params, lend_offsets = [], []
+            for i, size, offset in zip(members, sizes, offsets):
                 if i in unused or not result.has(i):
                     continue
                 p = params[i]
                 if may_lend and viewable[i] and out[i] is None:
-                    view = flat if shape is None else flat.view(shape)
-                    view._gradsync_step = result  # the loan lives as long as any view of it
-                    p.grad = view
-                    lent = True
+                    lend_params.append(p)
+                    lend_offsets.append(offset)
                     continue
                 grad = out[i]
                 if grad is None:
                     grad = p.grad if p.grad is not None else torch.empty_like(p, memory_format=torch.preserve_format)
                 p.grad = grad
                 target = torch.view_as_real(grad) if grad.is_complex() else grad
-                target.copy_(flat.view(target.shape))
-            if lent and bucket.is_cuda:
-                # The caching allocator must not reuse the bucket's memory before
-                # what the caller queued on its stream has read the views.
-                bucket.record_stream(torch.cuda.current_stream(bucket.device))
+                target.copy_(bucket.narrow(0, offset, size).view(target.shape))
+            if lend_params:
+                self._plane.lend(bucket, lend_params, lend_offsets, result)
+                lent = True
+                if bucket.is_cuda:
+                    # The caching allocator must not reuse the bucket's memory before
+                    # what the caller queued on its stream has read the views.
+                    bucket.record_stream(torch.cuda.current_stream(bucket.device))
         if lent:
             self._lent = weakref.ref(result)
         return lent
