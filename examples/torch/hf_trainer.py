@@ -5,6 +5,9 @@ Run it with torchrun (``scripts/hf-trainer`` does)::
     torchrun --nproc-per-node 2 examples/torch/hf_trainer.py              # gradsync
     torchrun --nproc-per-node 2 examples/torch/hf_trainer.py --impl ddp   # torch's DDP
 
+``--device cuda`` runs the same on one GPU per rank (NCCL; gradsync's
+buckets on the GPU).
+
 A small GPT-2 (random init from a config: nothing is downloaded) trains with
 ``transformers.Trainer``, ``gradient_checkpointing=True`` (reentrant, so
 checkpointed blocks are invisible to DDP's graph traversal) and
@@ -41,6 +44,8 @@ def parse():
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (constant)")
     parser.add_argument("--checkpointing", choices=["reentrant", "non-reentrant", "none"], default="reentrant",
                         help="gradient checkpointing of the GPT-2 blocks (torch's DDP runs only 'none' here)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU per rank, NCCL (gradsync's buckets on the GPU)")
     return parser.parse_args()
 
 
@@ -78,18 +83,18 @@ class Recorder:
 
     def __call__(self, items):
         out = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-        self.batches.append(out["input_ids"].clone())
+        self.batches.append(out["input_ids"].clone().cpu())
         return out
 
 
-def replay(model, batches_by_rank, args, lr, max_grad_norm):
+def replay(model, batches_by_rank, args, lr, max_grad_norm, device):
     """One process, every rank's batch of every step at once."""
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model).to(device)
     reference.train()
     opt = torch.optim.SGD(reference.parameters(), lr=lr)
     losses = []
     for step in range(args.steps):
-        ids = torch.cat([batches[step] for batches in batches_by_rank])
+        ids = torch.cat([batches[step] for batches in batches_by_rank]).to(device)
         opt.zero_grad()
         loss = reference(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -124,8 +129,8 @@ def main():
             gradient_checkpointing=args.checkpointing != "none",
             gradient_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"},
             ddp_find_unused_parameters=True,
-            ddp_backend="gloo",
-            use_cpu=True,
+            ddp_backend="gloo" if args.device == "cpu" else "nccl",
+            use_cpu=args.device == "cpu",
             optim="sgd",
             learning_rate=lr,
             lr_scheduler_type="constant",
@@ -163,7 +168,7 @@ def main():
     if rank == 0:
         spread = max((g - gathered[0]).abs().max().item() for g in gathered)
         print(f"replicas: max |param_r - param_0| = {spread:.1e}", flush=True)
-        reference, losses = replay(initial, batches, args, lr, max_grad_norm)
+        reference, losses = replay(initial, batches, args, lr, max_grad_norm, flat.device)
         diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
         print(f"reference (one process, every rank's batches): loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         print("reference losses:", " ".join(f"{x:.4f}" for x in losses), flush=True)
