@@ -581,3 +581,15 @@ def on_device_plane(rank, world, case, *args, device=None, settings=None, **kwar
         GradsyncDDP.__init__ = init
         torch.Generator = generator
         torch.set_default_device(None)
+
+
+def device_plane_results(world, case, *args, **kwargs):
+    """``case`` on every rank of ``world`` on the device plane
+    (:func:`on_device_plane`, which takes ``device`` and ``settings``); its
+    results by rank, after checking that every wrapper it built took the
+    device plane with native hooks and collectives."""
+    outcomes = world.run(on_device_plane, case, *args, **kwargs)
+    for rank, (_, paths) in enumerate(outcomes):
+        assert paths, f"rank {rank}: the case built no gradsync wrapper"
+        assert set(paths) == {("native", "native", "device")}, f"rank {rank}: {paths}"
+    return [result for result, _ in outcomes]

@@ -19,13 +19,8 @@ from test_dropin import check as check_dropin
 
 
 def run(world, case, *args, **kwargs):
-    """``case`` on every rank on the device plane; its results by rank, after
-    checking that every wrapper it built took the device plane natively."""
-    outcomes = world.run(cases.on_device_plane, case, *args, **kwargs)
-    for rank, (_, paths) in enumerate(outcomes):
-        assert paths, f"rank {rank}: the case built no gradsync wrapper"
-        assert set(paths) == {("native", "native", "device")}, f"rank {rank}: {paths}"
-    return [result for result, _ in outcomes]
+    """``case`` on every rank on the device plane (CPU tensors); its results by rank."""
+    return cases.device_plane_results(world, case, *args, **kwargs)
 
 
 @pytest.mark.parametrize("model", ["once", "twice", "twice_weight_sharing", "dynamic_weight_sharing"])

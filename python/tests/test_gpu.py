@@ -40,10 +40,8 @@ def gpus():
 
 
 def on_gpu(world, case, *args, **kwargs):
-    outcomes = world.run(cases.on_device_plane, case, *args, device="cuda", timeout=300, **kwargs)
-    for rank, (_, paths) in enumerate(outcomes):
-        assert paths and set(paths) == {("native", "native", "device")}, f"rank {rank}: {paths}"
-    return [result for result, _ in outcomes]
+    """``case`` on every rank on the device plane, its tensors on the rank's GPU."""
+    return cases.device_plane_results(world, case, *args, device="cuda", timeout=300, **kwargs)
 
 
 @pytest.mark.parametrize("model", ["once", "twice", "twice_weight_sharing", "dynamic_weight_sharing"])

@@ -50,10 +50,9 @@ class GradWriter:
         # Per parameter: may its average be a view of the bucket memory?
         self.viewable = [not staging and p.dtype == torch.float32 and p.is_contiguous() for p in params]
         # Per bucket (its members, which a plan rebuilt in gradient order
-        # changes): member sizes and the shape of each view (None: flat already).
+        # changes): member sizes, the shape of each view (None: flat already)
+        # and each member's offset (``_layout``).
         self._layouts = {}
-        # Per bucket, on the device plane: each member's offset in it.
-        self._offsets = {}
         # ctypes arrays over the step's bucket memory.
         self._arrays = AddressArrays()
         # Per parameter: the host tensor its average is staged in (non-contiguous or CUDA grads).
@@ -87,11 +86,7 @@ class GradWriter:
         lent, copied = False, []
         params, viewable = self._params, self.viewable
         for addr, numel, members in result.buckets():
-            key = tuple(members)
-            layout = self._layouts.get(key)
-            if layout is None:
-                layout = self._layouts[key] = self._bucket_layout(members)
-            sizes, shapes = layout
+            sizes, shapes, _offsets = self._layout(members)
             array = self._arrays.at(addr, numel)
             array._gradsync_step = result  # the loan lives as long as any view of it
             views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
@@ -112,14 +107,7 @@ class GradWriter:
         may_lend = self._lent is None or self._lent() is None
         lent = False
         for addr, _numel, members in result.buckets():
-            key = tuple(members)
-            layout = self._layouts.get(key)
-            if layout is None:
-                layout = self._layouts[key] = self._bucket_layout(members)
-            sizes, _shapes = layout
-            offsets = self._offsets.get(key)
-            if offsets is None:
-                offsets = self._offsets[key] = list(itertools.accumulate(sizes, initial=0))
+            sizes, _shapes, offsets = self._layout(members)
             bucket = self._plane.bucket_tensor(addr)
             lend_params, lend_offsets = [], []
             for i, size, offset in zip(members, sizes, offsets):
@@ -147,10 +135,18 @@ class GradWriter:
             self._lent = weakref.ref(result)
         return lent
 
-    def _bucket_layout(self, members):
-        params = [self._params[i] for i in members]
-        # A complex parameter's slice is twice as long (it is copied, never lent as a view).
-        return [reals(p) for p in params], [None if p.dim() == 1 else p.shape for p in params]
+    def _layout(self, members):
+        """A bucket's layout, cached: each member's size, view shape (None:
+        flat already) and offset in the bucket."""
+        key = tuple(members)
+        layout = self._layouts.get(key)
+        if layout is None:
+            params = [self._params[i] for i in members]
+            # A complex parameter's slice is twice as long (it is copied, never lent as a view).
+            sizes = [reals(p) for p in params]
+            shapes = [None if p.dim() == 1 else p.shape for p in params]
+            layout = self._layouts[key] = (sizes, shapes, list(itertools.accumulate(sizes, initial=0)))
+        return layout
 
     def _copy(self, result, index, p, grad):
         """Copy ``p``'s average into ``grad`` (its first firing's tensor, of
