@@ -141,7 +141,10 @@ def _data_path(device, buckets):
     why = missing or ledger_missing
     on_device = device.type != "cpu"
     if buckets is None:
-        buckets = "device" if on_device else "host"
+        # The default degrades where the device plane cannot run (a build
+        # without the C++ modules, a device other than CUDA): host buckets,
+        # with the warning below. Asking for "device" there is an error.
+        buckets = "device" if device.type == "cuda" and why is None else "host"
     if buckets == "device":
         if why is not None:
             raise ConfigError(
@@ -153,9 +156,12 @@ def _data_path(device, buckets):
         return DataPath(hooks="native", collectives="native", why=None, buckets="device"), ledger, collectives
     if on_device:
         why = (
-            f"buckets='host': gradients of parameters on {device} are staged through host memory and reduced by "
-            "gloo, with hooks in Python (two PCIe copies and a CPU sum per gradient; the default, "
-            "buckets='device', keeps them on the GPU and reduces them with NCCL)"
+            f"gradients of parameters on {device} are staged through host memory and reduced by gloo, with hooks "
+            "in Python (two PCIe copies and a CPU sum per gradient), "
+            + (f"because {why}" if why is not None
+               else "because gradsync's device plane runs on CUDA only" if device.type != "cuda"
+               else "as buckets='host' asks")
+            + "; buckets='device' keeps CUDA gradients on the GPU and reduces them with NCCL"
         )
         warnings.warn(f"gradsync: {why}", RuntimeWarning, stacklevel=4)
         return DataPath(hooks="python", collectives=("native" if collectives else "python"), why=why), None, collectives
@@ -227,7 +233,10 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
       for the result when backward ends, as under DDP. ``"host"`` (the
       default for CPU parameters): the runtime's own memory, summed by gloo;
       for CUDA parameters that stages every gradient through host memory
-      (slow, warned about).
+      (slow, warned about). Where the device plane cannot run (a build
+      without gradsync's C++ modules, an accelerator other than CUDA) the
+      default is ``"host"``, with that warning; ``"device"`` there raises
+      ``ConfigError``.
 
     Gradients of float32 parameters are reduced as they are; float64, float16
     and bfloat16 gradients are converted to float32 for the reduction and back
