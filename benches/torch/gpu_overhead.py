@@ -44,6 +44,7 @@ POLICIES = ("local", "ddp", "ddp_view", "gradsync", "gradsync_host")
 
 
 def build(policy, base, args):
+    """``(model, wrapped, optimizer)`` for ``policy``: a copy of ``base`` under that wrapper."""
     model = copy.deepcopy(base)
     if policy == "local":
         wrapped = model
@@ -60,6 +61,7 @@ def build(policy, base, args):
 
 
 def main():
+    """Run every policy in turn on one GPU, print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["gpt2-small", "resnet18"], default="gpt2-small")
     ap.add_argument("--tokens-per-rank", type=int, default=1024)
