@@ -20,7 +20,7 @@
 //! synchronization. A failure the shim sees at once (an invalid argument, an
 //! allocation) stops the actor with the shim's message.
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 
 use crate::arrivals::NativeTensor;
 use crate::collectives::{error_text, message, Table};
@@ -104,30 +104,40 @@ impl DevicePlane {
         self.plane as *mut c_void
     }
 
-    /// Stop the actor on a failure the shim reported (see the module docs).
-    fn check(rc: i32, what: &str, err: &[std::ffi::c_char]) {
-        assert!(rc == 0, "gradsync device plane: {what} failed: {}", message(err));
+    /// Call one of the shim's functions with an error buffer (`call(err,
+    /// err_len)`, its return code); the shim's message on failure.
+    fn call(call: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), String> {
+        let mut err = error_text();
+        if call(err.as_mut_ptr(), err.len()) != 0 {
+            return Err(message(&err));
+        }
+        Ok(())
+    }
+
+    /// [`Self::call`] for an operation that is queued, not waited for: a
+    /// failure the shim sees at once stops the actor (see the module docs).
+    fn queue(what: &str, call: impl FnOnce(*mut c_char, usize) -> i32) {
+        if let Err(why) = Self::call(call) {
+            panic!("gradsync device plane: {what} failed: {why}");
+        }
     }
 
     /// A zeroed bucket of `numel` float32 values, from torch's allocator.
     pub fn alloc(&self, numel: usize) -> Result<PlaneBucket, String> {
         let mut handle = std::ptr::null_mut();
-        let mut err = error_text();
-        // SAFETY: the plane is alive (see `new`); `handle` and `err` outlive the call.
-        let rc = unsafe { (self.table.alloc)(self.ptr(), numel as i64, &mut handle, err.as_mut_ptr(), err.len()) };
-        if rc != 0 {
-            return Err(message(&err));
-        }
+        // SAFETY: the plane is alive (see `new`); `handle` and the error
+        // buffer outlive the call.
+        Self::call(|err, err_len| unsafe { (self.table.alloc)(self.ptr(), numel as i64, &mut handle, err, err_len) })?;
         Ok(PlaneBucket { handle, numel, free: self.table.free })
     }
 
     /// `bucket[offset..][..len(src)]` = (or `+=`, when `add`) `src * factor`.
     pub fn write(&self, bucket: &mut PlaneBucket, offset: usize, src: &PlaneGrad, add: bool, factor: f32) {
         assert!(offset + src.numel <= bucket.numel, "write past the bucket's end");
-        let mut err = error_text();
         // SAFETY: the plane, the bucket and the given tensor are alive and
-        // the range is inside the bucket (checked above); `err` outlives the call.
-        let rc = unsafe {
+        // the range is inside the bucket (checked above); the error buffer
+        // outlives the call.
+        Self::queue("packing a gradient", |err, err_len| unsafe {
             (self.table.write)(
                 self.ptr(),
                 bucket.handle,
@@ -135,57 +145,43 @@ impl DevicePlane {
                 src.given.handle(),
                 i32::from(add),
                 factor,
-                err.as_mut_ptr(),
-                err.len(),
+                err,
+                err_len,
             )
-        };
-        Self::check(rc, "packing a gradient", &err);
+        });
     }
 
     /// `bucket[offset..][..len]` = `last - sent`.
     pub fn difference(&self, bucket: &mut PlaneBucket, offset: usize, last: &PlaneGrad, sent: &PlaneGrad) {
         assert!(last.numel == sent.numel && offset + last.numel <= bucket.numel, "difference out of range");
-        let mut err = error_text();
         // SAFETY: as in `write`.
-        let rc = unsafe {
+        Self::queue("packing a correction", |err, err_len| unsafe {
             (self.table.difference)(
                 self.ptr(),
                 bucket.handle,
                 offset as i64,
                 last.given.handle(),
                 sent.given.handle(),
-                err.as_mut_ptr(),
-                err.len(),
+                err,
+                err_len,
             )
-        };
-        Self::check(rc, "packing a correction", &err);
+        });
     }
 
     /// `bucket[offset..][..len] *= factor` (zeroed when `factor` is 0).
     pub fn scale(&self, bucket: &mut PlaneBucket, offset: usize, len: usize, factor: f32) {
         assert!(offset + len <= bucket.numel, "scale past the bucket's end");
-        let mut err = error_text();
         // SAFETY: as in `write`.
-        let rc = unsafe {
-            (self.table.scale)(
-                self.ptr(),
-                bucket.handle,
-                offset as i64,
-                len as i64,
-                factor,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        Self::check(rc, "scaling a bucket", &err);
+        Self::queue("scaling a bucket", |err, err_len| unsafe {
+            (self.table.scale)(self.ptr(), bucket.handle, offset as i64, len as i64, factor, err, err_len)
+        });
     }
 
     /// `dst[dst_offset..][..len] += src[src_offset..][..len]`.
     pub fn add_from(&self, dst: &mut PlaneBucket, dst_offset: usize, src: &PlaneBucket, src_offset: usize, len: usize) {
         assert!(dst_offset + len <= dst.numel && src_offset + len <= src.numel, "add_from out of range");
-        let mut err = error_text();
         // SAFETY: as in `write`; `dst` and `src` are distinct buckets.
-        let rc = unsafe {
+        Self::queue("adding buckets", |err, err_len| unsafe {
             (self.table.add_from)(
                 self.ptr(),
                 dst.handle,
@@ -193,11 +189,10 @@ impl DevicePlane {
                 src.handle,
                 src_offset as i64,
                 len as i64,
-                err.as_mut_ptr(),
-                err.len(),
+                err,
+                err_len,
             )
-        };
-        Self::check(rc, "adding buckets", &err);
+        });
     }
 
     /// A new gradient `a + b` (neither is written: a handed-over tensor may be
@@ -205,13 +200,11 @@ impl DevicePlane {
     pub fn sum(&self, a: &PlaneGrad, b: &PlaneGrad) -> PlaneGrad {
         assert_eq!(a.numel, b.numel, "sum: length mismatch");
         let mut out = std::ptr::null_mut();
-        let mut err = error_text();
-        // SAFETY: the plane and both given tensors are alive; `out` and `err`
-        // outlive the call.
-        let rc = unsafe {
-            (self.table.sum)(self.ptr(), a.given.handle(), b.given.handle(), &mut out, err.as_mut_ptr(), err.len())
-        };
-        Self::check(rc, "adding two contributions", &err);
+        // SAFETY: the plane and both given tensors are alive; `out` and the
+        // error buffer outlive the call.
+        Self::queue("adding two contributions", |err, err_len| unsafe {
+            (self.table.sum)(self.ptr(), a.given.handle(), b.given.handle(), &mut out, err, err_len)
+        });
         // SAFETY: `out` is a new `Given` the shim allocated, released by its
         // `release_given`.
         let given = unsafe { NativeTensor::new(out, self.table.release_given) };

@@ -35,8 +35,6 @@ impl Step {
         Step { report, gradients: Mutex::new(gradients), params }
     }
 
-    /// The lent gradients. A lock poisoned by a panic in an earlier call is
-    /// an error, never read as "nothing lent".
     /// The host memory of a bucket (one contiguous piece in this binding).
     fn host(bucket: &Bucket) -> PyResult<&[f32]> {
         match bucket {
@@ -49,6 +47,8 @@ impl Step {
         }
     }
 
+    /// The lent gradients. A lock poisoned by a panic in an earlier call is
+    /// an error, never read as "nothing lent".
     fn lent(&self) -> PyResult<MutexGuard<'_, Lent>> {
         self.gradients.lock().map_err(|_| {
             pyo3::exceptions::PyRuntimeError::new_err(
