@@ -195,7 +195,7 @@ pub fn run_communicator<T: Transport>(
     mut completed: impl FnMut(CommDone<T::Store>) -> bool,
 ) {
     let window = transport.max_in_flight().max(1);
-    let rank = transport.rank();
+    let mut rank = transport.rank();
     let mut broken: Option<CommError> = None;
     let mut flight: VecDeque<InFlight<T::Store>> = VecDeque::with_capacity(window);
     let mut open = true;
@@ -226,6 +226,8 @@ pub fn run_communicator<T: Transport>(
                 }
                 transport.discard_in_flight();
                 transport.reset();
+                // An elastic job's reset may give this rank a new place.
+                rank = transport.rank();
                 broken = None;
             }
             if matches!(job.tag.kind, CollectiveKind::Bucket { .. }) && job.wire != wire {

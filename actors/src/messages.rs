@@ -112,6 +112,10 @@ pub enum SchedMsg<S: GradStore = HostStore> {
     Reset {
         /// This rank's proposal (its next step); the agreed step is the maximum.
         proposed: Step,
+        /// The new membership, `(rank, world)`, when the reset follows a
+        /// change of members (an elastic job): the agreement runs among the
+        /// new members, and the plan is agreed again among them.
+        membership: Option<(usize, usize)>,
         /// Where to answer with the agreed step.
         reply: Reply<Result<Step, SyncError>>,
     },

@@ -145,6 +145,10 @@ pub struct StepReport {
     /// This rank's timeline of the step (arrivals, bucket fills, collectives,
     /// finish); empty unless the builder's `record_timeline` is on.
     pub timeline: Vec<TimelineEvent>,
+    /// Some rank saw a process waiting to join the job (an elastic job):
+    /// every rank learns it from the same step's control vote and admits
+    /// the process at this step boundary (identical on every rank).
+    pub admit: bool,
 }
 
 /// A snapshot of the current step, taken after every arrival sent so far was

@@ -12,7 +12,8 @@ for ``torch.nn.parallel.DistributedDataParallel``::
 
 This package also offers the exceptions (see :mod:`gradsync._errors`), the
 per-step report, the :class:`DataPath` a wrapper reports, and the
-Prometheus exporter. Paddle users want :class:`gradsync.paddle.DataParallel`.
+Prometheus exporter. An elastic job (a lost rank does not end it) is
+:class:`gradsync.torch.Elastic` under ``python -m gradsync.launch``. Paddle users want :class:`gradsync.paddle.DataParallel`.
 """
 
 import atexit
@@ -25,6 +26,7 @@ from gradsync._errors import (
     DesyncError,
     GradientLayoutError,
     GradsyncError,
+    MembershipError,
     PeerGoneError,
     PoisonedError,
     RejectedError,
@@ -49,6 +51,7 @@ __all__ = [
     "DesyncError",
     "GradientLayoutError",
     "GradsyncError",
+    "MembershipError",
     "PeerGoneError",
     "PoisonedError",
     "RejectedError",

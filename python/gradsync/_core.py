@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from gradsync._errors import ClosedError, ConfigError, UnfinishedStepError
+from gradsync._errors import ClosedError, ConfigError, StepFailedError, UnfinishedStepError
 from gradsync._native import Session, Step, StepReport
 from gradsync._record import StepRecord
 
@@ -147,11 +147,12 @@ class ModelSync:
     framework's backward can end unseen (for :class:`UnfinishedStepError`);
     ``path`` is the :class:`DataPath` the wrapper chose. ``communicator``,
     ``replica`` (a :class:`Replica`) and ``settings`` (:class:`SyncSettings`)
-    build the :class:`gradsync.Session`. Call :meth:`attach` with
+    build the :class:`gradsync.Session` (``membership``: an elastic job's,
+    whose joiner flag its votes carry). Call :meth:`attach` with
     the framework's part once its hooks exist (they need :attr:`session`).
     """
 
-    def __init__(self, kind, unseen_end, path, communicator, replica, settings):
+    def __init__(self, kind, unseen_end, path, communicator, replica, settings, membership=None):
         self.kind = kind
         self.unseen_end = unseen_end
         self.path = path
@@ -167,6 +168,7 @@ class ModelSync:
             abort_policy=settings.abort_policy,
             record_timeline=settings.record_timeline,
             wire_dtype=settings.wire_dtype,
+            membership=membership,
         )
         self.names = replica.names
         self.wire = settings.wire_dtype
@@ -181,6 +183,9 @@ class ModelSync:
         self.closed_why: Optional[str] = None
         #: The report of the last step that ended.
         self.last_report: Optional[StepReport] = None
+        #: An elastic job's membership (``gradsync.torch.Elastic``): a failed
+        #: step changes the members instead of raising.
+        self.elastic = None
 
     def attach(self, framework):
         """Start recording steps with the framework's part (hooks in place)."""
@@ -250,7 +255,18 @@ class ModelSync:
         """End the open step: held gradients handed over, the runtime's
         remaining collectives, the result applied. Returns its report."""
         self.framework.hand_over_held(self.record)
-        return self.apply(self.session.finish(self.session.current_step))
+        try:
+            result = self.session.finish(self.session.current_step)
+        except StepFailedError as error:
+            if self.elastic is None:
+                raise
+            # A member was lost: the survivors agree on who goes on, move to
+            # their group, and skip this step on every one of them.
+            self.elastic._recover(self, error)
+            self.framework.clear()
+            self.new_step()
+            return None
+        return self.apply(result)
 
     def finish_step(self):
         """The public ``finish_step``: nothing to do without a synchronized
@@ -293,6 +309,8 @@ class ModelSync:
         try:
             if result.applied:
                 lent = self.framework.write(result, self.record)
+                if self.elastic is not None:
+                    self.elastic._applied(report)
             else:
                 self.framework.clear()
                 if report.outcome == "skipped":

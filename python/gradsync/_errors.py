@@ -11,6 +11,7 @@ and steps involved::
     ├── StepOrderError                  a step ended out of order or twice
     ├── UnfinishedStepError             backward ended where gradsync could not see it
     ├── ClosedError                     used after close()
+    ├── MembershipError                 an elastic job could not change its members (.kind)
     └── StepFailedError                 the step is lost: reset() on every rank (.step)
         ├── TimeoutError (TimeoutError) a rank missed the deadline (.missing_ranks)
         ├── PeerGoneError               a rank left (.peer)
@@ -52,6 +53,18 @@ class UnfinishedStepError(GradsyncError):
 
 class ClosedError(GradsyncError):
     """The wrapper or session was closed."""
+
+
+class MembershipError(GradsyncError):
+    """An elastic job could not change its members, and this process cannot
+    go on in it. ``kind`` says why: ``"no_quorum"`` (too few survivors: no
+    side of a partition may go on), ``"left_out"`` (the others went on
+    without this process: exit, a replacement can join), ``"refused"`` (a
+    joiner with another model or optimizer), ``"store"`` (the membership
+    store is unreachable), ``"ended"`` (the job finished before a joiner was
+    admitted), ``"deadline"``, ``"malformed"``."""
+
+    kind = None
 
 
 class StepFailedError(GradsyncError):

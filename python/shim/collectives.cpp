@@ -43,6 +43,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -60,10 +61,22 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 
 // Element types the runtime hands over (`elem` of `start`; python/src/collectives.rs, `Words`).
 enum Elem : int32_t { kF32 = 0, kI64 = 1, kBF16 = 2, kF16 = 3 };
+
+// Cuts short the collectives of an elastic job's broken membership epochs:
+// the liveness monitor (another thread) raises `broken` to epoch `e` when
+// the group of epoch `e` lost a member, and every wait of an endpoint of an
+// epoch up to `e` fails promptly instead of waiting for gloo's timeout.
+struct Cancel {
+  std::atomic<int64_t> broken{-1};
+};
+
+// How long one slice of a cancellable wait lasts. A wait that completes
+// returns at once; a slice only bounds how late a cancellation is seen.
+constexpr auto kWaitSlice = std::chrono::milliseconds(20);
 
 // One process group as the communicator thread sees it.
 struct Endpoint {
@@ -75,11 +88,29 @@ struct Endpoint {
   c10::intrusive_ptr<c10d::Store> store;
   // This rank's position key in `store` (one per group epoch).
   std::string key;
+  // An elastic job's cancellation (kept alive by `cancel_owner`), and the
+  // membership epoch this group belongs to; null: never cancelled.
+  Cancel* cancel = nullptr;
+  int64_t epoch = 0;
+  py::object cancel_owner = py::none();
+
+  bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
+  void check_cancelled() const {
+    TORCH_CHECK(!cancelled(), "gradsync: membership epoch ", epoch,
+                " lost a member; this collective was cancelled (Connection closed by peer)");
+  }
+  ~Endpoint() {
+    py::gil_scoped_acquire gil;
+    cancel_owner = py::none();
+  }
 };
 
 // One started collective.
 struct Flight {
   c10::intrusive_ptr<c10d::Work> work;
+  // The endpoint it was started on (cancellation); the Python communicator
+  // keeps it alive until every flight of its epoch is finished or forgotten.
+  const Endpoint* endpoint;
   // The runtime's memory, as a tensor (a device-plane bucket's wire copy).
   at::Tensor tensor;
   // Applied to a float32 sum.
@@ -136,6 +167,7 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, float fac
   *seq = 0;
   auto* ep = static_cast<Endpoint*>(endpoint);
   return guarded(err, err_len, [&] {
+    ep->check_cancelled();
     *seq = ep->store->add(ep->key, 1);
     auto tensor = at::from_blob(addr, {numel}, at::TensorOptions().dtype(scalar_type(elem)));
     c10d::AllreduceOptions opts;
@@ -143,8 +175,33 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, float fac
     opts.timeout = std::chrono::milliseconds(timeout_ms);
     std::vector<at::Tensor> tensors{tensor};
     auto work = ep->group->allreduce(tensors, opts);
-    *flight = new Flight{std::move(work), tensor, elem == kF32 ? factor : 1.0f};
+    *flight = new Flight{std::move(work), ep, tensor, elem == kF32 ? factor : 1.0f};
   });
+}
+
+// Waits for `f`'s collective; on an endpoint that can be cancelled, in
+// slices, failing once its membership epoch is broken (a peer that vanished
+// without closing its sockets would otherwise hold gloo for its timeout).
+void wait_cancellable(Flight& f) {
+  // A device's wait only orders streams (the host does not block): nothing to slice.
+  if (f.endpoint->cancel == nullptr || f.stream) {
+    f.work->wait();
+    return;
+  }
+  while (true) {
+    try {
+      f.work->wait(kWaitSlice);
+      return;
+    } catch (const c10::Error&) {
+      // A failed collective rethrows its own error from now on; a slice that
+      // ran out leaves the work incomplete.
+      if (f.work->isCompleted()) {
+        f.work->wait();
+        return;
+      }
+    }
+    f.endpoint->check_cancelled();
+  }
 }
 
 int32_t finish(void* flight, char* err, size_t err_len) {
@@ -156,7 +213,7 @@ int32_t finish(void* flight, char* err, size_t err_len) {
     if (f->stream) {
       on_stream.emplace(*f->stream);
     }
-    f->work->wait();
+    wait_cancellable(*f);
     at::Tensor sum = f->tensor;
     if (f->bucket.defined()) {
       f->bucket.copy_(f->tensor);
@@ -386,10 +443,11 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, fl
   auto* ep = static_cast<Endpoint*>(endpoint);
   const auto& p = *static_cast<Plane*>(plane);
   return guarded(err, err_len, [&] {
+    ep->check_cancelled();
     *seq = ep->store->add(ep->key, 1);
     on_comm(p, [&] {
       at::Tensor& t = flushed(p, bucket);
-      auto f = std::make_unique<Flight>(Flight{{}, t, factor, {}, p.comm});
+      auto f = std::make_unique<Flight>(Flight{{}, ep, t, factor, {}, p.comm});
       if (elem != kF32) {
         f->tensor = t.to(scalar_type(elem));
         f->bucket = t;
@@ -428,6 +486,74 @@ void lend(const at::Tensor& bucket, const std::vector<at::Tensor>& params, const
   }
 }
 
+// ---- the membership store ----------------------------------------------------------
+
+// The store of an elastic job, as the runtime's membership protocol and its
+// liveness monitor use it (python/src/membership.rs), from threads of their
+// own and without the interpreter lock. Keys and values are bytes.
+struct StoreClient {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+std::string key_of(const char* key, size_t key_len) { return std::string(key, key_len); }
+
+// Copies `value` into `out` (capacity `cap`); `*len` is its full length (the
+// caller retries with a larger buffer when it exceeds `cap`).
+void copy_out(const std::vector<uint8_t>& value, uint8_t* out, size_t cap, size_t* len) {
+  *len = value.size();
+  if (value.size() <= cap && !value.empty()) {
+    std::memcpy(out, value.data(), value.size());
+  }
+}
+
+int32_t store_add(void* client, const char* key, size_t key_len, int64_t delta, int64_t* out, char* err,
+                  size_t err_len) {
+  auto* c = static_cast<StoreClient*>(client);
+  return guarded(err, err_len, [&] { *out = c->store->add(key_of(key, key_len), delta); });
+}
+
+int32_t store_set(void* client, const char* key, size_t key_len, const uint8_t* value, size_t len, char* err,
+                  size_t err_len) {
+  auto* c = static_cast<StoreClient*>(client);
+  return guarded(err, err_len, [&] { c->store->set(key_of(key, key_len), std::vector<uint8_t>(value, value + len)); });
+}
+
+// `*found` says whether `key` exists; if it does, its value is copied out. Never blocks for a missing key.
+int32_t store_get(void* client, const char* key, size_t key_len, int32_t* found, uint8_t* out, size_t cap,
+                  size_t* len, char* err, size_t err_len) {
+  auto* c = static_cast<StoreClient*>(client);
+  *found = 0;
+  *len = 0;
+  return guarded(err, err_len, [&] {
+    std::string k = key_of(key, key_len);
+    if (c->store->check({k})) {
+      *found = 1;
+      copy_out(c->store->get(k), out, cap, len);
+    }
+  });
+}
+
+// Sets `key` to `desired` if it holds `expected` (or is absent and `expected`
+// is empty); copies out the value it holds afterwards (the winner's).
+int32_t store_compare_set(void* client, const char* key, size_t key_len, const uint8_t* expected, size_t expected_len,
+                          const uint8_t* desired, size_t desired_len, uint8_t* out, size_t cap, size_t* len,
+                          char* err, size_t err_len) {
+  auto* c = static_cast<StoreClient*>(client);
+  return guarded(err, err_len, [&] {
+    auto now = c->store->compareSet(key_of(key, key_len), std::vector<uint8_t>(expected, expected + expected_len),
+                                    std::vector<uint8_t>(desired, desired + desired_len));
+    copy_out(now, out, cap, len);
+  });
+}
+
+// Every wait of an endpoint of membership epoch <= `epoch` fails from now on.
+void cancel_epoch(void* cancel, int64_t epoch) {
+  auto* c = static_cast<Cancel*>(cancel);
+  int64_t seen = c->broken.load();
+  while (seen < epoch && !c->broken.compare_exchange_weak(seen, epoch)) {
+  }
+}
+
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
 struct Table {
   uint32_t version;
@@ -444,11 +570,20 @@ struct Table {
   int32_t (*add_from)(void*, void*, int64_t, void*, int64_t, int64_t, char*, size_t);
   int32_t (*sum)(void*, void*, void*, void**, char*, size_t);
   void (*release_given)(void*);
+  // The membership store and cancellation.
+  int32_t (*store_add)(void*, const char*, size_t, int64_t, int64_t*, char*, size_t);
+  int32_t (*store_set)(void*, const char*, size_t, const uint8_t*, size_t, char*, size_t);
+  int32_t (*store_get)(void*, const char*, size_t, int32_t*, uint8_t*, size_t, size_t*, char*, size_t);
+  int32_t (*store_compare_set)(void*, const char*, size_t, const uint8_t*, size_t, const uint8_t*, size_t, uint8_t*,
+                               size_t, size_t*, char*, size_t);
+  void (*cancel_epoch)(void*, int64_t);
 };
 
 const Table kTable{kVersion,    &start,          &finish,         &forget,     &start_tensor,
                    &plane_alloc, &plane_free,     &plane_write,    &plane_difference,
-                   &plane_scale, &plane_add_from, &plane_sum,      &release_given};
+                   &plane_scale, &plane_add_from, &plane_sum,      &release_given,
+                   &store_add,   &store_set,      &store_get,      &store_compare_set,
+                   &cancel_epoch};
 
 }  // namespace
 
@@ -459,18 +594,45 @@ PYBIND11_MODULE(_collectives, m) {
       "table", [] { return reinterpret_cast<uintptr_t>(&kTable); },
       "Address of the C function table the runtime's communicator thread calls.");
   py::class_<Endpoint>(m, "Endpoint", "One gloo group and the store key its positions are counted under.")
-      .def(py::init([](py::object group, py::object store, std::string key, py::object data) {
+      .def(py::init([](py::object group, py::object store, std::string key, py::object data, py::object cancel,
+                       int64_t epoch) {
              auto ep = std::make_unique<Endpoint>();
              ep->group = group.cast<c10::intrusive_ptr<c10d::Backend>>();
              ep->data = data.is_none() ? ep->group : data.cast<c10::intrusive_ptr<c10d::Backend>>();
              ep->store = store.cast<c10::intrusive_ptr<c10d::Store>>();
              ep->key = std::move(key);
+             if (!cancel.is_none()) {
+               ep->cancel = cancel.cast<Cancel*>();
+               ep->cancel_owner = cancel;
+               ep->epoch = epoch;
+             }
              return ep;
            }),
-           py::arg("group"), py::arg("store"), py::arg("key"), py::arg("data") = py::none())
+           py::arg("group"), py::arg("store"), py::arg("key"), py::arg("data") = py::none(),
+           py::arg("cancel") = py::none(), py::arg("epoch") = 0)
       .def_property_readonly(
           "address", [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
           "Where the runtime finds this endpoint (valid while the object lives).");
+  py::class_<Cancel>(m, "Cancel",
+                     "An elastic job's cancellation of broken membership epochs: the collectives of every "
+                     "Endpoint built with it and an epoch up to the broken one fail promptly.")
+      .def(py::init<>())
+      .def(
+          "cancel", [](Cancel& c, int64_t epoch) { cancel_epoch(&c, epoch); }, py::arg("epoch"),
+          "Break every epoch up to `epoch`.")
+      .def_property_readonly(
+          "broken", [](Cancel& c) { return c.broken.load(); }, "The highest broken epoch (-1: none).")
+      .def_property_readonly(
+          "address", [](Cancel& c) { return reinterpret_cast<uintptr_t>(&c); },
+          "Where the runtime finds it (valid while the object lives).");
+  py::class_<StoreClient>(m, "StoreClient", "A store the runtime's membership protocol calls without the interpreter lock.")
+      .def(py::init([](py::object store) {
+             return std::make_unique<StoreClient>(StoreClient{store.cast<c10::intrusive_ptr<c10d::Store>>()});
+           }),
+           py::arg("store"))
+      .def_property_readonly(
+          "address", [](StoreClient& c) { return reinterpret_cast<uintptr_t>(&c); },
+          "Where the runtime finds it (valid while the object lives).");
   py::class_<Plane>(m, "Plane",
                     "A wrapper's device plane: buckets as torch tensors on its device, operated on a stream of "
                     "its own (none on the CPU).")

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 4;
+pub const TABLE_VERSION: u32 = 5;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -78,6 +78,37 @@ pub struct Table {
     pub(crate) sum:
         unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, *mut *mut c_void, *mut c_char, usize) -> i32,
     pub(crate) release_given: unsafe extern "C" fn(*mut c_void),
+    // The membership store and cancellation (python/src/membership.rs).
+    pub(crate) store_add:
+        unsafe extern "C" fn(*mut c_void, *const c_char, usize, i64, *mut i64, *mut c_char, usize) -> i32,
+    pub(crate) store_set:
+        unsafe extern "C" fn(*mut c_void, *const c_char, usize, *const u8, usize, *mut c_char, usize) -> i32,
+    pub(crate) store_get: unsafe extern "C" fn(
+        *mut c_void,
+        *const c_char,
+        usize,
+        *mut i32,
+        *mut u8,
+        usize,
+        *mut usize,
+        *mut c_char,
+        usize,
+    ) -> i32,
+    pub(crate) store_compare_set: unsafe extern "C" fn(
+        *mut c_void,
+        *const c_char,
+        usize,
+        *const u8,
+        usize,
+        *const u8,
+        usize,
+        *mut u8,
+        usize,
+        *mut usize,
+        *mut c_char,
+        usize,
+    ) -> i32,
+    pub(crate) cancel_epoch: unsafe extern "C" fn(*mut c_void, i64),
 }
 
 impl Table {

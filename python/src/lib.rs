@@ -28,13 +28,14 @@
 //! `params` and `memory` (gradient memory by address), `tensor_grads`
 //! (the store: payloads that are tensors held in place, on either plane),
 //! `plane` (the device plane's operations), `arrivals` (the C entry of the
-//! C++ hooks), `transport` and `collectives` (the communicator thread's way
+//! C++ hooks), `membership` (an elastic job's membership protocol over torch's store), `transport` and `collectives` (the communicator thread's way
 //! to gloo), `errors`, `closing`.
 
 mod arrivals;
 mod closing;
 mod collectives;
 mod errors;
+mod membership;
 mod memory;
 mod params;
 mod plane;
@@ -72,6 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<step::Step>()?;
     m.add_class::<report::StepReport>()?;
     m.add_class::<arrivals::ArrivalSink>()?;
+    m.add_class::<membership::Membership>()?;
     m.add_function(wrap_pyfunction!(install_prometheus, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(closing::wait_for_closing, m)?)?;

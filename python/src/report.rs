@@ -51,6 +51,9 @@ pub struct StepReport {
     exposed_comm_s: f64,
     /// Seconds the communicator spent in collectives.
     comm_busy_s: f64,
+    /// A process waits to join (an elastic job): every rank admits it at
+    /// this step boundary.
+    admit: bool,
 }
 
 impl StepReport {
@@ -83,6 +86,7 @@ impl StepReport {
             bytes_launched: r.bytes_launched,
             exposed_comm_s: r.exposed_comm.as_secs_f64(),
             comm_busy_s: r.comm_busy.as_secs_f64(),
+            admit: r.admit,
         }
     }
 }
@@ -115,6 +119,7 @@ impl StepReport {
                 ("bytes_launched", value(py, self.bytes_launched)),
                 ("exposed_comm_s", value(py, self.exposed_comm_s)),
                 ("comm_busy_s", value(py, self.comm_busy_s)),
+                ("admit", value(py, self.admit)),
             ],
         )
     }

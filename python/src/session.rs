@@ -13,6 +13,7 @@ use pyo3::types::PyDict;
 use crate::arrivals::{ArrivalSink, SharedBatch, Sink};
 use crate::closing;
 use crate::errors::{self, dict, value};
+use crate::membership::Membership;
 use crate::memory::{self, Elem};
 use crate::params::Params;
 use crate::report::StepReport;
@@ -108,10 +109,13 @@ impl Session {
     /// (`"float32"`, `"bfloat16"`, `"float16"`) is the type data buckets
     /// travel in; `divisor` what each step's sum is divided by
     /// (`"contributors"`, the default, `"world"`, `"sum"` or an integer).
+    /// `membership` (an elastic job's `Membership`, started): its monitor's
+    /// joiner flag goes into this rank's control votes (`StepReport.admit`).
     #[new]
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
-                        param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32"))]
+                        param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32",
+                        membership = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -130,6 +134,7 @@ impl Session {
         in_flight: usize,
         reorder_buckets: bool,
         wire_dtype: &str,
+        membership: Option<PyRef<'_, Membership>>,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -164,6 +169,9 @@ impl Session {
             .record_timeline(record_timeline)
             .param_shards(param_shards)
             .reorder_buckets(reorder_buckets);
+        if let Some(membership) = &membership {
+            b.joiner_waiting(membership.joiner_flag());
+        }
         // Collectives overlap only with a communicator that can start and wait separately.
         let windowed =
             ["start", "wait_oldest", "discard"].iter().all(|m| communicator.bind(py).hasattr(*m).unwrap_or(false));
@@ -296,9 +304,20 @@ impl Session {
     }
 
     /// After a failed step, on every rank: agree on the step to continue at.
-    fn reset(&mut self, py: Python<'_>) -> PyResult<u64> {
+    /// With `rank` and `world` (an elastic job whose members changed; the
+    /// communicator already holds its new place), the agreement runs among
+    /// the new members, and the plan is agreed again among them.
+    #[pyo3(signature = (rank = None, world = None))]
+    fn reset(&mut self, py: Python<'_>, rank: Option<usize>, world: Option<usize>) -> PyResult<u64> {
         let sync = self.sync(py)?;
-        py.detach(|| sync.reset()).map_err(|e| errors::sync_error(py, &e))
+        match (rank, world) {
+            (None, None) => py.detach(|| sync.reset()),
+            (Some(rank), Some(world)) => py.detach(|| sync.reset_membership(rank, world)),
+            _ => {
+                return Err(errors::raise(py, "ConfigError", "reset: give both rank and world, or neither".into(), &[]))
+            }
+        }
+        .map_err(|e| errors::sync_error(py, &e))
     }
 
     /// Divide the sum of every step that has not begun by `divisor`

@@ -469,6 +469,10 @@ impl Transport for PyTransport {
         }
         let outcome = Python::attach(|py| {
             self.communicator.call_method0(py, "reset")?;
+            // An elastic job's new membership: the communicator's place in it.
+            let communicator = self.communicator.bind(py);
+            self.rank = communicator.getattr("rank")?.extract()?;
+            self.world = communicator.getattr("world")?.extract()?;
             // The new group has a new endpoint; the old one is gone with it.
             if let (Some(native), Some((_, endpoint))) = (&mut self.native, native_addresses(py, &self.communicator)?) {
                 native.set_endpoint(endpoint);

@@ -28,6 +28,7 @@ pub struct GradSyncBuilder {
     pub(crate) recycle_payloads: bool,
     pub(crate) reorder_buckets: bool,
     pub(crate) wire: Wire,
+    pub(crate) joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Default for GradSyncBuilder {
@@ -46,11 +47,21 @@ impl Default for GradSyncBuilder {
             recycle_payloads: false,
             reorder_buckets: true,
             wire: Wire::F32,
+            joiner_waiting: None,
         }
     }
 }
 
 impl GradSyncBuilder {
+    /// An elastic job: while `flag` is raised (by its liveness monitor, see
+    /// [`crate::membership::Monitor`]), this rank's control votes say a
+    /// process waits to join, and every rank's [`StepReport::admit`](crate::StepReport)
+    /// says so after the same step, so that all admit it at that boundary.
+    pub fn joiner_waiting(&mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) -> &mut Self {
+        self.joiner_waiting = Some(flag);
+        self
+    }
+
     /// Register a parameter whose gradient has `numel` elements of `dtype`.
     /// Register in forward order; the returned id names it in hooks and results.
     pub fn param(&mut self, name: impl Into<String>, numel: usize, dtype: DType) -> Result<ParamId, BuildError> {

@@ -127,6 +127,7 @@ impl<S: GradStore> GradSync<S> {
                 scale_when_packing: transport.scale_when_packing(),
                 reorder: b.reorder_buckets,
                 wire: b.wire,
+                joiner_waiting: b.joiner_waiting.clone(),
             },
             learning_window: b.learning_window,
             idle_spin: b.idle_spin,
@@ -368,10 +369,31 @@ impl<S: GradStore> GradSync<S> {
     /// A rank that is gone (crashed) cannot agree: `reset` then fails naming it,
     /// and the survivors must drop their GradSync and build a new world.
     pub fn reset(&mut self) -> Result<Step, SyncError> {
+        self.reset_with(None)
+    }
+
+    /// Reset into a new membership (an elastic job, after its members
+    /// changed): this rank is `rank` of `world` from now on, the transport
+    /// already on the new members' group (its [`Transport::reset`](crate::backend::Transport::reset)
+    /// moved it). The new members agree on the step to continue at (the
+    /// largest any of them had reached; a process that just joined proposes
+    /// its first) and then on the plan again. Every member calls it with its
+    /// own place, at the same point.
+    pub fn reset_membership(&mut self, rank: usize, world: usize) -> Result<Step, SyncError> {
+        if rank >= world {
+            return Err(SyncError::Setting { setting: "membership", why: format!("rank {rank} of {world} ranks") });
+        }
+        let agreed = self.reset_with(Some((rank, world)))?;
+        (self.rank, self.world) = (rank, world);
+        Ok(agreed)
+    }
+
+    fn reset_with(&mut self, membership: Option<(usize, usize)>) -> Result<Step, SyncError> {
         let proposed = self.hook.open_step();
         self.pending = None;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.sched.send(SchedMsg::Reset { proposed, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
+        let msg = SchedMsg::Reset { proposed, membership, reply: Reply::Blocking(tx) };
+        self.sched.send(msg).map_err(|_| SyncError::Closed)?;
         let agreed = self.await_answer(&rx, proposed)??;
         self.epoch += 1;
         for shard in &self.shards {

@@ -24,6 +24,7 @@ pub mod cuda;
 mod grad_sync;
 mod hook;
 pub mod local;
+pub mod membership;
 pub mod metrics;
 pub mod rendezvous;
 pub mod trace;

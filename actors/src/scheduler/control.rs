@@ -12,7 +12,8 @@
 //! | `2W..2W+P`       | 1 where a parameter arrived late              | the union of late parameters      |
 //! | `2W+P..2W+2P`    | 1 where a parameter was used                  | parameters unused on every rank   |
 //! | `2W+2P..2W+3P`   | 1 where an aborting rank must retract a value | parameters to correct (partial)   |
-//! | last             | 1 if the plan did not fit its gradient order  | whether to rebuild the plan       |
+//! | last             | 1 if the plan did not fit its gradient order, | whether to rebuild the plan;      |
+//! |                  | plus 2³² if it saw a rank waiting to join     | whether to admit a joining rank   |
 //!
 //! Writing into a rank's own slot turns the sum into an all-gather, which is
 //! what lets every rank *name* the aborting, joined or disagreeing ranks.
@@ -68,7 +69,14 @@ pub struct ControlVote<'a> {
     /// The plan did not fit the order this rank's gradients came in (for
     /// long enough): it asks every rank to rebuild it.
     pub reorder: bool,
+    /// This rank saw a process waiting to join the job (an elastic job's
+    /// liveness monitor): every rank admits it after this step.
+    pub admit: bool,
 }
+
+/// Where the admit count sits in the last word (the low half counts ranks
+/// asking to rebuild the plan): both stay far below 2³² ranks.
+const ADMIT_SHIFT: u32 = 32;
 
 impl ControlVote<'_> {
     /// Encode as control words.
@@ -84,7 +92,7 @@ impl ControlVote<'_> {
                 words[2 * w + s * p + i] = u64::from(bit);
             }
         }
-        words[2 * w + sections * p] = u64::from(self.reorder);
+        words[2 * w + sections * p] = u64::from(self.reorder) | (u64::from(self.admit) << ADMIT_SHIFT);
         words
     }
 }
@@ -139,6 +147,8 @@ pub struct ControlVerdict {
     pub retract: Vec<ParamId>,
     /// Some rank asked to rebuild the plan.
     pub reorder: bool,
+    /// Some rank saw a process waiting to join (admitted after this step).
+    pub admit: bool,
 }
 
 impl ControlVerdict {
@@ -164,7 +174,8 @@ impl ControlVerdict {
             late: set(0),
             unused_everywhere: section(1).iter().map(|&n| n == 0).collect(),
             retract: if partial { set(2) } else { Vec::new() },
-            reorder: words[2 * world + sections * params] != 0,
+            reorder: words[2 * world + sections * params] & ((1 << ADMIT_SHIFT) - 1) != 0,
+            admit: words[2 * world + sections * params] >> ADMIT_SHIFT != 0,
         }
     }
 }
@@ -211,6 +222,7 @@ mod tests {
                 used: &used[r],
                 retract: Some(&retract[r]),
                 reorder: r == 3,
+                admit: r == 1,
             };
             add_assign(&mut sum, &vote.encode());
         }
@@ -222,8 +234,44 @@ mod tests {
         assert_eq!(v.unused_everywhere, vec![false, false, true]);
         assert_eq!(v.retract, vec![p(0)]);
         assert!(v.reorder, "one rank asking is enough");
+        assert!(v.admit, "one rank seeing a joiner is enough");
         let d = disagreement(&v.fingerprints).expect("rank 2 differs");
         assert_eq!((d.ranks, d.majority), (vec![2], true));
+    }
+
+    #[test]
+    fn admit_and_reorder_counts_do_not_mix_when_every_rank_asks_for_both() {
+        let none = [false; 2];
+        let mut sum = vec![0u64; 2 * 3 + 4 + 1];
+        for r in 0..3 {
+            let vote = ControlVote {
+                rank: r,
+                world: 3,
+                status: RankStatus::Finished,
+                fingerprint: 1,
+                late: &none,
+                used: &none,
+                retract: None,
+                reorder: r != 1,
+                admit: r == 1,
+            };
+            add_assign(&mut sum, &vote.encode());
+        }
+        let v = ControlVerdict::decode(&sum, 3, 2, false);
+        assert!(v.reorder && v.admit);
+        let quiet = ControlVote {
+            rank: 0,
+            world: 1,
+            status: RankStatus::Finished,
+            fingerprint: 1,
+            late: &none[..1],
+            used: &none[..1],
+            retract: None,
+            reorder: false,
+            admit: false,
+        };
+        let v = ControlVerdict::decode(&quiet.encode(), 1, 1, false);
+        assert!(!v.reorder && !v.admit);
     }
 
     #[test]
@@ -252,6 +300,7 @@ mod tests {
             used: &used,
             retract: None,
             reorder: true,
+            admit: true,
         };
         let mut mirrored = vote.encode();
         mirror_vote(&mut mirrored, 3, 2);

@@ -144,6 +144,7 @@ impl<S: GradStore> Scheduler<S> {
             used: &used,
             retract: partial.then_some(retract.as_slice()),
             reorder: finished && self.wants_reorder(),
+            admit: self.cfg.joiner_waiting.as_ref().is_some_and(|w| w.load(std::sync::atomic::Ordering::Relaxed)),
         };
         let words = vote.encode();
         let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Control { len: words.len() } };
@@ -181,8 +182,9 @@ impl<S: GradStore> Scheduler<S> {
             };
             return self.fail(error);
         }
-        let ControlVerdict { aborted, joined, late, unused_everywhere, retract, reorder, .. } = verdict;
+        let ControlVerdict { aborted, joined, late, unused_everywhere, retract, reorder, admit, .. } = verdict;
         self.step.reorder = reorder;
+        self.step.admit = admit;
         self.step.unused_everywhere = unused_everywhere;
         self.step.joined = joined.clone();
         self.joined = joined.len();
@@ -315,6 +317,7 @@ impl<S: GradStore> Scheduler<S> {
             exposed_comm: Instant::now().saturating_duration_since(req.at),
             comm_busy: st.comm_busy,
             timeline: std::mem::take(&mut st.timeline),
+            admit: st.admit,
         };
         let step_time = st.began.map_or(Duration::ZERO, |t| t.elapsed());
         crate::telemetry::step(&self.rank_label, &report, step_time);

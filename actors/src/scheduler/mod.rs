@@ -84,6 +84,9 @@ pub struct SchedulerConfig {
     pub reorder: bool,
     /// The type data buckets travel in (part of the plan agreement).
     pub wire: Wire,
+    /// Raised by an elastic job's liveness monitor while a process waits
+    /// to join: this rank's control votes say so (`None`: not elastic).
+    pub joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// The bucket-scheduler actor of one rank.
@@ -236,7 +239,7 @@ impl<S: GradStore> Scheduler<S> {
             // The plan is being rebuilt: the next step waits for it.
             SchedMsg::Finish(req) if self.order.pending => self.next.push_back(SchedMsg::Finish(req)),
             SchedMsg::Finish(req) => self.on_finish(req),
-            SchedMsg::Reset { proposed, reply } => self.on_reset(proposed, reply),
+            SchedMsg::Reset { proposed, membership, reply } => self.on_reset(proposed, membership, reply),
             SchedMsg::Configure { setting, reply } => reply.send(self.configure(setting)),
             SchedMsg::Ready { step, epoch, .. }
             | SchedMsg::Flushed(crate::messages::ShardSummary { step, epoch, .. })

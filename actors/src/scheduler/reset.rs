@@ -51,11 +51,29 @@ impl<S: GradStore> Scheduler<S> {
     /// Abandon the current step and propose `proposed` as the restart step.
     /// Every rank writes its proposal into its own slot of the agreement
     /// vector, so the sum tells everyone every proposal; the maximum wins.
-    pub(super) fn on_reset(&mut self, proposed: Step, reply: Reply<Result<Step, SyncError>>) {
+    ///
+    /// With a new `membership` (`(rank, world)` after a change of members),
+    /// this rank takes its new place first: the agreement runs among the new
+    /// members, ranks that had joined (out of data) count again, and the plan
+    /// is agreed again before the next bucket (a process that joined the job
+    /// proposes it for the first time).
+    pub(super) fn on_reset(
+        &mut self,
+        proposed: Step,
+        membership: Option<(usize, usize)>,
+        reply: Reply<Result<Step, SyncError>>,
+    ) {
         if let Some(req) = self.lifecycle.take_finish() {
             req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "reset requested".into() }));
         }
         self.next.clear();
+        if let Some((rank, world)) = membership {
+            self.cfg.rank = rank;
+            self.cfg.world = world;
+            self.joined = 0;
+            self.plan_proposed = false;
+            self.plan_agreed = false;
+        }
         // A plan rebuild cut short by the failure: keep the plan in force.
         self.order.pending = false;
         // Buffers lost in a failed collective (pieces held by peers) are replaced.

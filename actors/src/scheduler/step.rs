@@ -214,6 +214,8 @@ pub(crate) struct StepState<V> {
     pub(crate) launched_before_finish: u32,
     /// The control verdict asked to rebuild the plan after this step.
     pub(crate) reorder: bool,
+    /// The control vote said a process waits to join (elastic jobs).
+    pub(crate) admit: bool,
 }
 
 impl<V> StepState<V> {
@@ -245,6 +247,7 @@ impl<V> StepState<V> {
             seq: 0,
             launched_before_finish: 0,
             reorder: false,
+            admit: false,
         }
     }
 

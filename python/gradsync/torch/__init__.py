@@ -16,9 +16,14 @@ Lightning's ``ddp`` strategy) gets gradsync after one line::
 
 (:func:`restore_ddp` undoes it; for Lightning there is also
 :class:`gradsync.torch.lightning.GradsyncDDPStrategy`.)
+
+An elastic job (a lost rank does not end it; a replacement joins) is
+:class:`Elastic`, launched with ``python -m gradsync.launch`` (see
+:mod:`gradsync.torch.elastic`).
 """
 
 from gradsync.torch._replace import ddp_replaced, replace_ddp, restore_ddp
 from gradsync.torch.ddp import DistributedDataParallel
+from gradsync.torch.elastic import Elastic, MembershipEvent
 
-__all__ = ["DistributedDataParallel", "ddp_replaced", "replace_ddp", "restore_ddp"]
+__all__ = ["DistributedDataParallel", "Elastic", "MembershipEvent", "ddp_replaced", "replace_ddp", "restore_ddp"]

@@ -52,9 +52,17 @@ class TorchCommunicator(GlooCommunicator):
     ``None`` for the Python path; ``plane_device``, the device whose tensors
     hold the buckets (``None``: host memory)."""
 
-    def __init__(self, *, store, prefix, rank, world, timeout_s, shim, plane_device=None):
+    def __init__(self, *, store, prefix, rank, world, timeout_s, shim, plane_device=None, cancel=None):
         super().__init__(store=store, prefix=prefix, rank=rank, world=world)
         self._shim = shim
+        # An elastic job's cancellation (a `_collectives.Cancel`): the
+        # liveness monitor breaks a membership epoch, and the waits of this
+        # communicator's endpoints of that epoch fail at once (`move`).
+        self._cancel = cancel
+        self.membership_epoch = 0
+        # Groups of earlier membership epochs, kept: a gloo group whose work
+        # waits on a vanished peer blocks its destructor until gloo's timeout.
+        self._retired = []
         # The device plane (its stream), kept for the communicator's life:
         # the runtime's store holds its address.
         self.plane_device = plane_device
@@ -111,6 +119,14 @@ class TorchCommunicator(GlooCommunicator):
         reducer sets its bucket views)."""
         self._shim.lend(bucket, params, offsets, loan)
 
+    def move(self, prefix, rank, world, membership_epoch):
+        """An elastic job changed its members: the next :meth:`reset` opens
+        the first group of ``prefix`` as ``rank`` of ``world`` (every member
+        of the new epoch moves to the same prefix)."""
+        self._prefix, self.rank, self.world, self.membership_epoch = prefix, rank, world, membership_epoch
+        self._epoch = -1
+        self._retired.append((self._group, self._endpoint, self._data))
+
     def _new_group(self):
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
         self._group = dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)
@@ -121,7 +137,8 @@ class TorchCommunicator(GlooCommunicator):
             data_store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}/nccl", self._store)
             self._data = dist.ProcessGroupNCCL(data_store, self.rank, self.world, options)
         if self._shim is not None:
-            self._endpoint = self._shim.Endpoint(self._group, self._store, self._key(self.rank), self._data)
+            self._endpoint = self._shim.Endpoint(self._group, self._store, self._key(self.rank), self._data,
+                                                 cancel=self._cancel, epoch=self.membership_epoch)
 
     def _abort_data(self):
         """End the previous epoch's NCCL group: after a failure its kernels

@@ -237,6 +237,10 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
       without gradsync's C++ modules, an accelerator other than CUDA) the
       default is ``"host"``, with that warning; ``"device"`` there raises
       ``ConfigError``.
+    * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
+      ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
+      rank does not end the job, a replacement joins it (see
+      :mod:`gradsync.torch.elastic`).
 
     Gradients of float32 parameters are reduced as they are; float64, float16
     and bfloat16 gradients are converted to float32 for the reduction and back
@@ -249,7 +253,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
 
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
-    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets")
+    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -292,7 +296,8 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             raise ConfigError("this is a gradsync DistributedDataParallel already: wrap the plain module (its .module)")
         if isinstance(module, _TORCH_DDP):
             raise ConfigError("this module is already wrapped by torch's DistributedDataParallel: wrap the plain module")
-        if not (dist.is_available() and dist.is_initialized()):
+        elastic = settings.get("elastic")
+        if elastic is None and not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("call torch.distributed.init_process_group(...) before wrapping (torchrun sets it up)")
         # What a copy or an unpickled wrapper is rebuilt with (__getstate__).
         self._init_settings = dict(
@@ -324,11 +329,23 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         # bytes of parameters; it refuses less than torch's first-bucket size.
         self.bucket_bytes_cap = max(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
         path, ledger, collectives = _data_path(self._device, settings.get("buckets"))
-        prefix, store = self._join_group(process_group)
+        if elastic is not None:
+            # An elastic job: the groups live in the job's store, under its membership epoch.
+            if process_group is not None:
+                raise ConfigError("elastic=...: the members are the elastic job's; leave process_group unset")
+            if collectives is None:
+                raise ConfigError("an elastic job needs gradsync's C++ collectives (reinstall with torch installed)")
+            self.process_group = None
+            store, prefix, self._rank, self._world = elastic._attach(self)
+        else:
+            prefix, store = self._join_group(process_group)
+        self._store, self._timeout_s = store, timeout_s
         comm = TorchCommunicator(
             store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, shim=collectives,
             plane_device=self._device if path.buckets == "device" else None,
+            cancel=None if elastic is None else elastic.cancel,
         )
+        comm.membership_epoch = 0 if elastic is None else elastic.epoch
         self._comm = comm
         self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s)
         self._states.broadcast(self._model_states())
@@ -336,7 +353,12 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
                           [_DTYPES[p.dtype] for p in self._params])
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
-                               SyncSettings(cap, timeout_s, wire_dtype=wire, **options))
+                               SyncSettings(cap, timeout_s, wire_dtype=wire, **options),
+                               membership=None if elastic is None else elastic.membership)
+        if elastic is not None:
+            self._sync.elastic = elastic
+            if elastic.fixed_global_batch:
+                self._sync.set_divisor(elastic.first_world)
         self._attach_hooks(ledger, comm if path.buckets == "device" else None)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
@@ -344,6 +366,13 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         global _OPTIMIZER_HOOK
         if _OPTIMIZER_HOOK is None:
             _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_before_optimizer_step)
+
+    def _move_to(self, prefix, rank, world, epoch):
+        """An elastic job changed its members: this wrapper's groups move to
+        ``prefix`` as ``rank`` of ``world`` (the runtime's reset opens them)."""
+        self._rank, self._world = rank, world
+        self._comm.move(prefix, rank, world, epoch)
+        self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s)
 
     def _select_parameters(self, module):
         """The parameters to average: those that require grad and have

@@ -77,6 +77,7 @@ fn rank_configured(
         scale_when_packing: false,
         reorder,
         wire: Wire::F32,
+        joiner_waiting: None,
     };
     let (jobs_tx, jobs) = crossbeam_channel::unbounded();
     let (home_tx, home) = unbounded_channel();
@@ -202,6 +203,7 @@ impl Rank {
                 used: p.used,
                 retract: p.retract,
                 reorder: false,
+                admit: p.admit,
             };
             gradsync_kernels::add_assign(words, &vote.encode());
         }
@@ -240,10 +242,12 @@ struct Peer<'a> {
     late: &'a [bool],
     used: &'a [bool],
     retract: Option<&'a [bool]>,
+    /// It saw a process waiting to join.
+    admit: bool,
 }
 
 fn peer<'a>(rank: usize, status: RankStatus, late: &'a [bool], used: &'a [bool]) -> Peer<'a> {
-    Peer { rank, status, fingerprint: None, late, used, retract: None }
+    Peer { rank, status, fingerprint: None, late, used, retract: None, admit: false }
 }
 
 fn values(r: &StepResult, p: ParamId) -> Option<Vec<f32>> {
@@ -454,7 +458,7 @@ fn a_failure_poisons_until_a_reset_agrees_on_the_restart_step() {
     let later = r.end(1, StepEnd::Finish).try_recv().unwrap().unwrap_err();
     assert!(matches!(later, SyncError::Poisoned { step: 0, .. }), "{later}");
     let (tx, agreed) = mpsc::sync_channel(1);
-    r.send(SchedMsg::Reset { proposed: 1, reply: Reply::Blocking(tx) });
+    r.send(SchedMsg::Reset { proposed: 1, membership: None, reply: Reply::Blocking(tx) });
     assert_eq!(r.sched.phase(), "resetting");
     let mut agreement = r.job();
     assert_eq!(kind(&agreement), CollectiveKind::Reset { len: 2 });
@@ -470,6 +474,59 @@ fn a_failure_poisons_until_a_reset_agrees_on_the_restart_step() {
     r.epoch = 1;
     r.inc(2, 0, 5.0);
     assert_eq!(kind(&r.job()), CollectiveKind::Bucket { index: 0, numel: 2 });
+}
+
+/// Invariant: one rank's monitor seeing a joiner is enough: every rank's
+/// report of that step says to admit it (the same boundary everywhere), and
+/// a rank's own flag goes into its vote.
+#[test]
+fn a_joiner_seen_by_one_rank_is_admitted_by_every_rank_at_the_same_step() {
+    let mut r = rank(2, 0, &[2]);
+    r.agree_plan();
+    r.inc_reduced(0, 0, 1.0);
+    let (answer, control) = r.finish_to_control(0, &[0]);
+    let (n, u) = ([false], [true]);
+    r.control(control, &[Peer { admit: true, ..peer(1, RankStatus::Finished, &n, &u) }]);
+    assert!(answer.try_recv().unwrap().unwrap().report.admit, "a peer's vote");
+    r.inc_reduced(1, 0, 1.0);
+    let (answer, control) = r.finish_to_control(1, &[0]);
+    r.control(control, &[peer(1, RankStatus::Finished, &n, &u)]);
+    assert!(!answer.try_recv().unwrap().unwrap().report.admit, "nobody waiting");
+
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut r = rank(2, 1, &[2]);
+    r.sched.cfg.joiner_waiting = Some(Arc::clone(&flag));
+    r.agree_plan();
+    r.inc_reduced(0, 0, 1.0);
+    let (_answer, control) = r.finish_to_control(0, &[0]);
+    let CommPayload::Words(words) = &control.payload else { panic!() };
+    assert_eq!(words.last().copied().unwrap() >> 32, 1, "its own vote says so");
+}
+
+/// Invariant: a reset into a new membership takes the new place before the
+/// agreement (its length is the new world), and agrees the plan again
+/// among the new members before any bucket launches.
+#[test]
+fn a_membership_reset_agrees_among_the_new_members_and_then_on_the_plan() {
+    let mut r = rank(3, 2, &[2]);
+    r.agree_plan();
+    r.inc(0, 0, 1.0);
+    let bucket = r.job();
+    let gone = CommError::PeerGone { rank: 2, peer: 1, tag: bucket.tag };
+    r.fail(bucket, gone);
+    let (tx, agreed) = mpsc::sync_channel(1);
+    r.send(SchedMsg::Reset { proposed: 1, membership: Some((1, 2)), reply: Reply::Blocking(tx) });
+    let mut agreement = r.job();
+    assert_eq!(kind(&agreement), CollectiveKind::Reset { len: 2 }, "two members now");
+    let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
+    assert_eq!(words, &vec![0, 2], "rank 2 is rank 1 now");
+    words[0] = 2;
+    r.done(agreement);
+    assert_eq!(agreed.try_recv().unwrap(), Ok(1));
+    (r.world, r.rank, r.epoch) = (2, 1, 1);
+    assert!(r.sched.begin(), "the step begins");
+    let plan = r.job();
+    assert_eq!(kind(&plan), CollectiveKind::Plan { len: 2 }, "the plan is agreed again, among two");
 }
 
 /// Invariant: a desync names the ranks outside the majority, even when
@@ -774,6 +831,7 @@ fn ranks_dividing_differently_fail_the_step_with_a_desync() {
         used: &[true],
         retract: None,
         reorder: false,
+        admit: false,
     };
     gradsync_kernels::add_assign(words, &vote.encode());
     r.done(control);

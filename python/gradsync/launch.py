@@ -1,0 +1,165 @@
+"""gradsync's supervisor for elastic jobs: ``python -m gradsync.launch``.
+
+    python -m gradsync.launch --nproc 4 [--rejoin] train.py [args ...]
+
+It hosts the job's store (torch's ``TCPStore``: the job's membership lives
+there, so it outlives every training process, rank 0 included), starts the
+workers with the variables :class:`gradsync.torch.Elastic` reads, and
+watches them. When a worker dies it records the death in the store (the
+survivors then need not wait for its heartbeat to stop) and, with
+``--rejoin``, starts a replacement that joins the running job; the
+survivors are never touched.
+
+Several machines: host the store on one (``--store-only``, or a supervisor
+with workers), and on each machine run a supervisor with ``--store
+HOST:PORT --node-rank K --nnodes M``: every supervisor starts ``--nproc``
+workers of the first ``M * nproc`` and replaces its own. (torchrun's agent
+cannot do this: on any failure it stops every worker of the job and starts
+them all again, and its c10d rendezvous store lives in one agent.)
+"""
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from gradsync.torch.elastic import ENV_FIRST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE
+
+
+def _describe(code):
+    """A worker's exit status in words."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class Supervisor:
+    """Starts this machine's workers, records deaths, starts replacements."""
+
+    def __init__(self, args, store, address):
+        import torch.distributed as dist  # noqa: F401  (the store is torch's)
+
+        from gradsync._native import Membership
+        from gradsync.torch import _shim
+
+        shim, why = _shim.load("collectives")
+        if shim is None:
+            sys.exit(f"gradsync launch: {why}")
+        self._obituary = Membership.obituary
+        self._table, self._client = shim.table(), shim.StoreClient(store)
+        self.args = args
+        self.store = store
+        self.address = address
+        self.first = args.nnodes * args.nproc
+        self.workers = {}  # member id -> Popen
+        self.finished = {}  # member id -> exit status, for workers that ended
+        self.rejoins = 0
+        self.replaced = set()  # members a replacement took over from
+
+    def _log(self, message):
+        print(f"gradsync launch: {message}", file=sys.stderr, flush=True)
+
+    def _start(self, member, join):
+        env = dict(os.environ)
+        env.update({ENV_STORE: self.address, ENV_JOB: self.args.job, ENV_MEMBER: str(member),
+                    ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0"})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        command = [sys.executable, "-u", self.args.script, *self.args.script_args]
+        self.workers[member] = subprocess.Popen(command, env=env)
+        if join:
+            self._log(f"started member {member} (pid {self.workers[member].pid}) to join the job")
+
+    def run(self):
+        """Start the workers and watch them until every one has ended;
+        returns the exit status of the job."""
+        base = self.args.node_rank * self.args.nproc
+        for i in range(self.args.nproc):
+            self._start(base + i, join=False)
+        try:
+            while self.workers:
+                for member, proc in list(self.workers.items()):
+                    code = proc.poll()
+                    if code is not None:
+                        self._ended(member, proc, code)
+                time.sleep(0.005)
+        except KeyboardInterrupt:
+            for proc in self.workers.values():
+                proc.terminate()
+            return 130
+        done = [m for m, c in self.finished.items() if c == 0]
+        return 0 if done and all(c == 0 for m, c in self.finished.items() if m in self._last_members()) else 1
+
+    def _last_members(self):
+        """Workers that were not replaced (the ones whose exit is the job's)."""
+        return [m for m in self.finished if m not in self.replaced]
+
+    def _ended(self, member, proc, code):
+        del self.workers[member]
+        self.finished[member] = code
+        if code == 0:
+            return
+        self._log(f"member {member} (pid {proc.pid}) {_describe(code)}; the others go on without it")
+        try:
+            self._obituary(self._table, self._client, f"{self.args.job}/membership", member)
+        except Exception as e:  # the store is ours: only a dying supervisor gets here
+            self._log(f"could not record member {member}'s death: {e}")
+        finishing = any(c == 0 for c in self.finished.values())
+        if self.args.rejoin and not finishing and self.rejoins < self.args.max_rejoins and self.workers:
+            self.rejoins += 1
+            self.replaced.add(member)
+            replacement = self.first + self.store.add(f"{self.args.job}/replacements", 1) - 1
+            self._start(replacement, join=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsync.launch", description=__doc__.split("\n\n")[0],
+        epilog="Workers read GRADSYNC_STORE, GRADSYNC_JOB, GRADSYNC_MEMBER, GRADSYNC_FIRST and GRADSYNC_JOIN "
+        "(gradsync.torch.Elastic does).",
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="workers on this machine")
+    parser.add_argument("--rejoin", action="store_true", help="start a replacement for a worker that dies")
+    parser.add_argument("--max-rejoins", type=int, default=100, help="replacements at most (default 100)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to host the store on (default loopback)")
+    parser.add_argument("--port", type=int, default=29510, help="port of the hosted store (default 29510)")
+    parser.add_argument("--store", metavar="HOST:PORT", help="use the store another supervisor hosts")
+    parser.add_argument("--store-only", action="store_true", help="only host the store (several machines)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index (several machines)")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job's first membership")
+    parser.add_argument("--job", default="gradsync-elastic", help="the job's name in the store")
+    parser.add_argument("script", nargs="?", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        parser.error("--nproc and --nnodes must be positive, and --node-rank below --nnodes")
+    if not args.store_only and not args.script:
+        parser.error("name the training script (or pass --store-only)")
+
+    import torch.distributed as dist
+
+    if args.store:
+        host, _, port = args.store.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+        address = args.store
+    else:
+        store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        address = f"{args.host}:{store.port}"
+        print(f"gradsync launch: the job's store is at {address}", file=sys.stderr, flush=True)
+    if args.store_only:
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            return 0
+    return Supervisor(args, store, address).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""An elastic job: a lost rank does not end it, and a replacement joins it.
+
+Launch with gradsync's supervisor (it hosts the store that holds the job's
+membership, so the store outlives every training process, and it starts a
+replacement for a worker that dies)::
+
+    python -m gradsync.launch --nproc 4 --rejoin train.py
+
+The training script::
+
+    elastic = gradsync.torch.Elastic()                       # this process's membership
+    model = DistributedDataParallel(net, elastic=elastic)    # no init_process_group needed
+    optimizer = torch.optim.AdamW(model.parameters())
+    elastic.track(model=model, optimizer=optimizer)          # what a joiner receives
+    for step in elastic.steps(total):
+        x, y = shard(step, elastic.rank, elastic.world)      # rank and world may change
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+What happens:
+
+* **A member is lost** (its process killed at any point, or its host gone
+  silent): the step in flight fails on every survivor (a closed socket at
+  once; a silent host when the liveness monitor's window passes; the monitor
+  cancels the collectives of that membership epoch). Inside ``backward()``
+  the survivors agree on one new roster through the store (the runtime's
+  protocol: ``gradsync._native.Membership``), move to a fresh group, and the
+  step is skipped on every survivor (``.grad`` cleared, so the optimizer step
+  does nothing); ``backward()`` returns normally. No process restarts, no
+  checkpoint is read. At the next step boundary the survivors compare how
+  many steps each applied; if the lost member died while some survivors had
+  applied the step and others had not, everyone takes the state of one that
+  had (so the survivors are always bitwise identical).
+* **A process joins** (a replacement the supervisor started): it asks the
+  store; the members' monitors see it and say so in the next step's control
+  vote; after that step every member admits it at the same boundary, and a
+  member sends it the tracked state (model, optimizer, anything with
+  ``state_dict``), the step counter and the history over gloo. The members
+  stall for one step boundary plus that transfer.
+* **The divisor**: each step averages over the ranks present (default), or,
+  with ``fixed_global_batch=True``, over the job's first world size (the
+  global batch stays constant if each rank's batch grows to match).
+
+:attr:`Elastic.events` lists every change (:class:`MembershipEvent`); the
+``logging`` logger ``gradsync.elastic`` reports each.
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import io
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradsync._errors import ConfigError, DesyncError, MembershipError, StepFailedError
+from gradsync._native import Membership
+from gradsync.torch import _shim
+
+log = logging.getLogger("gradsync.elastic")
+
+#: The launcher's variables (set by ``python -m gradsync.launch``).
+ENV_STORE, ENV_JOB, ENV_MEMBER, ENV_FIRST, ENV_JOIN = (
+    "GRADSYNC_STORE", "GRADSYNC_JOB", "GRADSYNC_MEMBER", "GRADSYNC_FIRST", "GRADSYNC_JOIN",
+)
+# A membership change that fails again (another member lost meanwhile) is retried this often.
+_RECOVERY_ATTEMPTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipEvent:
+    """One change of an elastic job's members, as this process saw it.
+
+    ``kind`` is ``"lost"`` or ``"joined"``; ``step`` the step in flight (lost:
+    skipped on every survivor) or the boundary (joined); ``epoch`` the new
+    membership epoch; ``lost`` and ``joined`` member ids; ``rank`` and
+    ``world`` this process's new place; ``seconds`` from the failure (or the
+    admission) to the new group's first agreement."""
+
+    kind: str
+    step: int
+    epoch: int
+    lost: list
+    joined: list
+    rank: int
+    world: int
+    seconds: float
+
+
+def _env(name, convert=str):
+    value = os.environ.get(name)
+    if value is None:
+        raise ConfigError(
+            f"{name} is not set: an elastic job runs under gradsync's supervisor "
+            "(python -m gradsync.launch --nproc N script.py), which hosts its store and sets it"
+        )
+    try:
+        return convert(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is malformed; start the job with python -m gradsync.launch") from None
+
+
+class Elastic:
+    """This process's membership in an elastic job (see the module docs).
+
+    ``liveness_s``: a member whose heartbeat stops this long is lost (a host
+    gone silent; a killed process is seen at once). ``fixed_global_batch``:
+    divide every step's sum by the job's first world size instead of the
+    ranks present. ``timeout``: how long a store operation or a state
+    transfer may take (seconds)."""
+
+    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0):
+        host, _, port = _env(ENV_STORE).rpartition(":")
+        self.job = _env(ENV_JOB)
+        self.member = _env(ENV_MEMBER, int)
+        self.first_world = _env(ENV_FIRST, int)
+        self.joining = os.environ.get(ENV_JOIN) == "1"
+        self.fixed_global_batch = bool(fixed_global_batch)
+        self.timeout_s = float(timeout)
+        shim, why = _shim.load("collectives")
+        if shim is None:
+            raise ConfigError(f"an elastic job needs gradsync's C++ modules, and {why}")
+        try:
+            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+            # The monitor's own connection: a blocking call of this thread never delays a heartbeat.
+            beat_store = dist.TCPStore(host, int(port), is_master=False,
+                                       timeout=datetime.timedelta(seconds=max(2.0, 2 * liveness_s)))
+        except (RuntimeError, ValueError) as e:
+            raise MembershipError(f"cannot reach the job's store at {host}:{port} ({e}); is the supervisor running?") from None
+        self.cancel = shim.Cancel()
+        self.membership = Membership(
+            shim.table(), shim.StoreClient(self.store), shim.StoreClient(beat_store), self.cancel,
+            f"{self.job}/membership", self.member, liveness_s=liveness_s,
+        )
+        #: The next step to run (the data position); a joiner receives it.
+        self.step = 0
+        #: Steps applied (a joiner receives it).
+        self.applied = 0
+        #: ``(step, world, contributors)`` of every applied step, in order (a joiner receives it).
+        self.history = []
+        #: Every membership change this process saw.
+        self.events = []
+        self._reported = 0
+        self._tracked = {}
+        self._ddp = None
+        # A joiner's state counts for nothing until it received the members'.
+        self._fresh = self.joining
+        # Whether the members compare (and may exchange) state at the next boundary.
+        self._sync_pending = False
+        # The admission a step's report asked for, answered once.
+        self._admitted_after = None
+        # When this process asked to join (its event waits for the members' state).
+        self._join_began = None
+        self._transfer = None
+        self._roster = None
+        if not self.joining:
+            self._roster = self.membership.start(list(range(self.first_world)))
+            self._open_transfer_group()
+
+    # ---- where this process stands ---------------------------------------------------------
+
+    @property
+    def rank(self):
+        """This process's rank in the current membership."""
+        return 0 if self._roster is None else self._roster["members"].index(self.member)
+
+    @property
+    def world(self):
+        """Number of members now."""
+        return 1 if self._roster is None else len(self._roster["members"])
+
+    @property
+    def is_member(self):
+        """Whether this process belongs to the job (a joiner: once admitted)."""
+        return self._roster is not None
+
+    @property
+    def epoch(self):
+        """The membership epoch (0: the job's first members; +1 per change)."""
+        return -1 if self._roster is None else self._roster["epoch"]
+
+    def prefix(self, what):
+        """The store prefix of ``what``'s groups in the current membership
+        epoch (identical on every member)."""
+        return f"{self.job}/{what}/m{self.epoch if self._roster else f'joiner{self.member}'}"
+
+    # ---- what the training script calls ----------------------------------------------------
+
+    def track(self, **objects):
+        """Objects whose ``state_dict()`` a joiner receives (the wrapped
+        model, the optimizer, an LR scheduler, a grad scaler ...), by name."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
+            self._tracked[name] = obj
+
+    def steps(self, total):
+        """The steps of the training loop, from the one this process is at
+        (a joiner: the members') to ``total``. Each boundary first admits
+        waiting processes and equalizes state after a membership change."""
+        if self._ddp is None:
+            raise ConfigError("wrap the model with DistributedDataParallel(module, elastic=this) before steps()")
+        if self.joining and not self._join():
+            return
+        while True:
+            self._boundary()
+            if self.step >= total:
+                self.membership.end()
+                return
+            yield self.step
+            self.step += 1
+
+    def changes(self):
+        """The membership changes since the last call (:class:`MembershipEvent`\ s):
+        call it at the top of each step to log them or re-shard data."""
+        news = self.events[self._reported:]
+        self._reported = len(self.events)
+        return news
+
+    def close(self):
+        """Leave the job (stops the liveness monitor)."""
+        self.membership.close()
+
+    # ---- what the wrapper calls -------------------------------------------------------------
+
+    def _attach(self, ddp):
+        """A wrapper is built: ``(store, prefix, rank, world)`` for its groups."""
+        if self._ddp is not None:
+            raise ConfigError("an Elastic handle synchronizes one wrapped model; build one wrapper per job")
+        self._ddp = ddp
+        return self.store, self.prefix("model"), self.rank, self.world
+
+    def _applied(self, report):
+        """A step was applied on every member."""
+        self.applied += 1
+        self.history.append((self.step, self.world, report.contributors))
+
+    def _recover(self, sync, error):
+        """The step in flight failed (``error``): agree on the new members,
+        move to their group, and let the step be skipped."""
+        if isinstance(error, DesyncError):
+            raise error
+        began = time.perf_counter()
+        suspects = [self._roster["members"][error.peer]] if getattr(error, "peer", None) is not None else []
+        before = set(self._roster["members"])
+        for attempt in range(_RECOVERY_ATTEMPTS):
+            roster = self.membership.recover(suspects)
+            try:
+                self._move(roster, sync)
+                break
+            except StepFailedError as again:  # another member lost during the change
+                log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
+                suspects = []
+        else:
+            raise MembershipError(f"the members could not form a group after {_RECOVERY_ATTEMPTS} attempts")
+        lost = sorted(before - set(self._roster["members"]))
+        self._event("lost", lost, [], began)
+
+    def _move(self, roster, sync):
+        """Adopt ``roster``: the wrapper's communicator moves to the new
+        epoch's group, the runtime agrees on the step among the new members."""
+        self._roster = roster
+        self._ddp._move_to(self.prefix("model"), self.rank, self.world, roster["epoch"])
+        sync.session.reset(rank=self.rank, world=self.world)
+        self._open_transfer_group()
+        self._sync_pending = True
+
+    def _event(self, kind, lost, joined, began):
+        event = MembershipEvent(kind, self.step, self.epoch, lost, joined, self.rank, self.world,
+                                time.perf_counter() - began)
+        self.events.append(event)
+        log.warning("gradsync elastic: step %d: members %s %s; epoch %d, this process is rank %d of %d (%.3f s)",
+                    event.step, lost or joined, kind, event.epoch, event.rank, event.world, event.seconds)
+
+    # ---- boundaries: admission and state ----------------------------------------------------
+
+    def fingerprint(self):
+        """What a joiner must share with the members: the tracked objects'
+        state layout (names, shapes, dtypes, optimizer kind), as text."""
+        digest = hashlib.sha256()
+        parts = []
+        for name, obj in sorted(self._tracked.items()):
+            kind = type(obj).__name__
+            if isinstance(obj, torch.nn.Module):
+                shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in obj.state_dict().items()]
+                digest.update(repr(shapes).encode())
+                parts.append(f"{name}: {kind} with {len(shapes)} tensors, {sum(t.numel() for t in obj.state_dict().values())} elements")
+            elif isinstance(obj, torch.optim.Optimizer):
+                groups = [len(g["params"]) for g in obj.param_groups]
+                digest.update(repr((kind, groups)).encode())
+                parts.append(f"{name}: {kind} over {sum(groups)} parameters")
+            else:
+                digest.update(kind.encode())
+                parts.append(f"{name}: {kind}")
+        return "; ".join(parts) + f" [{digest.hexdigest()[:12]}]"
+
+    def _join(self):
+        """A replacement asks to join and waits for the members' boundary;
+        returns whether it joined (``False``: the job ended first)."""
+        began = time.perf_counter()
+        log.warning("gradsync elastic: member %d asks to join the job", self.member)
+        try:
+            roster = self.membership.request_join(self.fingerprint())
+        except MembershipError as e:
+            if e.kind != "ended":
+                raise
+            log.warning("gradsync elastic: the job ended before member %d was admitted", self.member)
+            return False
+        self.joining = False
+        self._move(roster, self._ddp._sync)
+        # Logged once the members' state (and step) arrived, at the first boundary.
+        self._join_began = began
+        return True
+
+    def _boundary(self):
+        report = self._ddp._sync.last_report
+        if report is not None and report.admit and self._admitted_after != report.step:
+            self._admitted_after = report.step
+            began = time.perf_counter()
+            roster = self.membership.admit(self.fingerprint())
+            if roster["joined"]:
+                self._move(roster, self._ddp._sync)
+                self._event("joined", [], roster["joined"], began)
+        if self._sync_pending:
+            self._sync_pending = False
+            self._equalize()
+        if self._join_began is not None:
+            self._event("joined", [], [self.member], self._join_began)
+            self._join_began = None
+
+    def _open_transfer_group(self):
+        """The gloo group state transfers run on (this thread, never the communicator's)."""
+        if self.world == 1:
+            self._transfer = None
+            return
+        store = dist.PrefixStore(self.prefix("transfer"), self.store)
+        self._transfer = dist.ProcessGroupGloo(store, self.rank, self.world,
+                                               datetime.timedelta(seconds=self.timeout_s))
+
+    def _equalize(self):
+        """After a change: every member takes the state of the member that
+        applied the most steps (a joiner, none), if they differ."""
+        if self._transfer is None:
+            return
+        counts = torch.zeros(self.world, dtype=torch.int64)
+        counts[self.rank] = 0 if self._fresh else self.applied + 1
+        self._transfer.allreduce([counts]).wait()
+        best = int(counts.max())
+        if int(counts.min()) == best:
+            return
+        source = int((counts == best).nonzero()[0])
+        opts = dist.BroadcastOptions()
+        opts.rootRank = source
+        payload = self._pack() if self.rank == source else None
+        size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+        self._transfer.broadcast([size], opts).wait()
+        data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
+        self._transfer.broadcast([data], opts).wait()
+        if int(counts[self.rank]) != best:
+            self._unpack(data)
+            log.warning("gradsync elastic: took rank %d's state (%d bytes): step %d, %d steps applied",
+                        source, data.numel(), self.step, self.applied)
+
+    def _pack(self):
+        buf = io.BytesIO()
+        torch.save({"objects": {n: o.state_dict() for n, o in self._tracked.items()},
+                    "step": self.step, "applied": self.applied, "history": self.history}, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    def _unpack(self, data):
+        state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        for name, obj in self._tracked.items():
+            if name not in state["objects"]:
+                raise MembershipError(f"the members sent no state for {name!r}: track the same objects on every process")
+            obj.load_state_dict(state["objects"][name])
+        self.step, self.applied = state["step"], state["applied"]
+        self.history = [tuple(h) for h in state["history"]]
+        self._fresh = False

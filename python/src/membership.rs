@@ -1,0 +1,375 @@
+//! [`Membership`]: the runtime's membership protocol (`gradsync_runtime::membership`)
+//! for one process of an elastic job, over torch's store.
+//!
+//! ```text
+//! gradsync.torch.elastic ── Membership(table, store clients, cancel, prefix, me)
+//!   .start / .request_join / .recover / .admit   (interpreter released; the protocol is Rust's)
+//!        │ ShimStore ── the shim's store_* functions ──▶ c10d Store (no interpreter)
+//!   Monitor thread ── its own store client ── beats, silence, check-ins
+//!        └─ breaks an epoch ── cancel_epoch(Cancel) ──▶ that epoch's endpoints fail their waits
+//! ```
+//!
+//! The store clients and the `Cancel` are Python objects of the shim, held
+//! here for as long as their addresses are used (the monitor stops first).
+
+use std::ffi::c_char;
+use std::time::Duration;
+
+use gradsync_runtime::membership::{
+    Agreement, Canceller, KvStore, MemberId, MembershipError, Monitor, Roster, StoreError, Timing,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::collectives::{error_text, message, Table};
+use crate::errors;
+
+/// Bytes read back from the store per value before retrying with the full length.
+const VALUE_BYTES: usize = 4096;
+
+/// A c10d store through the shim's functions (the address of a Python-owned
+/// `_collectives.StoreClient`, alive while the [`Membership`] lives).
+#[derive(Clone, Copy)]
+struct ShimStore {
+    table: &'static Table,
+    client: usize,
+}
+
+impl ShimStore {
+    fn call(&self, call: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), StoreError> {
+        let mut err = error_text();
+        if call(err.as_mut_ptr(), err.len()) != 0 {
+            return Err(StoreError(message(&err)));
+        }
+        Ok(())
+    }
+
+    fn ptr(&self) -> *mut std::ffi::c_void {
+        self.client as *mut std::ffi::c_void
+    }
+
+    /// Read a value with `read(buffer, capacity, &mut len)`, growing the
+    /// buffer once if the value is longer.
+    fn read(
+        &self,
+        mut read: impl FnMut(*mut u8, usize, &mut usize, *mut c_char, usize) -> i32,
+    ) -> Result<Vec<u8>, StoreError> {
+        let mut buf = vec![0u8; VALUE_BYTES];
+        let mut len = 0usize;
+        self.call(|err, err_len| read(buf.as_mut_ptr(), buf.len(), &mut len, err, err_len))?;
+        if len > buf.len() {
+            buf = vec![0u8; len];
+            self.call(|err, err_len| read(buf.as_mut_ptr(), buf.len(), &mut len, err, err_len))?;
+        }
+        buf.truncate(len);
+        Ok(buf)
+    }
+}
+
+impl KvStore for ShimStore {
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        let mut out = 0i64;
+        // SAFETY: the client is alive (see the type's docs); key, out and the
+        // error buffer outlive the call.
+        self.call(|err, err_len| unsafe {
+            (self.table.store_add)(self.ptr(), key.as_ptr().cast(), key.len(), delta, &mut out, err, err_len)
+        })?;
+        Ok(out)
+    }
+
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        // SAFETY: as in `add`; `value` outlives the call.
+        self.call(|err, err_len| unsafe {
+            (self.table.store_set)(
+                self.ptr(),
+                key.as_ptr().cast(),
+                key.len(),
+                value.as_ptr(),
+                value.len(),
+                err,
+                err_len,
+            )
+        })
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut found = 0i32;
+        let value = self.read(|out, cap, len, err, err_len| {
+            // SAFETY: as in `add`; `out` holds `cap` bytes.
+            unsafe {
+                (self.table.store_get)(
+                    self.ptr(),
+                    key.as_ptr().cast(),
+                    key.len(),
+                    &mut found,
+                    out,
+                    cap,
+                    len,
+                    err,
+                    err_len,
+                )
+            }
+        })?;
+        Ok((found != 0).then_some(value))
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
+        let mut buf = vec![0u8; VALUE_BYTES];
+        let mut len = 0usize;
+        // SAFETY: as in `add`; `expected` and `desired` outlive the call and `buf` holds its length.
+        self.call(|err, err_len| unsafe {
+            (self.table.store_compare_set)(
+                self.ptr(),
+                key.as_ptr().cast(),
+                key.len(),
+                expected.as_ptr(),
+                expected.len(),
+                desired.as_ptr(),
+                desired.len(),
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut len,
+                err,
+                err_len,
+            )
+        })?;
+        if len > buf.len() {
+            // Applied once already: read the (longer) value back instead of setting it again.
+            return Ok(self.get(key)?.unwrap_or_default());
+        }
+        buf.truncate(len);
+        Ok(buf)
+    }
+}
+
+/// One process's membership in an elastic job (see the module docs). Built
+/// by `gradsync.torch.elastic`; its methods release the interpreter while
+/// they wait on the store.
+#[pyclass(module = "gradsync._native")]
+pub struct Membership {
+    // Dropped first: the monitor's thread uses `monitor_client` and `cancel`.
+    monitor: Option<Monitor>,
+    agreement: Agreement<ShimStore>,
+    table: &'static Table,
+    prefix: String,
+    beat: Duration,
+    /// Raised by the monitor while a process waits to join; read by the
+    /// Session's control votes (exists before the monitor starts).
+    joiner_waiting: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Kept alive for their addresses: the protocol's store client, the
+    /// monitor's own, and the shim's `Cancel`.
+    _client: Py<PyAny>,
+    monitor_client: Py<PyAny>,
+    cancel: Py<PyAny>,
+}
+
+fn membership_error(py: Python<'_>, e: &MembershipError) -> PyErr {
+    let kind = match e {
+        MembershipError::Store(_) => "store",
+        MembershipError::NoQuorum { .. } => "no_quorum",
+        MembershipError::LeftOut { .. } => "left_out",
+        MembershipError::Refused { .. } => "refused",
+        MembershipError::Ended { .. } => "ended",
+        MembershipError::Deadline { .. } => "deadline",
+        MembershipError::Malformed { .. } => "malformed",
+    };
+    let kind = kind.into_pyobject(py).map(|k| k.into_any().unbind()).unwrap_or_else(|_| py.None());
+    errors::raise(py, "MembershipError", e.to_string(), &[("kind", kind)])
+}
+
+fn address(py: Python<'_>, object: &Py<PyAny>) -> PyResult<usize> {
+    object.bind(py).getattr("address")?.extract()
+}
+
+/// A roster as a dict: `epoch`, `members`, `lost`, `joined`, `joiners_seen`.
+fn roster_dict<'py>(py: Python<'py>, r: &Roster) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("epoch", r.epoch)?;
+    d.set_item("members", r.members.clone())?;
+    d.set_item("lost", r.lost.clone())?;
+    d.set_item("joined", r.joined.clone())?;
+    d.set_item("joiners_seen", r.joiners_seen)?;
+    Ok(d)
+}
+
+impl Membership {
+    /// Watch the adopted roster (starting the monitor on the first one).
+    fn follow(&mut self, py: Python<'_>) -> PyResult<()> {
+        let roster = self.agreement.roster().clone();
+        if let Some(m) = &self.monitor {
+            m.follow(roster);
+            return Ok(());
+        }
+        let store = ShimStore { table: self.table, client: address(py, &self.monitor_client)? };
+        let (table, cancel) = (self.table, address(py, &self.cancel)?);
+        // SAFETY: `cancel` is the address of the shim's `Cancel`, alive while
+        // this Membership (which stops the monitor first) holds it.
+        let cancel: Canceller = Box::new(move |epoch| unsafe { (table.cancel_epoch)(cancel as *mut _, epoch as i64) });
+        let me = self.agreement.me();
+        let monitor = Monitor::start(
+            store,
+            self.prefix.clone(),
+            me,
+            roster,
+            self.agreement.timing(),
+            self.beat,
+            cancel,
+            std::sync::Arc::clone(&self.joiner_waiting),
+        )
+        .map_err(|e| errors::raise(py, "MembershipError", format!("starting the liveness monitor: {e}"), &[]))?;
+        self.monitor = Some(monitor);
+        Ok(())
+    }
+
+    fn adopted<'py>(
+        &mut self,
+        py: Python<'py>,
+        result: Result<Roster, MembershipError>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let roster = result.map_err(|e| membership_error(py, &e))?;
+        self.follow(py)?;
+        roster_dict(py, &roster)
+    }
+
+    /// The flag a Session's control votes read.
+    pub fn joiner_flag(&self) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+        std::sync::Arc::clone(&self.joiner_waiting)
+    }
+}
+
+#[pymethods]
+impl Membership {
+    /// Member `me` of the job whose records are under `prefix` in the store
+    /// of `client` (a `_collectives.StoreClient`); `monitor_client` is a
+    /// second connection for the liveness monitor, `cancel` the shim's
+    /// `Cancel` its endpoints were built with, `table` the shim's table.
+    /// A member is lost when silent for `liveness_s` (its heartbeat checked
+    /// every `beat_s`), or `suspect_grace_s` after a failure named it; a
+    /// joiner waits `admission_s` at most.
+    #[new]
+    #[pyo3(signature = (table, client, monitor_client, cancel, prefix, me, *, liveness_s = 1.0, beat_s = 0.1,
+                        suspect_grace_s = 0.25, admission_s = 300.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        table: usize,
+        client: Py<PyAny>,
+        monitor_client: Py<PyAny>,
+        cancel: Py<PyAny>,
+        prefix: String,
+        me: MemberId,
+        liveness_s: f64,
+        beat_s: f64,
+        suspect_grace_s: f64,
+        admission_s: f64,
+    ) -> PyResult<Self> {
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(errors::raise(py, "ConfigError", format!("{name}={v}: use a positive number of seconds"), &[]))
+            }
+        };
+        let timing = Timing {
+            liveness: positive("liveness_s", liveness_s)?,
+            suspect_grace: positive("suspect_grace_s", suspect_grace_s)?,
+            admission: positive("admission_s", admission_s)?,
+            ..Timing::default()
+        };
+        let beat = positive("beat_s", beat_s)?;
+        // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
+        let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
+        let store = ShimStore { table, client: address(py, &client)? };
+        Ok(Membership {
+            monitor: None,
+            agreement: Agreement::new(store, prefix.clone(), me, timing),
+            table,
+            prefix,
+            beat,
+            joiner_waiting: Default::default(),
+            _client: client,
+            monitor_client,
+            cancel,
+        })
+    }
+
+    /// Start as one of the job's first members (`initial`, in rank order);
+    /// returns the roster (a dict).
+    fn start<'py>(&mut self, py: Python<'py>, initial: Vec<MemberId>) -> PyResult<Bound<'py, PyDict>> {
+        let agreement = &mut self.agreement;
+        let result = py.detach(|| agreement.start(initial).cloned());
+        self.adopted(py, result)
+    }
+
+    /// Ask to join with this process's model/optimizer `fingerprint`; waits
+    /// until admitted (returns the roster) or refused (`MembershipError`).
+    fn request_join<'py>(&mut self, py: Python<'py>, fingerprint: &str) -> PyResult<Bound<'py, PyDict>> {
+        let agreement = &mut self.agreement;
+        let result = py.detach(|| agreement.request_join(fingerprint).cloned());
+        self.adopted(py, result)
+    }
+
+    /// The current epoch lost members: agree on the next roster with the
+    /// survivors (`suspects`: members the failure named).
+    fn recover<'py>(&mut self, py: Python<'py>, suspects: Vec<MemberId>) -> PyResult<Bound<'py, PyDict>> {
+        let (agreement, monitor) = (&mut self.agreement, &self.monitor);
+        let result = py.detach(|| {
+            agreement.recover(&suspects, || monitor.as_ref().map(Monitor::silent).unwrap_or_default()).cloned()
+        });
+        self.adopted(py, result)
+    }
+
+    /// Admit the waiting joiners whose `fingerprint` matches (every member,
+    /// at the same step boundary); returns the roster.
+    fn admit<'py>(&mut self, py: Python<'py>, fingerprint: &str) -> PyResult<Bound<'py, PyDict>> {
+        let agreement = &mut self.agreement;
+        let result = py.detach(|| agreement.admit(fingerprint).cloned());
+        self.adopted(py, result)
+    }
+
+    /// The training loop ended: processes waiting to join are told so.
+    fn end(&self, py: Python<'_>) -> PyResult<()> {
+        let agreement = &self.agreement;
+        py.detach(|| agreement.end()).map_err(|e| membership_error(py, &e))
+    }
+
+    /// The roster this process belongs to (a dict).
+    #[getter]
+    fn roster<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        roster_dict(py, self.agreement.roster())
+    }
+
+    /// This process's member id.
+    #[getter]
+    fn me(&self) -> MemberId {
+        self.agreement.me()
+    }
+
+    /// The highest epoch the monitor saw broken (`None`: none).
+    #[getter]
+    fn broken(&self) -> Option<u64> {
+        self.monitor.as_ref().and_then(Monitor::broken)
+    }
+
+    /// Members whose heartbeats stopped.
+    fn silent(&self, py: Python<'_>) -> Vec<MemberId> {
+        let monitor = &self.monitor;
+        py.detach(|| monitor.as_ref().map(Monitor::silent).unwrap_or_default())
+    }
+
+    /// Stop the liveness monitor (the process leaves the job).
+    fn close(&mut self, py: Python<'_>) {
+        let monitor = self.monitor.take();
+        py.detach(move || drop(monitor));
+    }
+
+    /// The supervisor reaped `member`: record it in the store of `client`
+    /// (survivors then need not wait to see it silent).
+    #[staticmethod]
+    fn obituary(py: Python<'_>, table: usize, client: Py<PyAny>, prefix: &str, member: MemberId) -> PyResult<()> {
+        // SAFETY: as in `new`.
+        let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
+        let store = ShimStore { table, client: address(py, &client)? };
+        py.detach(|| Agreement::obituary(&store, prefix, member)).map_err(|e| membership_error(py, &e))
+    }
+}

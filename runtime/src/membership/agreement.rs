@@ -1,0 +1,456 @@
+//! The store protocol that changes an elastic job's roster (see the module
+//! docs of [`crate::membership`]): recovery after a loss, admission of a
+//! joiner, and a joiner's request. Every wait polls the store and has a
+//! deadline; the only write that decides anything is one compare-and-set
+//! per epoch.
+
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::{KvStore, MemberId, MembershipError, Roster, Tally};
+
+/// How the protocol paces itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Between two looks at the store while waiting.
+    pub poll: Duration,
+    /// A member that has not checked in this long after its epoch broke (or
+    /// whose heartbeat stopped this long ago) is lost. Also the monitor's
+    /// silence threshold.
+    pub liveness: Duration,
+    /// A member named by the failing collective (its socket closed) that has
+    /// not checked in this long after the failure is lost without waiting
+    /// for `liveness` (a live one's monitor checks in within a beat).
+    pub suspect_grace: Duration,
+    /// How long a joiner waits to be admitted.
+    pub admission: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            poll: Duration::from_millis(5),
+            liveness: Duration::from_secs(1),
+            suspect_grace: Duration::from_millis(250),
+            admission: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Where the protocol's records live under a job's prefix.
+#[derive(Debug, Clone)]
+pub(super) struct Keys(pub(super) String);
+
+impl Keys {
+    pub(super) fn roster(&self, epoch: u64) -> String {
+        format!("{}/roster/{epoch}", self.0)
+    }
+    pub(super) fn latest(&self) -> String {
+        format!("{}/latest", self.0)
+    }
+    pub(super) fn failed(&self, epoch: u64) -> String {
+        format!("{}/failed/{epoch}", self.0)
+    }
+    pub(super) fn present(&self, epoch: u64, member: MemberId) -> String {
+        format!("{}/present/{epoch}/{member}", self.0)
+    }
+    pub(super) fn dead(&self, member: MemberId) -> String {
+        format!("{}/dead/{member}", self.0)
+    }
+    pub(super) fn beat(&self, member: MemberId) -> String {
+        format!("{}/beat/{member}", self.0)
+    }
+    pub(super) fn joiners(&self) -> String {
+        format!("{}/joiners", self.0)
+    }
+    fn joiner(&self, n: u64) -> String {
+        format!("{}/joiner/{n}", self.0)
+    }
+    fn admitted(&self, member: MemberId) -> String {
+        format!("{}/admitted/{member}", self.0)
+    }
+    fn ended(&self) -> String {
+        format!("{}/ended", self.0)
+    }
+}
+
+/// One process's side of the membership protocol: it holds the roster this
+/// process belongs to, and changes it only by adopting the one roster the
+/// store holds for the next epoch.
+#[derive(Debug)]
+pub struct Agreement<S: KvStore> {
+    store: S,
+    keys: Keys,
+    me: MemberId,
+    roster: Roster,
+    timing: Timing,
+}
+
+impl<S: KvStore> Agreement<S> {
+    /// This process (`me`) in the job whose records are under `prefix`; no
+    /// roster until [`Agreement::start`] or [`Agreement::request_join`].
+    pub fn new(store: S, prefix: impl Into<String>, me: MemberId, timing: Timing) -> Self {
+        Agreement { store, keys: Keys(prefix.into()), me, roster: Roster::first(Vec::new()), timing }
+    }
+
+    /// The roster this process belongs to.
+    pub fn roster(&self) -> &Roster {
+        &self.roster
+    }
+
+    /// This process's id.
+    pub fn me(&self) -> MemberId {
+        self.me
+    }
+
+    /// The job's pacing.
+    pub fn timing(&self) -> Timing {
+        self.timing
+    }
+
+    /// A first member starts: the job's first roster is `initial` (every
+    /// first member proposes the same; the first write wins). If the job
+    /// already went on without this process, [`MembershipError::LeftOut`].
+    pub fn start(&mut self, initial: Vec<MemberId>) -> Result<&Roster, MembershipError> {
+        let key = self.keys.roster(0);
+        let first = self.store.compare_set(&key, b"", &Roster::first(initial).encode())?;
+        self.roster = Roster::decode(&key, &first)?;
+        let latest = self.latest()?;
+        self.adopt(latest)
+    }
+
+    /// The newest roster in the store.
+    fn latest(&self) -> Result<Roster, MembershipError> {
+        let mut epoch = match self.store.get(&self.keys.latest())? {
+            Some(v) => String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0),
+            None => 0,
+        };
+        let mut found = None;
+        while let Some(bytes) = self.store.get(&self.keys.roster(epoch))? {
+            found = Some(Roster::decode(&self.keys.roster(epoch), &bytes)?);
+            epoch += 1;
+        }
+        found.ok_or_else(|| MembershipError::Malformed {
+            key: self.keys.roster(epoch),
+            why: "the job has no roster: is this the job's store?".into(),
+        })
+    }
+
+    /// Take `roster` as this process's own, or leave if it is not a member.
+    fn adopt(&mut self, roster: Roster) -> Result<&Roster, MembershipError> {
+        if roster.rank_of(self.me).is_none() {
+            return Err(MembershipError::LeftOut { member: self.me, epoch: roster.epoch });
+        }
+        if roster.epoch > self.roster.epoch || self.roster.members.is_empty() {
+            self.store.set(&self.keys.latest(), roster.epoch.to_string().as_bytes())?;
+        }
+        self.roster = roster;
+        Ok(&self.roster)
+    }
+
+    /// Propose `next` for the next epoch and adopt whichever roster won.
+    fn propose(&mut self, next: &Roster) -> Result<&Roster, MembershipError> {
+        let key = self.keys.roster(next.epoch);
+        let winner = self.store.compare_set(&key, b"", &next.encode())?;
+        let winner = Roster::decode(&key, &winner)?;
+        self.adopt(winner)
+    }
+
+    /// The roster of the next epoch, if some process already decided it.
+    fn decided(&self) -> Result<Option<Roster>, MembershipError> {
+        let key = self.keys.roster(self.roster.epoch + 1);
+        self.store.get(&key)?.map(|bytes| Roster::decode(&key, &bytes)).transpose()
+    }
+
+    /// The current epoch lost a member (a collective failed, or the monitor
+    /// broke the epoch): agree with the survivors on the next roster.
+    /// `suspects` are members the failure named; `silent()` says which
+    /// members' heartbeats stopped (the monitor's view). Returns the roster
+    /// this process goes on in.
+    pub fn recover(
+        &mut self,
+        suspects: &[MemberId],
+        silent: impl Fn() -> Vec<MemberId>,
+    ) -> Result<&Roster, MembershipError> {
+        let epoch = self.roster.epoch;
+        self.store.set(&self.keys.failed(epoch), b"1")?;
+        self.store.set(&self.keys.present(epoch, self.me), b"1")?;
+        let began = Instant::now();
+        loop {
+            if let Some(next) = self.decided()? {
+                return self.adopt(next);
+            }
+            let (tally, unknown) = self.tally(suspects, &silent(), began.elapsed())?;
+            if unknown.is_empty() {
+                let next = self.roster.after_loss(&tally)?;
+                return self.propose(&next);
+            }
+            sleep(self.timing.poll);
+        }
+    }
+
+    /// Who is present, dead, silent, and who is not known yet.
+    fn tally(
+        &self,
+        suspects: &[MemberId],
+        silent: &[MemberId],
+        waited: Duration,
+    ) -> Result<(Tally, Vec<MemberId>), MembershipError> {
+        let epoch = self.roster.epoch;
+        let mut tally = Tally::default();
+        let mut unknown = Vec::new();
+        for &m in &self.roster.members {
+            if m == self.me || self.store.get(&self.keys.present(epoch, m))?.is_some() {
+                tally.present.push(m);
+            } else if self.store.get(&self.keys.dead(m))?.is_some() {
+                tally.dead.push(m);
+            } else if silent.contains(&m)
+                || waited >= self.timing.liveness
+                || (suspects.contains(&m) && waited >= self.timing.suspect_grace)
+            {
+                tally.silent.push(m);
+            } else {
+                unknown.push(m);
+            }
+        }
+        Ok((tally, unknown))
+    }
+
+    /// How many join requests the job has received.
+    pub fn joiners_waiting(&self) -> Result<u64, MembershipError> {
+        Ok(self.store.add(&self.keys.joiners(), 0)?.max(0) as u64)
+    }
+
+    /// Every member, at the same step boundary (the step whose control vote
+    /// said a process waits): admit the waiting joiners whose `fingerprint`
+    /// (model and optimizer layout) equals this member's; refuse the others
+    /// with a message naming the difference.
+    pub fn admit(&mut self, fingerprint: &str) -> Result<&Roster, MembershipError> {
+        if let Some(next) = self.decided()? {
+            return self.admit_adopt(next);
+        }
+        let seen = self.joiners_waiting()?;
+        let mut accepted = Vec::new();
+        for n in self.roster.joiners_seen..seen {
+            let (member, theirs) = self.join_request(n)?;
+            if theirs == fingerprint {
+                accepted.push(member);
+            } else {
+                let why = format!("its model and optimizer ({theirs}) are not the members' ({fingerprint})");
+                self.store.set(&self.keys.admitted(member), json!({ "refused": why }).to_string().as_bytes())?;
+            }
+        }
+        let next = self.roster.with_joiners(&accepted, seen);
+        let key = self.keys.roster(next.epoch);
+        let winner = Roster::decode(&key, &self.store.compare_set(&key, b"", &next.encode())?)?;
+        self.admit_adopt(winner)
+    }
+
+    /// Adopt an admission's roster and tell its joiners.
+    fn admit_adopt(&mut self, next: Roster) -> Result<&Roster, MembershipError> {
+        for &j in &next.joined {
+            self.store.set(&self.keys.admitted(j), json!({ "epoch": next.epoch }).to_string().as_bytes())?;
+        }
+        self.adopt(next)
+    }
+
+    /// The `n`-th join request: `(member, fingerprint)` (waits briefly: the
+    /// joiner counts itself before it writes its request).
+    fn join_request(&self, n: u64) -> Result<(MemberId, String), MembershipError> {
+        let key = self.keys.joiner(n);
+        let began = Instant::now();
+        loop {
+            if let Some(bytes) = self.store.get(&key)? {
+                let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
+                let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
+                let member = v["member"].as_u64().ok_or_else(|| bad("no 'member'"))?;
+                let fingerprint = v["fingerprint"].as_str().ok_or_else(|| bad("no 'fingerprint'"))?;
+                return Ok((member, fingerprint.to_string()));
+            }
+            if began.elapsed() > self.timing.liveness {
+                return Err(MembershipError::Deadline {
+                    what: format!("reading join request {n}"),
+                    waited_s: began.elapsed().as_secs_f64(),
+                });
+            }
+            sleep(self.timing.poll);
+        }
+    }
+
+    /// A process that is not a member asks to join with its model and
+    /// optimizer `fingerprint`, and waits until the members admit it at a
+    /// step boundary (or refuse it). Returns the roster it joined.
+    pub fn request_join(&mut self, fingerprint: &str) -> Result<&Roster, MembershipError> {
+        let n = (self.store.add(&self.keys.joiners(), 1)? - 1) as u64;
+        let request = json!({ "member": self.me, "fingerprint": fingerprint }).to_string();
+        self.store.set(&self.keys.joiner(n), request.as_bytes())?;
+        let key = self.keys.admitted(self.me);
+        let began = Instant::now();
+        loop {
+            if let Some(bytes) = self.store.get(&key)? {
+                let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
+                let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
+                if let Some(why) = v["refused"].as_str() {
+                    return Err(MembershipError::Refused { member: self.me, why: why.to_string() });
+                }
+                let epoch = v["epoch"].as_u64().ok_or_else(|| bad("no 'epoch'"))?;
+                let rkey = self.keys.roster(epoch);
+                let bytes = self.store.get(&rkey)?.ok_or_else(|| bad("admitted into an epoch with no roster"))?;
+                self.roster = Roster::first(Vec::new());
+                return self.adopt(Roster::decode(&rkey, &bytes)?);
+            }
+            if self.store.get(&self.keys.ended())?.is_some() {
+                return Err(MembershipError::Ended { member: self.me });
+            }
+            if began.elapsed() > self.timing.admission {
+                return Err(MembershipError::Deadline {
+                    what: "waiting to be admitted".into(),
+                    waited_s: began.elapsed().as_secs_f64(),
+                });
+            }
+            sleep(self.timing.poll.max(Duration::from_millis(20)));
+        }
+    }
+
+    /// The job's training loop ended (a member finished its last step):
+    /// processes still waiting to join are told so.
+    pub fn end(&self) -> Result<(), MembershipError> {
+        Ok(self.store.set(&self.keys.ended(), b"1")?)
+    }
+
+    /// The supervisor reaped `member`'s process: record it, so survivors
+    /// need not wait to see it silent.
+    pub fn obituary(store: &S, prefix: &str, member: MemberId) -> Result<(), MembershipError> {
+        Ok(store.set(&Keys(prefix.to_string()).dead(member), b"1")?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::thread;
+
+    use super::super::MemoryStore;
+    use super::*;
+
+    fn fast() -> Timing {
+        Timing {
+            poll: Duration::from_millis(1),
+            liveness: Duration::from_millis(400),
+            suspect_grace: Duration::from_millis(50),
+            admission: Duration::from_secs(5),
+        }
+    }
+
+    fn members(store: &MemoryStore, n: u64) -> Vec<Agreement<MemoryStore>> {
+        (0..n)
+            .map(|m| {
+                let mut a = Agreement::new(store.clone(), "job", m, fast());
+                a.start((0..n).collect()).unwrap();
+                a
+            })
+            .collect()
+    }
+
+    #[test]
+    fn survivors_of_a_reaped_member_agree_at_once_on_one_roster() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 4);
+        Agreement::obituary(&store, "job", 2).unwrap();
+        all.remove(2);
+        let began = Instant::now();
+        let rosters: Vec<Roster> = thread::scope(|s| {
+            let hs: Vec<_> = all.iter_mut().map(|a| s.spawn(move || a.recover(&[], Vec::new).cloned())).collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        assert!(began.elapsed() < fast().liveness, "an obituary needs no silence: {:?}", began.elapsed());
+        assert!(rosters.iter().all(|r| *r == rosters[0]), "one roster: {rosters:?}");
+        assert_eq!(
+            (rosters[0].epoch, rosters[0].members.clone(), rosters[0].lost.clone()),
+            (1, vec![0, 1, 3], vec![2])
+        );
+    }
+
+    #[test]
+    fn a_silent_member_is_lost_after_the_liveness_window_and_a_suspect_sooner() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 3);
+        let mut a = all.remove(0);
+        let began = Instant::now();
+        // Member 1 checks in (alive), member 2 never does.
+        store.set(&Keys("job".into()).present(0, 1), b"1").unwrap();
+        let r = a.recover(&[], Vec::new).unwrap().clone();
+        assert!(began.elapsed() >= fast().liveness);
+        assert_eq!(r.members, vec![0, 1]);
+        // Next epoch: member 1 is named by the failure and never checks in.
+        let began = Instant::now();
+        let e = a.recover(&[1], Vec::new).unwrap_err();
+        assert!(began.elapsed() < fast().liveness, "a suspect is judged after its grace");
+        assert!(matches!(e, MembershipError::NoQuorum { .. }), "one of two, the other only silent: {e}");
+    }
+
+    #[test]
+    fn a_member_the_others_left_out_learns_it_and_leaves() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 3);
+        Agreement::obituary(&store, "job", 2).unwrap();
+        // Members 0 and 2 settle without member 1's check-in? No: 1 is alive
+        // but too slow, so 0 sees it silent (monitor's view) and 2 is dead.
+        let r = all[0].recover(&[], || vec![1]);
+        assert!(r.is_err(), "0 alone is not a majority of {{0, 1}}: {r:?}");
+        // Member 1 had gone silent; member 0 and a third survivor decide.
+        let store = MemoryStore::default();
+        let mut all = members(&store, 3);
+        let decided =
+            all[0].roster().after_loss(&Tally { present: vec![0, 2], dead: vec![], silent: vec![1] }).unwrap();
+        store.compare_set(&Keys("job".into()).roster(1), b"", &decided.encode()).unwrap();
+        let e = all[1].recover(&[], Vec::new).unwrap_err();
+        assert_eq!(e, MembershipError::LeftOut { member: 1, epoch: 1 });
+        assert_eq!(all[2].recover(&[], Vec::new).unwrap().members, vec![0, 2]);
+    }
+
+    #[test]
+    fn a_joiner_is_admitted_at_the_members_boundary_and_a_mismatch_is_refused() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 2);
+        let joiner = thread::spawn({
+            let store = store.clone();
+            move || Agreement::new(store, "job", 7, fast()).request_join("model A").cloned()
+        });
+        let odd = thread::spawn({
+            let store = store.clone();
+            move || Agreement::new(store, "job", 8, fast()).request_join("model B").cloned()
+        });
+        while all[0].joiners_waiting().unwrap() < 2 {
+            thread::sleep(Duration::from_millis(1));
+        }
+        let rosters: Vec<Roster> = all.iter_mut().map(|a| a.admit("model A").unwrap().clone()).collect();
+        assert_eq!(rosters[0], rosters[1]);
+        assert_eq!((rosters[0].members.clone(), rosters[0].joined.clone()), (vec![0, 1, 7], vec![7]));
+        assert_eq!(joiner.join().unwrap().unwrap(), rosters[0], "the joiner adopts the members' roster");
+        let e = odd.join().unwrap().unwrap_err();
+        assert!(matches!(&e, MembershipError::Refused { member: 8, why } if why.contains("model B")), "{e}");
+        assert_eq!(all[0].joiners_waiting().unwrap(), rosters[0].joiners_seen, "nothing left waiting");
+        let late = thread::spawn({
+            let store = store.clone();
+            move || Agreement::new(store, "job", 9, fast()).request_join("model A").cloned()
+        });
+        all[0].end().unwrap();
+        assert_eq!(late.join().unwrap().unwrap_err(), MembershipError::Ended { member: 9 }, "the job ended first");
+    }
+
+    #[test]
+    fn a_late_first_member_finds_the_job_moved_on() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 3);
+        Agreement::obituary(&store, "job", 2).unwrap();
+        thread::scope(|s| {
+            for a in all.iter_mut().take(2) {
+                s.spawn(move || a.recover(&[], Vec::new).unwrap().clone());
+            }
+        });
+        let mut late = Agreement::new(store, "job", 2, fast());
+        assert_eq!(late.start(vec![0, 1, 2]).unwrap_err(), MembershipError::LeftOut { member: 2, epoch: 1 });
+    }
+}

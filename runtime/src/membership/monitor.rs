@@ -1,0 +1,307 @@
+//! The liveness monitor: one thread per process of an elastic job, off the
+//! training path (it never touches a step; a healthy step pays nothing).
+//!
+//! Every beat it counts its own heartbeat in the store and reads its peers'.
+//! It breaks the current epoch (cancels its collectives, and records
+//! `failed/{e}` for the others) when a peer's heartbeat stops for the
+//! liveness window: a host that vanished without closing its sockets would
+//! otherwise hold gloo for its whole timeout. When another process broke the
+//! epoch it checks this process in at once and cancels too, so survivors
+//! agree within a beat. It also raises the joiner flag that goes into this
+//! rank's control votes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+
+use super::agreement::Keys;
+use super::{KvStore, MemberId, Roster, Timing};
+
+/// Breaks an epoch: cancels every collective of its group (the transport's part).
+pub type Canceller = Box<dyn Fn(u64) + Send>;
+
+enum Command {
+    /// The process adopted a new roster.
+    Follow(Roster),
+    /// Which members' heartbeats stopped.
+    Silent(Sender<Vec<MemberId>>),
+    Stop,
+}
+
+/// A running liveness monitor (see the module docs); stops when dropped.
+pub struct Monitor {
+    commands: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+    /// The highest epoch this process saw broken (-1: none).
+    broken: Arc<AtomicI64>,
+    /// Raised while a join request waits (read by the scheduler's votes).
+    joiner_waiting: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitor").field("broken", &self.broken()).finish_non_exhaustive()
+    }
+}
+
+/// What the monitor thread owns.
+struct Watch<S: KvStore> {
+    store: S,
+    keys: Keys,
+    me: MemberId,
+    roster: Roster,
+    timing: Timing,
+    cancel: Canceller,
+    broken: Arc<AtomicI64>,
+    joiner_waiting: Arc<AtomicBool>,
+    /// Per peer: its last heartbeat count and when it last changed.
+    beats: HashMap<MemberId, (i64, Instant)>,
+    /// Since when the store has been failing (this process may be the one cut off).
+    store_failing: Option<Instant>,
+}
+
+impl Monitor {
+    /// Start monitoring `roster` as member `me`, beating every `beat`;
+    /// `store` should be a connection of the monitor's own (a blocking call
+    /// of the training thread must not delay a heartbeat). `cancel` breaks
+    /// an epoch's collectives; `joiner_waiting` is the flag it raises while a
+    /// process waits to join.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start<S: KvStore>(
+        store: S,
+        prefix: impl Into<String>,
+        me: MemberId,
+        roster: Roster,
+        timing: Timing,
+        beat: Duration,
+        cancel: Canceller,
+        joiner_waiting: Arc<AtomicBool>,
+    ) -> std::io::Result<Monitor> {
+        let (commands, inbox) = crossbeam_channel::unbounded();
+        let broken = Arc::new(AtomicI64::new(-1));
+        let watching_flag = Arc::clone(&joiner_waiting);
+        let mut watch = Watch {
+            store,
+            keys: Keys(prefix.into()),
+            me,
+            roster,
+            timing,
+            cancel,
+            broken: Arc::clone(&broken),
+            joiner_waiting: watching_flag,
+            beats: HashMap::new(),
+            store_failing: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("gradsync-liveness-{me}"))
+            .spawn(move || watch.run(&inbox, beat))?;
+        Ok(Monitor { commands, thread: Some(thread), broken, joiner_waiting })
+    }
+
+    /// This process adopted `roster`: watch its members and epoch.
+    pub fn follow(&self, roster: Roster) {
+        let _ = self.commands.send(Command::Follow(roster));
+    }
+
+    /// Members whose heartbeats stopped for the liveness window.
+    pub fn silent(&self) -> Vec<MemberId> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.commands.send(Command::Silent(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.recv_timeout(Duration::from_secs(5)).unwrap_or_default()
+    }
+
+    /// The highest epoch seen broken, if any.
+    pub fn broken(&self) -> Option<u64> {
+        u64::try_from(self.broken.load(Ordering::Acquire)).ok()
+    }
+
+    /// The flag a [`crate::GradSyncBuilder::joiner_waiting`] reads.
+    pub fn joiner_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.joiner_waiting)
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<S: KvStore> Watch<S> {
+    fn run(&mut self, inbox: &Receiver<Command>, beat: Duration) {
+        let mut next = Instant::now();
+        loop {
+            match inbox.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                Ok(Command::Follow(roster)) => {
+                    self.roster = roster;
+                    self.beats.retain(|m, _| self.roster.members.contains(m));
+                    continue;
+                }
+                Ok(Command::Silent(reply)) => {
+                    let _ = reply.send(self.silent(Instant::now()));
+                    continue;
+                }
+                Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            next = Instant::now() + beat;
+            match self.tick() {
+                Ok(()) => self.store_failing = None,
+                Err(e) => {
+                    let since = *self.store_failing.get_or_insert_with(Instant::now);
+                    tracing::warn!(member = self.me, error = %e, "gradsync liveness: the store did not answer");
+                    if since.elapsed() >= self.timing.liveness {
+                        // Cut off from the store: this process cannot take part in any agreement.
+                        self.break_epoch();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Members whose heartbeat has moved at least once and then stopped.
+    fn silent(&self, now: Instant) -> Vec<MemberId> {
+        let mut silent: Vec<MemberId> = self
+            .beats
+            .iter()
+            .filter(|(_, &(count, at))| count > 0 && now.duration_since(at) >= self.timing.liveness)
+            .map(|(&m, _)| m)
+            .collect();
+        silent.sort_unstable();
+        silent
+    }
+
+    fn tick(&mut self) -> Result<(), super::StoreError> {
+        self.store.add(&self.keys.beat(self.me), 1)?;
+        let now = Instant::now();
+        for &m in &self.roster.members {
+            if m == self.me {
+                continue;
+            }
+            let count = self.store.add(&self.keys.beat(m), 0)?;
+            match self.beats.get(&m) {
+                Some(&(seen, _)) if seen == count => {}
+                _ => {
+                    self.beats.insert(m, (count, now));
+                }
+            }
+        }
+        let epoch = self.roster.epoch;
+        let unbroken = self.broken.load(Ordering::Acquire) < epoch as i64;
+        if unbroken {
+            let silent = self.silent(now);
+            if !silent.is_empty() {
+                tracing::warn!(member = self.me, epoch, ?silent, "gradsync liveness: heartbeats stopped");
+                self.store.set(&self.keys.failed(epoch), b"1")?;
+            }
+            if self.store.get(&self.keys.failed(epoch))?.is_some() {
+                self.store.set(&self.keys.present(epoch, self.me), b"1")?;
+                self.break_epoch();
+            }
+        }
+        let waiting = self.store.add(&self.keys.joiners(), 0)?.max(0) as u64;
+        self.joiner_waiting.store(waiting > self.roster.joiners_seen, Ordering::Release);
+        Ok(())
+    }
+
+    /// Cancel the current epoch's collectives (once).
+    fn break_epoch(&mut self) {
+        let epoch = self.roster.epoch;
+        if self.broken.fetch_max(epoch as i64, Ordering::AcqRel) < epoch as i64 {
+            (self.cancel)(epoch);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::super::MemoryStore;
+    use super::*;
+
+    fn timing() -> Timing {
+        Timing { liveness: Duration::from_millis(300), ..Timing::default() }
+    }
+
+    fn watching(
+        store: &MemoryStore,
+        me: MemberId,
+        members: Vec<MemberId>,
+        cancelled: &Arc<Mutex<Vec<u64>>>,
+    ) -> Monitor {
+        let log = Arc::clone(cancelled);
+        let cancel: Canceller = Box::new(move |e| log.lock().unwrap().push(e));
+        let flag = Arc::new(AtomicBool::new(false));
+        Monitor::start(
+            store.clone(),
+            "job",
+            me,
+            Roster::first(members),
+            timing(),
+            Duration::from_millis(20),
+            cancel,
+            flag,
+        )
+        .unwrap()
+    }
+
+    fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) -> Duration {
+        let began = Instant::now();
+        while !done() {
+            assert!(began.elapsed() < within, "{what} not within {within:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        began.elapsed()
+    }
+
+    #[test]
+    fn a_peer_whose_heartbeat_stops_breaks_the_epoch_within_the_window() {
+        let store = MemoryStore::default();
+        let cancelled = Arc::new(Mutex::new(Vec::new()));
+        let a = watching(&store, 0, vec![0, 1], &cancelled);
+        let b = watching(&store, 1, vec![0, 1], &Arc::new(Mutex::new(Vec::new())));
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(a.broken(), None, "both beating");
+        drop(b); // its heartbeat stops, its sockets (none here) stay silent
+        let took = wait_for("detection", Duration::from_secs(2), || a.broken() == Some(0));
+        assert!(took >= Duration::from_millis(250), "not before the window: {took:?}");
+        assert_eq!(a.silent(), vec![1]);
+        assert_eq!(*cancelled.lock().unwrap(), vec![0], "cancelled once");
+        assert!(store.get(&Keys("job".into()).failed(0)).unwrap().is_some(), "the others learn it");
+    }
+
+    #[test]
+    fn another_process_breaking_the_epoch_checks_this_one_in_at_once() {
+        let store = MemoryStore::default();
+        let cancelled = Arc::new(Mutex::new(Vec::new()));
+        let a = watching(&store, 0, vec![0, 1, 2], &cancelled);
+        store.set(&Keys("job".into()).failed(0), b"1").unwrap();
+        wait_for("check-in", Duration::from_millis(500), || a.broken() == Some(0));
+        assert!(store.get(&Keys("job".into()).present(0, 0)).unwrap().is_some());
+        // The next epoch is watched afresh.
+        a.follow(Roster { epoch: 1, ..Roster::first(vec![0, 1]) });
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(a.broken(), Some(0));
+    }
+
+    #[test]
+    fn a_waiting_joiner_raises_the_flag_until_a_roster_counts_it() {
+        let store = MemoryStore::default();
+        let a = watching(&store, 0, vec![0], &Arc::new(Mutex::new(Vec::new())));
+        let flag = a.joiner_flag();
+        store.add(&Keys("job".into()).joiners(), 1).unwrap();
+        wait_for("flag up", Duration::from_millis(500), || flag.load(Ordering::Acquire));
+        a.follow(Roster { epoch: 1, joiners_seen: 1, ..Roster::first(vec![0, 5]) });
+        wait_for("flag down", Duration::from_millis(500), || !flag.load(Ordering::Acquire));
+    }
+}
