@@ -32,10 +32,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_lm import LR, TOLERANCE, TinyLM, corpus  # noqa: E402
+from train_lm import TOLERANCE, TinyLM, corpus  # noqa: E402
 
 import gradsync.torch as gt  # noqa: E402
 
+# A gentler rate than train_lm.py's: over hundreds of steps, momentum at 0.5
+# amplifies the rounding differences between the all-reduce's sum order and
+# the replay's past the tolerance (a 3-rank run with no failure drifts too).
+LR = 0.05
 PHASES = ("forward", "backward", "collective", "optimizer", "boundary")
 
 
@@ -75,16 +79,21 @@ def loss_of(model, tokens):
 
 
 def replay(base, data, history, batch, first_world, fixed):
-    """One process, the same history: each applied step's gradient is the
-    average over the ranks present (fixed: the sum over them divided by the
-    first world size), computed on their shards together."""
+    """One process, the same history: each applied step's gradient is the sum
+    of the per-rank mean gradients of the ranks present (their shards, in
+    rank order, as the all-reduce adds them) divided by the ranks present
+    (fixed: by the first world size)."""
     model = copy.deepcopy(base)
     model.recompute = False
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for step, world, _contributors in history:
         opt.zero_grad()
-        loss = loss_of(model, data[step, : world * batch])
-        (loss * (world / first_world) if fixed else loss).backward()
+        for rank in range(world):
+            loss_of(model, shard(data, step, rank, batch)).backward()
+        divisor = first_world if fixed else world
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(divisor)
         opt.step()
     return model
 
