@@ -9,7 +9,8 @@ checkpointing. ``--kill 1@10:backward`` makes the process holding rank 1 at
 step 10 kill itself with SIGKILL in the middle of backward (phases:
 ``forward``, ``backward``, ``collective`` (a few milliseconds into the end
 of backward, while the runtime waits in its collectives), ``optimizer``,
-``boundary``); the survivors skip that step, go on at a smaller world, and
+``boundary``; ``freeze`` stops it with SIGSTOP instead: a host gone silent,
+its sockets open, found by the liveness monitor); the survivors skip that step, go on at a smaller world, and
 with ``--rejoin`` a replacement joins and receives the model, the optimizer
 state and the step from a live member. The run ends with the survivors'
 parameters compared bit for bit, and rank 0 replaying the same history
@@ -19,6 +20,7 @@ equivalence line is the check (exit status 1 if it fails).
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -34,13 +36,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_lm import TOLERANCE, TinyLM, corpus  # noqa: E402
 
+import gradsync  # noqa: E402
 import gradsync.torch as gt  # noqa: E402
+from gradsync.torch.elastic import EXIT_LEFT  # noqa: E402
 
 # A gentler rate than train_lm.py's: over hundreds of steps, momentum at 0.5
 # amplifies the rounding differences between the all-reduce's sum order and
 # the replay's past the tolerance (a 3-rank run with no failure drifts too).
 LR = 0.05
-PHASES = ("forward", "backward", "collective", "optimizer", "boundary")
+PHASES = ("forward", "backward", "collective", "optimizer", "boundary", "freeze")
+STARTED = time.time()  # before importing gradsync (a replacement's start, for the benchmark)
 
 
 def kill_spec(text):
@@ -56,9 +61,13 @@ def kill_spec(text):
     return rank, step, phase
 
 
-def die():
-    """SIGKILL this process (as a crash or an OOM-killer would)."""
-    os.kill(os.getpid(), signal.SIGKILL)
+def die(report=None, freeze=False):
+    """SIGKILL this process (as a crash or an OOM-killer would), or stop it
+    (``freeze``: a host gone silent); ``report`` gets the time first."""
+    if report:
+        with open(f"{report}.killed", "w") as f:
+            json.dump({"pid": os.getpid(), "time": time.time()}, f)
+    os.kill(os.getpid(), signal.SIGSTOP if freeze else signal.SIGKILL)
 
 
 def digest(model):
@@ -110,12 +119,13 @@ def main():
     parser.add_argument("--liveness", type=float, default=1.0, help="seconds of silence before a rank is lost")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--report", metavar="FILE", help="write this member's outcome as JSON (tests read it)")
+    parser.add_argument("--width", type=int, default=32, help="model width (a joiner with another is refused)")
+    parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch)
-    vocab, dim, heads, blocks, context = 32, 32, 2, 2, 16
+    vocab, dim, heads, blocks, context = 32, args.width, 2, 2, 16
     torch.manual_seed(args.seed)
     base = TinyLM(vocab, dim, heads, blocks, context)
     data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
@@ -123,51 +133,70 @@ def main():
                                        abort_policy=args.abort_policy)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     elastic.track(model=model, optimizer=opt)
-    kills = {(rank, step): phase for rank, step, phase in args.kill}
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
-              f"kills {sorted(kills.items()) or 'none'}", flush=True)
+              f"kills {[f'{r}@{s}:{p}' for r, s, p in args.kill] or 'none'}", flush=True)
+    try:
+        loss, applied_at = train(args, elastic, model, opt, data)
+    except gradsync.MembershipError as e:
+        # The job went on without this process (or cannot go on at all).
+        print(f"member {elastic.member}: left the job: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_LEFT)
+    if not elastic.is_member:
+        print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
+        return
+    sys.exit(0 if check(args, elastic, model, base, data, loss, applied_at) else 1)
+
+
+def train(args, elastic, model, opt, data):
+    """The loop, with the kills asked for; returns the last loss and when
+    each step this process saw applied was applied (wall clock)."""
+    kills = {(rank, step): phase for rank, step, phase in args.kill}
 
     def at(phase, step):
         return kills.get((elastic.rank, step)) == phase
 
     # Mid-backward: a gradient hook of the first block (backward reaches it late).
-    victim = model.module.blocks[0].mlp[0].weight
     killing = {"backward": False}
-    victim.register_hook(lambda g: die() if killing["backward"] else g)
+    model.module.blocks[0].mlp[0].weight.register_hook(lambda g: die(args.report) if killing["backward"] else g)
     began = time.perf_counter()
+    applied_at = {}
+    loss = None
     for step in elastic.steps(args.steps):
         for event in elastic.changes():
             print(f"member {elastic.member}: step {event.step}: {event.kind} {event.lost or event.joined}; "
                   f"now rank {event.rank} of {event.world} ({event.seconds * 1e3:.0f} ms)", flush=True)
-        if at("boundary", step):
-            die()
+        if at("boundary", step) or at("freeze", step):
+            die(args.report, freeze=at("freeze", step))
         batch = shard(data, step, elastic.rank, args.batch)
         if at("forward", step):
-            die()
+            die(args.report)
         loss = loss_of(model, batch)
         killing["backward"] = at("backward", step)
         if at("collective", step):
-            threading.Timer(0.005, die).start()
+            threading.Timer(0.005, die, (args.report,)).start()
         loss.backward()
         if at("optimizer", step):
-            die()
+            die(args.report)
         opt.step()
         opt.zero_grad()
+        if elastic.history and elastic.history[-1][0] == step:
+            applied_at[step] = time.time()
         if elastic.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            r = model.last_report
             print(f"step {step + 1:>4}/{args.steps}  loss {loss.item():.4f}  world {elastic.world}  "
-                  f"{r.outcome if r else '-'}  {(time.perf_counter() - began) * 1e3:7.0f} ms", flush=True)
+                  f"{model.last_report.outcome if model.last_report else '-'}  "
+                  f"{(time.perf_counter() - began) * 1e3:7.0f} ms", flush=True)
+    return loss, applied_at
 
-    if not elastic.is_member:
-        print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
-        return
-    # Every member: its digest into the store; rank 0 compares and replays.
+
+def check(args, elastic, model, base, data, loss, applied_at):
+    """Every member puts its digest into the store; rank 0 compares them and
+    replays the history. Returns whether the run is exact."""
     mine = digest(model.module)
     elastic.store.set(f"{elastic.job}/final/{elastic.epoch}/{elastic.rank}", mine)
     outcome = {"member": elastic.member, "rank": elastic.rank, "world": elastic.world, "epoch": elastic.epoch,
-               "applied": elastic.applied, "history": elastic.history, "digest": mine,
-               "events": [e.__dict__ for e in elastic.events]}
+               "applied": elastic.applied, "history": elastic.history, "digest": mine, "started": STARTED,
+               "applied_at": applied_at, "events": [dataclasses.asdict(e) for e in elastic.events]}
     ok = True
     if elastic.rank == 0:
         keys = [f"{elastic.job}/final/{elastic.epoch}/{r}" for r in range(elastic.world)]
@@ -177,13 +206,12 @@ def main():
         reference = replay(base, data, elastic.history, args.batch, elastic.first_world, args.fixed_global_batch)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()
-        applied = len(elastic.history)
         worlds = [w for _, w, _ in elastic.history]
         changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
-        ok = identical and math.isfinite(loss.item()) and diff <= TOLERANCE
+        ok = identical and loss is not None and math.isfinite(loss.item()) and diff <= TOLERANCE
         print(f"replicas: {elastic.world} members, parameters {'bitwise identical' if identical else 'DIFFER'} "
               f"(sha256 {digests[0][:16]})")
-        print(f"history: {applied} steps applied, {args.steps - applied} skipped; world "
+        print(f"history: {len(worlds)} steps applied, {args.steps - len(worlds)} skipped; world "
               + " -> ".join(map(str, changes)))
         print(f"equivalence: max |param - replay| = {diff:.2e} (tolerance {TOLERANCE:.0e}) "
               f"{'OK' if ok else 'FAILED'}", flush=True)
@@ -192,7 +220,7 @@ def main():
         with open(f"{args.report}.{elastic.member}", "w") as f:
             json.dump(outcome, f)
     elastic.close()
-    sys.exit(0 if ok else 1)
+    return ok
 
 
 if __name__ == "__main__":

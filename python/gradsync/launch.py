@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from gradsync.torch.elastic import ENV_FIRST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE
+from gradsync.torch.elastic import ENV_FIRST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE, EXIT_LEFT
 
 
 def _describe(code):
@@ -60,7 +60,8 @@ class Supervisor:
         self.workers = {}  # member id -> Popen
         self.finished = {}  # member id -> exit status, for workers that ended
         self.rejoins = 0
-        self.replaced = set()  # members a replacement took over from
+        self.first_success = None  # when the first worker finished the job
+        self.failed_after_success = False
 
     def _log(self, message):
         print(f"gradsync launch: {message}", file=sys.stderr, flush=True)
@@ -92,27 +93,27 @@ class Supervisor:
             for proc in self.workers.values():
                 proc.terminate()
             return 130
-        done = [m for m, c in self.finished.items() if c == 0]
-        return 0 if done and all(c == 0 for m, c in self.finished.items() if m in self._last_members()) else 1
-
-    def _last_members(self):
-        """Workers that were not replaced (the ones whose exit is the job's)."""
-        return [m for m in self.finished if m not in self.replaced]
+        # The job succeeded when workers finished it and none failed after
+        # the first did (members lost or left out during training do not count).
+        return 0 if self.first_success is not None and not self.failed_after_success else 1
 
     def _ended(self, member, proc, code):
         del self.workers[member]
         self.finished[member] = code
         if code == 0:
+            self.first_success = self.first_success or time.time()
             return
+        if code == EXIT_LEFT:
+            self._log(f"member {member} (pid {proc.pid}) left the job (the others had gone on without it)")
+            return
+        self.failed_after_success |= self.first_success is not None
         self._log(f"member {member} (pid {proc.pid}) {_describe(code)}; the others go on without it")
         try:
             self._obituary(self._table, self._client, f"{self.args.job}/membership", member)
         except Exception as e:  # the store is ours: only a dying supervisor gets here
             self._log(f"could not record member {member}'s death: {e}")
-        finishing = any(c == 0 for c in self.finished.values())
-        if self.args.rejoin and not finishing and self.rejoins < self.args.max_rejoins and self.workers:
+        if self.args.rejoin and self.first_success is None and self.rejoins < self.args.max_rejoins and self.workers:
             self.rejoins += 1
-            self.replaced.add(member)
             replacement = self.first + self.store.add(f"{self.args.job}/replacements", 1) - 1
             self._start(replacement, join=True)
 

@@ -67,6 +67,9 @@ log = logging.getLogger("gradsync.elastic")
 ENV_STORE, ENV_JOB, ENV_MEMBER, ENV_FIRST, ENV_JOIN = (
     "GRADSYNC_STORE", "GRADSYNC_JOB", "GRADSYNC_MEMBER", "GRADSYNC_FIRST", "GRADSYNC_JOIN",
 )
+#: The exit status of a worker that left the job (the others went on without
+#: it, or it was refused): the supervisor does not count it as a failure.
+EXIT_LEFT = 3
 # A membership change that fails again (another member lost meanwhile) is retried this often.
 _RECOVERY_ATTEMPTS = 8
 
@@ -79,7 +82,8 @@ class MembershipEvent:
     skipped on every survivor) or the boundary (joined); ``epoch`` the new
     membership epoch; ``lost`` and ``joined`` member ids; ``rank`` and
     ``world`` this process's new place; ``seconds`` from the failure (or the
-    admission) to the new group's first agreement."""
+    admission) to the new group's first agreement; ``time`` when that
+    agreement came (``time.time()``)."""
 
     kind: str
     step: int
@@ -89,6 +93,7 @@ class MembershipEvent:
     rank: int
     world: int
     seconds: float
+    time: float
 
 
 def _env(name, convert=str):
@@ -271,7 +276,7 @@ class Elastic:
 
     def _event(self, kind, lost, joined, began):
         event = MembershipEvent(kind, self.step, self.epoch, lost, joined, self.rank, self.world,
-                                time.perf_counter() - began)
+                                time.perf_counter() - began, time.time())
         self.events.append(event)
         log.warning("gradsync elastic: step %d: members %s %s; epoch %d, this process is rank %d of %d (%.3f s)",
                     event.step, lost or joined, kind, event.epoch, event.rank, event.world, event.seconds)

@@ -1,0 +1,205 @@
+"""Elastic jobs: a lost rank does not end the job, a replacement rejoins.
+
+Each test runs ``python -m gradsync.launch`` (the supervisor hosting the
+job's store) over examples/torch/train_elastic.py on loopback, with ranks
+killed (SIGKILL) or frozen (SIGSTOP: a host gone silent, its sockets open)
+at a chosen step and phase. Every member writes a JSON report; rank 0's
+says whether the survivors' parameters are bitwise identical and whether
+one process replaying the same history (which steps were applied at which
+world size) reaches the same parameters.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "torch" / "train_elastic.py"
+# A run that takes longer than this is a hang, not a slow machine.
+DEADLINE_S = 240
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(tmp_path, nproc, *script_args, rejoin=False, port=None):
+    port = port or free_port()
+    return [
+        sys.executable, "-m", "gradsync.launch", "--nproc", str(nproc), "--port", str(port),
+        *(["--rejoin"] if rejoin else []), str(EXAMPLE), "--report", str(tmp_path / "out"), "--log-every", "100000",
+        *script_args,
+    ]
+
+
+def reports(tmp_path):
+    """Every member's report, by member id."""
+    out = {}
+    for f in tmp_path.glob("out.*"):
+        if f.suffix != ".killed":
+            r = json.loads(f.read_text())
+            out[r["member"]] = r
+    return out
+
+
+def launch(tmp_path, nproc, *script_args, rejoin=False):
+    proc = subprocess.run(command(tmp_path, nproc, *script_args, rejoin=rejoin), capture_output=True, text=True,
+                          timeout=DEADLINE_S, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    return proc, reports(tmp_path)
+
+
+def rank0(found):
+    (first,) = [r for r in found.values() if r["rank"] == 0]
+    return first
+
+
+def explain(proc):
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize(
+    "rank,phase",
+    [(0, "forward"), (0, "backward"), (0, "collective"), (0, "optimizer"), (0, "boundary"), (2, "backward"),
+     (1, "collective")],
+)
+def test_survivors_go_on_when_a_rank_is_killed(tmp_path, rank, phase):
+    """Rank ``rank`` is SIGKILLed at step 4 in ``phase``: the two survivors
+    agree on one membership, skip the step in flight on both, continue at
+    world 2, end bitwise identical and equal to a replay of that history."""
+    proc, found = launch(tmp_path, 3, "--steps", "8", "--kill", f"{rank}@4:{phase}")
+    assert proc.returncode == 0, explain(proc)
+    survivors = sorted(found)
+    assert survivors == sorted({0, 1, 2} - {rank}), explain(proc)
+    assert len({found[m]["digest"] for m in survivors}) == 1, "survivors differ"
+    first = rank0(found)
+    assert first["ok"] and first["identical"], explain(proc)
+    applied = [s for s, _, _ in first["history"]]
+    skipped = sorted(set(range(8)) - set(applied))
+    # The step in flight when it died; killed after its backward, it had contributed to step 4.
+    expected = {"optimizer": [[5]], "collective": [[4], [5]]}.get(phase, [[4]])
+    assert skipped in expected, f"skipped {skipped}\n{explain(proc)}"
+    assert [w for s, w, _ in first["history"] if s > skipped[0]] == [2] * (7 - skipped[0])
+    for m in survivors:
+        (event,) = found[m]["events"]
+        assert (event["kind"], event["lost"], event["step"]) == ("lost", [rank], skipped[0])
+
+
+def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
+    """With --rejoin the supervisor starts a replacement; the members admit
+    it at a step boundary and it receives the model, the optimizer's
+    momentum and the step from a live member: afterwards all three are
+    bitwise identical and the run equals its replay."""
+    proc, found = launch(tmp_path, 3, "--steps", "700", "--kill", "1@3:backward", rejoin=True)
+    assert proc.returncode == 0, explain(proc)
+    assert sorted(found) == [0, 2, 3], explain(proc)
+    assert len({r["digest"] for r in found.values()}) == 1
+    first = rank0(found)
+    assert first["ok"], explain(proc)
+    worlds = [w for _, w, _ in first["history"]]
+    assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, "3, then 2, then 3 again"
+    joiner = found[3]
+    (joined,) = joiner["events"]
+    assert joined["kind"] == "joined" and joined["world"] == 3
+    # It started at the members' step, not at 0, and holds their history.
+    assert joined["step"] > 3 and joiner["history"] == first["history"]
+
+
+def test_a_fixed_global_batch_divides_by_the_first_world(tmp_path):
+    proc, found = launch(tmp_path, 3, "--steps", "8", "--kill", "2@3:backward", "--fixed-global-batch")
+    assert proc.returncode == 0, explain(proc)
+    first = rank0(found)
+    assert first["ok"], explain(proc)
+    assert [c for _, _, c in first["history"]][-1] == 2, "two contributors, divided by three (the replay's check)"
+
+
+def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tmp_path):
+    """A rank frozen with SIGSTOP keeps its sockets open, as a host whose
+    link was cut: gloo alone would wait out its timeout. The survivors'
+    liveness monitors see its heartbeat stop and go on within 2 s; when the
+    frozen process wakes up, it finds the job went on without it and leaves
+    (exit status 3), which the supervisor does not count as a failure."""
+    cmd = command(tmp_path, 3, "--steps", "300", "--kill", "1@5:freeze")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    try:
+        killed = tmp_path / "out.killed"
+        began = time.time()
+        while not killed.exists() or not killed.read_text():
+            assert proc.poll() is None and time.time() - began < DEADLINE_S, "the freeze never came"
+            time.sleep(0.05)
+        frozen = json.loads(killed.read_text())
+        while len(reports(tmp_path)) < 2:
+            assert proc.poll() is None and time.time() - began < DEADLINE_S, "the survivors never finished"
+            time.sleep(0.05)
+        os.kill(frozen["pid"], signal.SIGCONT)
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    found = reports(tmp_path)
+    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    assert sorted(found) == [0, 2]
+    first = rank0(found)
+    assert first["ok"], f"{out[-2000:]}\n{err[-3000:]}"
+    (event,) = first["events"]
+    assert event["lost"] == [1]
+    detected = event["time"] - frozen["time"]
+    assert detected < 2.0, f"survivors went on {detected:.2f} s after the freeze"
+    assert "member 1: left the job" in err and "was left out of epoch" in err, err[-3000:]
+
+
+def test_a_joiner_with_another_model_is_refused_and_the_members_go_on(tmp_path):
+    port = free_port()
+    cmd = command(tmp_path, 2, "--steps", "700", port=port)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    members = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        odd = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--steps", "700", "--width", "48"], capture_output=True, text=True,
+            timeout=DEADLINE_S, cwd=tmp_path,
+            env={**env, "GRADSYNC_STORE": f"127.0.0.1:{port}", "GRADSYNC_JOB": "gradsync-elastic",
+                 "GRADSYNC_MEMBER": "99", "GRADSYNC_FIRST": "2", "GRADSYNC_JOIN": "1"},
+        )
+        out, err = members.communicate(timeout=DEADLINE_S)
+    finally:
+        if members.poll() is None:
+            members.kill()
+    assert odd.returncode == 3, f"{odd.stdout[-2000:]}\n{odd.stderr[-3000:]}"
+    assert "was refused by the job" in odd.stderr and "are not the members'" in odd.stderr, odd.stderr[-2000:]
+    assert members.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    first = rank0(reports(tmp_path))
+    assert first["ok"] and {w for _, w, _ in first["history"]} == {2}, "the members never changed"
+
+
+@pytest.mark.slow
+def test_soak_twenty_kills_each_followed_by_a_rejoin(tmp_path):
+    """4 ranks, 20 kills at random ranks and phases, each followed by a
+    rejoin before the next; no survivor restarts; the final members equal
+    the replay. Run with ``pytest -m slow`` (minutes)."""
+    import random
+
+    rng = random.Random(34)
+    spacing = 250  # steps between kills: a replacement starts (imports torch) and joins in between
+    kills = [f"{rng.randrange(4)}@{30 + i * spacing}:{rng.choice(['forward', 'backward', 'collective', 'optimizer', 'boundary'])}"
+             for i in range(20)]
+    args = ["--steps", str(30 + 20 * spacing + 100)]
+    for k in kills:
+        args += ["--kill", k]
+    proc = subprocess.run(command(tmp_path, 4, *args, rejoin=True), capture_output=True, text=True,
+                          timeout=3600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    found = reports(tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    first = rank0(found)
+    assert first["ok"] and first["identical"], explain(proc)
+    lost = [e for r in found.values() for e in r["events"] if e["kind"] == "lost"]
+    assert proc.stderr.count("killed by SIGKILL") == 20, explain(proc)
+    assert len(found) == 4 and lost, "four members at the end, none restarted but the killed"
