@@ -7,6 +7,7 @@ Sources, never edited by hand:
 * ``docs/data/bench/*.json``: ``benches/torch/vs_ddp.py --json`` runs, written
   by ``benches/torch/record.py`` (which also records the command);
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
+* ``docs/data/elastic.json``: ``benches/torch/elastic_recovery.py --json``;
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
   the GPU suite's and gpu-check's output, ``gpu_overhead.py --json`` per
   model, the suite's memory comparison).
@@ -15,7 +16,8 @@ The mkdocs hook (``docs/hooks.py``) calls :func:`expand` on every page, so a
 page says ``<!-- gen: NAME -->`` where a generated block goes. The README
 carries generated blocks between ``<!-- gen:NAME -->`` and
 ``<!-- /gen:NAME -->`` markers: ``cost`` (the CPU cost table and its chart,
-``docs/img/cost.svg``) and ``gpu-cost`` (the GPU overhead table).
+``docs/img/cost.svg``), ``gpu-cost`` (the GPU overhead table) and
+``elastic-cost`` (what a lost rank costs).
 ``.venv/bin/python docs/gen.py --write`` rewrites them from the JSON, and the
 docs build (strict, in CI) fails when the README's copy is stale.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "docs" / "data" / "bench"
 SIM = ROOT / "docs" / "data" / "sim.json"
+ELASTIC = ROOT / "docs" / "data" / "elastic.json"
 PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
@@ -233,7 +236,11 @@ def gpu_outputs() -> str:
 
 
 # The README's generated blocks: each text ends with a line break, before its end marker.
-README_BLOCKS = {"cost": lambda: readme_cost_block(), "gpu-cost": lambda: gpu_cost_table() + "\n"}
+README_BLOCKS = {
+    "cost": lambda: readme_cost_block(),
+    "gpu-cost": lambda: gpu_cost_table() + "\n",
+    "elastic-cost": lambda: elastic_cost() + "\n",
+}
 
 
 def side_by_side(name: str) -> str:
@@ -282,7 +289,54 @@ GENERATORS = {
     "gpu-bench-details": gpu_bench_details,
     "gpu-memory": gpu_memory_table,
     "gpu-outputs": gpu_outputs,
+    "elastic-recovery": lambda: elastic_cost() + "\n\n" + elastic_details(),
+    "elastic-cost": elastic_cost,
 }
+
+
+def _elastic() -> dict:
+    if not ELASTIC.is_file():
+        raise Missing(f"{ELASTIC} is missing: run benches/torch/elastic_recovery.py --json {ELASTIC.relative_to(ROOT)}")
+    return json.loads(ELASTIC.read_text())
+
+
+def elastic_cost() -> str:
+    """What a lost rank costs, per world size, and the liveness check's cost
+    on a healthy step (``elastic_recovery.py --json``)."""
+    run = _elastic()
+    lines = [
+        f"| world ({run['cpus']} cores, loopback) | healthy step, ms | kill → survivors in a new group, ms | "
+        "kill → survivors' next applied step, ms | replacement's process start → its first applied step, s | "
+        "admitted → its first applied step, ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in run["recovery"]:
+        start = r.get("replacement_start_to_first_applied_s")
+        admitted = r.get("admitted_to_first_applied_s")
+        lines.append(
+            f"| {r['world']} | {r['healthy_step_s'] * 1e3:.1f} | {r['kill_to_new_group_s'] * 1e3:.0f} | "
+            f"{r['kill_to_next_applied_s'] * 1e3:.0f} | {'' if start is None else f'{start:.1f}'} | "
+            f"{'' if admitted is None else f'{admitted * 1e3:.0f}'} |"
+        )
+    for r in run.get("torchrun", []):
+        lines.append(f"| {r['world']}, torchrun restart + checkpoint | {r['healthy_step_s'] * 1e3:.1f} | | "
+                     f"{r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
+    cost = run["liveness"]
+    lines.append("")
+    lines.append(
+        f"A healthy 4-rank step with the liveness monitor beating every 0.1 s: {cost['beat_0.1s'] * 1e3:.2f} ms; "
+        f"with it beating every 1000 s (in effect off): {cost['beat_1000s'] * 1e3:.2f} ms (median of "
+        f"{run['liveness_rounds']} alternating runs of {run['liveness_steps']} steps)."
+    )
+    return "\n".join(lines)
+
+
+def elastic_details() -> str:
+    """The command and what the columns measure."""
+    run = _elastic()
+    return (f"```sh\n{run['command']}\n```\n\nRank 1 SIGKILLs itself mid-backward at step {run['kill_step']}; "
+            "the times are wall clock, recorded by the processes themselves. A replacement's start includes "
+            "starting Python and importing torch on a machine whose cores the other workers keep busy.")
 
 
 def expand(markdown: str) -> str:

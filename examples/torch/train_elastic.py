@@ -117,6 +117,7 @@ def main():
                         help="divide by the first world size, not by the ranks present")
     parser.add_argument("--abort-policy", choices=["skip", "partial"], default="skip")
     parser.add_argument("--liveness", type=float, default=1.0, help="seconds of silence before a rank is lost")
+    parser.add_argument("--beat", type=float, default=0.1, help="seconds between the liveness monitor's beats")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--width", type=int, default=32, help="model width (a joiner with another is refused)")
@@ -124,7 +125,7 @@ def main():
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch)
+    elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch, beat_s=args.beat)
     vocab, dim, heads, blocks, context = 32, args.width, 2, 2, 16
     torch.manual_seed(args.seed)
     base = TinyLM(vocab, dim, heads, blocks, context)

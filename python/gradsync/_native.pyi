@@ -39,6 +39,8 @@ class StepReport:
     bytes_launched: int
     exposed_comm_s: float
     comm_busy_s: float
+    admit: bool
+    """A process waits to join (an elastic job): every rank admits it at this step boundary."""
     def to_dict(self) -> dict[str, Any]: ...
 
 class Step:
@@ -75,6 +77,7 @@ class Session:
         in_flight: int = ...,
         reorder_buckets: bool = ...,
         wire_dtype: str = ...,
+        membership: Optional[Membership] = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -99,7 +102,9 @@ class Session:
     def join(self) -> tuple[int, int]: ...
     def shadow_step(self) -> StepReport:
         """Contribute zeros to the other ranks' open step (one step of ``join``)."""
-    def reset(self) -> int: ...
+    def reset(self, rank: Optional[int] = None, world: Optional[int] = None) -> int:
+        """After a failed step, on every rank: agree on the step to continue at;
+        with ``rank`` and ``world``, among an elastic job's new members."""
     def set_divisor(self, divisor: Union[str, int]) -> None:
         """Divide every step that has not begun by ``divisor`` (``"contributors"``,
         ``"world"``, ``"sum"`` or an integer); every rank at the same point."""
@@ -108,6 +113,51 @@ class Session:
     def progress(self) -> dict[str, int]: ...
     def write_timeline(self, path: Union[str, PathLike[str]]) -> int: ...
     def close(self) -> None: ...
+
+class Membership:
+    """One process's membership in an elastic job (the runtime's protocol
+    over the job's store; see ``gradsync.torch.elastic``). Rosters are dicts
+    with ``epoch``, ``members`` (ids in rank order), ``lost``, ``joined``
+    and ``joiners_seen``; failures raise ``gradsync.MembershipError``."""
+
+    def __init__(
+        self,
+        table: int,
+        client: Any,
+        monitor_client: Any,
+        cancel: Any,
+        prefix: str,
+        me: int,
+        *,
+        liveness_s: float = ...,
+        beat_s: float = ...,
+        suspect_grace_s: float = ...,
+        admission_s: float = ...,
+    ) -> None: ...
+    def start(self, initial: list[int]) -> dict[str, Any]:
+        """Start as one of the job's first members (``initial``, in rank order)."""
+    def request_join(self, fingerprint: str) -> dict[str, Any]:
+        """Ask to join; wait until admitted (or refused)."""
+    def recover(self, suspects: list[int]) -> dict[str, Any]:
+        """The current epoch lost members: agree on the next roster with the survivors."""
+    def admit(self, fingerprint: str) -> dict[str, Any]:
+        """Admit the waiting joiners whose fingerprint matches (every member, same boundary)."""
+    def end(self) -> None:
+        """The training loop ended: processes waiting to join are told so."""
+    @property
+    def roster(self) -> dict[str, Any]: ...
+    @property
+    def me(self) -> int: ...
+    @property
+    def broken(self) -> Optional[int]:
+        """The highest epoch the liveness monitor saw broken."""
+    def silent(self) -> list[int]:
+        """Members whose heartbeats stopped."""
+    def close(self) -> None:
+        """Stop the liveness monitor."""
+    @staticmethod
+    def obituary(table: int, client: Any, prefix: str, member: int) -> None:
+        """Record that ``member``'s process was reaped (the supervisor calls it)."""
 
 class ArrivalSink:
     """A session's arrival entry for the C++ hooks (``gradsync.torch._arrivals``);

@@ -4,7 +4,7 @@ communicator thread calls the C functions of :func:`table` on an
 :class:`Endpoint`'s address, without the interpreter lock; for buckets on
 the device plane it also calls them on a :class:`Plane`'s address."""
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -20,10 +20,33 @@ class Endpoint:
     position is counted in under ``key``, and the device plane's data group
     (``data``: a ``ProcessGroupNCCL`` for CUDA buckets; ``None``: ``group``)."""
 
-    def __init__(self, group: Any, store: Any, key: str, data: Any = None) -> None: ...
+    def __init__(
+        self, group: Any, store: Any, key: str, data: Any = None, cancel: Optional[Cancel] = None, epoch: int = 0
+    ) -> None:
+        """``cancel`` and ``epoch``: an elastic job's cancellation, and the
+        membership epoch whose break cancels this endpoint's waits."""
     @property
     def address(self) -> int:
         """Where the runtime finds this endpoint (valid while it lives)."""
+
+class Cancel:
+    """An elastic job's cancellation of broken membership epochs."""
+
+    def __init__(self) -> None: ...
+    def cancel(self, epoch: int) -> None:
+        """Every wait of an endpoint of an epoch up to ``epoch`` fails from now on."""
+    @property
+    def broken(self) -> int:
+        """The highest broken epoch (-1: none)."""
+    @property
+    def address(self) -> int: ...
+
+class StoreClient:
+    """A c10d store the runtime's membership protocol calls without the interpreter lock."""
+
+    def __init__(self, store: Any) -> None: ...
+    @property
+    def address(self) -> int: ...
 
 class Plane:
     """A wrapper's device plane: buckets as torch tensors on ``device``,

@@ -116,9 +116,10 @@ class Elastic:
     gone silent; a killed process is seen at once). ``fixed_global_batch``:
     divide every step's sum by the job's first world size instead of the
     ranks present. ``timeout``: how long a store operation or a state
-    transfer may take (seconds)."""
+    transfer may take (seconds). ``beat_s``: how often the liveness monitor
+    beats and looks at its peers (keep it well below ``liveness_s``)."""
 
-    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0):
+    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1):
         host, _, port = _env(ENV_STORE).rpartition(":")
         self.job = _env(ENV_JOB)
         self.member = _env(ENV_MEMBER, int)
@@ -139,7 +140,7 @@ class Elastic:
         self.cancel = shim.Cancel()
         self.membership = Membership(
             shim.table(), shim.StoreClient(self.store), shim.StoreClient(beat_store), self.cancel,
-            f"{self.job}/membership", self.member, liveness_s=liveness_s,
+            f"{self.job}/membership", self.member, liveness_s=liveness_s, beat_s=beat_s,
         )
         #: The next step to run (the data position); a joiner receives it.
         self.step = 0
