@@ -8,8 +8,8 @@ the middle of backward at step 20. From the members' reports (wall-clock
 times the processes recorded):
 
 * **kill -> survivors' next applied step**: from the kill to the first step
-  the survivors applied after it (this includes finishing the step in
-  flight, skipped, and one full step at the smaller world);
+  the survivors applied without it (this includes the step in flight,
+  skipped, and one full step at the smaller world);
 * **kill -> new group**: from the kill to the survivors' agreement on the
   new membership (the event's time);
 * **replacement start -> first applied step**: from the replacement's
@@ -79,8 +79,10 @@ def recovery(world, kill_step, steps):
     survivor = next(r for m, r in reports.items() if m < world and m != 1)
     times = applied_times(survivor)
     before = [b - a for (_, a), (_, b) in zip(times, times[1:]) if b < killed["time"]]
-    next_applied = min(t for _, t in times if t > killed["time"])
     (lost,) = [e for e in survivor["events"] if e["kind"] == "lost"]
+    # The first step applied at the smaller world (a survivor a step behind
+    # the victim may still apply the step before, after the kill).
+    next_applied = min(t for s, t in times if s > lost["step"])
     row = {
         "world": world,
         "healthy_step_s": statistics.median(before),

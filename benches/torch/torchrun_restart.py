@@ -14,6 +14,7 @@ lines to ``DIR/rank<r>`` when a step is applied, and the killed rank writes
 """
 
 import argparse
+import datetime
 import os
 import signal
 import sys
@@ -35,7 +36,13 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo")
+    # The agent's store keeps the first attempt's gloo addresses under the
+    # same keys: without a prefix per attempt the restarted workers connect
+    # to the dead ones' ports (torch 2.15, static and c10d rendezvous alike).
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", agent_store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     torch.manual_seed(7)

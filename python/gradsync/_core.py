@@ -172,6 +172,7 @@ class ModelSync:
         )
         self.names = replica.names
         self.wire = settings.wire_dtype
+        self.abort_policy = settings.abort_policy
         self.framework: Optional[Framework] = None
         self.record: Optional[StepRecord] = None
         #: Whether the next backward under grad ends a synchronized step

@@ -93,6 +93,18 @@ def test_survivors_go_on_when_a_rank_is_killed(tmp_path, rank, phase):
         assert (event["kind"], event["lost"], event["step"]) == ("lost", [rank], skipped[0])
 
 
+def test_under_the_partial_policy_a_lost_ranks_step_is_skipped_too(tmp_path):
+    """abort_policy="partial" averages over the ranks that finished when one
+    *aborts*; a *lost* rank's step is skipped under it as well (documented),
+    on every survivor alike, and the run stays exact."""
+    proc, found = launch(tmp_path, 3, "--steps", "8", "--kill", "0@4:backward", "--abort-policy", "partial")
+    assert proc.returncode == 0, explain(proc)
+    first = rank0(found)
+    assert first["ok"] and first["identical"], explain(proc)
+    assert sorted(set(range(8)) - {s for s, _, _ in first["history"]}) == [4]
+    assert "also under abort_policy='partial'" in proc.stderr
+
+
 def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
     """With --rejoin the supervisor starts a replacement; the members admit
     it at a step boundary and it receives the model, the optimizer's

@@ -2,7 +2,10 @@
 namespaces on a bridge, the job's store a fourth; one host's link is cut
 mid-training (its sockets stay open, nothing is closed). The survivors'
 liveness monitors must find it within 2 s (gloo alone would wait out its
-timeout) and go on exactly, as after a kill.
+timeout) and go on exactly, as after a kill. The cut-off host is the
+minority of a partition: it cannot reach the store, so it cannot commit a
+membership of its own; when its link comes back it finds the job went on
+without it and leaves.
 
 Needs root (``ip netns``); skipped with the reason otherwise.
 """
@@ -94,6 +97,10 @@ def test_a_host_whose_link_is_cut_is_found_within_two_seconds(hosts, tmp_path):
             launchers[k].wait(timeout=DEADLINE_S)
         found = reports(tmp_path)
         errors = launchers[0].stderr.read()
+        # The partition heals: the minority learns it was left out, and leaves.
+        ip("-n", "gs-store", "link", "set", "vh1", "up")
+        launchers[1].wait(timeout=DEADLINE_S)
+        minority = launchers[1].stderr.read()
     finally:
         store.kill()
         for proc in launchers:
@@ -101,6 +108,8 @@ def test_a_host_whose_link_is_cut_is_found_within_two_seconds(hosts, tmp_path):
                 proc.kill()
     assert launchers[0].returncode == 0 and launchers[2].returncode == 0, errors[-3000:]
     assert sorted(found) == [0, 2], errors[-3000:]
+    assert launchers[1].returncode == 0, "a member that left is not a failure of its supervisor's:\n" + minority[-3000:]
+    assert "member 1: left the job" in minority and "was left out of epoch" in minority, minority[-3000:]
     first = rank0(found)
     assert first["ok"] and first["identical"], errors[-3000:]
     (event,) = first["events"]

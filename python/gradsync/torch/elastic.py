@@ -163,6 +163,7 @@ class Elastic:
         self._join_began = None
         self._transfer = None
         self._roster = None
+        self._partial_warned = False
         if not self.joining:
             self._roster = self.membership.start(list(range(self.first_world)))
             self._open_transfer_group()
@@ -246,10 +247,15 @@ class Elastic:
         self.history.append((self.step, self.world, report.contributors))
 
     def _recover(self, sync, error):
-        """The step in flight failed (``error``): agree on the new members,
-        move to their group, and let the step be skipped."""
+        """The step in flight (or a boundary's transfer) failed (``error``):
+        agree on the new members and move to their group; the caller skips
+        the step."""
         if isinstance(error, DesyncError):
             raise error
+        if sync.abort_policy == "partial" and not self._partial_warned:
+            self._partial_warned = True
+            log.warning("gradsync elastic: a step in flight when a member is lost is skipped, also under "
+                        "abort_policy='partial' (an exact average over the survivors is not implemented yet)")
         began = time.perf_counter()
         suspects = [self._roster["members"][error.peer]] if getattr(error, "peer", None) is not None else []
         before = set(self._roster["members"])
@@ -323,20 +329,34 @@ class Elastic:
         return True
 
     def _boundary(self):
-        report = self._ddp._sync.last_report
-        if report is not None and report.admit and self._admitted_after != report.step:
-            self._admitted_after = report.step
-            began = time.perf_counter()
-            roster = self.membership.admit(self.fingerprint())
-            if roster["joined"]:
-                self._move(roster, self._ddp._sync)
-                self._event("joined", [], roster["joined"], began)
-        if self._sync_pending:
-            self._sync_pending = False
-            self._equalize()
+        sync = self._ddp._sync
+        for _ in range(_RECOVERY_ATTEMPTS):
+            try:
+                self._admit(sync)
+                if self._sync_pending:
+                    self._equalize()
+                    self._sync_pending = False
+                break
+            except (RuntimeError, StepFailedError) as error:  # a member lost during the admission or transfer
+                log.warning("gradsync elastic: a member was lost at the step %d boundary (%s)", self.step, error)
+                self._recover(sync, error)
+        else:
+            raise MembershipError(f"the members could not settle at step {self.step} in {_RECOVERY_ATTEMPTS} attempts")
         if self._join_began is not None:
             self._event("joined", [], [self.member], self._join_began)
             self._join_began = None
+
+    def _admit(self, sync):
+        """Admit the processes the last step's vote said are waiting (once per step)."""
+        report = sync.last_report
+        if report is None or not report.admit or self._admitted_after == report.step:
+            return
+        self._admitted_after = report.step
+        began = time.perf_counter()
+        roster = self.membership.admit(self.fingerprint())
+        if roster["joined"]:
+            self._move(roster, sync)
+            self._event("joined", [], roster["joined"], began)
 
     def _open_transfer_group(self):
         """The gloo group state transfers run on (this thread, never the communicator's)."""
