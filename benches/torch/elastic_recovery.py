@@ -25,8 +25,10 @@ all again, and they load the checkpoint): kill -> next applied step.
 
 The liveness cost: a healthy 4-rank run with the liveness monitor beating
 every 0.1 s (the default) against one whose monitor beats every 1000 s (in
-effect off), alternating, median step time of each. Both run the same
-model as the recovery runs. Numbers are for this machine's loopback; the
+effect off), alternating, median step time of each. Every run trains the
+same model, without activation checkpointing (torch's DDP in the torchrun
+runs refuses its tied embedding under reentrant checkpointing), with DDP's
+default bucket cap (25 MB: one bucket). Numbers are for this machine's loopback; the
 column ``world`` is the number of processes on its cores.
 """
 
@@ -56,7 +58,8 @@ def launch(nproc, args, rejoin=False, timeout=900):
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "out"
         cmd = [sys.executable, "-m", "gradsync.launch", "--nproc", str(nproc), "--port", str(free_port()),
-               *(["--rejoin"] if rejoin else []), str(EXAMPLE), "--report", str(report), "--log-every", "100000", *args]
+               *(["--rejoin"] if rejoin else []), str(EXAMPLE), "--report", str(report), "--log-every", "100000",
+               "--no-recompute", "--bucket-mb", "25", *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
@@ -129,24 +132,37 @@ def liveness_cost(steps, rounds):
             reports, _ = launch(4, ["--steps", str(steps), "--beat", beat])
             times = [t for _, t in applied_times(next(r for r in reports.values() if r["rank"] == 0))]
             out[name].append(statistics.median(b - a for a, b in zip(times[10:], times[11:])))
-    return {k: statistics.median(v) for k, v in out.items()}
+    return {**{k: statistics.median(v) for k, v in out.items()}, "rounds": out}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--kill-step", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=600,
-                        help="long enough for a replacement to start and join (importing torch takes seconds)")
+    parser.add_argument("--rank-steps", type=int, default=2400,
+                        help="steps x world of a recovery run: long enough for a replacement to start and join "
+                        "(importing torch takes seconds)")
     parser.add_argument("--torchrun-steps", type=int, default=60)
     parser.add_argument("--liveness-steps", type=int, default=200)
-    parser.add_argument("--liveness-rounds", type=int, default=3)
+    parser.add_argument("--liveness-rounds", type=int, default=8)
+    parser.add_argument("--liveness-only", action="store_true",
+                        help="measure only the liveness cost, replacing that part of --json's file")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
 
+    if args.liveness_only:
+        if not args.json:
+            parser.error("--liveness-only needs --json (the file whose liveness part it replaces)")
+        run = json.loads(Path(args.json).read_text())
+        run.update(liveness=liveness_cost(args.liveness_steps, args.liveness_rounds),
+                   liveness_steps=args.liveness_steps, liveness_rounds=args.liveness_rounds)
+        run["command"] += f" && python benches/torch/elastic_recovery.py {' '.join(sys.argv[1:])}"
+        Path(args.json).write_text(json.dumps(run, indent=2) + "\n")
+        print(json.dumps(run["liveness"]))
+        return
     rows = []
     for world in args.worlds:
-        row = recovery(world, args.kill_step, args.steps)
+        row = recovery(world, args.kill_step, args.rank_steps // world)
         rows.append(row)
         print(json.dumps(row), flush=True)
     restarts = []

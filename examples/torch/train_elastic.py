@@ -121,6 +121,10 @@ def main():
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--width", type=int, default=32, help="model width (a joiner with another is refused)")
+    parser.add_argument("--bucket-mb", type=float, default=0.05,
+                        help="bucket cap (the default splits this small model into a few buckets, for overlap)")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="no activation checkpointing (as torch's DDP needs; the benchmark's side-by-side)")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     args = parser.parse_args()
 
@@ -128,9 +132,9 @@ def main():
     elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch, beat_s=args.beat)
     vocab, dim, heads, blocks, context = 32, args.width, 2, 2, 16
     torch.manual_seed(args.seed)
-    base = TinyLM(vocab, dim, heads, blocks, context)
+    base = TinyLM(vocab, dim, heads, blocks, context, recompute=not args.no_recompute)
     data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
-    model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.05, elastic=elastic,
+    model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     elastic.track(model=model, optimizer=opt)

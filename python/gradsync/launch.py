@@ -13,7 +13,9 @@ survivors are never touched.
 Several machines: host the store on one (``--store-only``, or a supervisor
 with workers), and on each machine run a supervisor with ``--store
 HOST:PORT --node-rank K --nnodes M``: every supervisor starts ``--nproc``
-workers of the first ``M * nproc`` and replaces its own. (torchrun's agent
+workers of the first ``M * nproc`` and replaces its own. A supervisor exits
+with 0 when its workers finished the job, with 3 when every one of them left
+a job that went on without them (``EXIT_LEFT``), else 1. (torchrun's agent
 cannot do this: on any failure it stops every worker of the job and starts
 them all again, and its c10d rendezvous store lives in one agent.)
 """
@@ -95,7 +97,12 @@ class Supervisor:
             return 130
         # The job succeeded when workers finished it and none failed after
         # the first did (members lost or left out during training do not count).
-        return 0 if self.first_success is not None and not self.failed_after_success else 1
+        if self.first_success is not None:
+            return 1 if self.failed_after_success else 0
+        # Every worker of this supervisor left a job that went on elsewhere (several machines).
+        if self.finished and all(code == EXIT_LEFT for code in self.finished.values()):
+            return EXIT_LEFT
+        return 1
 
     def _ended(self, member, proc, code):
         del self.workers[member]
@@ -119,6 +126,8 @@ class Supervisor:
 
 
 def main(argv=None):
+    """The supervisor's command line (``argv``: the arguments, default
+    ``sys.argv[1:]``); returns the job's exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m gradsync.launch", description=__doc__.split("\n\n")[0],
         epilog="Workers read GRADSYNC_STORE, GRADSYNC_JOB, GRADSYNC_MEMBER, GRADSYNC_FIRST and GRADSYNC_JOIN "
