@@ -208,7 +208,10 @@ class Elastic:
     def steps(self, total):
         """The steps of the training loop, from the one this process is at
         (a joiner: the members') to ``total``. Each boundary first admits
-        waiting processes and equalizes state after a membership change."""
+        waiting processes and equalizes state after a membership change.
+        A joiner that the job ended before admitting yields nothing. A
+        process the job cannot keep gets :class:`gradsync.MembershipError`
+        (from here or from ``backward()``): see its ``kind``."""
         if self._ddp is None:
             raise ConfigError("wrap the model with DistributedDataParallel(module, elastic=this) before steps()")
         if self.joining and not self._join():
@@ -259,12 +262,12 @@ class Elastic:
         began = time.perf_counter()
         suspects = [self._roster["members"][error.peer]] if getattr(error, "peer", None) is not None else []
         before = set(self._roster["members"])
-        for attempt in range(_RECOVERY_ATTEMPTS):
+        for _ in range(_RECOVERY_ATTEMPTS):
             roster = self.membership.recover(suspects)
             try:
                 self._move(roster, sync)
                 break
-            except StepFailedError as again:  # another member lost during the change
+            except (StepFailedError, RuntimeError) as again:  # another member lost during the change
                 log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
                 suspects = []
         else:
@@ -298,9 +301,11 @@ class Elastic:
         for name, obj in sorted(self._tracked.items()):
             kind = type(obj).__name__
             if isinstance(obj, torch.nn.Module):
-                shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in obj.state_dict().items()]
+                state = obj.state_dict()
+                shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in state.items()]
                 digest.update(repr(shapes).encode())
-                parts.append(f"{name}: {kind} with {len(shapes)} tensors, {sum(t.numel() for t in obj.state_dict().values())} elements")
+                elements = sum(t.numel() for t in state.values())
+                parts.append(f"{name}: {kind} with {len(shapes)} tensors, {elements} elements")
             elif isinstance(obj, torch.optim.Optimizer):
                 groups = [len(g["params"]) for g in obj.param_groups]
                 digest.update(repr((kind, groups)).encode())
