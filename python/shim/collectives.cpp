@@ -96,8 +96,8 @@ struct Endpoint {
 
   bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
   void check_cancelled() const {
-    TORCH_CHECK(!cancelled(), "gradsync: membership epoch ", epoch,
-                " lost a member; this collective was cancelled (Connection closed by peer)");
+    TORCH_CHECK(!cancelled(), "gradsync: collective cancelled: membership epoch ", epoch,
+                " lost a member (the liveness monitor broke it)");
   }
   ~Endpoint() {
     py::gil_scoped_acquire gil;
