@@ -47,6 +47,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -88,20 +89,16 @@ struct Endpoint {
   c10::intrusive_ptr<c10d::Store> store;
   // This rank's position key in `store` (one per group epoch).
   std::string key;
-  // An elastic job's cancellation (kept alive by `cancel_owner`), and the
-  // membership epoch this group belongs to; null: never cancelled.
-  Cancel* cancel = nullptr;
+  // An elastic job's cancellation (shared with its Python owner, so no
+  // Python reference is held here), and the membership epoch this group
+  // belongs to; null: never cancelled.
+  std::shared_ptr<Cancel> cancel;
   int64_t epoch = 0;
-  py::object cancel_owner = py::none();
 
   bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
   void check_cancelled() const {
     TORCH_CHECK(!cancelled(), "gradsync: collective cancelled: membership epoch ", epoch,
                 " lost a member (the liveness monitor broke it)");
-  }
-  ~Endpoint() {
-    py::gil_scoped_acquire gil;
-    cancel_owner = py::none();
   }
 };
 
@@ -602,8 +599,7 @@ PYBIND11_MODULE(_collectives, m) {
              ep->store = store.cast<c10::intrusive_ptr<c10d::Store>>();
              ep->key = std::move(key);
              if (!cancel.is_none()) {
-               ep->cancel = cancel.cast<Cancel*>();
-               ep->cancel_owner = cancel;
+               ep->cancel = cancel.cast<std::shared_ptr<Cancel>>();
                ep->epoch = epoch;
              }
              return ep;
@@ -613,7 +609,7 @@ PYBIND11_MODULE(_collectives, m) {
       .def_property_readonly(
           "address", [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
           "Where the runtime finds this endpoint (valid while the object lives).");
-  py::class_<Cancel>(m, "Cancel",
+  py::class_<Cancel, std::shared_ptr<Cancel>>(m, "Cancel",
                      "An elastic job's cancellation of broken membership epochs: the collectives of every "
                      "Endpoint built with it and an epoch up to the broken one fail promptly.")
       .def(py::init<>())
