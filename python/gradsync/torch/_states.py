@@ -43,6 +43,14 @@ class StateBroadcast:
                 if dst is not t:
                     t.copy_(dst)
 
+    def everyones(self, value):
+        """Every rank's integer ``value``, by rank (an all-gather)."""
+        slots = torch.zeros(self._world, dtype=torch.int64)
+        slots[self._rank] = value
+        if self._world > 1:
+            self._group.allreduce([slots]).wait()
+        return slots
+
     def from_last_joiner(self, tensors, is_last_joiner):
         """Every rank takes the last joiner's values (the end of a ``Join``:
         ranks that joined early skipped optimizer steps)."""

@@ -161,12 +161,10 @@ class Elastic:
         self._admitted_after = None
         # When this process asked to join (its event waits for the members' state).
         self._join_began = None
-        self._transfer = None
         self._roster = None
         self._partial_warned = False
         if not self.joining:
             self._roster = self.membership.start(list(range(self.first_world)))
-            self._open_transfer_group()
 
     # ---- where this process stands ---------------------------------------------------------
 
@@ -281,7 +279,6 @@ class Elastic:
         self._roster = roster
         self._ddp._move_to(self.prefix("model"), self.rank, self.world, roster["epoch"])
         sync.session.reset(rank=self.rank, world=self.world)
-        self._open_transfer_group()
         self._sync_pending = True
 
     def _event(self, kind, lost, joined, began):
@@ -363,34 +360,21 @@ class Elastic:
             self._move(roster, sync)
             self._event("joined", [], roster["joined"], began)
 
-    def _open_transfer_group(self):
-        """The gloo group state transfers run on (this thread, never the communicator's)."""
-        if self.world == 1:
-            self._transfer = None
-            return
-        store = dist.PrefixStore(self.prefix("transfer"), self.store)
-        self._transfer = dist.ProcessGroupGloo(store, self.rank, self.world,
-                                               datetime.timedelta(seconds=self.timeout_s))
-
     def _equalize(self):
         """After a change: every member takes the state of the member that
-        applied the most steps (a joiner, none), if they differ."""
-        if self._transfer is None:
-            return
-        counts = torch.zeros(self.world, dtype=torch.int64)
-        counts[self.rank] = 0 if self._fresh else self.applied + 1
-        self._transfer.allreduce([counts]).wait()
+        applied the most steps (a joiner, none), if they differ. On the
+        wrapper's state group (the training thread's, never the communicator's)."""
+        states = self._ddp._states
+        counts = states.everyones(0 if self._fresh else self.applied + 1)
         best = int(counts.max())
         if int(counts.min()) == best:
             return
         source = int((counts == best).nonzero()[0])
-        opts = dist.BroadcastOptions()
-        opts.rootRank = source
         payload = self._pack() if self.rank == source else None
         size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
-        self._transfer.broadcast([size], opts).wait()
+        states.broadcast([size], source)
         data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
-        self._transfer.broadcast([data], opts).wait()
+        states.broadcast([data], source)
         if int(counts[self.rank]) != best:
             self._unpack(data)
             log.warning("gradsync elastic: took rank %d's state (%d bytes): step %d, %d steps applied",
