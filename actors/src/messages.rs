@@ -116,8 +116,8 @@ pub enum SchedMsg<S: GradStore = HostStore> {
         /// change of members (an elastic job): the agreement runs among the
         /// new members, and the plan is agreed again among them.
         membership: Option<(usize, usize)>,
-        /// Where to answer with the agreed step.
-        reply: Reply<Result<Step, SyncError>>,
+        /// Where to answer with the agreed step (and the step to reduce again).
+        reply: Reply<Result<Resumption, SyncError>>,
     },
     /// Change a setting that every rank changes at the same point.
     Configure {
@@ -133,6 +133,17 @@ pub enum SchedMsg<S: GradStore = HostStore> {
     },
     /// Stop the actor.
     Shutdown,
+}
+
+/// Where the members continue after a reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resumption {
+    /// The step every member opens next (the largest any proposed).
+    pub step: Step,
+    /// A step that failed on every new member and that they reduce again
+    /// among themselves (partial policy, after a change of members): the
+    /// caller finishes it (without new arrivals) before `step` begins.
+    pub redo: Option<Step>,
 }
 
 /// What a shard saw in one step, sent with [`SchedMsg::Flushed`].

@@ -23,7 +23,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradsync_actors::messages::{FinishRequest, Reply, SchedMsg, Setting, ShardMsg, StepEnd};
+use gradsync_actors::messages::{FinishRequest, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd};
 use gradsync_actors::scheduler::SchedulerConfig;
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
@@ -53,6 +53,16 @@ pub struct JoinReport {
     pub first_step: Step,
     /// Steps shadowed with zeros, the last one included (when every rank had joined).
     pub steps: u64,
+}
+
+/// What [`GradSync::reset_membership`] did.
+#[derive(Debug)]
+pub struct MembershipReset<S: GradStore = HostStore> {
+    /// The step every member opens next.
+    pub step: Step,
+    /// The failed step, reduced again among the new members (partial
+    /// policy, when every member could); apply it like any finished step.
+    pub redone: Option<StepResult<S>>,
 }
 
 /// One rank's gradient synchronizer.
@@ -369,7 +379,7 @@ impl<S: GradStore> GradSync<S> {
     /// A rank that is gone (crashed) cannot agree: `reset` then fails naming it,
     /// and the survivors must drop their GradSync and build a new world.
     pub fn reset(&mut self) -> Result<Step, SyncError> {
-        self.reset_with(None)
+        self.reset_with(None).map(|r| r.step)
     }
 
     /// Reset into a new membership (an elastic job, after its members
@@ -379,29 +389,54 @@ impl<S: GradStore> GradSync<S> {
     /// largest any of them had reached; a process that just joined proposes
     /// its first) and then on the plan again. Every member calls it with its
     /// own place, at the same point.
-    pub fn reset_membership(&mut self, rank: usize, world: usize) -> Result<Step, SyncError> {
+    ///
+    /// Under [`AbortPolicy::Partial`](crate::AbortPolicy::Partial), when the
+    /// step in flight failed on every new member and each kept its whole
+    /// contribution, the members reduce that step again among themselves:
+    /// [`MembershipReset::redone`] holds its result (the average over the
+    /// members present), identical on every member. Otherwise the step is
+    /// skipped on every member (`redone` is `None`): never a mix.
+    pub fn reset_membership(&mut self, rank: usize, world: usize) -> Result<MembershipReset<S>, SyncError> {
         if rank >= world {
             return Err(SyncError::Setting { setting: "membership", why: format!("rank {rank} of {world} ranks") });
         }
-        let agreed = self.reset_with(Some((rank, world)))?;
+        let resumed = self.reset_with(Some((rank, world)))?;
         (self.rank, self.world) = (rank, world);
-        Ok(agreed)
+        let redone = match resumed.redo {
+            Some(step) => Some(self.redo(step)?),
+            None => None,
+        };
+        Ok(MembershipReset { step: resumed.step, redone })
     }
 
-    fn reset_with(&mut self, membership: Option<(usize, usize)>) -> Result<Step, SyncError> {
+    /// Finish the failed `step` again among the new members: the scheduler
+    /// holds this rank's contribution; no arrival is taken.
+    fn redo(&mut self, step: Step) -> Result<StepResult<S>, SyncError> {
+        let (tx, answer) = oneshot::channel();
+        let req = FinishRequest { step, end: StepEnd::Finish, at: Instant::now(), reply: Reply::Async(tx) };
+        self.sched.send(SchedMsg::Finish(req)).map_err(|_| SyncError::Closed)?;
+        self.pending = Some(Pending { step, answer });
+        let pending = self.pending.as_mut().expect("just set");
+        match block_on_timeout(&mut pending.answer, self.answer_timeout) {
+            Some(answer) => self.collect(answer),
+            None => Err(SyncError::Unresponsive { step, waited: self.answer_timeout }),
+        }
+    }
+
+    fn reset_with(&mut self, membership: Option<(usize, usize)>) -> Result<Resumption, SyncError> {
         let proposed = self.hook.open_step();
         self.pending = None;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let msg = SchedMsg::Reset { proposed, membership, reply: Reply::Blocking(tx) };
         self.sched.send(msg).map_err(|_| SyncError::Closed)?;
-        let agreed = self.await_answer(&rx, proposed)??;
+        let resumed = self.await_answer(&rx, proposed)??;
         self.epoch += 1;
         for shard in &self.shards {
-            shard.send(ShardMsg::Reset { step: agreed, epoch: self.epoch }).map_err(|_| SyncError::Closed)?;
+            shard.send(ShardMsg::Reset { step: resumed.step, epoch: self.epoch }).map_err(|_| SyncError::Closed)?;
         }
-        self.hook.reopen(agreed);
+        self.hook.reopen(resumed.step);
         self.failed = None;
-        Ok(agreed)
+        Ok(resumed)
     }
 
     /// Divide the sum of every step that has not begun by `divisor` (the

@@ -31,6 +31,9 @@ use crate::timeline::{Lane, TimelineEvent};
 impl<S: GradStore> Scheduler<S> {
     /// The caller ends the current step (finish, abort or join).
     pub(super) fn on_finish(&mut self, req: FinishRequest<S>) {
+        if matches!(self.lifecycle, Lifecycle::Failed(_)) {
+            self.salvage_end(req.step, req.end);
+        }
         if let Lifecycle::Failed(f) = &self.lifecycle {
             let err = if f.step == req.step {
                 f.error.clone()
@@ -48,6 +51,8 @@ impl<S: GradStore> Scheduler<S> {
         if !self.begin() {
             return req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "no bucket memory".into() }));
         }
+        // A step reduced again after a change of members starts with everything packed.
+        self.feed_redo();
         if self.cfg.record_timeline {
             self.step.timeline.push(TimelineEvent::instant("finish_step".into(), Lane::Backward, req.at));
         }

@@ -27,6 +27,7 @@ mod finish;
 mod launch;
 mod reorder;
 mod reset;
+mod salvage;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -43,13 +44,14 @@ use crate::arrival::{ParamId, Step};
 use crate::comm::{CommJob, CommPayload};
 use crate::error::{AllocError, CollectiveKind, CollectiveTag, Rejection, SyncError};
 use crate::messages::Setting;
-use crate::messages::{Reply, SchedMsg};
+use crate::messages::{Reply, Resumption, SchedMsg};
 use crate::plan::{BucketEnds, Plan};
 use crate::policy::{AbortPolicy, Divisor, Wire};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
 use reorder::OrderWatch;
 pub use reorder::{REORDER_AFTER, REORDER_MIN_GAIN, REORDER_MIN_SHARE};
+use salvage::Salvage;
 use step::{BufferPool, Failure, Lifecycle, Refusals, StepState};
 
 /// How many future steps' refusals are kept for their reports (beyond that,
@@ -134,7 +136,18 @@ pub struct Scheduler<S: GradStore = HostStore> {
     order: OrderWatch,
     /// Where the plan's buckets end, shared with the hooks that batch arrivals.
     bucket_ends: BucketEnds,
+    /// This rank's contribution to the failed step, under the partial
+    /// policy, for the members to reduce it again (`salvage.rs`).
+    salvage: Option<Salvage<S::Values>>,
+    /// The salvage the new members agreed to reduce again: fed into the
+    /// reopened step at the caller's `Finish`.
+    redo: Option<Salvage<S::Values>>,
+    /// A membership reset waiting for the failed step's last flush.
+    deferred_reset: Option<DeferredReset>,
 }
+
+/// A reset held back: its proposal, membership and reply.
+type DeferredReset = (Step, Option<(usize, usize)>, Reply<Result<Resumption, SyncError>>);
 
 impl<S: GradStore> Scheduler<S> {
     /// A scheduler for `plan` packing with `store`. Allocates one set of bucket
@@ -176,6 +189,9 @@ impl<S: GradStore> Scheduler<S> {
             spent: None,
             allocated,
             order: OrderWatch::default(),
+            salvage: None,
+            redo: None,
+            deferred_reset: None,
             bucket_ends,
         };
         let set = sched.allocate_set()?;
@@ -263,7 +279,8 @@ impl<S: GradStore> Scheduler<S> {
             _ => unreachable!("only Ready and Flushed are step messages"),
         };
         if self.failed() {
-            // The step is abandoned; a reset will open a new one.
+            // The step is abandoned (its salvage keeps what it needs); a reset will open a new one.
+            let Some(msg) = self.fold_into_salvage(msg) else { return };
             if let SchedMsg::Ready { param, values, .. } = msg {
                 self.recycle(param, values);
             }
@@ -413,16 +430,19 @@ impl<S: GradStore> Scheduler<S> {
     fn fail(&mut self, error: SyncError) {
         tracing::error!(rank = self.cfg.rank, step = self.step.step, %error, "gradsync step failed");
         self.next.clear();
+        let correcting = matches!(self.lifecycle, Lifecycle::Correcting(..));
         match std::mem::replace(&mut self.lifecycle, Lifecycle::Open) {
             Lifecycle::Flushing(f) | Lifecycle::Draining(f) | Lifecycle::Control(f) | Lifecycle::Correcting(f, _) => {
-                f.reply.send(Err(error.clone()))
+                f.reply.send(Err(error.clone()));
+                self.salvage_failed_step(correcting);
             }
+            // The failed step's salvage (if any) is still there.
             Lifecycle::Resetting(reply) => reply.send(Err(error.clone())),
             Lifecycle::Failed(first) => {
                 self.lifecycle = Lifecycle::Failed(first);
                 return;
             }
-            Lifecycle::Open => {}
+            Lifecycle::Open => self.salvage_failed_step(false),
         }
         self.lifecycle = Lifecycle::Failed(Failure { step: self.step.step, error });
     }

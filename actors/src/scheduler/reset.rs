@@ -9,7 +9,7 @@ use super::Scheduler;
 use crate::arrival::Step;
 use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag, CommError, SyncError};
-use crate::messages::Reply;
+use crate::messages::{Reply, Resumption};
 use crate::plan::Fnv;
 use crate::store::GradStore;
 
@@ -56,13 +56,24 @@ impl<S: GradStore> Scheduler<S> {
     /// this rank takes its new place first: the agreement runs among the new
     /// members, ranks that had joined (out of data) count again, and the plan
     /// is agreed again before the next bucket (a process that joined the job
-    /// proposes it for the first time).
+    /// proposes it for the first time). The vector then has a second half:
+    /// in its slot, the step this rank can contribute again (`salvage.rs`);
+    /// the members redo it only if every slot names the same step.
     pub(super) fn on_reset(
         &mut self,
         proposed: Step,
         membership: Option<(usize, usize)>,
-        reply: Reply<Result<Step, SyncError>>,
+        reply: Reply<Result<Resumption, SyncError>>,
     ) {
+        if membership.is_some() && self.salvage.as_ref().is_some_and(|s| s.flush_pending(self.cfg.shards)) {
+            // The caller finished the failed step; its shards are still forwarding it.
+            self.deferred_reset = Some((proposed, membership, reply));
+            return;
+        }
+        if membership.is_none() {
+            // A plain reset runs the batch again: nothing is redone.
+            self.drop_salvage();
+        }
         if let Some(req) = self.lifecycle.take_finish() {
             req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "reset requested".into() }));
         }
@@ -90,8 +101,12 @@ impl<S: GradStore> Scheduler<S> {
                 }
             }
         }
-        let mut words = vec![0u64; self.cfg.world];
+        let halves = if membership.is_some() { 2 } else { 1 };
+        let mut words = vec![0u64; self.cfg.world * halves];
         words[self.cfg.rank] = proposed + 1;
+        if let Some(salvage) = self.salvage.as_ref().filter(|s| membership.is_some() && s.complete(self.cfg.shards)) {
+            words[self.cfg.world + self.cfg.rank] = salvage.step + 1;
+        }
         // Identical on every rank whatever it proposes, so proposals never look like a desync.
         let tag = CollectiveTag { step: 0, kind: CollectiveKind::Reset { len: words.len() } };
         self.lifecycle = Lifecycle::Resetting(reply);
@@ -110,19 +125,32 @@ impl<S: GradStore> Scheduler<S> {
         };
         match result {
             Ok(words) => {
-                let agreed = words.iter().copied().max().unwrap_or(1).saturating_sub(1);
+                let world = self.cfg.world.min(words.len());
+                let (proposals, redo) = words.split_at(world);
+                let agreed = proposals.iter().copied().max().unwrap_or(1).saturating_sub(1);
+                // Every member can contribute the same failed step again, and
+                // none of them went past it: it is reduced among them.
+                let redo = match redo.first() {
+                    Some(&first) if first != 0 && redo.iter().all(|&w| w == first) => Some(first - 1),
+                    _ => None,
+                }
+                .filter(|&s| agreed == s + 1 && self.salvage.as_ref().is_some_and(|v| v.step == s));
+                match redo {
+                    Some(_) => self.redo = self.salvage.take(),
+                    None => self.drop_salvage(),
+                }
                 self.epoch += 1;
                 // A plan agreement that failed is run again when the next step begins.
                 self.plan_proposed &= self.plan_agreed;
                 let contributors = self.cfg.world - self.joined;
                 self.step = StepState::new(
-                    agreed,
+                    redo.unwrap_or(agreed),
                     self.plan.num_params(),
                     self.plan.num_buckets(),
                     contributors,
                     self.cfg.divisor,
                 );
-                reply.send(Ok(agreed));
+                reply.send(Ok(Resumption { step: agreed, redo }));
             }
             Err(e) => {
                 let error = SyncError::from(e);

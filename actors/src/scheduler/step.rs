@@ -20,7 +20,8 @@ use crate::timeline::TimelineEvent;
 ///   │                                                   late/retract? ──▶ Correcting
 ///   │                            complete (result sent, next step opens)      │
 ///   └─────────────────────────────────────────────────────────────────────────┘
-///  any collective fails ──▶ Failed ──Reset──▶ Resetting ──agreed──▶ Open (agreed step)
+///  any collective fails ──▶ Failed ──Reset──▶ Resetting ──agreed──▶ Open (agreed step,
+///                                                     or the failed step again: salvage.rs)
 /// ```
 ///
 /// "Done" is not a resting state: completing a step sends its result and
@@ -42,7 +43,7 @@ pub(crate) enum Lifecycle<S: GradStore> {
     /// A collective failed: every request is answered with the failure until a reset.
     Failed(Failure),
     /// A reset's agreement collective is in flight.
-    Resetting(Reply<Result<Step, SyncError>>),
+    Resetting(Reply<Result<crate::messages::Resumption, SyncError>>),
 }
 
 impl<S: GradStore> Lifecycle<S> {

@@ -17,7 +17,7 @@ use crate::bucket_buf::{BucketBuf, WriteMode};
 use crate::comm::{CommDone, CommJob, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
 use crate::gradients::StepResult;
-use crate::messages::{FinishRequest, Readiness, Reply, SchedMsg, Setting, ShardSummary, StepEnd};
+use crate::messages::{FinishRequest, Readiness, Reply, Resumption, SchedMsg, Setting, ShardSummary, StepEnd};
 use crate::plan::{ParamSpec, Plan};
 use crate::policy::{AbortPolicy, Divisor, Wire};
 use crate::report::{AbortReason, Outcome};
@@ -467,7 +467,7 @@ fn a_failure_poisons_until_a_reset_agrees_on_the_restart_step() {
     assert_eq!(words, &vec![2, 0]);
     words[1] = 3; // rank 1 proposes step 2
     r.done(agreement);
-    assert_eq!(agreed.try_recv().unwrap(), Ok(2));
+    assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 2, redo: None }));
     assert_eq!((r.sched.phase(), r.sched.current_step()), ("open", 2));
     r.inc(2, 0, 5.0); // sent by the actors before their reset: dropped
     r.no_job();
@@ -517,16 +517,111 @@ fn a_membership_reset_agrees_among_the_new_members_and_then_on_the_plan() {
     let (tx, agreed) = mpsc::sync_channel(1);
     r.send(SchedMsg::Reset { proposed: 1, membership: Some((1, 2)), reply: Reply::Blocking(tx) });
     let mut agreement = r.job();
-    assert_eq!(kind(&agreement), CollectiveKind::Reset { len: 2 }, "two members now");
+    assert_eq!(kind(&agreement), CollectiveKind::Reset { len: 4 }, "two members now (and the redo half)");
     let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
-    assert_eq!(words, &vec![0, 2], "rank 2 is rank 1 now");
+    assert_eq!(words, &vec![0, 2, 0, 0], "rank 2 is rank 1 now; under the skip policy nothing to redo");
     words[0] = 2;
     r.done(agreement);
-    assert_eq!(agreed.try_recv().unwrap(), Ok(1));
+    assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 1, redo: None }));
     (r.world, r.rank, r.epoch) = (2, 1, 1);
     assert!(r.sched.begin(), "the step begins");
     let plan = r.job();
     assert_eq!(kind(&plan), CollectiveKind::Plan { len: 2 }, "the plan is agreed again, among two");
+}
+
+/// A rank of three under the partial policy loses a peer while step 0's
+/// first bucket is in flight; after the failure the rest of its backward
+/// still arrives (a late increment of p1, all of p0), then the flush and the
+/// caller's finish. Returns the rank (now rank 1 of 2) and the reset's
+/// agreement job.
+fn lose_a_peer_mid_step() -> (Rank, CommJob, mpsc::Receiver<Result<Resumption, SyncError>>) {
+    let mut r = rank_with(3, 2, &[2, 2], 8, AbortPolicy::Partial, Divisor::Contributors);
+    r.agree_plan();
+    r.inc(0, 1, 6.0); // bucket 0 = p1, launched
+    let bucket = r.job();
+    r.ready(0, 1, 1, PayloadKind::Increment, 1.0, Readiness::Extra); // late, before the failure
+    r.fail(
+        bucket,
+        CommError::PeerGone {
+            rank: 2,
+            peer: 1,
+            tag: CollectiveTag { step: 0, kind: CollectiveKind::Bucket { index: 0, numel: 2 } },
+        },
+    );
+    assert_eq!(r.sched.phase(), "failed");
+    r.inc(0, 0, 4.0); // backward goes on after the failure
+    r.ready(0, 1, 2, PayloadKind::Increment, 0.5, Readiness::Extra);
+    let failed = r.end(0, StepEnd::Finish);
+    assert!(failed.try_recv().unwrap().is_err(), "the caller learns the step failed");
+    let (tx, agreed) = mpsc::sync_channel(1);
+    r.send(SchedMsg::Reset { proposed: 1, membership: Some((1, 2)), reply: Reply::Blocking(tx) });
+    r.no_job(); // the shard has not flushed step 0 yet: the reset waits for it
+    r.flushed(0, &[0, 1]);
+    let agreement = r.job();
+    (r.world, r.rank, r.epoch) = (2, 1, 1);
+    (r, agreement, agreed)
+}
+
+/// Invariant (partial policy, a member lost mid-step): every new member
+/// kept its whole contribution to the failed step, so they reduce it again
+/// among themselves: the result is the exact average over the survivors
+/// (nothing of the lost member, nothing summed twice).
+#[test]
+fn a_step_failed_by_a_lost_member_is_reduced_again_among_the_survivors() {
+    let (mut r, mut agreement, agreed) = lose_a_peer_mid_step();
+    assert_eq!(kind(&agreement), CollectiveKind::Reset { len: 4 });
+    let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
+    assert_eq!(words, &vec![0, 2, 0, 1], "proposes step 1; can redo step 0");
+    words[0] = 2;
+    words[2] = 1; // the other survivor can redo step 0 too
+    r.done(agreement);
+    assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 1, redo: Some(0) }));
+    assert_eq!(r.sched.current_step(), 0, "step 0 again");
+    let answer = r.end(0, StepEnd::Finish); // the runtime's redo: no new arrival
+    let plan = r.job();
+    assert_eq!(kind(&plan), CollectiveKind::Plan { len: 2 }, "among the two survivors first");
+    let mut plan = plan;
+    let CommPayload::Words(w) = &mut plan.payload else { panic!() };
+    mirror_vote(w, 2, 1);
+    r.done(plan);
+    let b0 = r.job();
+    let CommPayload::Grads(buf) = &b0.payload else { panic!() };
+    assert_eq!(buf.piece(0), &[7.5, 7.5], "p1: packed 6 + late 1 + 0.5 after the failure");
+    assert_eq!(b0.factor, 0.5, "averaged over the two survivors");
+    r.reduce_bucket(b0, (7.5 + 2.5) / 2.0);
+    let b1 = r.job();
+    let CommPayload::Grads(buf) = &b1.payload else { panic!() };
+    assert_eq!(buf.piece(0), &[4.0, 4.0], "p0 arrived after the failure");
+    r.reduce_bucket(b1, (4.0 + 2.0) / 2.0);
+    let control = r.job();
+    let (none, both) = ([false; 2], [true; 2]);
+    r.control(control, &[Peer { retract: Some(&none), ..peer(0, RankStatus::Finished, &none, &both) }]);
+    let result = answer.try_recv().unwrap().unwrap();
+    assert_eq!(
+        (result.report.step, result.report.outcome.clone(), result.report.contributors),
+        (0, Outcome::Applied, 2)
+    );
+    assert_eq!(values(&result, r.p(1)), Some(vec![5.0, 5.0]));
+    assert_eq!(values(&result, r.p(0)), Some(vec![3.0, 3.0]));
+    assert_eq!((r.sched.phase(), r.sched.current_step()), ("open", 1));
+}
+
+/// Invariant: if any new member cannot redo the same step (it had applied
+/// it before the loss and failed in the next one), every member skips:
+/// never a mix of redone and skipped.
+#[test]
+fn a_redo_needs_every_member_to_offer_the_same_step() {
+    let (mut r, mut agreement, agreed) = lose_a_peer_mid_step();
+    let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
+    words[0] = 3;
+    words[2] = 2; // the other survivor applied step 0 and lost step 1
+    r.done(agreement);
+    assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 2, redo: None }));
+    assert_eq!((r.sched.phase(), r.sched.current_step()), ("open", 2));
+    r.epoch = 1;
+    r.inc(2, 0, 1.0);
+    let plan = r.job();
+    assert_eq!(kind(&plan), CollectiveKind::Plan { len: 2 }, "a fresh step 2, nothing of step 0 in it");
 }
 
 /// Invariant: a desync names the ranks outside the majority, even when
