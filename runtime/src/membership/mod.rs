@@ -2,8 +2,9 @@
 //! epoch, and how they agree to change that when one is lost or one joins.
 //!
 //! The state lives in a key-value store that outlives every training
-//! process (torch's `TCPStore` hosted by gradsync's supervisor, or any store
-//! with an atomic compare-and-set: [`KvStore`]), never in rank 0. What flows:
+//! process (torch's `TCPStore` hosted by gradsync's supervisor, an etcd
+//! cluster ([`EtcdStore`]), or any store with an atomic compare-and-set:
+//! [`KvStore`]), never in rank 0. What flows:
 //!
 //! ```text
 //! every member ── Monitor (own thread) ── beat/{id} += 1 every beat ──▶ store
@@ -29,11 +30,13 @@
 //! after a change is decided on that group (see `gradsync.torch.elastic`).
 
 mod agreement;
+mod etcd;
 mod monitor;
 mod roster;
 mod store;
 
 pub use agreement::{Agreement, Timing};
+pub use etcd::EtcdStore;
 pub use monitor::{Canceller, Monitor};
 pub use roster::{Roster, Tally};
 pub use store::{KvStore, MemoryStore, StoreError};

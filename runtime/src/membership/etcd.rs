@@ -1,0 +1,316 @@
+//! [`EtcdStore`]: a job's membership in etcd (v3), where a user runs one.
+//!
+//! ```text
+//! Agreement / Monitor ── KvStore ──▶ EtcdStore ── POST /v3/kv/{range,put,txn,deleterange}
+//!                                        (JSON, keys and values base64) ──▶ etcd cluster
+//! ```
+//!
+//! etcd serves its gRPC API as JSON over plain HTTP too (the gateway every
+//! etcd 3.4+ server runs), so no gRPC stack is needed: one small blocking
+//! HTTP client per store. Every key lives under the store's prefix.
+//! Compare-and-set and add are etcd transactions (`add` retries while
+//! another writer changes the key), so they are linearizable like the rest.
+//! Several endpoints (the members of an etcd cluster) are tried in turn.
+
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use serde_json::{json, Value};
+
+use super::store::{KvStore, StoreError};
+
+/// How many times `add` retries a transaction another writer raced.
+const ADD_ATTEMPTS: usize = 1000;
+
+/// A [`KvStore`] over an etcd cluster's v3 JSON gateway. Clones share the
+/// HTTP connection pool.
+#[derive(Clone)]
+pub struct EtcdStore {
+    /// `http://host:port` of each cluster member, tried in order.
+    endpoints: Vec<String>,
+    /// Prepended to every key (`{prefix}/{key}`).
+    prefix: String,
+    agent: ureq::Agent,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore").field("endpoints", &self.endpoints).field("prefix", &self.prefix).finish()
+    }
+}
+
+impl EtcdStore {
+    /// A store on the etcd cluster at `endpoints` (`host:port` or
+    /// `http://host:port`, comma-separated), keys under `prefix`; each
+    /// request may take `timeout`.
+    pub fn connect(endpoints: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let endpoints: Vec<String> = endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| e.strip_prefix("etcd://").unwrap_or(e))
+            .map(|e| if e.contains("://") { e.trim_end_matches('/').to_string() } else { format!("http://{e}") })
+            .collect();
+        if endpoints.is_empty() {
+            return Err(StoreError("no etcd endpoint given: pass host:port (comma-separated for a cluster)".into()));
+        }
+        if let Some(tls) = endpoints.iter().find(|e| e.starts_with("https://")) {
+            return Err(StoreError(format!("{tls}: only plain-HTTP etcd endpoints are supported (no TLS client)")));
+        }
+        let agent = ureq::AgentBuilder::new().timeout(timeout).build();
+        let store = EtcdStore { endpoints, prefix: prefix.trim_end_matches('/').to_string(), agent };
+        // Fail now, naming the endpoints, rather than at the first protocol step.
+        store.get("")?;
+        Ok(store)
+    }
+
+    /// The endpoints, as `http://host:port`.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    fn key(&self, key: &str) -> String {
+        B64.encode(format!("{}/{key}", self.prefix))
+    }
+
+    /// POST `body` to `path` on the first endpoint that answers.
+    fn call(&self, path: &str, body: Value) -> Result<Value, StoreError> {
+        let mut failures = Vec::new();
+        for endpoint in &self.endpoints {
+            match self.agent.post(&format!("{endpoint}{path}")).send_string(&body.to_string()) {
+                Ok(response) => {
+                    let text = response.into_string().map_err(|e| StoreError(format!("etcd {endpoint}{path}: {e}")))?;
+                    return serde_json::from_str(&text)
+                        .map_err(|e| StoreError(format!("etcd {endpoint}{path}: not JSON ({e}): {text}")));
+                }
+                Err(ureq::Error::Status(code, response)) => {
+                    let text = response.into_string().unwrap_or_default();
+                    return Err(StoreError(format!("etcd {endpoint}{path} answered {code}: {text}")));
+                }
+                Err(e) => failures.push(format!("{endpoint}: {e}")),
+            }
+        }
+        Err(StoreError(format!("no etcd endpoint answered ({}); is etcd running there?", failures.join("; "))))
+    }
+
+    /// The value and modification revision at `key`, if present.
+    fn read(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, StoreError> {
+        let answer = self.call("/v3/kv/range", json!({ "key": self.key(key) }))?;
+        first_kv(&answer["kvs"])
+    }
+
+    /// Delete `key`; whether it was there.
+    pub fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        let answer = self.call("/v3/kv/deleterange", json!({ "key": self.key(key) }))?;
+        Ok(count(&answer["deleted"]) > 0)
+    }
+
+    /// How many keys the store holds under its prefix.
+    pub fn count(&self) -> Result<u64, StoreError> {
+        let start = format!("{}/", self.prefix);
+        let mut end = start.clone().into_bytes();
+        *end.last_mut().expect("the prefix ends with '/'") += 1;
+        let answer = self.call(
+            "/v3/kv/range",
+            json!({ "key": B64.encode(&start), "range_end": B64.encode(end), "count_only": true }),
+        )?;
+        Ok(count(&answer["count"]))
+    }
+
+    /// Put `desired` if the transaction's `compare` holds; returns whether
+    /// it did and, if not, what `key` holds.
+    fn put_if(&self, key: &str, compare: Value, desired: &[u8]) -> Result<(bool, Option<Vec<u8>>), StoreError> {
+        let k = self.key(key);
+        let answer = self.call(
+            "/v3/kv/txn",
+            json!({
+                "compare": [compare],
+                "success": [{ "request_put": { "key": k, "value": B64.encode(desired) } }],
+                "failure": [{ "request_range": { "key": k } }],
+            }),
+        )?;
+        if answer["succeeded"].as_bool() == Some(true) {
+            return Ok((true, None));
+        }
+        let current = first_kv(&answer["responses"][0]["response_range"]["kvs"])?.map(|(v, _)| v);
+        Ok((false, current))
+    }
+
+    fn absent(&self, key: &str) -> Value {
+        json!({ "key": self.key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0" })
+    }
+}
+
+/// An int64 of the gateway's JSON (a string, or absent for 0).
+fn count(v: &Value) -> u64 {
+    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64()).unwrap_or(0)
+}
+
+/// The first key-value of a `kvs` list: its value and mod revision.
+fn first_kv(kvs: &Value) -> Result<Option<(Vec<u8>, String)>, StoreError> {
+    let Some(kv) = kvs.as_array().and_then(|a| a.first()) else { return Ok(None) };
+    let value = match kv["value"].as_str() {
+        Some(v) => B64.decode(v).map_err(|e| StoreError(format!("etcd sent a value that is not base64: {e}")))?,
+        None => Vec::new(),
+    };
+    let revision = match &kv["mod_revision"] {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    Ok(Some((value, revision)))
+}
+
+impl KvStore for EtcdStore {
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        for _ in 0..ADD_ATTEMPTS {
+            let (now, compare) = match self.read(key)? {
+                None => (delta, self.absent(key)),
+                Some((value, revision)) => {
+                    let current = std::str::from_utf8(&value)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<i64>().ok())
+                        .ok_or_else(|| StoreError(format!("{key} does not hold an integer")))?;
+                    let compare =
+                        json!({ "key": self.key(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision });
+                    (current + delta, compare)
+                }
+            };
+            if self.put_if(key, compare, now.to_string().as_bytes())?.0 {
+                return Ok(now);
+            }
+        }
+        Err(StoreError(format!("add to {key}: {ADD_ATTEMPTS} writers raced it; the store is overloaded")))
+    }
+
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.call("/v3/kv/put", json!({ "key": self.key(key), "value": B64.encode(value) }))?;
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.read(key)?.map(|(v, _)| v))
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
+        let compare = if expected.is_empty() {
+            self.absent(key)
+        } else {
+            json!({ "key": self.key(key), "target": "VALUE", "result": "EQUAL", "value": B64.encode(expected) })
+        };
+        match self.put_if(key, compare, desired)? {
+            (true, _) => Ok(desired.to_vec()),
+            (false, current) => Ok(current.unwrap_or_default()),
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::membership::{Agreement, Timing};
+    use std::net::TcpListener;
+    use std::process::{Child, Command, Stdio};
+    use std::time::Instant;
+
+    /// An etcd server of this test's own on loopback (a fresh data
+    /// directory), stopped when dropped; `None` (the test says why and
+    /// returns) when no etcd binary is found: `GRADSYNC_ETCD`, or `etcd`
+    /// on the PATH (`scripts/etcd.sh` unpacks Debian's).
+    pub(crate) struct Etcd {
+        child: Child,
+        dir: std::path::PathBuf,
+        pub(crate) endpoint: String,
+    }
+
+    impl Drop for Etcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    pub(crate) fn etcd() -> Option<Etcd> {
+        let binary = std::env::var("GRADSYNC_ETCD").unwrap_or_else(|_| "etcd".into());
+        let (client, peer) = (port(), port());
+        let dir = std::env::temp_dir().join(format!("gradsync-etcd-{}-{client}", std::process::id()));
+        let (c, p) = (format!("http://127.0.0.1:{client}"), format!("http://127.0.0.1:{peer}"));
+        let child = Command::new(&binary)
+            .args(["--data-dir", dir.to_str().unwrap(), "--listen-client-urls", &c, "--advertise-client-urls", &c])
+            .args(["--listen-peer-urls", &p, "--initial-advertise-peer-urls", &p])
+            .args(["--initial-cluster", &format!("default={p}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let Ok(child) = child else {
+            eprintln!("SKIPPED: no etcd binary ({binary}); run scripts/test, which unpacks Debian's etcd-server");
+            return None;
+        };
+        let etcd = Etcd { child, dir, endpoint: format!("127.0.0.1:{client}") };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while EtcdStore::connect(&etcd.endpoint, "probe", Duration::from_secs(1)).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not start within 20 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(etcd)
+    }
+
+    #[test]
+    fn etcd_keeps_the_store_semantics_the_protocol_needs() {
+        let Some(etcd) = etcd() else { return };
+        let s = EtcdStore::connect(&etcd.endpoint, "job", Duration::from_secs(5)).unwrap();
+        assert_eq!(s.get("k").unwrap(), None);
+        assert_eq!(s.compare_set("k", b"", b"a").unwrap(), b"a");
+        assert_eq!(s.compare_set("k", b"", b"b").unwrap(), b"a", "the second proposal reads the winner");
+        assert_eq!(s.compare_set("k", b"a", b"c").unwrap(), b"c");
+        assert_eq!(s.compare_set("absent", b"x", b"y").unwrap(), b"", "an absent key is not an expected value");
+        assert_eq!(s.add("n", 0).unwrap(), 0);
+        assert_eq!(s.add("n", 3).unwrap(), 3);
+        s.set("t", b"word").unwrap();
+        assert!(s.add("t", 1).is_err());
+        assert!(s.delete("t").unwrap() && !s.delete("t").unwrap());
+        let other = EtcdStore::connect(&etcd.endpoint, "other-job", Duration::from_secs(5)).unwrap();
+        assert_eq!(other.get("k").unwrap(), None, "prefixes keep jobs apart");
+        assert_eq!(s.count().unwrap(), 2, "k and n (t was deleted; the connection probe writes nothing)");
+    }
+
+    #[test]
+    fn concurrent_adds_are_linearizable() {
+        let Some(etcd) = etcd() else { return };
+        let s = EtcdStore::connect(&etcd.endpoint, "job", Duration::from_secs(5)).unwrap();
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let s = s.clone();
+                std::thread::spawn(move || (0..25).map(|_| s.add("n", 1).unwrap()).collect::<Vec<_>>())
+            })
+            .collect();
+        let mut seen: Vec<i64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (1..=100).collect::<Vec<_>>(), "every add saw a distinct value");
+    }
+
+    #[test]
+    fn the_membership_protocol_runs_over_etcd() {
+        let Some(etcd) = etcd() else { return };
+        let store = || EtcdStore::connect(&etcd.endpoint, "", Duration::from_secs(5)).unwrap();
+        let timing = Timing { suspect_grace: Duration::from_millis(50), ..Timing::default() };
+        let mut members: Vec<_> = (0..3).map(|m| Agreement::new(store(), "job", m, timing)).collect();
+        for a in &mut members {
+            a.start(vec![0, 1, 2]).unwrap();
+        }
+        Agreement::obituary(&store(), "job", 1).unwrap();
+        let survivors: Vec<_> = members
+            .into_iter()
+            .filter(|a| a.me() != 1)
+            .map(|mut a| std::thread::spawn(move || a.recover(&[1], Vec::new).cloned().unwrap()))
+            .collect();
+        let rosters: Vec<_> = survivors.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(rosters[0], rosters[1], "one roster for every survivor");
+        assert_eq!((rosters[0].epoch, rosters[0].members.clone(), rosters[0].lost.clone()), (1, vec![0, 2], vec![1]));
+    }
+}
