@@ -89,17 +89,17 @@ def loss_of(model, tokens):
 
 def replay(base, data, history, batch, first_world, fixed):
     """One process, the same history: each applied step's gradient is the sum
-    of the per-rank mean gradients of the ranks present (their shards, in
-    rank order, as the all-reduce adds them) divided by the ranks present
+    of the per-rank mean gradients of the ranks in its sum (their shards, in
+    rank order, as the all-reduce adds them) divided by how many they are
     (fixed: by the first world size)."""
     model = copy.deepcopy(base)
     model.recompute = False
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step, world, _contributors in history:
+    for step, _world, _contributors, ranks in history:
         opt.zero_grad()
-        for rank in range(world):
+        for rank in ranks:
             loss_of(model, shard(data, step, rank, batch)).backward()
-        divisor = first_world if fixed else world
+        divisor = first_world if fixed else len(ranks)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(divisor)
@@ -211,7 +211,7 @@ def check(args, elastic, model, base, data, loss, applied_at):
         reference = replay(base, data, elastic.history, args.batch, elastic.first_world, args.fixed_global_batch)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()
-        worlds = [w for _, w, _ in elastic.history]
+        worlds = [len(ranks) for *_, ranks in elastic.history]
         changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
         ok = identical and loss is not None and math.isfinite(loss.item()) and diff <= TOLERANCE
         print(f"replicas: {elastic.world} members, parameters {'bitwise identical' if identical else 'DIFFER'} "

@@ -262,11 +262,13 @@ class ModelSync:
             if self.elastic is None:
                 raise
             # A member was lost: the survivors agree on who goes on, move to
-            # their group, and skip this step on every one of them.
-            self.elastic._recover(self, error)
-            self.framework.clear()
-            self.new_step()
-            return None
+            # their group, and skip this step on every one of them (or,
+            # under the partial policy, apply it reduced among them).
+            result = self.elastic._recover(self, error)
+            if result is None:
+                self.framework.clear()
+                self.new_step()
+                return None
         return self.apply(result)
 
     def finish_step(self):

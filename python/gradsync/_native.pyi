@@ -102,9 +102,13 @@ class Session:
     def join(self) -> tuple[int, int]: ...
     def shadow_step(self) -> StepReport:
         """Contribute zeros to the other ranks' open step (one step of ``join``)."""
-    def reset(self, rank: Optional[int] = None, world: Optional[int] = None) -> int:
-        """After a failed step, on every rank: agree on the step to continue at;
-        with ``rank`` and ``world``, among an elastic job's new members."""
+    def reset(self) -> int:
+        """After a failed step, on every rank: agree on the step to continue at."""
+    def resume(self, rank: int, world: int) -> tuple[int, Optional[Step]]:
+        """An elastic job's members changed (this process is ``rank`` of
+        ``world`` now): agree among them on the step to continue at; with it,
+        under the partial policy, the failed step reduced again among them
+        (``None``: skipped on every member)."""
     def set_divisor(self, divisor: Union[str, int]) -> None:
         """Divide every step that has not begun by ``divisor`` (``"contributors"``,
         ``"world"``, ``"sum"`` or an integer); every rank at the same point."""
@@ -116,7 +120,8 @@ class Session:
 
 class Membership:
     """One process's membership in an elastic job (the runtime's protocol
-    over the job's store; see ``gradsync.torch.elastic``). Rosters are dicts
+    over the job's store: a ``_collectives.StoreClient`` of torch's store, or
+    an :class:`EtcdClient`; see ``gradsync.torch.elastic``). Rosters are dicts
     with ``epoch``, ``members`` (ids in rank order), ``lost``, ``joined``
     and ``joiners_seen``; failures raise ``gradsync.MembershipError``."""
 
@@ -158,6 +163,29 @@ class Membership:
     @staticmethod
     def obituary(table: int, client: Any, prefix: str, member: int) -> None:
         """Record that ``member``'s process was reaped (the supervisor calls it)."""
+
+class EtcdClient:
+    """A client of an etcd cluster (v3, its JSON gateway over plain HTTP),
+    every key under ``prefix``; an elastic job's store (``client`` of
+    :class:`Membership`). Failures raise ``gradsync.MembershipError``."""
+
+    def __init__(self, endpoints: str, prefix: str = "", timeout_s: float = 30.0) -> None: ...
+    def with_prefix(self, prefix: str) -> "EtcdClient":
+        """A client of the same cluster, keys under ``prefix``."""
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> Optional[bytes]:
+        """The value at ``key``, or ``None`` (never waits)."""
+    def add(self, key: str, delta: int) -> int:
+        """Add ``delta`` to the integer at ``key`` (absent: 0); the new value."""
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (empty: absent); what it holds afterwards."""
+    def delete(self, key: str) -> bool: ...
+    def count(self) -> int:
+        """Keys under this client's prefix."""
+    def wait(self, keys: list[str], timeout_s: float) -> bool:
+        """Whether every key appeared within ``timeout_s``."""
+    @property
+    def endpoints(self) -> str: ...
 
 class ArrivalSink:
     """A session's arrival entry for the C++ hooks (``gradsync.torch._arrivals``);

@@ -18,6 +18,11 @@ with 0 when its workers finished the job, with 3 when every one of them left
 a job that went on without them (``EXIT_LEFT``), else 1. (torchrun's agent
 cannot do this: on any failure it stops every worker of the job and starts
 them all again, and its c10d rendezvous store lives in one agent.)
+
+etcd: ``--store etcd://HOST:PORT[,HOST:PORT...]`` keeps the job's
+membership (and the rendezvous of every epoch's process groups) in an etcd
+cluster instead (see :mod:`gradsync.torch.etcd`); no supervisor then holds
+anything the others need, and ``--store-only`` is not needed.
 """
 
 import argparse
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from gradsync.torch.elastic import ENV_FIRST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE, EXIT_LEFT
+from gradsync.torch.elastic import ENV_FIRST, ENV_HOST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE, EXIT_LEFT
 
 
 def _describe(code):
@@ -49,12 +54,14 @@ class Supervisor:
 
         from gradsync._native import Membership
         from gradsync.torch import _shim
+        from gradsync.torch.etcd import EtcdStore
 
         shim, why = _shim.load("collectives")
         if shim is None:
             sys.exit(f"gradsync launch: {why}")
         self._obituary = Membership.obituary
-        self._table, self._client = shim.table(), shim.StoreClient(store)
+        self._table = shim.table()
+        self._client = store.client if isinstance(store, EtcdStore) else shim.StoreClient(store)
         self.args = args
         self.store = store
         self.address = address
@@ -71,7 +78,7 @@ class Supervisor:
     def _start(self, member, join):
         env = dict(os.environ)
         env.update({ENV_STORE: self.address, ENV_JOB: self.args.job, ENV_MEMBER: str(member),
-                    ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0"})
+                    ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0", ENV_HOST: self.args.host})
         env.setdefault("OMP_NUM_THREADS", "1")
         command = [sys.executable, "-u", self.args.script, *self.args.script_args]
         self.workers[member] = subprocess.Popen(command, env=env)
@@ -136,9 +143,12 @@ def main(argv=None):
     parser.add_argument("--nproc", type=int, default=1, help="workers on this machine")
     parser.add_argument("--rejoin", action="store_true", help="start a replacement for a worker that dies")
     parser.add_argument("--max-rejoins", type=int, default=100, help="replacements at most (default 100)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to host the store on (default loopback)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="this machine's address: the store is hosted there, and (etcd) the rendezvous of an "
+                        "epoch whose first member runs here (default loopback)")
     parser.add_argument("--port", type=int, default=29510, help="port of the hosted store (default 29510)")
-    parser.add_argument("--store", metavar="HOST:PORT", help="use the store another supervisor hosts")
+    parser.add_argument("--store", metavar="HOST:PORT",
+                        help="use the store another supervisor hosts, or etcd://HOST:PORT[,HOST:PORT...] (an etcd cluster)")
     parser.add_argument("--store-only", action="store_true", help="only host the store (several machines)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index (several machines)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job's first membership")
@@ -153,7 +163,18 @@ def main(argv=None):
 
     import torch.distributed as dist
 
-    if args.store:
+    from gradsync.torch.etcd import EtcdStore, is_etcd
+
+    if args.store and is_etcd(args.store):
+        if args.store_only:
+            parser.error("--store-only hosts a TCPStore; an etcd cluster needs no host from gradsync")
+        try:
+            store = EtcdStore(args.store, timeout=60)
+        except Exception as e:  # MembershipError: etcd unreachable
+            sys.exit(f"gradsync launch: {e}")
+        address = args.store
+        print(f"gradsync launch: the job's store is etcd at {args.store[len('etcd://'):]}", file=sys.stderr, flush=True)
+    elif args.store:
         host, _, port = args.store.rpartition(":")
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
         address = args.store

@@ -35,6 +35,7 @@ mod arrivals;
 mod closing;
 mod collectives;
 mod errors;
+mod etcd;
 mod membership;
 mod memory;
 mod params;
@@ -74,6 +75,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<report::StepReport>()?;
     m.add_class::<arrivals::ArrivalSink>()?;
     m.add_class::<membership::Membership>()?;
+    m.add_class::<etcd::EtcdClient>()?;
     m.add_function(wrap_pyfunction!(install_prometheus, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(closing::wait_for_closing, m)?)?;

@@ -1,5 +1,6 @@
 //! [`Membership`]: the runtime's membership protocol (`gradsync_runtime::membership`)
-//! for one process of an elastic job, over torch's store.
+//! for one process of an elastic job, over torch's store or an etcd cluster
+//! ([`EtcdClient`]).
 //!
 //! ```text
 //! gradsync.torch.elastic ── Membership(table, store clients, cancel, prefix, me)
@@ -16,13 +17,14 @@ use std::ffi::c_char;
 use std::time::Duration;
 
 use gradsync_runtime::membership::{
-    Agreement, Canceller, KvStore, MemberId, MembershipError, Monitor, Roster, StoreError, Timing,
+    Agreement, Canceller, EtcdStore, KvStore, MemberId, MembershipError, Monitor, Roster, StoreError, Timing,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::collectives::{error_text, message, Table};
 use crate::errors;
+use crate::etcd::EtcdClient;
 
 /// Bytes read back from the store per value before retrying with the full length.
 const VALUE_BYTES: usize = 4096;
@@ -142,6 +144,53 @@ impl KvStore for ShimStore {
     }
 }
 
+/// The job's store: torch's (through the shim) or an etcd cluster.
+#[derive(Clone)]
+enum JobStore {
+    Shim(ShimStore),
+    Etcd(EtcdStore),
+}
+
+impl JobStore {
+    /// `client`: an [`EtcdClient`], or a `_collectives.StoreClient` (used through `table`).
+    fn of(py: Python<'_>, table: &'static Table, client: &Py<PyAny>) -> PyResult<Self> {
+        if let Ok(etcd) = client.bind(py).cast::<EtcdClient>() {
+            return Ok(JobStore::Etcd(etcd.get().store.clone()));
+        }
+        Ok(JobStore::Shim(ShimStore { table, client: address(py, client)? }))
+    }
+}
+
+impl KvStore for JobStore {
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        match self {
+            JobStore::Shim(s) => s.add(key, delta),
+            JobStore::Etcd(s) => s.add(key, delta),
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        match self {
+            JobStore::Shim(s) => s.set(key, value),
+            JobStore::Etcd(s) => s.set(key, value),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        match self {
+            JobStore::Shim(s) => s.get(key),
+            JobStore::Etcd(s) => s.get(key),
+        }
+    }
+
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
+        match self {
+            JobStore::Shim(s) => s.compare_set(key, expected, desired),
+            JobStore::Etcd(s) => s.compare_set(key, expected, desired),
+        }
+    }
+}
+
 /// One process's membership in an elastic job (see the module docs). Built
 /// by `gradsync.torch.elastic`; its methods release the interpreter while
 /// they wait on the store.
@@ -149,7 +198,7 @@ impl KvStore for ShimStore {
 pub struct Membership {
     // Dropped first: the monitor's thread uses `monitor_client` and `cancel`.
     monitor: Option<Monitor>,
-    agreement: Agreement<ShimStore>,
+    agreement: Agreement<JobStore>,
     table: &'static Table,
     prefix: String,
     beat: Duration,
@@ -200,7 +249,7 @@ impl Membership {
             m.follow(roster);
             return Ok(());
         }
-        let store = ShimStore { table: self.table, client: address(py, &self.monitor_client)? };
+        let store = JobStore::of(py, self.table, &self.monitor_client)?;
         let (table, cancel) = (self.table, address(py, &self.cancel)?);
         // SAFETY: `cancel` is the address of the shim's `Cancel`, alive while
         // this Membership (which stops the monitor first) holds it.
@@ -240,7 +289,7 @@ impl Membership {
 #[pymethods]
 impl Membership {
     /// Member `me` of the job whose records are under `prefix` in the store
-    /// of `client` (a `_collectives.StoreClient`); `monitor_client` is a
+    /// of `client` (a `_collectives.StoreClient`, or an `EtcdClient`); `monitor_client` is a
     /// second connection for the liveness monitor, `cancel` the shim's
     /// `Cancel` its endpoints were built with, `table` the shim's table.
     /// A member is lost when silent for `liveness_s` (its heartbeat checked
@@ -279,7 +328,7 @@ impl Membership {
         let beat = positive("beat_s", beat_s)?;
         // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
         let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
-        let store = ShimStore { table, client: address(py, &client)? };
+        let store = JobStore::of(py, table, &client)?;
         Ok(Membership {
             monitor: None,
             agreement: Agreement::new(store, prefix.clone(), me, timing),
@@ -369,7 +418,7 @@ impl Membership {
     fn obituary(py: Python<'_>, table: usize, client: Py<PyAny>, prefix: &str, member: MemberId) -> PyResult<()> {
         // SAFETY: as in `new`.
         let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
-        let store = ShimStore { table, client: address(py, &client)? };
+        let store = JobStore::of(py, table, &client)?;
         py.detach(|| Agreement::obituary(&store, prefix, member)).map_err(|e| membership_error(py, &e))
     }
 }

@@ -304,20 +304,25 @@ impl Session {
     }
 
     /// After a failed step, on every rank: agree on the step to continue at.
-    /// With `rank` and `world` (an elastic job whose members changed; the
-    /// communicator already holds its new place), the agreement runs among
-    /// the new members, and the plan is agreed again among them.
-    #[pyo3(signature = (rank = None, world = None))]
-    fn reset(&mut self, py: Python<'_>, rank: Option<usize>, world: Option<usize>) -> PyResult<u64> {
+    fn reset(&mut self, py: Python<'_>) -> PyResult<u64> {
         let sync = self.sync(py)?;
-        match (rank, world) {
-            (None, None) => py.detach(|| sync.reset()),
-            (Some(rank), Some(world)) => py.detach(|| sync.reset_membership(rank, world)),
-            _ => {
-                return Err(errors::raise(py, "ConfigError", "reset: give both rank and world, or neither".into(), &[]))
-            }
-        }
-        .map_err(|e| errors::sync_error(py, &e))
+        py.detach(|| sync.reset()).map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// An elastic job's members changed (the communicator already holds
+    /// this rank's new place, `rank` of `world`): agree among the new
+    /// members on the step to continue at, and on the plan. Returns that
+    /// step and, under the partial policy when every member could, the
+    /// failed step reduced again among them (finish it as any step's
+    /// result), else `None` (the step is skipped on every member).
+    fn resume(&mut self, py: Python<'_>, rank: usize, world: usize) -> PyResult<(u64, Option<Step>)> {
+        let sync = self.sync(py)?;
+        let reset = py.detach(|| sync.reset_membership(rank, world)).map_err(|e| errors::sync_error(py, &e))?;
+        let redone = match reset.redone {
+            Some(result) => Some(self.wrap(py, result)?),
+            None => None,
+        };
+        Ok((reset.step, redone))
     }
 
     /// Divide the sum of every step that has not begun by `divisor`

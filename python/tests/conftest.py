@@ -75,3 +75,45 @@ def pytest_sessionfinish(session, exitstatus):
     (TABLE_DIR / "ddp-side-by-side.md").write_text(render_table(rows))
     if os.environ.get("GRADSYNC_PRINT_TABLE"):
         print("\n" + render_table(rows))
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """An etcd server of the test's own on loopback: its ``host:port``.
+    Skips, saying why, without an etcd binary (``GRADSYNC_ETCD``, or
+    ``etcd`` on the PATH; scripts/test unpacks Debian's)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = os.environ.get("GRADSYNC_ETCD") or shutil.which("etcd")
+    if not binary:
+        pytest.skip("no etcd binary: run scripts/test (it unpacks Debian's etcd-server) or set GRADSYNC_ETCD")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    proc = subprocess.Popen(
+        [binary, "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", client, "--advertise-client-urls",
+         client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster",
+         f"default={peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    from gradsync._native import EtcdClient
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            EtcdClient(f"127.0.0.1:{ports[0]}", "probe", timeout_s=1.0)
+            break
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("etcd did not start within 20 s")
+            time.sleep(0.05)
+    yield f"127.0.0.1:{ports[0]}"
+    proc.kill()
+    proc.wait()

@@ -119,11 +119,12 @@ class TorchCommunicator(GlooCommunicator):
         reducer sets its bucket views)."""
         self._shim.lend(bucket, params, offsets, loan)
 
-    def move(self, prefix, rank, world, membership_epoch):
+    def move(self, prefix, rank, world, membership_epoch, store):
         """An elastic job changed its members: the next :meth:`reset` opens
-        the first group of ``prefix`` as ``rank`` of ``world`` (every member
-        of the new epoch moves to the same prefix)."""
+        the first group of ``prefix`` in ``store`` as ``rank`` of ``world``
+        (every member of the new epoch moves to the same prefix)."""
         self._prefix, self.rank, self.world, self.membership_epoch = prefix, rank, world, membership_epoch
+        self._store = store
         self._epoch = -1
         self._retired.append((self._group, self._endpoint, self._data))
 

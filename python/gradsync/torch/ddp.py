@@ -367,11 +367,11 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         if _OPTIMIZER_HOOK is None:
             _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_before_optimizer_step)
 
-    def _move_to(self, prefix, rank, world, epoch):
+    def _move_to(self, prefix, rank, world, epoch, store):
         """An elastic job changed its members: this wrapper's groups move to
-        ``prefix`` as ``rank`` of ``world`` (the runtime's reset opens them)."""
-        self._rank, self._world = rank, world
-        self._comm.move(prefix, rank, world, epoch)
+        ``prefix`` of ``store`` as ``rank`` of ``world`` (the runtime's reset opens them)."""
+        self._rank, self._world, self._store = rank, world, store
+        self._comm.move(prefix, rank, world, epoch, store)
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s)
 
     def _select_parameters(self, module):

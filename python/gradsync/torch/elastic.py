@@ -27,7 +27,10 @@ What happens:
   the survivors agree on one new roster through the store (the runtime's
   protocol: ``gradsync._native.Membership``), move to a fresh group, and the
   step is skipped on every survivor (``.grad`` cleared, so the optimizer step
-  does nothing); ``backward()`` returns normally. No process restarts, no
+  does nothing), or, under ``abort_policy="partial"``, reduced again among
+  the survivors from the contributions each kept (``.grad`` holds their exact
+  average; skipped instead if any survivor had already applied the step or
+  could not contribute all of it); ``backward()`` returns normally. No process restarts, no
   checkpoint is read. At the next step boundary the survivors compare how
   many steps each applied; if the lost member died while some survivors had
   applied the step and others had not, everyone takes the state of one that
@@ -58,8 +61,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync._errors import ConfigError, DesyncError, MembershipError, StepFailedError
-from gradsync._native import Membership
+from gradsync._native import EtcdClient, Membership
 from gradsync.torch import _shim
+from gradsync.torch.etcd import EtcdStore, is_etcd
 
 log = logging.getLogger("gradsync.elastic")
 
@@ -67,6 +71,9 @@ log = logging.getLogger("gradsync.elastic")
 ENV_STORE, ENV_JOB, ENV_MEMBER, ENV_FIRST, ENV_JOIN = (
     "GRADSYNC_STORE", "GRADSYNC_JOB", "GRADSYNC_MEMBER", "GRADSYNC_FIRST", "GRADSYNC_JOIN",
 )
+#: The address this process's peers reach it at (the supervisor's ``--host``):
+#: with etcd, each epoch's first member hosts that epoch's rendezvous there.
+ENV_HOST = "GRADSYNC_HOST"
 #: The exit status of a worker that left the job (the others went on without
 #: it, or it was refused): the supervisor does not count it as a failure.
 EXIT_LEFT = 3
@@ -109,6 +116,24 @@ def _env(name, convert=str):
         raise ConfigError(f"{name}={value!r} is malformed; start the job with python -m gradsync.launch") from None
 
 
+def _connect(shim, address, timeout, liveness_s):
+    """The job's store at ``address`` (``host:port`` of the supervisor's
+    ``TCPStore``, or ``etcd://host:port[,...]``): a torch store for the
+    process groups, and the membership's two clients (the protocol's, and
+    the liveness monitor's own, so a blocking call never delays a heartbeat)."""
+    try:
+        if is_etcd(address):
+            store = EtcdStore(address, timeout=timeout)
+            return store, store.client, EtcdClient(address, store.prefix, timeout_s=max(2.0, 2 * liveness_s))
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        beat_store = dist.TCPStore(host, int(port), is_master=False,
+                                   timeout=datetime.timedelta(seconds=max(2.0, 2 * liveness_s)))
+        return store, shim.StoreClient(store), shim.StoreClient(beat_store)
+    except (RuntimeError, ValueError, MembershipError) as e:
+        raise MembershipError(f"cannot reach the job's store at {address} ({e}); is the supervisor (or etcd) running?") from None
+
+
 class Elastic:
     """This process's membership in an elastic job (see the module docs).
 
@@ -120,7 +145,7 @@ class Elastic:
     beats and looks at its peers (keep it well below ``liveness_s``)."""
 
     def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1):
-        host, _, port = _env(ENV_STORE).rpartition(":")
+        address = _env(ENV_STORE)
         self.job = _env(ENV_JOB)
         self.member = _env(ENV_MEMBER, int)
         self.first_world = _env(ENV_FIRST, int)
@@ -130,23 +155,25 @@ class Elastic:
         shim, why = _shim.load("collectives")
         if shim is None:
             raise ConfigError(f"an elastic job needs gradsync's C++ modules, and {why}")
-        try:
-            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
-            # The monitor's own connection: a blocking call of this thread never delays a heartbeat.
-            beat_store = dist.TCPStore(host, int(port), is_master=False,
-                                       timeout=datetime.timedelta(seconds=max(2.0, 2 * liveness_s)))
-        except (RuntimeError, ValueError) as e:
-            raise MembershipError(f"cannot reach the job's store at {host}:{port} ({e}); is the supervisor running?") from None
+        #: The job's store: the supervisor's ``TCPStore``, or an :class:`gradsync.torch.etcd.EtcdStore`.
+        self.store, client, monitor_client = _connect(shim, address, timeout, liveness_s)
+        self._etcd = is_etcd(address)
+        self._host = os.environ.get(ENV_HOST, "127.0.0.1")
+        # Each epoch's rendezvous store under etcd (kept, as the groups built on it are).
+        self._epoch_stores = []
         self.cancel = shim.Cancel()
         self.membership = Membership(
-            shim.table(), shim.StoreClient(self.store), shim.StoreClient(beat_store), self.cancel,
+            shim.table(), client, monitor_client, self.cancel,
             f"{self.job}/membership", self.member, liveness_s=liveness_s, beat_s=beat_s,
         )
         #: The next step to run (the data position); a joiner receives it.
         self.step = 0
         #: Steps applied (a joiner receives it).
         self.applied = 0
-        #: ``(step, world, contributors)`` of every applied step, in order (a joiner receives it).
+        #: ``(step, world, contributors, ranks)`` of every applied step, in order
+        #: (a joiner receives it): ``world`` and ``ranks`` as the step's batches
+        #: were drawn (the ranks whose gradients are in the sum; a step reduced
+        #: again after a loss names the survivors' ranks before it).
         self.history = []
         #: Every membership change this process saw.
         self.events = []
@@ -162,7 +189,8 @@ class Elastic:
         # When this process asked to join (its event waits for the members' state).
         self._join_began = None
         self._roster = None
-        self._partial_warned = False
+        # A failed step reduced again among the survivors: (world, ranks) it was drawn with.
+        self._redone_from = None
         if not self.joining:
             self._roster = self.membership.start(list(range(self.first_world)))
 
@@ -240,46 +268,80 @@ class Elastic:
         if self._ddp is not None:
             raise ConfigError("an Elastic handle synchronizes one wrapped model; build one wrapper per job")
         self._ddp = ddp
-        return self.store, self.prefix("model"), self.rank, self.world
+        return self._groups_store(), self.prefix("model"), self.rank, self.world
+
+    def _groups_store(self):
+        """The c10d store this epoch's process groups rendezvous on: the
+        job's ``TCPStore``; under etcd (which torch's process groups cannot
+        use directly: they clone their store, and a Python store cannot be
+        cloned) a ``TCPStore`` the epoch's rank 0 hosts, its address
+        published in etcd. Losing that process breaks the epoch anyway."""
+        if not self._etcd:
+            return self.store
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self._roster is None:  # a joiner's own groups, until it is admitted
+            store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        elif self.rank == 0:
+            store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            self.store.set(f"{self.job}/rendezvous/{self.epoch}", f"{self._host}:{store.port}")
+        else:
+            key, epoch = f"{self.job}/rendezvous/{self.epoch}", self.epoch
+            deadline = time.monotonic() + self.timeout_s
+            while not self.store.check([key]):
+                broken = self.membership.broken
+                if broken is not None and broken >= epoch:
+                    raise MembershipError(f"epoch {epoch} broke before its rendezvous was published")
+                if time.monotonic() > deadline:
+                    raise MembershipError(f"epoch {epoch}'s rendezvous was not published within {self.timeout_s:.0f} s")
+                time.sleep(0.01)
+            host, _, port = self.store.get(key).decode().rpartition(":")
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self._epoch_stores.append(store)
+        return store
 
     def _applied(self, report):
         """A step was applied on every member."""
         self.applied += 1
-        self.history.append((self.step, self.world, report.contributors))
+        world, ranks = self._redone_from or (self.world, list(range(self.world)))
+        self._redone_from = None
+        self.history.append((self.step, world, report.contributors, ranks))
 
     def _recover(self, sync, error):
         """The step in flight (or a boundary's transfer) failed (``error``):
-        agree on the new members and move to their group; the caller skips
-        the step."""
+        agree on the new members and move to their group. Returns the failed
+        step reduced again among them (partial policy, when every member
+        could), or ``None``: the caller skips the step."""
         if isinstance(error, DesyncError):
             raise error
-        if sync.abort_policy == "partial" and not self._partial_warned:
-            self._partial_warned = True
-            log.warning("gradsync elastic: a step in flight when a member is lost is skipped, also under "
-                        "abort_policy='partial' (an exact average over the survivors is not implemented yet)")
         began = time.perf_counter()
         suspects = [self._roster["members"][error.peer]] if getattr(error, "peer", None) is not None else []
-        before = set(self._roster["members"])
+        drawn = list(self._roster["members"])
+        before = set(drawn)
         for _ in range(_RECOVERY_ATTEMPTS):
             roster = self.membership.recover(suspects)
             try:
-                self._move(roster, sync)
+                redone = self._move(roster, sync)
                 break
-            except (StepFailedError, RuntimeError) as again:  # another member lost during the change
+            except (StepFailedError, RuntimeError, MembershipError) as again:  # another member lost during the change
                 log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
                 suspects = []
         else:
             raise MembershipError(f"the members could not form a group after {_RECOVERY_ATTEMPTS} attempts")
         lost = sorted(before - set(self._roster["members"]))
         self._event("lost", lost, [], began)
+        if redone is not None:
+            self._redone_from = (len(drawn), [drawn.index(m) for m in self._roster["members"]])
+        return redone
 
     def _move(self, roster, sync):
         """Adopt ``roster``: the wrapper's communicator moves to the new
-        epoch's group, the runtime agrees on the step among the new members."""
+        epoch's group, the runtime agrees on the step among the new members
+        (and returns the failed step if they reduced it again)."""
         self._roster = roster
-        self._ddp._move_to(self.prefix("model"), self.rank, self.world, roster["epoch"])
-        sync.session.reset(rank=self.rank, world=self.world)
+        self._ddp._move_to(self.prefix("model"), self.rank, self.world, roster["epoch"], self._groups_store())
+        _, redone = sync.session.resume(self.rank, self.world)
         self._sync_pending = True
+        return redone
 
     def _event(self, kind, lost, joined, began):
         event = MembershipEvent(kind, self.step, self.epoch, lost, joined, self.rank, self.world,
