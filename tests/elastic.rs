@@ -3,7 +3,9 @@
 //! world per membership epoch. A rank leaves mid-job; the survivors agree on
 //! one roster, rebuild their `GradSync` among themselves and go on with exact
 //! averages; then a new rank asks to join, every member learns it from the
-//! same step's control vote, and all three train on together.
+//! same step's control vote, and all three train on together. Under the
+//! partial policy the survivors instead keep their `GradSync`, move its
+//! endpoint into the new world, and the runtime redoes the lost step.
 
 mod common;
 
@@ -14,7 +16,7 @@ use std::time::Duration;
 
 use common::{pid, Sent};
 use gradsync::membership::{Agreement, Canceller, KvStore, MemoryStore, Monitor, Roster, Timing};
-use gradsync::{DType, GradSync, LocalEndpoint, LocalWorld, Outcome};
+use gradsync::{AbortPolicy, DType, GradSync, LocalEndpoint, LocalWorld, Outcome};
 
 const PREFIX: &str = "job";
 const NUMEL: usize = 4;
@@ -159,4 +161,72 @@ fn survivors_agree_rebuild_and_train_on_exactly_and_a_joiner_is_admitted_at_a_bo
     let rejoined: Seen = seen[0].iter().copied().filter(|&(s, w, _)| s > 3 && w == 3).collect();
     assert!(!rejoined.is_empty(), "a world of 3 again after the join: {:?}", seen[0]);
     assert_eq!(seen[3], rejoined, "the joiner trained the members' steps with them");
+}
+
+/// A member under the partial policy that keeps one `GradSync` for the
+/// whole job: after a loss it moves its endpoint into the survivors' world
+/// and resets into it; the step the loss failed comes back redone.
+fn moving_member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, leave_at: Option<u64>) -> Seen {
+    let mut agreement = Agreement::new(store.clone(), PREFIX, member, timing());
+    let roster = agreement.start(vec![0, 1, 2]).unwrap().clone();
+    let flag = Arc::new(AtomicBool::new(false));
+    let watch = monitor(&store, member, &roster, &flag);
+    let endpoint = worlds.endpoint(&roster, member);
+    let mover = endpoint.mover();
+    let mut b = GradSync::builder();
+    b.param("w", NUMEL, DType::F32).unwrap();
+    b.collective_timeout(Duration::from_secs(20)).abort_policy(AbortPolicy::Partial);
+    let mut sync = b.build(endpoint).unwrap();
+    let mut seen = Seen::new();
+    for step in 0..steps {
+        if leave_at == Some(step) {
+            Agreement::obituary(&store, PREFIX, member).unwrap();
+            return seen; // its GradSync (and endpoint) dropped: the peers' collectives fail at once
+        }
+        let value = (member + 1) as f32 * (step + 1) as f32;
+        let current = sync.current_step();
+        Sent::inc(0, 0, vec![value; NUMEL]).deliver(&sync, current);
+        let result = match sync.finish_step(current) {
+            Ok(result) => result,
+            Err(e) => {
+                assert!(e.needs_reset(), "a lost peer fails the step: {e}");
+                let next = agreement.recover(&[], || watch.silent()).unwrap().clone();
+                watch.follow(next.clone());
+                assert!(mover.move_to(worlds.endpoint(&next, member)).is_ok(), "the endpoint is alive");
+                let reset = sync.reset_membership(next.rank_of(member).unwrap(), next.world()).unwrap();
+                assert_eq!(reset.step, current + 1, "the members continue after the lost step");
+                reset.redone.expect("every survivor kept all of the lost step: it is redone")
+            }
+        };
+        assert_eq!((result.report.step, &result.report.outcome), (current, &Outcome::Applied));
+        let avg = result.gradients.as_ref().map(|g| g.to_vec(pid(0)).unwrap()[0]);
+        seen.push((step, agreement.roster().world(), avg));
+    }
+    seen
+}
+
+#[test]
+fn under_the_partial_policy_the_survivors_redo_the_lost_step_in_their_new_world() {
+    let store = MemoryStore::default();
+    let worlds = Worlds::default();
+    let steps = 8;
+    let seen: Vec<Seen> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|m| {
+                let (store, worlds) = (store.clone(), &worlds);
+                s.spawn(move || moving_member(store, worlds, m, steps, (m == 2).then_some(3)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(seen[0].len() as u64, steps, "no step skipped: {:?}", seen[0]);
+    for &(step, world, avg) in &seen[0] {
+        let contributed: &[f32] = if step < 3 { &[1.0, 2.0, 3.0] } else { &[1.0, 2.0] };
+        assert_eq!(world, contributed.len());
+        // The lost step (3) is averaged over the two survivors, nothing of member 2 in it.
+        let expected = contributed.iter().sum::<f32>() * (step + 1) as f32 / world as f32;
+        let got = avg.expect("applied");
+        assert!((got - expected).abs() <= 1e-6 * expected, "step {step}, world {world}: {got} != {expected}");
+    }
+    assert_eq!(seen[0], seen[1], "both survivors saw the same steps");
 }

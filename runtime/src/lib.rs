@@ -36,7 +36,7 @@ pub use gradsync_actors::{
     Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Wire,
 };
 pub use hook::{ArrivalBatch, GradHook};
-pub use local::{LocalEndpoint, LocalWorld};
+pub use local::{LocalEndpoint, LocalMover, LocalWorld};
 pub use trace::ChromeTrace;
 
 /// For backend authors: what a world (a [`Transport`](backend::Transport))

@@ -24,6 +24,11 @@
 //!
 //! After a failure, [`Transport::reset`] starts a new *epoch*: messages of
 //! earlier epochs still in flight are dropped, and sequence numbers restart.
+//!
+//! An elastic job's members change: a [`LocalMover`] (taken from an endpoint
+//! before it goes into its `GradSync`) hands the endpoint a place in a new
+//! world, which it takes at its next reset (`GradSync::reset_membership`),
+//! leaving its old world. The `GradSync` and what it kept live on.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -107,6 +112,35 @@ enum Wire {
     Interrupt,
 }
 
+/// A message to one endpoint from outside its world: its own channel, which
+/// outlives the worlds it moves through.
+#[derive(Debug)]
+enum Control {
+    /// Take this endpoint's place (rank, world, peers) at the next reset.
+    Move(Box<LocalEndpoint>),
+    /// Wake a waiting collective and make it fail with `Cancelled` (shutdown).
+    Interrupt,
+}
+
+/// Moves one endpoint into a new world (an elastic job's next membership):
+/// take it with [`LocalEndpoint::mover`] before the endpoint goes into its
+/// `GradSync`; [`LocalMover::move_to`] a fresh endpoint of the new world,
+/// then call `GradSync::reset_membership` with its rank and world.
+#[derive(Debug, Clone)]
+pub struct LocalMover(Sender<Control>);
+
+impl LocalMover {
+    /// The endpoint takes `next`'s place at its next reset (the new world's
+    /// ranks all reset together). Fails only if the endpoint is gone (its
+    /// `GradSync` was dropped); `next` comes back then.
+    pub fn move_to(&self, next: LocalEndpoint) -> Result<(), Box<LocalEndpoint>> {
+        self.0.send(Control::Move(Box::new(next))).map_err(|e| match e.0 {
+            Control::Move(next) => next,
+            Control::Interrupt => unreachable!("a move was sent"),
+        })
+    }
+}
+
 /// Creates the endpoints of one local communicator.
 #[derive(Debug)]
 pub struct LocalWorld;
@@ -126,15 +160,21 @@ impl LocalWorld {
         Ok(receivers
             .into_iter()
             .enumerate()
-            .map(|(rank, inbox)| LocalEndpoint {
-                rank,
-                world,
-                peers: Arc::clone(&senders),
-                inbox,
-                stash: Vec::new(),
-                seq: 0,
-                epoch: 0,
-                gone: vec![false; world],
+            .map(|(rank, inbox)| {
+                let (control_tx, control) = crossbeam_channel::unbounded();
+                LocalEndpoint {
+                    rank,
+                    world,
+                    peers: Arc::clone(&senders),
+                    inbox,
+                    stash: Vec::new(),
+                    seq: 0,
+                    epoch: 0,
+                    gone: vec![false; world],
+                    control,
+                    control_tx,
+                    moving: None,
+                }
             })
             .collect())
     }
@@ -157,6 +197,12 @@ pub struct LocalEndpoint {
     epoch: u64,
     /// Peers whose endpoint was dropped.
     gone: Vec<bool>,
+    /// Moves and interrupts from outside the world (kept across moves).
+    control: Receiver<Control>,
+    /// The sending side of `control`, for movers and the interrupter.
+    control_tx: Sender<Control>,
+    /// A move received while a collective waited: taken at the next reset.
+    moving: Option<Box<LocalEndpoint>>,
 }
 
 impl Drop for LocalEndpoint {
@@ -170,6 +216,55 @@ impl Drop for LocalEndpoint {
 }
 
 impl LocalEndpoint {
+    /// A handle that moves this endpoint into another world (see [`LocalMover`]).
+    pub fn mover(&self) -> LocalMover {
+        LocalMover(self.control_tx.clone())
+    }
+
+    /// The next message from a peer, an interrupt, or the deadline; a move
+    /// that arrives meanwhile is kept for the next reset.
+    fn next_wire(&mut self, deadline: Instant) -> Result<Wire, RecvTimeoutError> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            crossbeam_channel::select! {
+                recv(self.inbox) -> wire => return wire.map_err(|_| RecvTimeoutError::Disconnected),
+                recv(self.control) -> control => match control {
+                    Ok(Control::Interrupt) => return Ok(Wire::Interrupt),
+                    Ok(Control::Move(next)) => self.moving = Some(next),
+                    // Unreachable while we hold `control_tx`.
+                    Err(_) => return Err(RecvTimeoutError::Disconnected),
+                },
+                default(left) => return Err(RecvTimeoutError::Timeout),
+            }
+        }
+    }
+
+    /// Take the place of a pending move: this endpoint's world becomes the
+    /// new one; the old place (rank, peers, inbox) is dropped, which tells
+    /// the old peers this rank left.
+    fn take_move(&mut self) {
+        let mut interrupts = 0;
+        for control in self.control.try_iter().collect::<Vec<_>>() {
+            match control {
+                Control::Move(next) => self.moving = Some(next),
+                Control::Interrupt => interrupts += 1,
+            }
+        }
+        for _ in 0..interrupts {
+            let _ = self.control_tx.send(Control::Interrupt); // still for the next collective
+        }
+        let Some(mut next) = self.moving.take() else { return };
+        std::mem::swap(&mut self.rank, &mut next.rank);
+        std::mem::swap(&mut self.world, &mut next.world);
+        std::mem::swap(&mut self.peers, &mut next.peers);
+        std::mem::swap(&mut self.inbox, &mut next.inbox);
+        std::mem::swap(&mut self.stash, &mut next.stash);
+        std::mem::swap(&mut self.seq, &mut next.seq);
+        std::mem::swap(&mut self.epoch, &mut next.epoch);
+        std::mem::swap(&mut self.gone, &mut next.gone);
+        // `next` holds the old place now: dropping it tells the old peers.
+    }
+
     /// Tell every peer that `odd` issued `theirs` where this rank issued `ours`.
     fn announce_desync(&self, ours: CollectiveTag, odd: usize, theirs: CollectiveTag) {
         for (j, peer) in self.peers.iter().enumerate() {
@@ -237,7 +332,7 @@ impl LocalEndpoint {
         while missing > 0 {
             let wire = match stashed.next() {
                 Some(w) => w,
-                None => match self.inbox.recv_deadline(deadline) {
+                None => match self.next_wire(deadline) {
                     Ok(w) => w,
                     Err(RecvTimeoutError::Timeout) => {
                         self.stash.extend(stashed);
@@ -352,6 +447,15 @@ impl Transport for LocalEndpoint {
         factor: f32,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        if bucket.num_pieces() != self.world {
+            // Allocated for the world this endpoint was in before a move: cut
+            // it into this world's pieces (a copy), reduce, write it back.
+            let flat: Vec<f32> = bucket.chunks(0, bucket.numel()).flatten().copied().collect();
+            let mut pieces = split(&flat, self.world);
+            self.all_reduce(tag, &mut pieces, |d| k::scale(d, factor), deadline)?;
+            bucket.write(0, &pieces.concat(), gradsync_actors::WriteMode::Set);
+            return Ok(());
+        }
         // Move the pieces out (no copy), reduce, and put them back in place.
         let mut pieces: Vec<Vec<f32>> = (0..bucket.num_pieces()).map(|j| bucket.take_piece(j)).collect();
         let result = if factor == 1.0 {
@@ -374,21 +478,14 @@ impl Transport for LocalEndpoint {
 
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
         // Control vectors are small: split into pieces, reduce, and join.
-        let world = self.world;
-        let (base, extra) = (words.len() / world, words.len() % world);
-        let mut pieces = Vec::with_capacity(world);
-        let mut rest = words.as_slice();
-        for j in 0..world {
-            let (head, tail) = rest.split_at(base + usize::from(j < extra));
-            pieces.push(head.to_vec());
-            rest = tail;
-        }
+        let mut pieces = split(words, self.world);
         self.all_reduce(tag, &mut pieces, |_| {}, deadline)?;
         *words = pieces.concat();
         Ok(())
     }
 
     fn reset(&mut self) {
+        self.take_move();
         self.epoch += 1;
         self.seq = 0;
         let epoch = self.epoch;
@@ -396,11 +493,24 @@ impl Transport for LocalEndpoint {
     }
 
     fn interrupter(&self) -> Option<gradsync_actors::Interrupt> {
-        let own_inbox = self.peers[self.rank].clone();
+        let control = self.control_tx.clone();
         Some(Box::new(move || {
-            let _ = own_inbox.send(Wire::Interrupt);
+            let _ = control.send(Control::Interrupt);
         }))
     }
+}
+
+/// `values` in `world` pieces, as even as possible (the first ones one longer).
+fn split<T: Copy>(values: &[T], world: usize) -> Vec<Vec<T>> {
+    let (base, extra) = (values.len() / world, values.len() % world);
+    let mut pieces = Vec::with_capacity(world);
+    let mut rest = values;
+    for j in 0..world {
+        let (head, tail) = rest.split_at(base + usize::from(j < extra));
+        pieces.push(head.to_vec());
+        rest = tail;
+    }
+    pieces
 }
 
 #[cfg(test)]

@@ -188,3 +188,53 @@ fn a_rank_that_notices_a_desync_tells_the_others_before_it_leaves() {
         }
     }
 }
+
+#[test]
+fn a_moved_endpoint_reduces_in_its_new_world_and_its_old_peers_see_it_leave() {
+    let mut old = LocalWorld::connect(3).unwrap();
+    let movers: Vec<LocalMover> = old.iter().map(LocalEndpoint::mover).collect();
+    let fresh = LocalWorld::connect(2).unwrap();
+    // Ranks 0 and 2 move (to ranks 0 and 1); rank 1 stays behind.
+    for (mover, next) in [&movers[0], &movers[2]].into_iter().zip(fresh) {
+        assert!(mover.move_to(next).is_ok());
+    }
+    let mut stays = old.remove(1);
+    let results = on_endpoints(
+        old,
+        || {},
+        |mut ep| {
+            ep.reset();
+            assert_eq!((ep.world(), ep.rank() < 2), (2, true));
+            // A bucket allocated for the old world (3 pieces) is cut for the new one.
+            let mut p = pieces(ep.rank(), 7, 3);
+            ep.all_reduce_f32(tag(0, 0, 7), &mut p, 0.5, deadline(Duration::from_secs(10))).unwrap();
+            p.chunks(0, p.numel()).flatten().copied().collect::<Vec<f32>>()
+        },
+    );
+    let want: Vec<f32> = (0..7).map(|i| (i + 2 * i) as f32 * 0.5).collect();
+    assert_eq!(results, vec![want.clone(), want]);
+    let mut p = pieces(1, 3, 3);
+    let err = stays.all_reduce_f32(tag(0, 0, 3), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap_err();
+    assert!(matches!(err, CommError::PeerGone { .. }), "the old world sees its ranks leave: {err}");
+}
+
+#[test]
+fn the_interrupter_still_wakes_an_endpoint_after_a_move() {
+    let mut eps = LocalWorld::connect(2).unwrap();
+    let mut ep = eps.remove(0);
+    let interrupt = ep.interrupter().unwrap();
+    let mut fresh = LocalWorld::connect(2).unwrap();
+    assert!(ep.mover().move_to(fresh.remove(0)).is_ok());
+    ep.reset();
+    let waiting = std::thread::spawn(move || {
+        let mut p = pieces(0, 2, 2);
+        ep.all_reduce_f32(tag(0, 0, 2), &mut p, 1.0, deadline(Duration::from_secs(30)))
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    interrupt();
+    let began = Instant::now();
+    let err = waiting.join().unwrap().unwrap_err();
+    assert!(matches!(err, CommError::Cancelled { .. }), "{err}");
+    assert!(began.elapsed() < Duration::from_secs(5), "woken, not timed out");
+    drop((eps, fresh));
+}
