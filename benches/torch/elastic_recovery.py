@@ -77,17 +77,21 @@ def applied_times(report):
     return sorted((int(s), t) for s, t in report["applied_at"].items())
 
 
-def recovery(world, kill_step, steps):
-    reports, killed = launch(world, ["--steps", str(steps), "--kill", f"1@{kill_step}:backward"], rejoin=True)
+def recovery(world, kill_step, steps, policy="skip"):
+    reports, killed = launch(world, ["--steps", str(steps), "--kill", f"1@{kill_step}:backward",
+                                     "--abort-policy", policy], rejoin=policy == "skip")
     survivor = next(r for m, r in reports.items() if m < world and m != 1)
     times = applied_times(survivor)
     before = [b - a for (_, a), (_, b) in zip(times, times[1:]) if b < killed["time"]]
     (lost,) = [e for e in survivor["events"] if e["kind"] == "lost"]
     # The first step applied at the smaller world (a survivor a step behind
-    # the victim may still apply the step before, after the kill).
-    next_applied = min(t for s, t in times if s > lost["step"])
+    # the victim may still apply the step before, after the kill): under the
+    # partial policy the lost step itself, averaged over the survivors.
+    next_applied = min(t for s, t in times if s >= lost["step"] and t > killed["time"])
     row = {
         "world": world,
+        "policy": policy,
+        "lost_step_applied": any(s == lost["step"] for s, _ in times),
         "healthy_step_s": statistics.median(before),
         "kill_to_next_applied_s": next_applied - killed["time"],
         "kill_to_new_group_s": lost["time"] - killed["time"],
@@ -147,8 +151,23 @@ def main():
     parser.add_argument("--liveness-rounds", type=int, default=8)
     parser.add_argument("--liveness-only", action="store_true",
                         help="measure only the liveness cost, replacing that part of --json's file")
+    parser.add_argument("--partial-only", action="store_true",
+                        help="only the recovery under abort_policy='partial', into the --json file's 'partial' part")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
+
+    if args.partial_only:
+        if not args.json:
+            parser.error("--partial-only needs --json (the file whose partial part it replaces)")
+        run = json.loads(Path(args.json).read_text())
+        run["partial"] = []
+        for world in args.worlds:
+            row = recovery(world, args.kill_step, args.rank_steps // world, "partial")
+            run["partial"].append(row)
+            print(json.dumps(row), flush=True)
+        run["command"] += f" && python benches/torch/elastic_recovery.py {' '.join(sys.argv[1:])}"
+        Path(args.json).write_text(json.dumps(run, indent=2) + "\n")
+        return
 
     if args.liveness_only:
         if not args.json:

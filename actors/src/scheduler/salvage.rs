@@ -73,6 +73,11 @@ impl<S: GradStore> Scheduler<S> {
         if self.cfg.policy != AbortPolicy::Partial {
             return;
         }
+        if let Some(redo) = self.redo.take() {
+            // A redo was agreed but not fed yet: it is still the whole step.
+            self.salvage = Some(redo);
+            return;
+        }
         let st = &mut self.step;
         let mut values = Vec::with_capacity(st.params.len());
         let mut spent = Vec::new();
