@@ -10,7 +10,10 @@ step 10 kill itself with SIGKILL in the middle of backward (phases:
 ``forward``, ``backward``, ``collective`` (a few milliseconds into the end
 of backward, while the runtime waits in its collectives), ``optimizer``,
 ``boundary``; ``freeze`` stops it with SIGSTOP instead: a host gone silent,
-its sockets open, found by the liveness monitor); the survivors skip that step, go on at a smaller world, and
+its sockets open, found by the liveness monitor; ``stall`` the same after its
+optimizer step, so the others wait for it at the next boundary); the
+survivors skip that step (``--abort-policy partial``: average it over
+themselves), go on at a smaller world, and
 with ``--rejoin`` a replacement joins and receives the model, the optimizer
 state and the step from a live member. The run ends with the survivors'
 parameters compared bit for bit, and rank 0 replaying the same history
@@ -44,7 +47,7 @@ from gradsync.torch.elastic import EXIT_LEFT  # noqa: E402
 # amplifies the rounding differences between the all-reduce's sum order and
 # the replay's past the tolerance (a 3-rank run with no failure drifts too).
 LR = 0.05
-PHASES = ("forward", "backward", "collective", "optimizer", "boundary", "freeze")
+PHASES = ("forward", "backward", "collective", "optimizer", "boundary", "freeze", "stall")
 STARTED = time.time()  # before importing gradsync (a replacement's start, for the benchmark)
 
 
@@ -125,6 +128,8 @@ def main():
                         help="bucket cap (the default splits this small model into a few buckets, for overlap)")
     parser.add_argument("--no-recompute", action="store_true",
                         help="no activation checkpointing (as torch's DDP needs; the benchmark's side-by-side)")
+    parser.add_argument("--buffer", action="store_true",
+                        help="give the model a buffer (tokens seen), which DDP's broadcast_buffers sends from rank 0")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     args = parser.parse_args()
 
@@ -133,6 +138,9 @@ def main():
     vocab, dim, heads, blocks, context = 32, args.width, 2, 2, 16
     torch.manual_seed(args.seed)
     base = TinyLM(vocab, dim, heads, blocks, context, recompute=not args.no_recompute)
+    if args.buffer:
+        base.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64))
+        base.register_forward_pre_hook(lambda m, inputs: m.tokens_seen.add_(inputs[0].numel()) and None)
     data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy)
@@ -185,6 +193,8 @@ def train(args, elastic, model, opt, data):
             die(args.report)
         opt.step()
         opt.zero_grad()
+        if at("stall", step):  # silent after its step: the others wait for it at the next boundary
+            die(args.report, freeze=True)
         if elastic.history and elastic.history[-1][0] == step:
             applied_at[step] = time.time()
         if elastic.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):

@@ -7,20 +7,41 @@ gradsync's communicator thread.
 """
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
 
+# How long a wait spins on a collective before it sleeps between looks.
+_SPIN_S = 0.0002
+_NAP_S = 0.001
+
 
 class StateBroadcast:
-    """Broadcasts of model states among ``world`` ranks on a private gloo group."""
+    """Broadcasts of model states among ``world`` ranks on a private gloo group.
 
-    def __init__(self, store, prefix, rank, world, timeout_s):
+    ``abandon``: called while a collective waits; a text it returns (an
+    elastic job's membership epoch broke: a member went silent) ends the
+    wait with :class:`Abandoned` instead of waiting out gloo's timeout."""
+
+    def __init__(self, store, prefix, rank, world, timeout_s, abandon=None):
         self._rank = rank
         self._world = world
+        self._abandon = abandon
         self._group = dist.ProcessGroupGloo(
             dist.PrefixStore(f"{prefix}/states", store), rank, world, datetime.timedelta(seconds=timeout_s)
         )
+
+    def _wait(self, work):
+        if self._abandon is not None:
+            began = time.monotonic()
+            while not work.is_completed():
+                why = self._abandon()
+                if why:
+                    raise Abandoned(why)
+                if time.monotonic() - began > _SPIN_S:
+                    time.sleep(_NAP_S)
+        work.wait()
 
     def broadcast(self, tensors, root=0):
         """Rank ``root``'s values into ``tensors`` on every rank, as one
@@ -33,7 +54,7 @@ class StateBroadcast:
         message = torch.cat(parts)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._group.broadcast([message], opts).wait()
+        self._wait(self._group.broadcast([message], opts))
         with torch.no_grad():
             for t, part in zip(tensors, message.split([p.numel() for p in parts])):
                 # Written through a byte view of the destination: a slice of
@@ -48,7 +69,7 @@ class StateBroadcast:
         slots = torch.zeros(self._world, dtype=torch.int64)
         slots[self._rank] = value
         if self._world > 1:
-            self._group.allreduce([slots]).wait()
+            self._wait(self._group.allreduce([slots]))
         return slots
 
     def from_last_joiner(self, tensors, is_last_joiner):
@@ -59,5 +80,9 @@ class StateBroadcast:
         last = torch.tensor([self._rank if is_last_joiner else -1], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self._group.allreduce([last], opts).wait()
+        self._wait(self._group.allreduce([last], opts))
         self.broadcast(tensors, int(last.item()))
+
+
+class Abandoned(RuntimeError):
+    """A state transfer given up because its group's members changed."""

@@ -347,7 +347,9 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         )
         comm.membership_epoch = 0 if elastic is None else elastic.epoch
         self._comm = comm
-        self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s)
+        self._abandon = None if elastic is None else elastic._abandon
+        self._retired_states = []
+        self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s, self._abandon)
         self._states.broadcast(self._model_states())
         replica = Replica(self._rank, self._world, self._names, [reals(p) for p in self._params],
                           [_DTYPES[p.dtype] for p in self._params])
@@ -372,7 +374,17 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         ``prefix`` of ``store`` as ``rank`` of ``world`` (the runtime's reset opens them)."""
         self._rank, self._world, self._store = rank, world, store
         self._comm.move(prefix, rank, world, epoch, store)
-        self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s)
+        # Kept, not destroyed: a gloo group's destructor waits out work abandoned on a silent peer.
+        self._retired_states.append(self._states)
+        self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
+
+    def _broadcast_buffers_now(self):
+        """Rank 0's buffers to every rank (before each forward; an elastic
+        job's boundary does it instead, where a lost member is recovered from)."""
+        if self._broadcast_buffers and self.require_forward_param_sync:
+            buffers = self._shared(self.module.named_buffers())
+            if buffers:
+                self._states.broadcast(buffers)
 
     def _select_parameters(self, module):
         """The parameters to average: those that require grad and have
@@ -450,10 +462,8 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             # Inside `with model.join()`: tell ranks whose inputs ran out that
             # one more step is coming (they shadow it).
             Join.notify_join_context(self)
-        if self._broadcast_buffers and self.require_forward_param_sync:
-            buffers = self._shared(self.module.named_buffers())
-            if buffers:
-                self._states.broadcast(buffers)
+        if sync.elastic is None:
+            self._broadcast_buffers_now()
         if grad_enabled and _autograd.current_task() != -1:
             # Recomputed inside backward (the model in a reentrant checkpoint):
             # the backward running now may be the outermost one.

@@ -41,6 +41,9 @@ What happens:
   member sends it the tracked state (model, optimizer, anything with
   ``state_dict``), the step counter and the history over gloo. The members
   stall for one step boundary plus that transfer.
+* **Buffers** (``broadcast_buffers=True``, DDP's default) are sent from
+  rank 0 at each step boundary instead of inside ``forward()``, where a
+  member lost during the broadcast is recovered from like any other.
 * **The divisor**: each step averages over the ranks present (default), or,
   with ``fixed_global_batch=True``, over the job's first world size (the
   global batch stays constant if each rank's batch grows to match).
@@ -392,7 +395,18 @@ class Elastic:
         self._join_began = began
         return True
 
+    def _abandon(self):
+        """Why a state transfer of this epoch should stop waiting (the
+        liveness monitor broke the epoch), or ``None``."""
+        broken = self.membership.broken
+        if broken is not None and broken >= self.epoch:
+            return f"membership epoch {self.epoch} broke (a member went silent)"
+        return None
+
     def _boundary(self):
+        """Before each step: admit joiners, equalize state after a change,
+        and send rank 0's buffers (DDP does that in each forward; here a
+        member lost during it is recovered from, every member at the same point)."""
         sync = self._ddp._sync
         for _ in range(_RECOVERY_ATTEMPTS):
             try:
@@ -400,6 +414,7 @@ class Elastic:
                 if self._sync_pending:
                     self._equalize()
                     self._sync_pending = False
+                self._ddp._broadcast_buffers_now()
                 break
             except (RuntimeError, StepFailedError) as error:  # a member lost during the admission or transfer
                 log.warning("gradsync elastic: a member was lost at the step %d boundary (%s)", self.step, error)
