@@ -89,11 +89,16 @@ def test_survivors_go_on_when_a_rank_is_killed(tmp_path, rank, phase, extra):
     skipped = sorted(set(range(8)) - set(applied))
     # The step in flight when it died; killed after its backward, it had contributed to step 4.
     expected = {"optimizer": [[5]], "collective": [[4], [5]]}.get(phase, [[4]])
+    if phase == "optimizer" and extra:
+        # Rank 0 died between steps: the survivors find out in step 5's
+        # buffer broadcast, at the boundary, before any step is in flight.
+        expected = [[]]
     assert skipped in expected, f"skipped {skipped}\n{explain(proc)}"
-    assert [w for s, w, *_ in first["history"] if s > skipped[0]] == [2] * (7 - skipped[0])
+    changed_at = skipped[0] if skipped else 5
+    assert [w for s, w, *_ in first["history"] if s >= changed_at] == [2] * (8 - changed_at - len(skipped))
     for m in survivors:
         (event,) = found[m]["events"]
-        assert (event["kind"], event["lost"], event["step"]) == ("lost", [rank], skipped[0])
+        assert (event["kind"], event["lost"], event["step"]) == ("lost", [rank], changed_at)
 
 
 @pytest.mark.parametrize("rank,phase", [(0, "backward"), (1, "forward"), (0, "optimizer"), (1, "collective")])
