@@ -122,12 +122,10 @@ def test_under_the_partial_policy_the_survivors_reduce_the_lost_step_again(tmp_p
     assert history[lost_at + 1] == (2, 2, [0, 1])
 
 
-def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
-    """With --rejoin the supervisor starts a replacement; the members admit
-    it at a step boundary and it receives the model, the optimizer's
-    momentum and the step from a live member: afterwards all three are
-    bitwise identical and the run equals its replay."""
-    proc, found = launch(tmp_path, 3, "--steps", "700", "--kill", "1@3:backward", rejoin=True)
+def rejoined(proc, found):
+    """Rank 1 of 3 was killed and replaced by member 3: the job ended well,
+    the three members bitwise identical, the world 3, then 2, then 3 again.
+    Returns rank 0's report."""
     assert proc.returncode == 0, explain(proc)
     assert sorted(found) == [0, 2, 3], explain(proc)
     assert len({r["digest"] for r in found.values()}) == 1
@@ -135,6 +133,16 @@ def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
     assert first["ok"], explain(proc)
     worlds = [w for _, w, *_ in first["history"]]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, "3, then 2, then 3 again"
+    return first
+
+
+def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
+    """With --rejoin the supervisor starts a replacement; the members admit
+    it at a step boundary and it receives the model, the optimizer's
+    momentum and the step from a live member: afterwards all three are
+    bitwise identical and the run equals its replay."""
+    proc, found = launch(tmp_path, 3, "--steps", "700", "--kill", "1@3:backward", rejoin=True)
+    first = rejoined(proc, found)
     joiner = found[3]
     (joined,) = joiner["events"]
     assert joined["kind"] == "joined" and joined["world"] == 3
@@ -143,19 +151,14 @@ def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
 
 
 def test_the_job_can_keep_its_membership_in_etcd(tmp_path, etcd_server):
-    """--store etcd://...: the membership, the heartbeats, the obituaries and
-    every epoch's gloo rendezvous live in etcd (no TCPStore anywhere); a
-    killed rank's survivors go on and its replacement rejoins, exactly."""
+    """--store etcd://...: the membership, the heartbeats and the obituaries
+    live in etcd, and each epoch's rank 0 hosts its groups' rendezvous (no
+    supervisor hosts anything); a killed rank's survivors go on and its
+    replacement rejoins, exactly."""
     proc, found = launch(tmp_path, 3, "--steps", "700", "--kill", "1@3:backward", rejoin=True,
                          store=f"etcd://{etcd_server}")
-    assert proc.returncode == 0, explain(proc)
-    assert "the job's store is etcd" in proc.stderr
-    assert sorted(found) == [0, 2, 3], explain(proc)
-    assert len({r["digest"] for r in found.values()}) == 1
-    first = rank0(found)
-    assert first["ok"], explain(proc)
-    worlds = [w for _, w, *_ in first["history"]]
-    assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, "3, then 2, then 3 again"
+    assert "the job's store is etcd" in proc.stderr, explain(proc)
+    rejoined(proc, found)
 
 
 def test_a_fixed_global_batch_divides_by_the_first_world(tmp_path):

@@ -216,7 +216,7 @@ pub(crate) mod tests {
     /// An etcd server of this test's own on loopback (a fresh data
     /// directory), stopped when dropped; `None` (the test says why and
     /// returns) when no etcd binary is found: `GRADSYNC_ETCD`, or `etcd`
-    /// on the PATH (`scripts/etcd.sh` unpacks Debian's).
+    /// on the PATH (`scripts/debian-binary.sh etcd-server etcd` unpacks Debian's).
     pub(crate) struct Etcd {
         child: Child,
         dir: std::path::PathBuf,
