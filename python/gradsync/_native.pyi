@@ -170,8 +170,6 @@ class EtcdClient:
     :class:`Membership`). Failures raise ``gradsync.MembershipError``."""
 
     def __init__(self, endpoints: str, prefix: str = "", timeout_s: float = 30.0) -> None: ...
-    def with_prefix(self, prefix: str) -> "EtcdClient":
-        """A client of the same cluster, keys under ``prefix``."""
     def set(self, key: str, value: bytes) -> None: ...
     def get(self, key: str) -> Optional[bytes]:
         """The value at ``key``, or ``None`` (never waits)."""

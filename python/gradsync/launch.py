@@ -20,9 +20,10 @@ cannot do this: on any failure it stops every worker of the job and starts
 them all again, and its c10d rendezvous store lives in one agent.)
 
 etcd: ``--store etcd://HOST:PORT[,HOST:PORT...]`` keeps the job's
-membership (and the rendezvous of every epoch's process groups) in an etcd
-cluster instead (see :mod:`gradsync.torch.etcd`); no supervisor then holds
-anything the others need, and ``--store-only`` is not needed.
+membership in an etcd cluster instead (see :mod:`gradsync.torch.etcd`; each
+epoch's rank 0 hosts that epoch's group rendezvous at its machine's
+``--host``); no supervisor then holds anything the others need, and
+``--store-only`` is not needed.
 """
 
 import argparse

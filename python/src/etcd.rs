@@ -25,7 +25,6 @@ const POLL: Duration = Duration::from_millis(10);
 #[pyclass(module = "gradsync._native", frozen)]
 pub struct EtcdClient {
     pub(crate) store: EtcdStore,
-    timeout: Duration,
 }
 
 fn store_error(py: Python<'_>, e: StoreError) -> PyErr {
@@ -42,15 +41,7 @@ impl EtcdClient {
         }
         let timeout = Duration::from_secs_f64(timeout_s);
         let store = py.detach(|| EtcdStore::connect(endpoints, prefix, timeout)).map_err(|e| store_error(py, e))?;
-        Ok(EtcdClient { store, timeout })
-    }
-
-    /// A client of the same cluster with keys under `prefix` instead.
-    fn with_prefix(&self, py: Python<'_>, prefix: &str) -> PyResult<Self> {
-        let endpoints = self.store.endpoints().join(",");
-        let timeout = self.timeout;
-        let store = py.detach(|| EtcdStore::connect(&endpoints, prefix, timeout)).map_err(|e| store_error(py, e))?;
-        Ok(EtcdClient { store, timeout })
+        Ok(EtcdClient { store })
     }
 
     /// Set `key` to `value`.
