@@ -115,9 +115,8 @@ impl<S: GradStore> Scheduler<S> {
                 .map(|(i, _)| ids[i])
                 .collect(),
         };
-        // Values written into a launched bucket without a kept copy (an
-        // increment under another policy cannot happen here; a correction
-        // in flight took the late values).
+        // Incomplete: a correction in flight consumed the late values, or a
+        // value went into a bucket with no copy kept.
         let incomplete = correcting || st.params.iter().zip(&values).any(|(p, v)| p.written && v.is_none());
         let salvage = Salvage { step: st.step, values, flushed: st.flushed, summary, end: st.end, incomplete };
         for (i, v) in spent {

@@ -282,11 +282,10 @@ class Elastic:
         if not self._etcd:
             return self.store
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        if self._roster is None:  # a joiner's own groups, until it is admitted
+        if self._roster is None or self.rank == 0:  # (a joiner's own groups until admitted: unpublished)
             store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        elif self.rank == 0:
-            store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-            self.store.set(f"{self.job}/rendezvous/{self.epoch}", f"{self._host}:{store.port}")
+            if self._roster is not None:
+                self.store.set(f"{self.job}/rendezvous/{self.epoch}", f"{self._host}:{store.port}")
         else:
             key, epoch = f"{self.job}/rendezvous/{self.epoch}", self.epoch
             deadline = time.monotonic() + self.timeout_s

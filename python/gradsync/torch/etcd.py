@@ -59,8 +59,6 @@ class EtcdStore(dist.Store):
             return value.encode()
         if isinstance(value, (bytes, bytearray, memoryview)):
             return bytes(value)
-        if isinstance(value, list):  # c10d passes std::vector<uint8_t> as a list of ints in some paths
-            return bytes(value)
         raise ConfigError(f"a store value must be str or bytes, not {type(value).__name__}")
 
     def set(self, key, value):
