@@ -97,7 +97,7 @@ fn member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, leave_at
             }
             Err(e) => {
                 assert!(e.needs_reset(), "a lost peer fails the step: {e}");
-                let next = agreement.recover(&[], || watch.silent()).unwrap().clone();
+                let next = agreement.recover(&[], &watch).unwrap().clone();
                 watch.follow(next.clone());
                 sync = build(worlds, &next, member, &flag);
                 seen.push((step, next.world(), None));
@@ -190,7 +190,7 @@ fn moving_member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, l
             Ok(result) => result,
             Err(e) => {
                 assert!(e.needs_reset(), "a lost peer fails the step: {e}");
-                let next = agreement.recover(&[], || watch.silent()).unwrap().clone();
+                let next = agreement.recover(&[], &watch).unwrap().clone();
                 watch.follow(next.clone());
                 assert!(mover.move_to(worlds.endpoint(&next, member)).is_ok(), "the endpoint is alive");
                 let reset = sync.reset_membership(next.rank_of(member).unwrap(), next.world()).unwrap();

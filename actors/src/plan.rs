@@ -146,6 +146,13 @@ impl Plan {
         Plan::from_layout(self.params.clone(), self.fill(order), self.bucket_cap_bytes)
     }
 
+    /// Every parameter in the order its bucket launches (slot order within a
+    /// bucket): [`Plan::reordered`] of it gives this plan back, so a rank can
+    /// hand its layout to others as an order.
+    pub fn launch_order(&self) -> impl Iterator<Item = ParamId> + '_ {
+        self.buckets.iter().flat_map(|b| b.params.iter().copied())
+    }
+
     /// The bucket membership, in launch order, of the plan `order` would give.
     pub(crate) fn fill(&self, order: &[ParamId]) -> Vec<Vec<ParamId>> {
         fill(&self.params, order, self.bucket_cap_bytes)
@@ -473,6 +480,19 @@ mod tests {
         assert_eq!(rebuilt.total_numel(), plan.total_numel());
         assert_ne!(rebuilt.fingerprint(), plan.fingerprint(), "ranks agree on the new layout");
         assert_eq!(rebuilt.reordered(&[p(2), p(1), p(0)]), plan);
+    }
+
+    #[test]
+    fn a_plan_rebuilt_from_its_own_launch_order_is_the_same_plan() {
+        let sizes = [3, 700, 5, 64, 64, 9, 1000, 2];
+        let first = Plan::build(specs(&sizes), 1024);
+        let order: Vec<ParamId> = first.launch_order().collect();
+        assert_eq!(first.reordered(&order), first, "the first plan");
+        let shuffled: Vec<ParamId> = [4, 0, 7, 2, 6, 1, 5, 3].iter().map(|&i| ParamId::from_index(i)).collect();
+        let rebuilt = first.reordered(&shuffled);
+        assert_ne!(rebuilt, first);
+        let order: Vec<ParamId> = rebuilt.launch_order().collect();
+        assert_eq!(rebuilt.reordered(&order), rebuilt, "a rebuilt plan");
     }
 
     #[test]

@@ -8,7 +8,8 @@ is train_lm.py's small transformer, every block under reentrant
 checkpointing. ``--kill 1@10:backward`` makes the process holding rank 1 at
 step 10 kill itself with SIGKILL in the middle of backward (phases:
 ``forward``, ``backward``, ``collective`` (a few milliseconds into the end
-of backward, while the runtime waits in its collectives), ``optimizer``,
+of backward, while the runtime waits in its collectives), ``optimizer``
+(before the optimizer step), ``between`` (after it: between two steps),
 ``boundary``; ``freeze`` stops it with SIGSTOP instead: a host gone silent,
 its sockets open, found by the liveness monitor; ``stall`` the same after its
 optimizer step, so the others wait for it at the next boundary); the
@@ -18,7 +19,11 @@ with ``--rejoin`` a replacement joins and receives the model, the optimizer
 state and the step from a live member. The run ends with the survivors'
 parameters compared bit for bit, and rank 0 replaying the same history
 (which steps were applied, at which world size) in one process: the
-equivalence line is the check (exit status 1 if it fails).
+equivalence line is the check (exit status 1 if it fails), and each step's
+gradient norm is compared with the replay's (a step summed from batches of
+two different steps, or divided by the wrong count, shows there at once).
+``--kill-after-join RANK:PHASE``: the process holding RANK dies in PHASE of
+the first step after a replacement joined (a loss racing the admission).
 """
 
 import argparse
@@ -41,13 +46,15 @@ from train_lm import TOLERANCE, TinyLM, corpus  # noqa: E402
 
 import gradsync  # noqa: E402
 import gradsync.torch as gt  # noqa: E402
-from gradsync.torch.elastic import EXIT_LEFT  # noqa: E402
+from gradsync.torch.elastic import exit_status  # noqa: E402
 
 # A gentler rate than train_lm.py's: over hundreds of steps, momentum at 0.5
 # amplifies the rounding differences between the all-reduce's sum order and
 # the replay's past the tolerance (a 3-rank run with no failure drifts too).
 LR = 0.05
-PHASES = ("forward", "backward", "collective", "optimizer", "boundary", "freeze", "stall")
+PHASES = ("forward", "backward", "collective", "optimizer", "between", "boundary", "freeze", "stall")
+# Each applied step's gradient norm may differ from the replay's by rounding only.
+NORM_RTOL = 1e-4
 STARTED = time.time()  # before importing gradsync (a replacement's start, for the benchmark)
 
 
@@ -90,14 +97,21 @@ def loss_of(model, tokens):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def grad_norm(model):
+    """The total gradient norm (what ``clip_grad_norm_`` would clip)."""
+    return torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
+
+
 def replay(base, data, history, batch, first_world, fixed):
     """One process, the same history: each applied step's gradient is the sum
     of the per-rank mean gradients of the ranks in its sum (their shards, in
     rank order, as the all-reduce adds them) divided by how many they are
-    (fixed: by the first world size)."""
+    (fixed: by the first world size). Returns the model and each step's
+    gradient norm."""
     model = copy.deepcopy(base)
     model.recompute = False
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    norms = {}
     for step, _world, _contributors, ranks in history:
         opt.zero_grad()
         for rank in ranks:
@@ -106,8 +120,9 @@ def replay(base, data, history, batch, first_world, fixed):
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(divisor)
+        norms[step] = grad_norm(model)
         opt.step()
-    return model
+    return model, norms
 
 
 def main():
@@ -116,6 +131,8 @@ def main():
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
     parser.add_argument("--kill", type=kill_spec, action="append", default=[], metavar="RANK@STEP[:PHASE]",
                         help="the process holding RANK at STEP kills itself in PHASE (repeatable)")
+    parser.add_argument("--kill-after-join", type=lambda t: kill_spec(t.replace(":", "@0:", 1)), metavar="RANK:PHASE",
+                        help="the process holding RANK kills itself in PHASE of the first step after a join")
     parser.add_argument("--fixed-global-batch", action="store_true",
                         help="divide by the first world size, not by the ranks present")
     parser.add_argument("--abort-policy", choices=["skip", "partial"], default="skip")
@@ -130,6 +147,8 @@ def main():
                         help="no activation checkpointing (as torch's DDP needs; the benchmark's side-by-side)")
     parser.add_argument("--buffer", action="store_true",
                         help="give the model a buffer (tokens seen), which DDP's broadcast_buffers sends from rank 0")
+    parser.add_argument("--no-broadcast-buffers", action="store_true",
+                        help="DDP's broadcast_buffers=False: each rank keeps its own buffers")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     args = parser.parse_args()
 
@@ -143,30 +162,35 @@ def main():
         base.register_forward_pre_hook(lambda m, inputs: m.tokens_seen.add_(inputs[0].numel()) and None)
     data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
-                                       abort_policy=args.abort_policy)
+                                       abort_policy=args.abort_policy,
+                                       broadcast_buffers=not args.no_broadcast_buffers)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     elastic.track(model=model, optimizer=opt)
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
               f"kills {[f'{r}@{s}:{p}' for r, s, p in args.kill] or 'none'}", flush=True)
     try:
-        loss, applied_at = train(args, elastic, model, opt, data)
+        loss, applied_at, norms = train(args, elastic, model, opt, data)
     except gradsync.MembershipError as e:
         # The job went on without this process (or cannot go on at all).
-        print(f"member {elastic.member}: left the job: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_LEFT)
+        print(f"member {elastic.member}: left the job ({e.kind}): {e}", file=sys.stderr, flush=True)
+        sys.exit(exit_status(e))
     if not elastic.is_member:
         print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
         return
-    sys.exit(0 if check(args, elastic, model, base, data, loss, applied_at) else 1)
+    sys.exit(0 if check(args, elastic, model, base, data, loss, applied_at, norms) else 1)
 
 
 def train(args, elastic, model, opt, data):
     """The loop, with the kills asked for; returns the last loss and when
     each step this process saw applied was applied (wall clock)."""
     kills = {(rank, step): phase for rank, step, phase in args.kill}
+    after_join = {"step": None}
 
     def at(phase, step):
+        if args.kill_after_join and step == after_join["step"]:
+            rank, _, when = args.kill_after_join
+            return elastic.rank == rank and when == phase
         return kills.get((elastic.rank, step)) == phase
 
     # Mid-backward: a gradient hook of the first block (backward reaches it late).
@@ -174,11 +198,14 @@ def train(args, elastic, model, opt, data):
     model.module.blocks[0].mlp[0].weight.register_hook(lambda g: die(args.report) if killing["backward"] else g)
     began = time.perf_counter()
     applied_at = {}
+    norms = {}
     loss = None
     for step in elastic.steps(args.steps):
         for event in elastic.changes():
             print(f"member {elastic.member}: step {event.step}: {event.kind} {event.lost or event.joined}; "
                   f"now rank {event.rank} of {event.world} ({event.seconds * 1e3:.0f} ms)", flush=True)
+            if event.kind == "joined" and after_join["step"] is None and not elastic.joining:
+                after_join["step"] = step
         if at("boundary", step) or at("freeze", step):
             die(args.report, freeze=at("freeze", step))
         batch = shard(data, step, elastic.rank, args.batch)
@@ -189,22 +216,25 @@ def train(args, elastic, model, opt, data):
         if at("collective", step):
             threading.Timer(0.005, die, (args.report,)).start()
         loss.backward()
+        if elastic.history and elastic.history[-1][0] == step:
+            applied_at[step] = time.time()
+            norms[step] = grad_norm(model)
         if at("optimizer", step):
             die(args.report)
         opt.step()
         opt.zero_grad()
         if at("stall", step):  # silent after its step: the others wait for it at the next boundary
             die(args.report, freeze=True)
-        if elastic.history and elastic.history[-1][0] == step:
-            applied_at[step] = time.time()
+        if at("between", step):
+            die(args.report)
         if elastic.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step + 1:>4}/{args.steps}  loss {loss.item():.4f}  world {elastic.world}  "
                   f"{model.last_report.outcome if model.last_report else '-'}  "
                   f"{(time.perf_counter() - began) * 1e3:7.0f} ms", flush=True)
-    return loss, applied_at
+    return loss, applied_at, norms
 
 
-def check(args, elastic, model, base, data, loss, applied_at):
+def check(args, elastic, model, base, data, loss, applied_at, norms):
     """Every member puts its digest into the store; rank 0 compares them and
     replays the history. Returns whether the run is exact."""
     mine = digest(model.module)
@@ -218,19 +248,28 @@ def check(args, elastic, model, base, data, loss, applied_at):
         elastic.store.wait(keys)
         digests = [elastic.store.get(k).decode() for k in keys]
         identical = len(set(digests)) == 1
-        reference = replay(base, data, elastic.history, args.batch, elastic.first_world, args.fixed_global_batch)
+        reference, replayed = replay(base, data, elastic.history, args.batch, elastic.first_world,
+                                     args.fixed_global_batch)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()
         worlds = [len(ranks) for *_, ranks in elastic.history]
         changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
-        ok = identical and loss is not None and math.isfinite(loss.item()) and diff <= TOLERANCE
+        # Steps this process applied and the replay has: their gradient norms must agree.
+        compared = sorted(set(norms) & set(replayed))
+        off = [s for s in compared if abs(norms[s] - replayed[s]) > NORM_RTOL * max(replayed[s], 1e-12)]
+        unknown = sorted(set(norms) - set(replayed))  # applied here, yet not in the history: never
+        ok = (identical and loss is not None and math.isfinite(loss.item()) and diff <= TOLERANCE
+              and not off and not unknown)
         print(f"replicas: {elastic.world} members, parameters {'bitwise identical' if identical else 'DIFFER'} "
               f"(sha256 {digests[0][:16]})")
         print(f"history: {len(worlds)} steps applied, {args.steps - len(worlds)} skipped; world "
               + " -> ".join(map(str, changes)))
+        print(f"gradient norms: {len(compared)} steps compared with the replay, "
+              + (f"steps {off[:5]} differ (rtol {NORM_RTOL:.0e})" if off else "all agree")
+              + (f"; steps {unknown[:5]} applied here are not in the history" if unknown else ""))
         print(f"equivalence: max |param - replay| = {diff:.2e} (tolerance {TOLERANCE:.0e}) "
               f"{'OK' if ok else 'FAILED'}", flush=True)
-        outcome.update(identical=identical, diff=diff, ok=ok)
+        outcome.update(identical=identical, diff=diff, ok=ok, norms_off=off, norms_compared=len(compared))
     if args.report:
         with open(f"{args.report}.{elastic.member}", "w") as f:
             json.dump(outcome, f)

@@ -310,6 +310,8 @@ class ModelSync:
         self.last_report = report
         lent = False
         try:
+            if self.elastic is not None:
+                self.elastic._ended(report)
             if result.applied:
                 lent = self.framework.write(result, self.record)
                 if self.elastic is not None:

@@ -60,11 +60,24 @@ class MembershipError(GradsyncError):
     go on in it. ``kind`` says why: ``"no_quorum"`` (too few survivors: no
     side of a partition may go on), ``"left_out"`` (the others went on
     without this process: exit, a replacement can join), ``"refused"`` (a
-    joiner with another model or optimizer), ``"store"`` (the membership
-    store is unreachable), ``"ended"`` (the job finished before a joiner was
-    admitted), ``"deadline"``, ``"malformed"``."""
+    joiner with another model or optimizer, or whose collectives differed
+    from the members' right after it was admitted), ``"store"`` (the
+    membership store is unreachable), ``"ended"`` (the job finished before a
+    joiner was admitted), ``"no_members"`` (every member of the job is gone:
+    nothing to join), ``"broken"`` (this process's membership broke where it
+    could not agree on a new one: a member lost again and again, or while
+    building the wrapper), ``"deadline"``, ``"malformed"``.
+    ``gradsync.torch.elastic.exit_status(error)`` is the exit status the
+    supervisor reads."""
 
     kind = None
+
+    @classmethod
+    def of(cls, kind, message):
+        """A ``MembershipError`` of ``kind`` saying ``message``."""
+        error = cls(message)
+        error.kind = kind
+        return error
 
 
 class StepFailedError(GradsyncError):

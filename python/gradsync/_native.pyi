@@ -147,6 +147,8 @@ class Membership:
         """The current epoch lost members: agree on the next roster with the survivors."""
     def admit(self, fingerprint: str) -> dict[str, Any]:
         """Admit the waiting joiners whose fingerprint matches (every member, same boundary)."""
+    def expel(self, odd: list[int], why: str) -> dict[str, Any]:
+        """Go on without ``odd`` (a desync right after a change); one of them gets kind ``"refused"``."""
     def end(self) -> None:
         """The training loop ended: processes waiting to join are told so."""
     @property
@@ -163,6 +165,12 @@ class Membership:
     @staticmethod
     def obituary(table: int, client: Any, prefix: str, member: int) -> None:
         """Record that ``member``'s process was reaped (the supervisor calls it)."""
+    @staticmethod
+    def members_left(table: int, client: Any, prefix: str) -> list[int]:
+        """The newest roster's members that no obituary names (the supervisor reads it)."""
+    @staticmethod
+    def give_up(table: int, client: Any, prefix: str, why: str) -> None:
+        """No member is left: waiting joiners end with kind ``"no_members"``."""
 
 class EtcdClient:
     """A client of an etcd cluster (v3, its JSON gateway over plain HTTP),

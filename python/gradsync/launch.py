@@ -8,14 +8,18 @@ workers with the variables :class:`gradsync.torch.Elastic` reads, and
 watches them. When a worker dies it records the death in the store (the
 survivors then need not wait for its heartbeat to stop) and, with
 ``--rejoin``, starts a replacement that joins the running job; the
-survivors are never touched.
+survivors are never touched. When no member of the job is left (every
+process of its newest membership is dead), it says so, tells the
+replacements still waiting to join that there is nothing to join (they end
+with ``MembershipError(kind="no_members")``), and exits with 1.
 
 Several machines: host the store on one (``--store-only``, or a supervisor
 with workers), and on each machine run a supervisor with ``--store
 HOST:PORT --node-rank K --nnodes M``: every supervisor starts ``--nproc``
 workers of the first ``M * nproc`` and replaces its own. A supervisor exits
 with 0 when its workers finished the job, with 3 when every one of them left
-a job that went on without them (``EXIT_LEFT``), else 1. (torchrun's agent
+a job that went on without them (``EXIT_LEFT``) or was refused as a joiner
+(``EXIT_REFUSED``), else 1: the job did not finish. (torchrun's agent
 cannot do this: on any failure it stops every worker of the job and starts
 them all again, and its c10d rendezvous store lives in one agent.)
 
@@ -34,7 +38,9 @@ import subprocess
 import sys
 import time
 
-from gradsync.torch.elastic import ENV_FIRST, ENV_HOST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE, EXIT_LEFT
+from gradsync.torch.elastic import (
+    ENV_FIRST, ENV_HOST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE, EXIT_LEFT, EXIT_REFUSED,
+)
 
 
 def _describe(code):
@@ -60,7 +66,7 @@ class Supervisor:
         shim, why = _shim.load("collectives")
         if shim is None:
             sys.exit(f"gradsync launch: {why}")
-        self._obituary = Membership.obituary
+        self._membership = Membership
         self._table = shim.table()
         self._client = store.client if isinstance(store, EtcdStore) else shim.StoreClient(store)
         self.args = args
@@ -72,6 +78,8 @@ class Supervisor:
         self.rejoins = 0
         self.first_success = None  # when the first worker finished the job
         self.failed_after_success = False
+        self.gave_up = None  # why the job was given up (no member left)
+        self.prefix = f"{args.job}/membership"
 
     def _log(self, message):
         print(f"gradsync launch: {message}", file=sys.stderr, flush=True)
@@ -106,10 +114,17 @@ class Supervisor:
         # The job succeeded when workers finished it and none failed after
         # the first did (members lost or left out during training do not count).
         if self.first_success is not None:
-            return 1 if self.failed_after_success else 0
+            if self.failed_after_success:
+                self._log("the job finished, but a worker failed after the first one finished: exit status 1")
+                return 1
+            return 0
+        if self.gave_up is not None:
+            self._log(f"the job did not finish: {self.gave_up}")
+            return 1
         # Every worker of this supervisor left a job that went on elsewhere (several machines).
-        if self.finished and all(code == EXIT_LEFT for code in self.finished.values()):
+        if self.finished and all(code in (EXIT_LEFT, EXIT_REFUSED) for code in self.finished.values()):
             return EXIT_LEFT
+        self._log("the job did not finish: no worker of this machine finished it (see their messages above)")
         return 1
 
     def _ended(self, member, proc, code):
@@ -118,19 +133,53 @@ class Supervisor:
         if code == 0:
             self.first_success = self.first_success or time.time()
             return
+        # Whatever ended it, this process is no member any more: record it,
+        # so nobody waits for it and the store knows who is left.
+        try:
+            self._membership.obituary(self._table, self._client, self.prefix, member)
+        except Exception as e:  # the store is ours: only a dying supervisor gets here
+            self._log(f"could not record that member {member} ended: {e}")
         if code == EXIT_LEFT:
-            self._log(f"member {member} (pid {proc.pid}) left the job (the others had gone on without it)")
+            self._log(f"member {member} (pid {proc.pid}) left the job: the others had gone on without it")
+            return
+        if code == EXIT_REFUSED:
+            self._log(f"member {member} (pid {proc.pid}) was refused by the job's members (its message says why)")
             return
         self.failed_after_success |= self.first_success is not None
+        if self.gave_up is not None:
+            self._log(f"member {member} (pid {proc.pid}) {_describe(code)} (the job had no member left)")
+            return
+        left = self._members_left()
+        if left is not None and not left and self.first_success is None:
+            self._give_up(f"member {member} (pid {proc.pid}) {_describe(code)}, and no member of the job is left")
+            return
         self._log(f"member {member} (pid {proc.pid}) {_describe(code)}; the others go on without it")
-        try:
-            self._obituary(self._table, self._client, f"{self.args.job}/membership", member)
-        except Exception as e:  # the store is ours: only a dying supervisor gets here
-            self._log(f"could not record member {member}'s death: {e}")
-        if self.args.rejoin and self.first_success is None and self.rejoins < self.args.max_rejoins and self.workers:
+        if self.args.rejoin and self.first_success is None and self.rejoins < self.args.max_rejoins and left:
             self.rejoins += 1
             replacement = self.first + self.store.add(f"{self.args.job}/replacements", 1) - 1
             self._start(replacement, join=True)
+
+    def _members_left(self):
+        """The members of the job's newest membership not known dead
+        (``None`` when the store cannot tell)."""
+        try:
+            return self._membership.members_left(self._table, self._client, self.prefix)
+        except Exception as e:  # the store is ours: only a dying supervisor gets here
+            self._log(f"could not read the job's members: {e}")
+            return None
+
+    def _give_up(self, why):
+        """No member is left: the job is over; replacements waiting to join are told so."""
+        self.gave_up = why
+        waiting = sorted(self.workers)
+        self._log(f"{why}: the job cannot go on"
+                  + (f"; the replacements waiting to join ({', '.join(map(str, waiting))}) give up" if waiting else ""))
+        try:
+            self._membership.give_up(self._table, self._client, self.prefix, why)
+        except Exception as e:  # the store is ours: only a dying supervisor gets here
+            self._log(f"could not tell the waiting replacements: {e}; stopping them")
+            for proc in self.workers.values():
+                proc.terminate()
 
 
 def main(argv=None):

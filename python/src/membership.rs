@@ -219,11 +219,20 @@ fn membership_error(py: Python<'_>, e: &MembershipError) -> PyErr {
         MembershipError::LeftOut { .. } => "left_out",
         MembershipError::Refused { .. } => "refused",
         MembershipError::Ended { .. } => "ended",
+        MembershipError::NoMembers { .. } => "no_members",
         MembershipError::Deadline { .. } => "deadline",
         MembershipError::Malformed { .. } => "malformed",
     };
     let kind = kind.into_pyobject(py).map(|k| k.into_any().unbind()).unwrap_or_else(|_| py.None());
     errors::raise(py, "MembershipError", e.to_string(), &[("kind", kind)])
+}
+
+/// The job's store through `client`, for a supervisor's one-off records
+/// (`table`: the shim's table, as for [`Membership::new`]).
+fn job_store(py: Python<'_>, table: usize, client: &Py<PyAny>) -> PyResult<JobStore> {
+    // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
+    let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
+    JobStore::of(py, table, client)
 }
 
 fn address(py: Python<'_>, object: &Py<PyAny>) -> PyResult<usize> {
@@ -363,7 +372,11 @@ impl Membership {
     fn recover<'py>(&mut self, py: Python<'py>, suspects: Vec<MemberId>) -> PyResult<Bound<'py, PyDict>> {
         let (agreement, monitor) = (&mut self.agreement, &self.monitor);
         let result = py.detach(|| {
-            agreement.recover(&suspects, || monitor.as_ref().map(Monitor::silent).unwrap_or_default()).cloned()
+            match monitor {
+                Some(watch) => agreement.recover(&suspects, watch),
+                None => agreement.recover(&suspects, &()),
+            }
+            .cloned()
         });
         self.adopted(py, result)
     }
@@ -373,6 +386,15 @@ impl Membership {
     fn admit<'py>(&mut self, py: Python<'py>, fingerprint: &str) -> PyResult<Bound<'py, PyDict>> {
         let agreement = &mut self.agreement;
         let result = py.detach(|| agreement.admit(fingerprint).cloned());
+        self.adopted(py, result)
+    }
+
+    /// Every member after the same step failed with a desync right after a
+    /// change of members: go on without `odd` (member ids); a process among
+    /// them gets `MembershipError(kind="refused")` with `why`. Returns the roster.
+    fn expel<'py>(&mut self, py: Python<'py>, odd: Vec<MemberId>, why: &str) -> PyResult<Bound<'py, PyDict>> {
+        let agreement = &mut self.agreement;
+        let result = py.detach(|| agreement.expel(&odd, why).cloned());
         self.adopted(py, result)
     }
 
@@ -412,13 +434,27 @@ impl Membership {
         py.detach(move || drop(monitor));
     }
 
+    /// The members of the job's newest roster that no obituary names (read
+    /// by a supervisor from the store of `client`).
+    #[staticmethod]
+    fn members_left(py: Python<'_>, table: usize, client: Py<PyAny>, prefix: &str) -> PyResult<Vec<MemberId>> {
+        let store = job_store(py, table, &client)?;
+        py.detach(|| Agreement::members_left(&store, prefix)).map_err(|e| membership_error(py, &e))
+    }
+
+    /// No member is left: processes waiting to join give up
+    /// (`MembershipError(kind="no_members")` with `why`).
+    #[staticmethod]
+    fn give_up(py: Python<'_>, table: usize, client: Py<PyAny>, prefix: &str, why: &str) -> PyResult<()> {
+        let store = job_store(py, table, &client)?;
+        py.detach(|| Agreement::give_up(&store, prefix, why)).map_err(|e| membership_error(py, &e))
+    }
+
     /// The supervisor reaped `member`: record it in the store of `client`
     /// (survivors then need not wait to see it silent).
     #[staticmethod]
     fn obituary(py: Python<'_>, table: usize, client: Py<PyAny>, prefix: &str, member: MemberId) -> PyResult<()> {
-        // SAFETY: as in `new`.
-        let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
-        let store = JobStore::of(py, table, &client)?;
+        let store = job_store(py, table, &client)?;
         py.detach(|| Agreement::obituary(&store, prefix, member)).map_err(|e| membership_error(py, &e))
     }
 }

@@ -117,8 +117,27 @@ impl<S: GradStore> Scheduler<S> {
         self.submit(tag, CommPayload::Words(words), 1.0, timeout);
     }
 
+    /// After a change of members, every member takes the bucket layout of
+    /// the new rank 0 before the plan agreement: a joiner starts from the
+    /// first plan while the members may have rebuilt theirs in the order
+    /// gradients arrive, and a loss during an order collective can leave
+    /// survivors with different layouts. It is an order collective in which
+    /// only rank 0 speaks (its plan's launch order as positions, the others
+    /// zeros), so the summed order, and the plan built from it, is rank 0's
+    /// on every member. Later steps wait for it like for any rebuild.
+    fn adopt_first_members_layout(&mut self) {
+        let mut words = vec![0u64; self.plan.num_params()];
+        if self.cfg.rank == 0 {
+            for (position, p) in self.plan.launch_order().enumerate() {
+                words[p.index()] = position as u64 + 1;
+            }
+        }
+        self.start_reorder(self.step.step, words);
+    }
+
     /// The reset agreement returned: open the agreed step (a new generation
-    /// of actor messages), or stay failed.
+    /// of actor messages), or stay failed. After a membership reset, the
+    /// members first take rank 0's bucket layout.
     pub(super) fn on_reset_agreed(&mut self, result: Result<Vec<u64>, CommError>) {
         let Lifecycle::Resetting(reply) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
             unreachable!("an agreement result arrives while resetting")
@@ -150,6 +169,10 @@ impl<S: GradStore> Scheduler<S> {
                     contributors,
                     self.cfg.divisor,
                 );
+                if words.len() == 2 * world {
+                    // A membership reset (its agreement has the redo half).
+                    self.adopt_first_members_layout();
+                }
                 reply.send(Ok(Resumption { step: agreed, redo }));
             }
             Err(e) => {

@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradsync._errors import MembershipError
+
 # How long a wait spins on a collective before it sleeps between looks.
 _SPIN_S = 0.0002
 _NAP_S = 0.001
@@ -64,10 +66,11 @@ class StateBroadcast:
                 if dst is not t:
                     t.copy_(dst)
 
-    def everyones(self, value):
-        """Every rank's integer ``value``, by rank (an all-gather)."""
-        slots = torch.zeros(self._world, dtype=torch.int64)
-        slots[self._rank] = value
+    def everyones(self, values):
+        """Every rank's integers ``values`` (a sequence, the same length on
+        every rank), as a ``world x len(values)`` tensor by rank (an all-gather)."""
+        slots = torch.zeros(self._world, len(values), dtype=torch.int64)
+        slots[self._rank] = torch.tensor(list(values), dtype=torch.int64)
         if self._world > 1:
             self._wait(self._group.allreduce([slots]))
         return slots
@@ -84,5 +87,9 @@ class StateBroadcast:
         self.broadcast(tensors, int(last.item()))
 
 
-class Abandoned(RuntimeError):
-    """A state transfer given up because its group's members changed."""
+class Abandoned(MembershipError, RuntimeError):
+    """A state transfer given up because its group's members changed. An
+    elastic job recovers from it at the step boundary; should it reach the
+    caller, it is a :class:`gradsync.MembershipError` of kind ``"broken"``."""
+
+    kind = "broken"

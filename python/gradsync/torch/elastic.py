@@ -78,8 +78,27 @@ ENV_STORE, ENV_JOB, ENV_MEMBER, ENV_FIRST, ENV_JOIN = (
 #: with etcd, each epoch's first member hosts that epoch's rendezvous there.
 ENV_HOST = "GRADSYNC_HOST"
 #: The exit status of a worker that left the job (the others went on without
-#: it, or it was refused): the supervisor does not count it as a failure.
+#: it): the supervisor does not count it as a failure.
 EXIT_LEFT = 3
+#: The exit status of a joiner the members refused (another model or
+#: optimizer, or collectives that differed from theirs): not a failure either.
+EXIT_REFUSED = 4
+
+
+def exit_status(error):
+    """The exit status for a worker ending with ``error`` (a
+    :class:`gradsync.MembershipError`), as the supervisor reads it:
+    :data:`EXIT_REFUSED` for a refused joiner, :data:`EXIT_LEFT` for a
+    process the job went on without, 1 for anything else (no quorum, the
+    store lost, a job with no member left)::
+
+        except gradsync.MembershipError as e:
+            sys.exit(gradsync.torch.elastic.exit_status(e))
+    """
+    kind = getattr(error, "kind", None)
+    if kind == "refused":
+        return EXIT_REFUSED
+    return EXIT_LEFT if kind in ("left_out", "broken") else 1
 # A membership change that fails again (another member lost meanwhile) is retried this often.
 _RECOVERY_ATTEMPTS = 8
 
@@ -88,9 +107,12 @@ _RECOVERY_ATTEMPTS = 8
 class MembershipEvent:
     """One change of an elastic job's members, as this process saw it.
 
-    ``kind`` is ``"lost"`` or ``"joined"``; ``step`` the step in flight (lost:
-    skipped on every survivor) or the boundary (joined); ``epoch`` the new
-    membership epoch; ``lost`` and ``joined`` member ids; ``rank`` and
+    ``kind`` is ``"lost"``, ``"joined"`` or ``"refused"`` (members sent
+    away because their collectives differed from the others' right after a
+    change, e.g. a joiner with another bucket size: ``lost`` names them);
+    ``step`` the step in flight (lost, refused: skipped on every survivor)
+    or the boundary (joined); ``epoch`` the new membership epoch; ``lost``
+    and ``joined`` member ids; ``rank`` and
     ``world`` this process's new place; ``seconds`` from the failure (or the
     admission) to the new group's first agreement; ``time`` when that
     agreement came (``time.time()``)."""
@@ -134,7 +156,9 @@ def _connect(shim, address, timeout, liveness_s):
                                    timeout=datetime.timedelta(seconds=max(2.0, 2 * liveness_s)))
         return store, shim.StoreClient(store), shim.StoreClient(beat_store)
     except (RuntimeError, ValueError, MembershipError) as e:
-        raise MembershipError(f"cannot reach the job's store at {address} ({e}); is the supervisor (or etcd) running?") from None
+        raise MembershipError.of(
+            "store", f"cannot reach the job's store at {address} ({e}); is the supervisor (or etcd) running?"
+        ) from None
 
 
 class Elastic:
@@ -194,6 +218,14 @@ class Elastic:
         self._roster = None
         # A failed step reduced again among the survivors: (world, ranks) it was drawn with.
         self._redone_from = None
+        # No step has ended since the last change of members: a desync now is
+        # the change's doing (a joiner that differs), answered by sending the
+        # odd members away instead of ending the job.
+        self._unproven = False
+        # The wrapper's parameters are sent from rank 0 at the first boundary
+        # (DDP does it in its constructor; here a member lost meanwhile is
+        # recovered from).
+        self._send_parameters = not self.joining
         if not self.joining:
             self._roster = self.membership.start(list(range(self.first_world)))
 
@@ -271,6 +303,7 @@ class Elastic:
         if self._ddp is not None:
             raise ConfigError("an Elastic handle synchronizes one wrapped model; build one wrapper per job")
         self._ddp = ddp
+        self._send_parameters = not self.joining
         return self._groups_store(), self.prefix("model"), self.rank, self.world
 
     def _groups_store(self):
@@ -292,14 +325,20 @@ class Elastic:
             while not self.store.check([key]):
                 broken = self.membership.broken
                 if broken is not None and broken >= epoch:
-                    raise MembershipError(f"epoch {epoch} broke before its rendezvous was published")
+                    raise MembershipError.of("broken", f"epoch {epoch} broke before its rendezvous was published")
                 if time.monotonic() > deadline:
-                    raise MembershipError(f"epoch {epoch}'s rendezvous was not published within {self.timeout_s:.0f} s")
+                    raise MembershipError.of(
+                        "deadline", f"epoch {epoch}'s rendezvous was not published within {self.timeout_s:.0f} s"
+                    )
                 time.sleep(0.01)
             host, _, port = self.store.get(key).decode().rpartition(":")
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         self._epoch_stores.append(store)
         return store
+
+    def _ended(self, report):
+        """A step ended on every member (applied or not)."""
+        self._unproven = False
 
     def _applied(self, report):
         """A step was applied on every member."""
@@ -312,15 +351,30 @@ class Elastic:
         """The step in flight (or a boundary's transfer) failed (``error``):
         agree on the new members and move to their group. Returns the failed
         step reduced again among them (partial policy, when every member
-        could), or ``None``: the caller skips the step."""
-        if isinstance(error, DesyncError):
-            raise error
+        could), or ``None``: the caller skips the step.
+
+        A :class:`gradsync.DesyncError` right after a change of members
+        (no step ended since) is the change's doing: every member saw the
+        same odd ranks in the same vote, so they go on without them (a
+        joiner that differs is refused: ``MembershipError(kind="refused")``
+        on its side). Later, a desync is the program's and is raised."""
         began = time.perf_counter()
-        suspects = [self._roster["members"][error.peer]] if getattr(error, "peer", None) is not None else []
         drawn = list(self._roster["members"])
         before = set(drawn)
+        kind = "lost"
+        if isinstance(error, DesyncError):
+            if not self._unproven:
+                raise error
+            odd = [drawn[r] for r in error.ranks]
+            log.warning("gradsync elastic: right after a change of members, members %s issued other collectives "
+                        "than the rest (%s); going on without them", odd, error)
+            roster, kind = self.membership.expel(odd, f"right after it was admitted: {error}"), "refused"
+            suspects = None
+        else:
+            suspects = [drawn[error.peer]] if getattr(error, "peer", None) is not None else []
         for _ in range(_RECOVERY_ATTEMPTS):
-            roster = self.membership.recover(suspects)
+            if suspects is not None:
+                roster = self.membership.recover(suspects)
             try:
                 redone = self._move(roster, sync)
                 break
@@ -328,9 +382,9 @@ class Elastic:
                 log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
                 suspects = []
         else:
-            raise MembershipError(f"the members could not form a group after {_RECOVERY_ATTEMPTS} attempts")
+            raise MembershipError.of("broken", f"the members could not form a group after {_RECOVERY_ATTEMPTS} attempts")
         lost = sorted(before - set(self._roster["members"]))
-        self._event("lost", lost, [], began)
+        self._event(kind, lost, [], began)
         if redone is not None:
             self._redone_from = (len(drawn), [drawn.index(m) for m in self._roster["members"]])
         return redone
@@ -341,6 +395,7 @@ class Elastic:
         (and returns the failed step if they reduced it again)."""
         self._roster = roster
         self._ddp._move_to(self.prefix("model"), self.rank, self.world, roster["epoch"], self._groups_store())
+        self._unproven = True
         _, redone = sync.session.resume(self.rank, self.world)
         self._sync_pending = True
         return redone
@@ -389,7 +444,11 @@ class Elastic:
             log.warning("gradsync elastic: the job ended before member %d was admitted", self.member)
             return False
         self.joining = False
-        self._move(roster, self._ddp._sync)
+        try:
+            self._move(roster, self._ddp._sync)
+        except (RuntimeError, StepFailedError) as error:  # a member lost while this process was admitted
+            log.warning("gradsync elastic: a member was lost while member %d was admitted (%s)", self.member, error)
+            self._recover(self._ddp._sync, error)
         # Logged once the members' state (and step) arrived, at the first boundary.
         self._join_began = began
         return True
@@ -403,9 +462,13 @@ class Elastic:
         return None
 
     def _boundary(self):
-        """Before each step: admit joiners, equalize state after a change,
-        and send rank 0's buffers (DDP does that in each forward; here a
-        member lost during it is recovered from, every member at the same point)."""
+        """Before each step: admit joiners, equalize state after a change
+        (the members agree on the step itself, so none can run step s+1
+        while another runs s), and send rank 0's parameters (the first
+        boundary) and buffers (DDP does those in its constructor and each
+        forward; here a member lost during them is recovered from, and every
+        member redoes the boundary: one that failed in it makes the others
+        fail in their next collective, and they meet in the equalization)."""
         sync = self._ddp._sync
         for _ in range(_RECOVERY_ATTEMPTS):
             try:
@@ -413,13 +476,18 @@ class Elastic:
                 if self._sync_pending:
                     self._equalize()
                     self._sync_pending = False
+                if self._send_parameters:
+                    self._ddp._states.broadcast(self._ddp._model_states())
+                    self._send_parameters = False
                 self._ddp._broadcast_buffers_now()
                 break
             except (RuntimeError, StepFailedError) as error:  # a member lost during the admission or transfer
                 log.warning("gradsync elastic: a member was lost at the step %d boundary (%s)", self.step, error)
                 self._recover(sync, error)
         else:
-            raise MembershipError(f"the members could not settle at step {self.step} in {_RECOVERY_ATTEMPTS} attempts")
+            raise MembershipError.of(
+                "broken", f"the members could not settle at step {self.step} in {_RECOVERY_ATTEMPTS} attempts"
+            )
         if self._join_began is not None:
             self._event("joined", [], [self.member], self._join_began)
             self._join_began = None
@@ -437,21 +505,27 @@ class Elastic:
             self._event("joined", [], roster["joined"], began)
 
     def _equalize(self):
-        """After a change: every member takes the state of the member that
-        applied the most steps (a joiner, none), if they differ. On the
-        wrapper's state group (the training thread's, never the communicator's)."""
+        """After a change: the members compare where each stands, as
+        ``(steps applied, next step)`` (a joiner: nothing), and if any two
+        differ, every member takes the state, the step and the history of
+        the one furthest on (the most steps applied, then the furthest
+        step). Steps can differ with equal counts: a member that failed at a
+        boundary (the buffer broadcast) had not started the step the others
+        then failed and skipped. On the wrapper's state group (the training
+        thread's, never the communicator's)."""
         states = self._ddp._states
-        counts = states.everyones(0 if self._fresh else self.applied + 1)
-        best = int(counts.max())
-        if int(counts.min()) == best:
+        mine = (0, 0) if self._fresh else (self.applied + 1, self.step + 1)
+        places = [tuple(row) for row in states.everyones(mine).tolist()]
+        best = max(places)
+        if all(place == best for place in places):
             return
-        source = int((counts == best).nonzero()[0])
+        source = places.index(best)
         payload = self._pack() if self.rank == source else None
         size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
         states.broadcast([size], source)
         data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
         states.broadcast([data], source)
-        if int(counts[self.rank]) != best:
+        if places[self.rank] != best:
             self._unpack(data)
             log.warning("gradsync elastic: took rank %d's state (%d bytes): step %d, %d steps applied",
                         source, data.numel(), self.step, self.applied)
@@ -466,7 +540,9 @@ class Elastic:
         state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
         for name, obj in self._tracked.items():
             if name not in state["objects"]:
-                raise MembershipError(f"the members sent no state for {name!r}: track the same objects on every process")
+                raise MembershipError.of(
+                    "refused", f"the members sent no state for {name!r}: track the same objects on every process"
+                )
             obj.load_state_dict(state["objects"][name])
         self.step, self.applied = state["step"], state["applied"]
         self.history = [tuple(h) for h in state["history"]]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{KvStore, MemberId, MembershipError, Roster, Tally};
+use super::{KvStore, Liveness, MemberId, MembershipError, Roster, Tally};
 
 /// How the protocol paces itself.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,9 +21,14 @@ pub struct Timing {
     /// silence threshold.
     pub liveness: Duration,
     /// A member named by the failing collective (its socket closed) that has
-    /// not checked in this long after the failure is lost without waiting
-    /// for `liveness` (a live one's monitor checks in within a beat).
+    /// not checked in this long after the failure, and whose heartbeat has
+    /// not moved for as long, is lost without waiting for `liveness` (a live
+    /// one's monitor checks in within a beat).
     pub suspect_grace: Duration,
+    /// A member whose heartbeat still moves but that has not checked in this
+    /// long after its epoch broke is lost all the same (its monitor beats
+    /// but cannot reach the agreement).
+    pub check_in: Duration,
     /// How long a joiner waits to be admitted.
     pub admission: Duration,
 }
@@ -34,10 +39,15 @@ impl Default for Timing {
             poll: Duration::from_millis(5),
             liveness: Duration::from_secs(1),
             suspect_grace: Duration::from_millis(250),
+            check_in: Duration::from_secs(30),
             admission: Duration::from_secs(300),
         }
     }
 }
+
+/// How the `ended` record of a job that lost every member begins (the
+/// reason follows); a job that finished writes `1`.
+const GAVE_UP: &[u8] = b"gave up: ";
 
 /// Where the protocol's records live under a job's prefix.
 #[derive(Debug, Clone)]
@@ -166,14 +176,12 @@ impl<S: KvStore> Agreement<S> {
 
     /// The current epoch lost a member (a collective failed, or the monitor
     /// broke the epoch): agree with the survivors on the next roster.
-    /// `suspects` are members the failure named; `silent()` says which
-    /// members' heartbeats stopped (the monitor's view). Returns the roster
-    /// this process goes on in.
-    pub fn recover(
-        &mut self,
-        suspects: &[MemberId],
-        silent: impl Fn() -> Vec<MemberId>,
-    ) -> Result<&Roster, MembershipError> {
+    /// `suspects` are members the failure named; `liveness` is what this
+    /// process knows of the members' heartbeats (its [`super::Monitor`]): a
+    /// member whose heartbeat moves is waited for, however slow it is to
+    /// check in (up to [`Timing::check_in`]). Returns the roster this
+    /// process goes on in.
+    pub fn recover(&mut self, suspects: &[MemberId], liveness: &impl Liveness) -> Result<&Roster, MembershipError> {
         let epoch = self.roster.epoch;
         self.store.set(&self.keys.failed(epoch), b"1")?;
         self.store.set(&self.keys.present(epoch, self.me), b"1")?;
@@ -182,7 +190,7 @@ impl<S: KvStore> Agreement<S> {
             if let Some(next) = self.decided()? {
                 return self.adopt(next);
             }
-            let (tally, unknown) = self.tally(suspects, &silent(), began.elapsed())?;
+            let (tally, unknown) = self.tally(suspects, liveness, began.elapsed())?;
             if unknown.is_empty() {
                 let next = self.roster.after_loss(&tally)?;
                 return self.propose(&next);
@@ -191,24 +199,36 @@ impl<S: KvStore> Agreement<S> {
         }
     }
 
-    /// Who is present, dead, silent, and who is not known yet.
+    /// Who is present, dead, silent, and who is not known yet. A member is
+    /// silent when its heartbeat stopped for its window; when it is a
+    /// suspect quiet since `suspect_grace`; when it has not checked in for
+    /// `liveness` and is not beating (with no monitor: nobody is known to
+    /// beat); or after `check_in` whatever its heartbeat does.
     fn tally(
         &self,
         suspects: &[MemberId],
-        silent: &[MemberId],
+        liveness: &impl Liveness,
         waited: Duration,
     ) -> Result<(Tally, Vec<MemberId>), MembershipError> {
         let epoch = self.roster.epoch;
         let mut tally = Tally::default();
         let mut unknown = Vec::new();
+        let silent = liveness.silent();
+        let (grace, window) = (self.timing.suspect_grace, self.timing.liveness);
+        let (beating_grace, beating_window) = (liveness.beating(grace), liveness.beating(window));
+        let quiet = |m: MemberId, since: Duration| {
+            let beating = if since == grace { &beating_grace } else { &beating_window };
+            waited >= since && !beating.contains(&m)
+        };
         for &m in &self.roster.members {
             if m == self.me || self.store.get(&self.keys.present(epoch, m))?.is_some() {
                 tally.present.push(m);
             } else if self.store.get(&self.keys.dead(m))?.is_some() {
                 tally.dead.push(m);
             } else if silent.contains(&m)
-                || waited >= self.timing.liveness
-                || (suspects.contains(&m) && waited >= self.timing.suspect_grace)
+                || (suspects.contains(&m) && quiet(m, grace))
+                || quiet(m, window)
+                || waited >= self.timing.check_in
             {
                 tally.silent.push(m);
             } else {
@@ -216,6 +236,22 @@ impl<S: KvStore> Agreement<S> {
             }
         }
         Ok((tally, unknown))
+    }
+
+    /// Every member, after the same failed step: go on without `odd` (the
+    /// members whose collectives differed from the others' right after a
+    /// change of members, identical on every member since the step's vote
+    /// is). A process among `odd` gets [`MembershipError::Refused`] with
+    /// `why` and writes nothing. Returns the roster this process goes on in.
+    pub fn expel(&mut self, odd: &[MemberId], why: &str) -> Result<&Roster, MembershipError> {
+        if odd.contains(&self.me) {
+            return Err(MembershipError::Refused { member: self.me, why: why.to_string() });
+        }
+        if let Some(next) = self.decided()? {
+            return self.adopt(next);
+        }
+        let next = self.roster.without(odd)?;
+        self.propose(&next)
     }
 
     /// How many join requests the job has received.
@@ -301,8 +337,13 @@ impl<S: KvStore> Agreement<S> {
                 self.roster = Roster::first(Vec::new());
                 return self.adopt(Roster::decode(&rkey, &bytes)?);
             }
-            if self.store.get(&self.keys.ended())?.is_some() {
-                return Err(MembershipError::Ended { member: self.me });
+            if let Some(how) = self.store.get(&self.keys.ended())? {
+                return Err(match how.strip_prefix(GAVE_UP) {
+                    Some(why) => {
+                        MembershipError::NoMembers { member: self.me, why: String::from_utf8_lossy(why).into_owned() }
+                    }
+                    None => MembershipError::Ended { member: self.me },
+                });
             }
             if began.elapsed() > self.timing.admission {
                 return Err(MembershipError::Deadline {
@@ -318,6 +359,38 @@ impl<S: KvStore> Agreement<S> {
     /// processes still waiting to join are told so.
     pub fn end(&self) -> Result<(), MembershipError> {
         Ok(self.store.set(&self.keys.ended(), b"1")?)
+    }
+
+    /// The members of the job's newest roster that no obituary names: who
+    /// can still admit a joiner (empty: every member's process was reaped).
+    /// Read by a supervisor, which is no member itself.
+    pub fn members_left(store: &S, prefix: &str) -> Result<Vec<MemberId>, MembershipError> {
+        let keys = Keys(prefix.to_string());
+        let mut epoch = match store.get(&keys.latest())? {
+            Some(v) => String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0),
+            None => 0,
+        };
+        let mut newest = None;
+        while let Some(bytes) = store.get(&keys.roster(epoch))? {
+            newest = Some(Roster::decode(&keys.roster(epoch), &bytes)?);
+            epoch += 1;
+        }
+        let mut left = Vec::new();
+        for m in newest.map(|r| r.members).unwrap_or_default() {
+            if store.get(&keys.dead(m))?.is_none() {
+                left.push(m);
+            }
+        }
+        Ok(left)
+    }
+
+    /// No member is left (see [`Agreement::members_left`]): the job is
+    /// over, and processes waiting to join get [`MembershipError::NoMembers`]
+    /// with `why` instead of waiting for an admission that cannot come.
+    pub fn give_up(store: &S, prefix: &str, why: &str) -> Result<(), MembershipError> {
+        let mut record = GAVE_UP.to_vec();
+        record.extend_from_slice(why.as_bytes());
+        Ok(store.set(&Keys(prefix.to_string()).ended(), &record)?)
     }
 
     /// The supervisor reaped `member`'s process: record it, so survivors
@@ -339,6 +412,7 @@ mod tests {
             poll: Duration::from_millis(1),
             liveness: Duration::from_millis(400),
             suspect_grace: Duration::from_millis(50),
+            check_in: Duration::from_secs(2),
             admission: Duration::from_secs(5),
         }
     }
@@ -361,7 +435,7 @@ mod tests {
         all.remove(2);
         let began = Instant::now();
         let rosters: Vec<Roster> = thread::scope(|s| {
-            let hs: Vec<_> = all.iter_mut().map(|a| s.spawn(move || a.recover(&[], Vec::new).cloned())).collect();
+            let hs: Vec<_> = all.iter_mut().map(|a| s.spawn(move || a.recover(&[], &()).cloned())).collect();
             hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
         });
         assert!(began.elapsed() < fast().liveness, "an obituary needs no silence: {:?}", began.elapsed());
@@ -380,12 +454,12 @@ mod tests {
         let began = Instant::now();
         // Member 1 checks in (alive), member 2 never does.
         store.set(&Keys("job".into()).present(0, 1), b"1").unwrap();
-        let r = a.recover(&[], Vec::new).unwrap().clone();
+        let r = a.recover(&[], &()).unwrap().clone();
         assert!(began.elapsed() >= fast().liveness);
         assert_eq!(r.members, vec![0, 1]);
         // Next epoch: member 1 is named by the failure and never checks in.
         let began = Instant::now();
-        let e = a.recover(&[1], Vec::new).unwrap_err();
+        let e = a.recover(&[1], &()).unwrap_err();
         assert!(began.elapsed() < fast().liveness, "a suspect is judged after its grace");
         assert!(matches!(e, MembershipError::NoQuorum { .. }), "one of two, the other only silent: {e}");
     }
@@ -397,7 +471,7 @@ mod tests {
         Agreement::obituary(&store, "job", 2).unwrap();
         // Members 0 and 2 settle without member 1's check-in? No: 1 is alive
         // but too slow, so 0 sees it silent (monitor's view) and 2 is dead.
-        let r = all[0].recover(&[], || vec![1]);
+        let r = all[0].recover(&[], &Heard { silent: vec![1], beating: vec![] });
         assert!(r.is_err(), "0 alone is not a majority of {{0, 1}}: {r:?}");
         // Member 1 had gone silent; member 0 and a third survivor decide.
         let store = MemoryStore::default();
@@ -405,9 +479,9 @@ mod tests {
         let decided =
             all[0].roster().after_loss(&Tally { present: vec![0, 2], dead: vec![], silent: vec![1] }).unwrap();
         store.compare_set(&Keys("job".into()).roster(1), b"", &decided.encode()).unwrap();
-        let e = all[1].recover(&[], Vec::new).unwrap_err();
+        let e = all[1].recover(&[], &()).unwrap_err();
         assert_eq!(e, MembershipError::LeftOut { member: 1, epoch: 1 });
-        assert_eq!(all[2].recover(&[], Vec::new).unwrap().members, vec![0, 2]);
+        assert_eq!(all[2].recover(&[], &()).unwrap().members, vec![0, 2]);
     }
 
     #[test]
@@ -440,6 +514,76 @@ mod tests {
         assert_eq!(late.join().unwrap().unwrap_err(), MembershipError::Ended { member: 9 }, "the job ended first");
     }
 
+    /// A test's view of the heartbeats.
+    struct Heard {
+        silent: Vec<MemberId>,
+        beating: Vec<MemberId>,
+    }
+
+    impl Liveness for Heard {
+        fn silent(&self) -> Vec<MemberId> {
+            self.silent.clone()
+        }
+        fn beating(&self, _within: Duration) -> Vec<MemberId> {
+            self.beating.clone()
+        }
+    }
+
+    #[test]
+    fn a_slow_member_whose_heartbeat_moves_is_waited_for_not_left_out() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 3);
+        let mut a = all.remove(0);
+        let late = thread::spawn({
+            let store = store.clone();
+            move || {
+                // Member 1 is slow to check in (a loaded machine), well past the liveness window.
+                thread::sleep(fast().liveness * 2);
+                store.set(&Keys("job".into()).present(0, 1), b"1").unwrap();
+            }
+        });
+        store.set(&Keys("job".into()).present(0, 2), b"1").unwrap();
+        let r = a.recover(&[1], &Heard { silent: vec![], beating: vec![1] }).unwrap().clone();
+        late.join().unwrap();
+        assert_eq!(r.members, vec![0, 1, 2], "nobody lost: 1 was slow, not dead");
+        // A member that beats but never checks in is lost after the check-in deadline.
+        store.set(&Keys("job".into()).present(1, 2), b"1").unwrap();
+        let began = Instant::now();
+        let r = a.recover(&[], &Heard { silent: vec![], beating: vec![1] }).unwrap().clone();
+        assert!(began.elapsed() >= fast().check_in, "{:?}", began.elapsed());
+        assert_eq!(r.members, vec![0, 2]);
+    }
+
+    #[test]
+    fn a_desync_right_after_a_change_sends_the_odd_members_away() {
+        let store = MemoryStore::default();
+        let mut all = members(&store, 3);
+        let why = "ranks disagree on the plan";
+        let e = all[2].expel(&[2], why).unwrap_err();
+        assert_eq!(e, MembershipError::Refused { member: 2, why: why.into() });
+        let r0 = all[0].expel(&[2], why).unwrap().clone();
+        let r1 = all[1].expel(&[2], why).unwrap().clone();
+        assert_eq!(r0, r1, "one roster");
+        assert_eq!((r0.epoch, r0.members.clone(), r0.lost.clone()), (1, vec![0, 1], vec![2]));
+    }
+
+    #[test]
+    fn a_joiner_of_a_job_with_no_member_left_gives_up() {
+        let store = MemoryStore::default();
+        let _all = members(&store, 2);
+        assert_eq!(Agreement::members_left(&store, "job").unwrap(), vec![0, 1]);
+        Agreement::obituary(&store, "job", 0).unwrap();
+        Agreement::obituary(&store, "job", 1).unwrap();
+        assert!(Agreement::members_left(&store, "job").unwrap().is_empty());
+        let joiner = thread::spawn({
+            let store = store.clone();
+            move || Agreement::new(store, "job", 7, fast()).request_join("model A").cloned()
+        });
+        Agreement::give_up(&store, "job", "members 0 and 1 died").unwrap();
+        let e = joiner.join().unwrap().unwrap_err();
+        assert!(matches!(&e, MembershipError::NoMembers { member: 7, why } if why.contains("members 0 and 1")), "{e}");
+    }
+
     #[test]
     fn a_late_first_member_finds_the_job_moved_on() {
         let store = MemoryStore::default();
@@ -447,7 +591,7 @@ mod tests {
         Agreement::obituary(&store, "job", 2).unwrap();
         thread::scope(|s| {
             for a in all.iter_mut().take(2) {
-                s.spawn(move || a.recover(&[], Vec::new).unwrap().clone());
+                s.spawn(move || a.recover(&[], &()).unwrap().clone());
             }
         });
         let mut late = Agreement::new(store, "job", 2, fast());

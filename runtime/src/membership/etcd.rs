@@ -307,7 +307,7 @@ pub(crate) mod tests {
         let survivors: Vec<_> = members
             .into_iter()
             .filter(|a| a.me() != 1)
-            .map(|mut a| std::thread::spawn(move || a.recover(&[1], Vec::new).cloned().unwrap()))
+            .map(|mut a| std::thread::spawn(move || a.recover(&[1], &()).cloned().unwrap()))
             .collect();
         let rosters: Vec<_> = survivors.into_iter().map(|t| t.join().unwrap()).collect();
         assert_eq!(rosters[0], rosters[1], "one roster for every survivor");

@@ -37,7 +37,7 @@ mod store;
 
 pub use agreement::{Agreement, Timing};
 pub use etcd::EtcdStore;
-pub use monitor::{Canceller, Monitor};
+pub use monitor::{Canceller, Liveness, Monitor, PAUSE_FACTOR, SPREAD};
 pub use roster::{Roster, Tally};
 pub use store::{KvStore, MemoryStore, StoreError};
 
@@ -84,6 +84,15 @@ pub enum MembershipError {
     Ended {
         /// This process.
         member: MemberId,
+    },
+    /// Every member of the job is gone (their processes were reaped), so
+    /// nobody can admit this joiner.
+    #[error("member {member} cannot join: the job has no member left ({why}); the job is over, restart it from its last checkpoint")]
+    NoMembers {
+        /// This process.
+        member: MemberId,
+        /// What the supervisor saw.
+        why: String,
     },
     /// Waiting for an agreement took longer than its deadline.
     #[error("{what} took longer than {waited_s:.1} s; is the job alive (its supervisor's log says)?")]

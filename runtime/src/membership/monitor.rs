@@ -3,14 +3,25 @@
 //!
 //! Every beat it counts its own heartbeat in the store and reads its peers'.
 //! It breaks the current epoch (cancels its collectives, and records
-//! `failed/{e}` for the others) when a peer's heartbeat stops for the
-//! liveness window: a host that vanished without closing its sockets would
+//! `failed/{e}` for the others) when a peer's heartbeat stops for that
+//! peer's window: a host that vanished without closing its sockets would
 //! otherwise hold gloo for its whole timeout. When another process broke the
 //! epoch it checks this process in at once and cancels too, so survivors
 //! agree within a beat. It also raises the joiner flag that goes into this
 //! rank's control votes.
+//!
+//! **Slow is not dead.** On a loaded machine a healthy peer's beats come
+//! late and unevenly. Each peer's window adapts to what this monitor saw of
+//! it ([`Pulse::window`]): never below the configured liveness, and above
+//! the spread of its recent beat intervals (mean plus [`SPREAD`] standard
+//! deviations, and [`PAUSE_FACTOR`] times the longest recent pause), so a
+//! peer that has been stalling is given room to stall again while a quiet
+//! machine still finds a silent host within the configured window. A peer
+//! counts only once its heartbeat has moved (it is in the group), and
+//! [`Liveness::beating`] tells the agreement which members are alive though
+//! slow to check in, so it waits for them instead of leaving them out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -24,12 +35,97 @@ use super::{KvStore, MemberId, Roster, Timing};
 /// Breaks an epoch: cancels every collective of its group (the transport's part).
 pub type Canceller = Box<dyn Fn(u64) + Send>;
 
+/// Standard deviations of a peer's beat intervals above their mean that
+/// its window allows (a normal tail this far out is ~1e-9: phi ≈ 9 in a
+/// phi-accrual detector's terms).
+pub const SPREAD: f64 = 6.0;
+
+/// A peer's window is at least this many times the longest pause between
+/// its beats that this monitor saw recently.
+pub const PAUSE_FACTOR: f64 = 2.0;
+
+/// Beat intervals kept per peer.
+const INTERVALS: usize = 128;
+
+/// What a process knows of its peers' heartbeats, for the agreement (the
+/// [`Monitor`]'s view; `()` knows nothing, and the agreement then judges by
+/// time alone).
+pub trait Liveness {
+    /// Members whose heartbeat stopped for their window.
+    fn silent(&self) -> Vec<MemberId>;
+    /// Members whose heartbeat moved within the last `within`.
+    fn beating(&self, within: Duration) -> Vec<MemberId>;
+}
+
+impl Liveness for () {
+    fn silent(&self) -> Vec<MemberId> {
+        Vec::new()
+    }
+    fn beating(&self, _within: Duration) -> Vec<MemberId> {
+        Vec::new()
+    }
+}
+
 enum Command {
     /// The process adopted a new roster.
     Follow(Roster),
     /// Which members' heartbeats stopped.
     Silent(Sender<Vec<MemberId>>),
+    /// Which members' heartbeats moved within the duration.
+    Beating(Duration, Sender<Vec<MemberId>>),
     Stop,
+}
+
+/// What the monitor saw of one peer's heartbeat.
+#[derive(Debug, Clone)]
+struct Pulse {
+    /// The peer's beat count when last read.
+    count: i64,
+    /// When this monitor saw the count change.
+    changed_at: Instant,
+    /// Seconds between the changes it saw, newest last (at most [`INTERVALS`]).
+    intervals: VecDeque<f64>,
+}
+
+impl Pulse {
+    fn new(count: i64, now: Instant) -> Pulse {
+        Pulse { count, changed_at: now, intervals: VecDeque::new() }
+    }
+
+    /// The count read `now`: a change is a beat.
+    fn observe(&mut self, count: i64, now: Instant) {
+        if count == self.count {
+            return;
+        }
+        if self.count > 0 {
+            if self.intervals.len() == INTERVALS {
+                self.intervals.pop_front();
+            }
+            self.intervals.push_back(now.duration_since(self.changed_at).as_secs_f64());
+        }
+        (self.count, self.changed_at) = (count, now);
+    }
+
+    /// How long this peer may stay silent before it is lost: `floor` (the
+    /// configured liveness) or more, by the spread and the longest of its
+    /// recent beat intervals.
+    fn window(&self, floor: Duration) -> Duration {
+        let n = self.intervals.len();
+        if n == 0 {
+            return floor;
+        }
+        let mean = self.intervals.iter().sum::<f64>() / n as f64;
+        let var = self.intervals.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+        let longest = self.intervals.iter().copied().fold(0.0, f64::max);
+        let adaptive = (mean + SPREAD * var.sqrt()).max(PAUSE_FACTOR * longest);
+        floor.max(Duration::from_secs_f64(adaptive.min(3600.0)))
+    }
+
+    /// Silent at `now`: its heartbeat moved once (it is in the group), then
+    /// stopped for longer than its window.
+    fn silent(&self, now: Instant, floor: Duration) -> bool {
+        self.count > 0 && now.duration_since(self.changed_at) >= self.window(floor)
+    }
 }
 
 /// A running liveness monitor (see the module docs); stops when dropped.
@@ -58,8 +154,8 @@ struct Watch<S: KvStore> {
     cancel: Canceller,
     broken: Arc<AtomicI64>,
     joiner_waiting: Arc<AtomicBool>,
-    /// Per peer: its last heartbeat count and when it last changed.
-    beats: HashMap<MemberId, (i64, Instant)>,
+    /// Per peer: what this monitor saw of its heartbeat.
+    beats: HashMap<MemberId, Pulse>,
     /// Since when the store has been failing (this process may be the one cut off).
     store_failing: Option<Instant>,
 }
@@ -107,10 +203,19 @@ impl Monitor {
         let _ = self.commands.send(Command::Follow(roster));
     }
 
-    /// Members whose heartbeats stopped for the liveness window.
+    /// Members whose heartbeats stopped for their window.
     pub fn silent(&self) -> Vec<MemberId> {
+        self.ask(Command::Silent)
+    }
+
+    /// Members whose heartbeats moved within the last `within`.
+    pub fn beating(&self, within: Duration) -> Vec<MemberId> {
+        self.ask(|tx| Command::Beating(within, tx))
+    }
+
+    fn ask(&self, command: impl FnOnce(Sender<Vec<MemberId>>) -> Command) -> Vec<MemberId> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        if self.commands.send(Command::Silent(tx)).is_err() {
+        if self.commands.send(command(tx)).is_err() {
             return Vec::new();
         }
         rx.recv_timeout(Duration::from_secs(5)).unwrap_or_default()
@@ -124,6 +229,15 @@ impl Monitor {
     /// The flag a [`crate::GradSyncBuilder::joiner_waiting`] reads.
     pub fn joiner_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.joiner_waiting)
+    }
+}
+
+impl Liveness for Monitor {
+    fn silent(&self) -> Vec<MemberId> {
+        Monitor::silent(self)
+    }
+    fn beating(&self, within: Duration) -> Vec<MemberId> {
+        Monitor::beating(self, within)
     }
 }
 
@@ -150,6 +264,18 @@ impl<S: KvStore> Watch<S> {
                     let _ = reply.send(self.silent(Instant::now()));
                     continue;
                 }
+                Ok(Command::Beating(within, reply)) => {
+                    let now = Instant::now();
+                    let mut beating: Vec<MemberId> = self
+                        .beats
+                        .iter()
+                        .filter(|(_, p)| p.count > 0 && now.duration_since(p.changed_at) < within)
+                        .map(|(&m, _)| m)
+                        .collect();
+                    beating.sort_unstable();
+                    let _ = reply.send(beating);
+                    continue;
+                }
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => return,
                 Err(RecvTimeoutError::Timeout) => {}
             }
@@ -168,37 +294,29 @@ impl<S: KvStore> Watch<S> {
         }
     }
 
-    /// Members whose heartbeat has moved at least once and then stopped.
+    /// Members whose heartbeat has moved at least once and then stopped for its window.
     fn silent(&self, now: Instant) -> Vec<MemberId> {
-        let mut silent: Vec<MemberId> = self
-            .beats
-            .iter()
-            .filter(|(_, &(count, at))| count > 0 && now.duration_since(at) >= self.timing.liveness)
-            .map(|(&m, _)| m)
-            .collect();
+        let mut silent: Vec<MemberId> =
+            self.beats.iter().filter(|(_, p)| p.silent(now, self.timing.liveness)).map(|(&m, _)| m).collect();
         silent.sort_unstable();
         silent
     }
 
     fn tick(&mut self) -> Result<(), super::StoreError> {
         self.store.add(&self.keys.beat(self.me), 1)?;
-        let now = Instant::now();
         for &m in &self.roster.members {
             if m == self.me {
                 continue;
             }
             let count = self.store.add(&self.keys.beat(m), 0)?;
-            match self.beats.get(&m) {
-                Some(&(seen, _)) if seen == count => {}
-                _ => {
-                    self.beats.insert(m, (count, now));
-                }
-            }
+            // Read now: a slow store round trip must not count against the peer.
+            let now = Instant::now();
+            self.beats.entry(m).and_modify(|p| p.observe(count, now)).or_insert_with(|| Pulse::new(count, now));
         }
         let epoch = self.roster.epoch;
         let unbroken = self.broken.load(Ordering::Acquire) < epoch as i64;
         if unbroken {
-            let silent = self.silent(now);
+            let silent = self.silent(Instant::now());
             if !silent.is_empty() {
                 tracing::warn!(member = self.me, epoch, ?silent, "gradsync liveness: heartbeats stopped");
                 self.store.set(&self.keys.failed(epoch), b"1")?;
@@ -278,6 +396,54 @@ mod tests {
         assert_eq!(a.silent(), vec![1]);
         assert_eq!(*cancelled.lock().unwrap(), vec![0], "cancelled once");
         assert!(store.get(&Keys("job".into()).failed(0)).unwrap().is_some(), "the others learn it");
+    }
+
+    #[test]
+    fn a_window_grows_with_the_pauses_a_peer_showed_and_never_drops_below_the_floor() {
+        let floor = Duration::from_millis(300);
+        let t0 = Instant::now();
+        let mut steady = Pulse::new(1, t0);
+        for i in 1..50 {
+            steady.observe(1 + i, t0 + Duration::from_millis(100 * i as u64));
+        }
+        assert_eq!(steady.window(floor), floor, "even beats: the configured window");
+        let mut jittery = Pulse::new(1, t0);
+        let mut at = t0;
+        for (i, gap) in [100, 100, 700, 100, 100, 900, 100].into_iter().enumerate() {
+            at += Duration::from_millis(gap);
+            jittery.observe(2 + i as i64, at);
+        }
+        let window = jittery.window(floor);
+        assert!(window >= Duration::from_millis(1800), "twice its longest pause: {window:?}");
+        assert!(!jittery.silent(at + Duration::from_millis(1000), floor), "a pause like before is not a loss");
+        assert!(jittery.silent(at + window, floor));
+        let never = Pulse::new(0, t0);
+        assert!(!never.silent(t0 + Duration::from_secs(60), floor), "not counted before its first beat");
+    }
+
+    #[test]
+    fn a_peer_that_stalls_more_and_more_is_given_room_and_still_found_when_it_stops() {
+        let store = MemoryStore::default();
+        let cancelled = Arc::new(Mutex::new(Vec::new()));
+        let a = watching(&store, 0, vec![0, 1], &cancelled);
+        // Member 1 beats every 20 ms with stalls (a loaded machine): 200, 250 ms, then 450 ms,
+        // longer than the 300 ms window but within twice the pauses seen before it.
+        let beat = |n: usize| {
+            for _ in 0..n {
+                store.add(&Keys("job".into()).beat(1), 1).unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        for stall in [200, 250, 450] {
+            beat(10);
+            std::thread::sleep(Duration::from_millis(stall));
+        }
+        beat(10);
+        assert_eq!(a.broken(), None, "a slow peer is not a lost one");
+        assert_eq!(a.beating(Duration::from_millis(200)), vec![1]);
+        let took = wait_for("detection", Duration::from_secs(3), || a.broken() == Some(0));
+        assert!(took >= Duration::from_millis(800), "its window is twice its longest stall: {took:?}");
+        assert_eq!(a.silent(), vec![1]);
     }
 
     #[test]

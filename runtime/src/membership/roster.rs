@@ -77,6 +77,22 @@ impl Roster {
         })
     }
 
+    /// The next epoch without `odd` (sent away by the others: see
+    /// [`super::Agreement::expel`]); someone must be left.
+    pub fn without(&self, odd: &[MemberId]) -> Result<Roster, MembershipError> {
+        let members: Vec<MemberId> = self.members.iter().copied().filter(|m| !odd.contains(m)).collect();
+        let lost: Vec<MemberId> = self.members.iter().copied().filter(|m| odd.contains(m)).collect();
+        if members.is_empty() {
+            return Err(MembershipError::NoQuorum {
+                epoch: self.epoch,
+                members: self.members.clone(),
+                survivors: members,
+                lost,
+            });
+        }
+        Ok(Roster { epoch: self.epoch + 1, members, joiners_seen: self.joiners_seen, lost, joined: Vec::new() })
+    }
+
     /// The next epoch with `joiners` appended (their ranks follow the
     /// members'), having considered join requests up to `seen`.
     pub fn with_joiners(&self, joiners: &[MemberId], seen: u64) -> Roster {

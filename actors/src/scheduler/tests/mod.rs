@@ -181,6 +181,30 @@ impl Rank {
         self.done(job);
     }
 
+    /// Complete the order collective that follows a membership reset as
+    /// the new rank 0 speaks it: `rank0` is its launch order (the others
+    /// send zeros). Checks this rank's own words first.
+    fn adopt_layout(&mut self, rank0: &[ParamId]) {
+        let mut job = self.job();
+        assert_eq!(kind(&job), CollectiveKind::Order { len: self.plan.num_params() }, "rank 0's layout first");
+        let CommPayload::Words(words) = &mut job.payload else { panic!("order words") };
+        let own: Vec<u64> = if self.rank == 0 {
+            let mut own = vec![0; words.len()];
+            for (i, p) in self.sched.plan.launch_order().enumerate() {
+                own[p.index()] = i as u64 + 1;
+            }
+            own
+        } else {
+            vec![0; words.len()]
+        };
+        assert_eq!(words, &own, "rank 0 sends its launch order, the others nothing");
+        words.fill(0);
+        for (i, p) in rank0.iter().enumerate() {
+            words[p.index()] = i as u64 + 1;
+        }
+        self.done(job);
+    }
+
     /// Complete a data bucket as if the peers' values summed to `reduced`.
     fn reduce_bucket(&mut self, mut job: CommJob, reduced: f32) {
         let CommPayload::Grads(buf) = &mut job.payload else { panic!("bucket payload") };
@@ -524,9 +548,43 @@ fn a_membership_reset_agrees_among_the_new_members_and_then_on_the_plan() {
     r.done(agreement);
     assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 1, redo: None }));
     (r.world, r.rank, r.epoch) = (2, 1, 1);
+    let same: Vec<ParamId> = r.plan.launch_order().collect();
+    r.adopt_layout(&same);
     assert!(r.sched.begin(), "the step begins");
     let plan = r.job();
     assert_eq!(kind(&plan), CollectiveKind::Plan { len: 2 }, "the plan is agreed again, among two");
+}
+
+/// Invariant: after a change of members every member takes the new rank
+/// 0's bucket layout before the plan agreement: a joiner, which starts from
+/// the first plan, takes the plan the members rebuilt in the order their
+/// gradients arrive (else the plan agreement fails: a desync).
+#[test]
+fn after_a_membership_reset_every_member_takes_rank_0s_layout() {
+    let mut joiner = rank(3, 2, &[2, 2, 2]);
+    let (tx, agreed) = mpsc::sync_channel(1);
+    joiner.send(SchedMsg::Reset { proposed: 0, membership: Some((2, 3)), reply: Reply::Blocking(tx) });
+    let mut agreement = joiner.job();
+    let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
+    words[0] = 8;
+    words[1] = 8; // the members are at step 7
+    joiner.done(agreement);
+    assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 7, redo: None }));
+    joiner.epoch = 1;
+    joiner.inc(7, 0, 1.0); // the first step begins while the layout is in flight: it waits
+    let members: Vec<ParamId> = [0, 2, 1].iter().map(|&i| joiner.p(i)).collect();
+    assert_ne!(joiner.plan.launch_order().collect::<Vec<_>>(), members, "the members rebuilt theirs");
+    joiner.adopt_layout(&members);
+    assert_eq!(joiner.sched.plan.launch_order().collect::<Vec<_>>(), members, "the joiner has the members' layout");
+    let plan = joiner.job();
+    assert_eq!(kind(&plan), CollectiveKind::Plan { len: 3 });
+    let CommPayload::Words(words) = &plan.payload else { panic!() };
+    let mut members_plan = rank(3, 0, &[2, 2, 2]);
+    members_plan.sched.plan = Arc::new(members_plan.plan.reordered(&members));
+    members_plan.sched.plan_proposed = false;
+    members_plan.sched.propose_plan();
+    let CommPayload::Words(theirs) = &members_plan.job().payload else { panic!() };
+    assert_eq!(words[2], theirs[0], "the same plan digest as a member that rebuilt it");
 }
 
 /// A rank of three under the partial policy loses a peer while step 0's
@@ -577,6 +635,8 @@ fn a_step_failed_by_a_lost_member_is_reduced_again_among_the_survivors() {
     r.done(agreement);
     assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 1, redo: Some(0) }));
     assert_eq!(r.sched.current_step(), 0, "step 0 again");
+    let same: Vec<ParamId> = r.plan.launch_order().collect();
+    r.adopt_layout(&same);
     let answer = r.end(0, StepEnd::Finish); // the runtime's redo: no new arrival
     let plan = r.job();
     assert_eq!(kind(&plan), CollectiveKind::Plan { len: 2 }, "among the two survivors first");
@@ -618,6 +678,8 @@ fn a_redo_needs_every_member_to_offer_the_same_step() {
     r.done(agreement);
     assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 2, redo: None }));
     assert_eq!((r.sched.phase(), r.sched.current_step()), ("open", 2));
+    let same: Vec<ParamId> = r.plan.launch_order().collect();
+    r.adopt_layout(&same);
     r.epoch = 1;
     r.inc(2, 0, 1.0);
     let plan = r.job();
