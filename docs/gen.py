@@ -306,6 +306,10 @@ def elastic_cost() -> str:
         # (Its "new group" event is logged after the redo: left blank.)
         lines.append(f"| {r['world']}, `abort_policy=\"partial\"`: {lost} | {r['healthy_step_s'] * 1e3:.1f} | | "
                      f"{r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
+    for r in run.get("loaded", []):
+        false = f", {r['false_losses']} false losses" if r["false_losses"] else ""
+        lines.append(f"| {r['world']}, {r['loaded']} on the cores{false} | {r['healthy_step_s'] * 1e3:.1f} | "
+                     f"{r['kill_to_new_group_s'] * 1e3:.0f} | {r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
     for r in run.get("torchrun", []):
         lines.append(f"| {r['world']}, torchrun restart + checkpoint | {r['healthy_step_s'] * 1e3:.1f} | | "
                      f"{r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
@@ -324,7 +328,8 @@ def elastic_cost() -> str:
 def elastic_details() -> str:
     """The command and what the columns measure."""
     run = _elastic()
-    return (f"```sh\n{run['command']}\n```\n\nRank 1 SIGKILLs itself mid-backward at step {run['kill_step']}; "
+    commands = "\n".join(sorted(set(run["commands"].values())))
+    return (f"```sh\n{commands}\n```\n\nRank 1 SIGKILLs itself mid-backward at step {run['kill_step']}; "
             "the times are wall clock, recorded by the processes themselves. A replacement's start includes "
             "starting Python and importing torch on a machine whose cores the other workers keep busy.")
 

@@ -1,6 +1,6 @@
 """How long a lost rank costs an elastic job, and what its liveness check costs a healthy step.
 
-    python benches/torch/elastic_recovery.py [--worlds 2 4 8] [--json PATH]
+    python benches/torch/elastic_recovery.py [--worlds 2 4 8] [--parts ...] [--json PATH]
 
 Each recovery run launches ``python -m gradsync.launch --nproc W --rejoin``
 over examples/torch/train_elastic.py on loopback; rank 1 SIGKILLs itself in
@@ -17,6 +17,12 @@ times the processes recorded):
   importing torch) to the first step it applied, and from its join request
   being answered (admission and state transfer) to that step;
 * **healthy step**: the median step time before the kill, for scale.
+
+Part ``loaded`` runs the same recovery with busy loops on every core (two
+per core, started before the job): the kill is still found at once (the
+process's death is seen by its supervisor and the sockets), and the
+liveness check must not take a slow member for a lost one; the row counts
+such false losses (membership changes naming anyone but the killed rank).
 
 Side by side, the same model under torchrun's own recovery
 (``torchrun_restart.py``: torch's DDP, a checkpoint after every step, rank
@@ -66,7 +72,7 @@ def launch(nproc, args, rejoin=False, timeout=900):
             sys.exit(f"elastic_recovery: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         reports = {}
         for f in Path(tmp).glob("out.*"):
-            if f.suffix != ".killed":
+            if f.suffix not in (".killed", ".tmp"):
                 r = json.loads(f.read_text())
                 reports[r["member"]] = r
         killed = report.with_name("out.killed")
@@ -77,13 +83,25 @@ def applied_times(report):
     return sorted((int(s), t) for s, t in report["applied_at"].items())
 
 
-def recovery(world, kill_step, steps, policy="skip"):
-    reports, killed = launch(world, ["--steps", str(steps), "--kill", f"1@{kill_step}:backward",
-                                     "--abort-policy", policy], rejoin=policy == "skip")
+def busy_loops(per_core=2):
+    """Processes spinning on every core (a loaded machine); kill them after."""
+    spin = "while True:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(per_core * (os.cpu_count() or 1))]
+
+
+def recovery(world, kill_step, steps, policy="skip", loaded=False):
+    loops = busy_loops() if loaded else []
+    try:
+        reports, killed = launch(world, ["--steps", str(steps), "--kill", f"1@{kill_step}:backward",
+                                         "--abort-policy", policy], rejoin=policy == "skip")
+    finally:
+        for p in loops:
+            p.kill()
     survivor = next(r for m, r in reports.items() if m < world and m != 1)
     times = applied_times(survivor)
     before = [b - a for (_, a), (_, b) in zip(times, times[1:]) if b < killed["time"]]
-    (lost,) = [e for e in survivor["events"] if e["kind"] == "lost"]
+    losses = [e for e in survivor["events"] if e["kind"] == "lost"]
+    (lost,) = [e for e in losses if e["lost"] == [1]]
     # The first step applied at the smaller world (a survivor a step behind
     # the victim may still apply the step before, after the kill): under the
     # partial policy the lost step itself, averaged over the survivors.
@@ -95,7 +113,10 @@ def recovery(world, kill_step, steps, policy="skip"):
         "healthy_step_s": statistics.median(before),
         "kill_to_next_applied_s": next_applied - killed["time"],
         "kill_to_new_group_s": lost["time"] - killed["time"],
+        "false_losses": len(losses) - 1,
     }
+    if loaded:
+        row["loaded"] = f"{len(loops)} busy loops"
     joiners = [r for m, r in reports.items() if m >= world]
     if joiners:
         joiner = joiners[0]
@@ -139,6 +160,9 @@ def liveness_cost(steps, rounds):
     return {**{k: statistics.median(v) for k, v in out.items()}, "rounds": out}
 
 
+PARTS = ("recovery", "partial", "loaded", "torchrun", "liveness")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
@@ -149,68 +173,51 @@ def main():
     parser.add_argument("--torchrun-steps", type=int, default=60)
     parser.add_argument("--liveness-steps", type=int, default=200)
     parser.add_argument("--liveness-rounds", type=int, default=8)
-    parser.add_argument("--liveness-only", action="store_true",
-                        help="measure only the liveness cost, replacing that part of --json's file")
-    parser.add_argument("--partial-only", action="store_true",
-                        help="only the recovery under abort_policy='partial', into the --json file's 'partial' part")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="what to measure: recovery (skip policy), partial (abort_policy='partial'), loaded "
+                        "(recovery with busy loops on every core), torchrun (its restart), liveness (the monitor's "
+                        "cost on a healthy step); with --json, only these parts of the file are replaced")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
 
-    if args.partial_only:
-        if not args.json:
-            parser.error("--partial-only needs --json (the file whose partial part it replaces)")
-        run = json.loads(Path(args.json).read_text())
-        run["partial"] = []
-        for world in args.worlds:
-            row = recovery(world, args.kill_step, args.rank_steps // world, "partial")
-            run["partial"].append(row)
-            print(json.dumps(row), flush=True)
-        run["command"] += f" && python benches/torch/elastic_recovery.py {' '.join(sys.argv[1:])}"
-        Path(args.json).write_text(json.dumps(run, indent=2) + "\n")
-        return
-
-    if args.liveness_only:
-        if not args.json:
-            parser.error("--liveness-only needs --json (the file whose liveness part it replaces)")
-        run = json.loads(Path(args.json).read_text())
+    path = Path(args.json) if args.json else None
+    run = json.loads(path.read_text()) if path and path.is_file() else {}
+    run.update(cpus=os.cpu_count(), kill_step=args.kill_step)
+    worlds = args.worlds
+    for part, policy, loaded in (("recovery", "skip", False), ("partial", "partial", False),
+                                 ("loaded", "skip", True)):
+        if part in args.parts:
+            run[part] = []
+            for world in worlds:
+                row = recovery(world, args.kill_step, args.rank_steps // world, policy, loaded)
+                run[part].append(row)
+                print(json.dumps({part: row}), flush=True)
+    if "torchrun" in args.parts:
+        run["torchrun"] = []
+        for world in worlds:
+            row = torchrun_recovery(world, args.kill_step, args.torchrun_steps)
+            run["torchrun"].append(row)
+            print(json.dumps({"torchrun": row}), flush=True)
+    if "liveness" in args.parts:
         run.update(liveness=liveness_cost(args.liveness_steps, args.liveness_rounds),
                    liveness_steps=args.liveness_steps, liveness_rounds=args.liveness_rounds)
-        run["command"] += f" && python benches/torch/elastic_recovery.py {' '.join(sys.argv[1:])}"
-        Path(args.json).write_text(json.dumps(run, indent=2) + "\n")
-        print(json.dumps(run["liveness"]))
-        return
-    rows = []
-    for world in args.worlds:
-        row = recovery(world, args.kill_step, args.rank_steps // world)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    restarts = []
-    for world in args.worlds:
-        row = torchrun_recovery(world, args.kill_step, args.torchrun_steps)
-        restarts.append(row)
-        print(json.dumps({"torchrun": row}), flush=True)
-    cost = liveness_cost(args.liveness_steps, args.liveness_rounds)
-    print(json.dumps({"liveness": cost}), flush=True)
+        print(json.dumps({"liveness": run["liveness"]}), flush=True)
+    # Which command made each part (a part measured again replaces its line).
+    commands = {k: v for k, v in run.get("commands", {}).items() if k not in args.parts}
+    this = "python benches/torch/elastic_recovery.py " + " ".join(sys.argv[1:])
+    run["commands"] = {**commands, **{part: this for part in args.parts}}
+    run.pop("command", None)
 
-    print("\n| world | healthy step, ms | kill -> new group, ms | kill -> next applied step, ms | "
-          "replacement start -> first applied step, s | admitted -> first applied step, ms |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['world']} | {r['healthy_step_s'] * 1e3:.1f} | {r['kill_to_new_group_s'] * 1e3:.0f} | "
-              f"{r['kill_to_next_applied_s'] * 1e3:.0f} | {r.get('replacement_start_to_first_applied_s', float('nan')):.2f} | "
-              f"{r.get('admitted_to_first_applied_s', float('nan')) * 1e3:.0f} |")
-    for r in restarts:
+    for part in ("recovery", "loaded"):
+        for r in run.get(part, []) if part in args.parts else []:
+            print(f"{part}, world {r['world']}: healthy step {r['healthy_step_s'] * 1e3:.1f} ms, kill -> new group "
+                  f"{r['kill_to_new_group_s'] * 1e3:.0f} ms, kill -> next applied step "
+                  f"{r['kill_to_next_applied_s'] * 1e3:.0f} ms, false losses {r['false_losses']}")
+    for r in run.get("torchrun", []) if "torchrun" in args.parts else []:
         print(f"torchrun, world {r['world']}: healthy step {r['healthy_step_s'] * 1e3:.1f} ms, "
               f"kill -> next applied step {r['kill_to_next_applied_s']:.2f} s (restart + checkpoint load)")
-    print(f"\nhealthy 4-rank step: monitor every 0.1 s {cost['beat_0.1s'] * 1e3:.2f} ms, "
-          f"every 1000 s {cost['beat_1000s'] * 1e3:.2f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "command": "python benches/torch/elastic_recovery.py " + " ".join(sys.argv[1:]),
-            "cpus": os.cpu_count(), "kill_step": args.kill_step, "recovery": rows, "torchrun": restarts,
-            "liveness": cost,
-            "liveness_steps": args.liveness_steps, "liveness_rounds": args.liveness_rounds,
-        }, indent=2) + "\n")
+    if path:
+        path.write_text(json.dumps(run, indent=2) + "\n")
 
 
 if __name__ == "__main__":

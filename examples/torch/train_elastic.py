@@ -75,8 +75,9 @@ def die(report=None, freeze=False):
     """SIGKILL this process (as a crash or an OOM-killer would), or stop it
     (``freeze``: a host gone silent); ``report`` gets the time first."""
     if report:
-        with open(f"{report}.killed", "w") as f:
+        with open(f"{report}.killed.tmp", "w") as f:
             json.dump({"pid": os.getpid(), "time": time.time()}, f)
+        os.replace(f"{report}.killed.tmp", f"{report}.killed")
     os.kill(os.getpid(), signal.SIGSTOP if freeze else signal.SIGKILL)
 
 
@@ -270,9 +271,10 @@ def check(args, elastic, model, base, data, loss, applied_at, norms):
         print(f"equivalence: max |param - replay| = {diff:.2e} (tolerance {TOLERANCE:.0e}) "
               f"{'OK' if ok else 'FAILED'}", flush=True)
         outcome.update(identical=identical, diff=diff, ok=ok, norms_off=off, norms_compared=len(compared))
-    if args.report:
-        with open(f"{args.report}.{elastic.member}", "w") as f:
+    if args.report:  # written whole, then renamed: a reader never sees half of it
+        with open(f"{args.report}.{elastic.member}.tmp", "w") as f:
             json.dump(outcome, f)
+        os.replace(f"{args.report}.{elastic.member}.tmp", f"{args.report}.{elastic.member}")
     elastic.close()
     return ok
 

@@ -46,7 +46,7 @@ def reports(tmp_path):
     """Every member's report, by member id."""
     out = {}
     for f in tmp_path.glob("out.*"):
-        if f.suffix != ".killed":
+        if f.suffix not in (".killed", ".tmp"):
             r = json.loads(f.read_text())
             out[r["member"]] = r
     return out
@@ -69,8 +69,9 @@ def explain(proc):
 
 @pytest.mark.parametrize(
     "rank,phase,extra",
-    [(0, "forward", ()), (0, "backward", ()), (0, "collective", ()), (0, "optimizer", ()), (0, "boundary", ()),
-     (2, "backward", ()), (1, "collective", ()), (0, "forward", ("--buffer",)), (0, "optimizer", ("--buffer",))],
+    # (Every phase, position and buffer setting under both policies: the slow matrix below.)
+    [(0, "forward", ()), (0, "collective", ()), (0, "boundary", ()), (2, "backward", ()),
+     (0, "optimizer", ("--buffer",))],
 )
 def test_survivors_go_on_when_a_rank_is_killed(tmp_path, rank, phase, extra):
     """Rank ``rank`` is SIGKILLed at step 4 in ``phase``: the two survivors
@@ -142,9 +143,8 @@ def exact(proc, found, survivors):
 # rank 0 only, which recovers at the boundary while the others fail in the
 # next step; they must meet on one step, never one step apart.
 BETWEEN_STEPS = [
-    (1, "between", ("--buffer",)), (1, "optimizer", ("--buffer",)), (2, "between", ("--buffer",)),
-    (1, "between", ("--buffer", "--abort-policy", "partial")), (1, "between", ()),
-    (2, "boundary", ("--buffer", "--no-broadcast-buffers")),
+    (1, "between", ("--buffer",)), (2, "optimizer", ("--buffer",)),
+    (1, "between", ("--buffer", "--abort-policy", "partial")), (2, "boundary", ("--buffer", "--no-broadcast-buffers")),
 ]
 
 
@@ -211,6 +211,16 @@ def test_the_job_can_keep_its_membership_in_etcd(tmp_path, etcd_server):
     rejoined(proc, found)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("phase", ["forward", "backward", "collective", "optimizer", "between", "boundary"])
+def test_every_phase_with_etcd_keeps_the_survivors_exact(tmp_path, etcd_server, phase, rank):
+    """The matrix's kills with the membership in etcd (``-m slow``)."""
+    proc, found = launch(tmp_path, 3, "--steps", "10", "--kill", f"{rank}@4:{phase}", "--buffer",
+                         store=f"etcd://{etcd_server}")
+    exact(proc, found, {0, 1, 2} - {rank})
+
+
 @pytest.mark.parametrize("phase", ["between", "backward"])
 def test_between_steps_kills_with_etcd(tmp_path, etcd_server, phase):
     """The same kills with the membership in etcd."""
@@ -232,19 +242,17 @@ def test_a_kill_racing_an_admission_leaves_everyone_exact(tmp_path):
     assert first["history"][-1][1] == 3, "three members again at the end"
 
 
-def test_a_joiner_whose_collectives_differ_is_refused_and_the_members_go_on(tmp_path):
-    """A replacement with the same model and optimizer but another bucket
-    size passes the admission's fingerprint and then issues other
-    collectives than the members (a desync in its first step). The members
-    send it away (a membership event, not the job's end): it exits as
-    refused, they skip that step and go on exact."""
+def members_and_an_odd_joiner(tmp_path, steps, *odd_args):
+    """Two members train ``steps`` steps; meanwhile a process started by
+    hand with ``odd_args`` asks to join. Returns the joiner's and the
+    members' completed processes (stdout and stderr captured)."""
     port = free_port()
-    cmd = command(tmp_path, 2, "--steps", "600", port=port)
+    cmd = command(tmp_path, 2, "--steps", str(steps), port=port)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     members = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         odd = subprocess.run(
-            [sys.executable, str(EXAMPLE), "--steps", "600", "--bucket-mb", "0.02"], capture_output=True, text=True,
+            [sys.executable, str(EXAMPLE), "--steps", str(steps), *odd_args], capture_output=True, text=True,
             timeout=DEADLINE_S, cwd=tmp_path,
             env={**env, "GRADSYNC_STORE": f"127.0.0.1:{port}", "GRADSYNC_JOB": "gradsync-elastic",
                  "GRADSYNC_MEMBER": "99", "GRADSYNC_FIRST": "2", "GRADSYNC_JOIN": "1"},
@@ -253,12 +261,22 @@ def test_a_joiner_whose_collectives_differ_is_refused_and_the_members_go_on(tmp_
     finally:
         if members.poll() is None:
             members.kill()
+    return odd, subprocess.CompletedProcess(cmd, members.returncode, out, err)
+
+
+def test_a_joiner_whose_collectives_differ_is_refused_and_the_members_go_on(tmp_path):
+    """A replacement with the same model and optimizer but another bucket
+    size passes the admission's fingerprint and then issues other
+    collectives than the members (a desync in its first step). The members
+    send it away (a membership event, not the job's end): it exits as
+    refused, they skip that step and go on exact."""
+    odd, members = members_and_an_odd_joiner(tmp_path, 600, "--bucket-mb", "0.02")
     assert odd.returncode == 4, f"{odd.stdout[-2000:]}\n{odd.stderr[-3000:]}"
     assert "(refused)" in odd.stderr and "right after it was admitted" in odd.stderr, odd.stderr[-2000:]
-    assert members.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    assert members.returncode == 0, explain(members)
     found = reports(tmp_path)
     first = rank0(found)
-    assert first["ok"] and not first["norms_off"], out[-3000:]
+    assert first["ok"] and not first["norms_off"], explain(members)
     kinds = [e["kind"] for e in first["events"]]
     assert kinds == ["joined", "refused"], kinds
     assert {w for _, w, *_ in first["history"]} == {2}, "no step was applied with the odd joiner"
@@ -325,24 +343,10 @@ def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tm
 
 
 def test_a_joiner_with_another_model_is_refused_and_the_members_go_on(tmp_path):
-    port = free_port()
-    cmd = command(tmp_path, 2, "--steps", "700", port=port)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    members = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-    try:
-        odd = subprocess.run(
-            [sys.executable, str(EXAMPLE), "--steps", "700", "--width", "48"], capture_output=True, text=True,
-            timeout=DEADLINE_S, cwd=tmp_path,
-            env={**env, "GRADSYNC_STORE": f"127.0.0.1:{port}", "GRADSYNC_JOB": "gradsync-elastic",
-                 "GRADSYNC_MEMBER": "99", "GRADSYNC_FIRST": "2", "GRADSYNC_JOIN": "1"},
-        )
-        out, err = members.communicate(timeout=DEADLINE_S)
-    finally:
-        if members.poll() is None:
-            members.kill()
+    odd, members = members_and_an_odd_joiner(tmp_path, 700, "--width", "48")
     assert odd.returncode == 4, f"{odd.stdout[-2000:]}\n{odd.stderr[-3000:]}"
     assert "was refused by the job" in odd.stderr and "are not the members'" in odd.stderr, odd.stderr[-2000:]
-    assert members.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    assert members.returncode == 0, explain(members)
     first = rank0(reports(tmp_path))
     assert first["ok"] and {w for _, w, *_ in first["history"]} == {2}, "the members never changed"
 

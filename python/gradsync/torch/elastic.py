@@ -31,16 +31,26 @@ What happens:
   the survivors from the contributions each kept (``.grad`` holds their exact
   average; skipped instead if any survivor had already applied the step or
   could not contribute all of it); ``backward()`` returns normally. No process restarts, no
-  checkpoint is read. At the next step boundary the survivors compare how
-  many steps each applied; if the lost member died while some survivors had
-  applied the step and others had not, everyone takes the state of one that
-  had (so the survivors are always bitwise identical).
+  checkpoint is read. A loss can show at the step boundary instead (the
+  buffer broadcast): that member recovers there. At the next step boundary
+  the survivors compare where each stands, ``(steps applied, next step)``;
+  if any two differ (the lost member died while some survivors had applied
+  the step and others had not, or between two steps, so that one survivor
+  recovered at the boundary while the others failed and skipped the next
+  step), everyone takes the state of the one furthest on: the survivors are
+  always bitwise identical, and on the same step.
+* **Slow is not dead**: each peer's liveness window adapts to the pauses
+  seen between its heartbeats (``liveness_s`` is the floor), and an
+  agreement waits for a member whose heartbeat still moves, so a loaded
+  machine does not lose healthy members.
 * **A process joins** (a replacement the supervisor started): it asks the
   store; the members' monitors see it and say so in the next step's control
   vote; after that step every member admits it at the same boundary, and a
   member sends it the tracked state (model, optimizer, anything with
   ``state_dict``), the step counter and the history over gloo. The members
-  stall for one step boundary plus that transfer.
+  stall for one step boundary plus that transfer. A joiner whose
+  collectives differ from the members' in its first step (another bucket
+  size, say) is sent away: a membership event, not the job's end.
 * **Buffers** (``broadcast_buffers=True``, DDP's default) are sent from
   rank 0 at each step boundary instead of inside ``forward()``, where a
   member lost during the broadcast is recovered from like any other.
@@ -98,7 +108,7 @@ def exit_status(error):
     kind = getattr(error, "kind", None)
     if kind == "refused":
         return EXIT_REFUSED
-    return EXIT_LEFT if kind in ("left_out", "broken") else 1
+    return EXIT_LEFT if kind == "left_out" else 1
 # A membership change that fails again (another member lost meanwhile) is retried this often.
 _RECOVERY_ATTEMPTS = 8
 
@@ -165,7 +175,9 @@ class Elastic:
     """This process's membership in an elastic job (see the module docs).
 
     ``liveness_s``: a member whose heartbeat stops this long is lost (a host
-    gone silent; a killed process is seen at once). ``fixed_global_batch``:
+    gone silent; a killed process is seen at once); the floor of each
+    member's window, which grows with the pauses seen between its beats on
+    a loaded machine. ``fixed_global_batch``:
     divide every step's sum by the job's first world size instead of the
     ranks present. ``timeout``: how long a store operation or a state
     transfer may take (seconds). ``beat_s``: how often the liveness monitor
