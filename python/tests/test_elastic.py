@@ -358,6 +358,7 @@ def busy_loops(n):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_soak_under_cpu_contention_no_member_is_lost(tmp_path):
     """Busy loops on every core (twice as many as cores) while 3 ranks train
     2000 steps with no kill: the liveness check must not mistake a slow
@@ -375,6 +376,7 @@ def test_soak_under_cpu_contention_no_member_is_lost(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("policy,load", [("skip", False), ("partial", False), ("partial", True)])
 def test_soak_twenty_kills_each_followed_by_a_rejoin(tmp_path, policy, load):
     """4 ranks with a broadcast buffer, 20 kills at random ranks and phases
