@@ -307,9 +307,14 @@ def elastic_cost() -> str:
         lines.append(f"| {r['world']}, `abort_policy=\"partial\"`: {lost} | {r['healthy_step_s'] * 1e3:.1f} | | "
                      f"{r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
     for r in run.get("loaded", []):
-        false = f", {r['false_losses']} false losses" if r["false_losses"] else ""
-        lines.append(f"| {r['world']}, {r['loaded']} on the cores{false} | {r['healthy_step_s'] * 1e3:.1f} | "
-                     f"{r['kill_to_new_group_s'] * 1e3:.0f} | {r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
+        false = {0: "no member taken for lost", 1: "1 member taken for lost"}.get(
+            r["false_losses"], f"{r['false_losses']} members taken for lost")
+        start = r.get("replacement_start_to_first_applied_s")
+        admitted = r.get("admitted_to_first_applied_s")
+        lines.append(f"| {r['world']}, {r['loaded']} on the cores ({false}) | {r['healthy_step_s'] * 1e3:.1f} | "
+                     f"{r['kill_to_new_group_s'] * 1e3:.0f} | {r['kill_to_next_applied_s'] * 1e3:.0f} | "
+                     f"{'' if start is None else f'{start:.1f}'} | "
+                     f"{'' if admitted is None else f'{admitted * 1e3:.0f}'} |")
     for r in run.get("torchrun", []):
         lines.append(f"| {r['world']}, torchrun restart + checkpoint | {r['healthy_step_s'] * 1e3:.1f} | | "
                      f"{r['kill_to_next_applied_s'] * 1e3:.0f} | | |")
