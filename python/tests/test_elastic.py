@@ -338,6 +338,7 @@ def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tm
     (event,) = first["events"]
     assert event["lost"] == [rank]
     detected = event["time"] - frozen["time"]
+    print(f"rank {rank} frozen ({phase}): the survivors went on {detected:.2f} s after the freeze")
     assert detected < 2.0, f"survivors went on {detected:.2f} s after the freeze"
     assert f"member {rank}: left the job" in err and "was left out of epoch" in err, err[-3000:]
 
