@@ -465,6 +465,49 @@ def buffers_and_state(rank, world, impl):
     return result
 
 
+#: When a forward happens and how: DDP broadcasts rank 0's buffers before a
+#: forward only if the previous forward asked for a synchronized backward.
+BUFFER_PATTERNS = ("no_sync_micro_batches", "eval_between_steps", "two_forwards")
+
+
+def buffer_rule(rank, world, impl, pattern, steps=3):
+    """:class:`Counting`'s buffers after every forward of ``pattern``
+    (the test compares them with DDP's, bit for bit): micro-batches under
+    ``no_sync``; an eval forward under ``no_grad`` between steps on every
+    rank; two forwards before one backward."""
+    model = Counting(rank)
+    wrapped = wrap(model, impl)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    seen = []
+
+    def forward(x):
+        out = wrapped(x)
+        seen.append((model.seen.item(), model.ticks.item(), model.flag.item()))
+        return out
+
+    with Outcome(impl, wrapped) as outcome:
+        for step in range(steps):
+            x = batch(step, rank)
+            if pattern == "no_sync_micro_batches":
+                with wrapped.no_sync():
+                    forward(x).sum().backward()
+                    forward(x).sum().backward()
+                forward(x).sum().backward()
+            elif pattern == "two_forwards":
+                (forward(x).sum() + forward(x).sum()).backward()
+            else:
+                forward(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if pattern == "eval_between_steps":
+                wrapped.eval()
+                with torch.no_grad():
+                    forward(x)
+                wrapped.train()
+    outcome.result.update(seen=seen)
+    return outcome.result
+
+
 # ---- 5. what stays each rank's own, and what must not ---------------------------------------
 
 

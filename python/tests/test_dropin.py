@@ -138,6 +138,21 @@ def test_buffers_state_dict_and_names(world2, side_by_side):
     side_by_side("buffer broadcast, state_dict and names with module. prefix", "ok", "ok, same as DDP")
 
 
+@pytest.mark.parametrize("pattern", dropin.BUFFER_PATTERNS)
+def test_buffers_are_broadcast_when_ddp_broadcasts_them(world2, side_by_side, pattern):
+    """DDP sends rank 0's buffers before a forward only if the previous
+    forward asked for a synchronized backward; gradsync follows the same
+    rule, so buffers (BatchNorm statistics, an EMA's inputs) are DDP's bit
+    for bit."""
+    ours = world2.run(dropin.buffer_rule, "gradsync", pattern)
+    theirs = world2.run(dropin.buffer_rule, "ddp", pattern)
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        assert o["status"] == "ok", f"rank {rank}: {o}"
+        assert t["status"] == "ok", f"rank {rank} under DDP: {t}"
+        assert o["seen"] == t["seen"], f"rank {rank}: buffers {o['seen']}, DDP's {t['seen']}"
+    side_by_side(f"buffers: {pattern.replace('_', ' ')}", "ok", "ok, the same buffers as DDP")
+
+
 def test_parameters_and_buffers_ddp_is_told_to_ignore_stay_each_ranks_own(world2, side_by_side):
     ours = world2.run(dropin.ignored_state, "gradsync")
     theirs = world2.run(dropin.ignored_state, "ddp")

@@ -37,7 +37,9 @@ class DdpSurface:
 
     @property
     def broadcast_buffers(self):
-        """Whether rank 0's buffers are sent to every rank at each forward."""
+        """Whether rank 0's buffers are sent to every rank before a forward
+        that follows a synchronized one (DDP's rule: not after a ``no_sync``
+        micro-batch or an eval forward)."""
         return self._broadcast_buffers
 
     @broadcast_buffers.setter

@@ -381,8 +381,11 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
 
     def _broadcast_buffers_now(self):
-        """Rank 0's buffers to every rank (before each forward; an elastic
-        job's boundary does it instead, where a lost member is recovered from)."""
+        """Rank 0's buffers to every rank, when DDP would send them: before a
+        forward that follows a synchronized one (``require_forward_param_sync``,
+        set by each forward as DDP sets it). An elastic job's boundary does it
+        instead of the forward, under the same rule, where a lost member is
+        recovered from."""
         if self._broadcast_buffers and self.require_forward_param_sync:
             buffers = self._shared(self.module.named_buffers())
             if buffers:
@@ -479,6 +482,11 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             output = self.module(*inputs, **kwargs)
         finally:
             _TORCH_DDP._active_ddp_module = previous
+        # DDP's rule for the next forward's buffer broadcast: only after a
+        # forward that asked for a synchronized backward (under grad, outside
+        # no_sync); so after a no_sync micro-batch or an eval forward, the
+        # next forward keeps each rank's buffers, as under DDP.
+        self.require_forward_param_sync = grad_enabled and sync.require_sync
         if grad_enabled:
             _outputs.hook_backward_entry(output, self._on_synced_backward if synced else self._on_backward)
         return output

@@ -298,7 +298,7 @@ class Elastic:
             self.step += 1
 
     def changes(self):
-        """The membership changes since the last call (:class:`MembershipEvent`\ s):
+        r"""The membership changes since the last call (:class:`MembershipEvent`\ s):
         call it at the top of each step to log them or re-shard data."""
         news = self.events[self._reported:]
         self._reported = len(self.events)
@@ -488,6 +488,10 @@ class Elastic:
                 if self._sync_pending:
                     self._equalize()
                     self._sync_pending = False
+                    # Buffers follow DDP's rule (sent after a synchronized
+                    # forward); after a change every member sends or receives
+                    # them alike, whatever its last forward was (a joiner has had none).
+                    self._ddp.require_forward_param_sync = True
                 if self._send_parameters:
                     self._ddp._states.broadcast(self._ddp._model_states())
                     self._send_parameters = False
