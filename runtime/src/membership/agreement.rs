@@ -215,19 +215,18 @@ impl<S: KvStore> Agreement<S> {
         let mut unknown = Vec::new();
         let silent = liveness.silent();
         let (grace, window) = (self.timing.suspect_grace, self.timing.liveness);
+        // Quiet: not checked in for that long, and no heartbeat seen in it either.
         let (beating_grace, beating_window) = (liveness.beating(grace), liveness.beating(window));
-        let quiet = |m: MemberId, since: Duration| {
-            let beating = if since == grace { &beating_grace } else { &beating_window };
-            waited >= since && !beating.contains(&m)
-        };
+        let quiet_for_grace = |m: MemberId| waited >= grace && !beating_grace.contains(&m);
+        let quiet_for_window = |m: MemberId| waited >= window && !beating_window.contains(&m);
         for &m in &self.roster.members {
             if m == self.me || self.store.get(&self.keys.present(epoch, m))?.is_some() {
                 tally.present.push(m);
             } else if self.store.get(&self.keys.dead(m))?.is_some() {
                 tally.dead.push(m);
             } else if silent.contains(&m)
-                || (suspects.contains(&m) && quiet(m, grace))
-                || quiet(m, window)
+                || (suspects.contains(&m) && quiet_for_grace(m))
+                || quiet_for_window(m)
                 || waited >= self.timing.check_in
             {
                 tally.silent.push(m);
