@@ -63,6 +63,16 @@ pub(crate) fn observed_order<V>(step: &StepState<V>) -> Vec<ParamId> {
     agreed_order(&positions(step))
 }
 
+/// The order collective's words that say `order` (every parameter once):
+/// per parameter, its 1-based position in it.
+pub(crate) fn positions_of(order: impl IntoIterator<Item = ParamId>, params: usize) -> Vec<u64> {
+    let mut words = vec![0u64; params];
+    for (position, p) in order.into_iter().enumerate() {
+        words[p.index()] = position as u64 + 1;
+    }
+    words
+}
+
 /// This rank's words for the order collective: per parameter, its position.
 pub(crate) fn positions<V>(step: &StepState<V>) -> Vec<u64> {
     step.params.iter().map(|p| position(p.seen, step.params.len())).collect()

@@ -4,6 +4,7 @@
 //! every other collective.
 
 use super::control::disagreement;
+use super::reorder::positions_of;
 use super::step::{Failure, Lifecycle, StepState};
 use super::Scheduler;
 use crate::arrival::Step;
@@ -126,12 +127,11 @@ impl<S: GradStore> Scheduler<S> {
     /// zeros), so the summed order, and the plan built from it, is rank 0's
     /// on every member. Later steps wait for it like for any rebuild.
     fn adopt_first_members_layout(&mut self) {
-        let mut words = vec![0u64; self.plan.num_params()];
-        if self.cfg.rank == 0 {
-            for (position, p) in self.plan.launch_order().enumerate() {
-                words[p.index()] = position as u64 + 1;
-            }
-        }
+        let words = if self.cfg.rank == 0 {
+            positions_of(self.plan.launch_order(), self.plan.num_params())
+        } else {
+            vec![0u64; self.plan.num_params()]
+        };
         self.start_reorder(self.step.step, words);
     }
 

@@ -315,7 +315,6 @@ class Elastic:
         if self._ddp is not None:
             raise ConfigError("an Elastic handle synchronizes one wrapped model; build one wrapper per job")
         self._ddp = ddp
-        self._send_parameters = not self.joining
         return self._groups_store(), self.prefix("model"), self.rank, self.world
 
     def _groups_store(self):
@@ -373,26 +372,23 @@ class Elastic:
         began = time.perf_counter()
         drawn = list(self._roster["members"])
         before = set(drawn)
-        kind = "lost"
+        kind, roster = "lost", None  # (roster: already decided)
+        suspects = [drawn[error.peer]] if getattr(error, "peer", None) is not None else []
         if isinstance(error, DesyncError):
             if not self._unproven:
                 raise error
             odd = [drawn[r] for r in error.ranks]
             log.warning("gradsync elastic: right after a change of members, members %s issued other collectives "
                         "than the rest (%s); going on without them", odd, error)
-            roster, kind = self.membership.expel(odd, f"right after it was admitted: {error}"), "refused"
-            suspects = None
-        else:
-            suspects = [drawn[error.peer]] if getattr(error, "peer", None) is not None else []
+            kind, roster = "refused", self.membership.expel(odd, f"right after it was admitted: {error}")
         for _ in range(_RECOVERY_ATTEMPTS):
-            if suspects is not None:
-                roster = self.membership.recover(suspects)
+            roster = roster or self.membership.recover(suspects)
             try:
                 redone = self._move(roster, sync)
                 break
             except (StepFailedError, RuntimeError, MembershipError) as again:  # another member lost during the change
                 log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
-                suspects = []
+                roster, suspects = None, []
         else:
             raise MembershipError.of("broken", f"the members could not form a group after {_RECOVERY_ATTEMPTS} attempts")
         lost = sorted(before - set(self._roster["members"]))

@@ -49,6 +49,21 @@ impl Default for Timing {
 /// reason follows); a job that finished writes `1`.
 const GAVE_UP: &[u8] = b"gave up: ";
 
+/// The newest roster in the store (`None`: the job has none): from the
+/// epoch `latest` names (a hint, possibly stale), on while later ones exist.
+fn newest_roster<S: KvStore>(store: &S, keys: &Keys) -> Result<Option<Roster>, MembershipError> {
+    let mut epoch = match store.get(&keys.latest())? {
+        Some(v) => String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0),
+        None => 0,
+    };
+    let mut found = None;
+    while let Some(bytes) = store.get(&keys.roster(epoch))? {
+        found = Some(Roster::decode(&keys.roster(epoch), &bytes)?);
+        epoch += 1;
+    }
+    Ok(found)
+}
+
 /// Where the protocol's records live under a job's prefix.
 #[derive(Debug, Clone)]
 pub(super) struct Keys(pub(super) String);
@@ -133,17 +148,8 @@ impl<S: KvStore> Agreement<S> {
 
     /// The newest roster in the store.
     fn latest(&self) -> Result<Roster, MembershipError> {
-        let mut epoch = match self.store.get(&self.keys.latest())? {
-            Some(v) => String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0),
-            None => 0,
-        };
-        let mut found = None;
-        while let Some(bytes) = self.store.get(&self.keys.roster(epoch))? {
-            found = Some(Roster::decode(&self.keys.roster(epoch), &bytes)?);
-            epoch += 1;
-        }
-        found.ok_or_else(|| MembershipError::Malformed {
-            key: self.keys.roster(epoch),
+        newest_roster(&self.store, &self.keys)?.ok_or_else(|| MembershipError::Malformed {
+            key: self.keys.roster(0),
             why: "the job has no roster: is this the job's store?".into(),
         })
     }
@@ -365,15 +371,7 @@ impl<S: KvStore> Agreement<S> {
     /// Read by a supervisor, which is no member itself.
     pub fn members_left(store: &S, prefix: &str) -> Result<Vec<MemberId>, MembershipError> {
         let keys = Keys(prefix.to_string());
-        let mut epoch = match store.get(&keys.latest())? {
-            Some(v) => String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0),
-            None => 0,
-        };
-        let mut newest = None;
-        while let Some(bytes) = store.get(&keys.roster(epoch))? {
-            newest = Some(Roster::decode(&keys.roster(epoch), &bytes)?);
-            epoch += 1;
-        }
+        let newest = newest_roster(store, &keys)?;
         let mut left = Vec::new();
         for m in newest.map(|r| r.members).unwrap_or_default() {
             if store.get(&keys.dead(m))?.is_none() {

@@ -121,6 +121,11 @@ impl Pulse {
         floor.max(Duration::from_secs_f64(adaptive.min(3600.0)))
     }
 
+    /// Beating at `now`: its heartbeat moved within the last `within`.
+    fn beating(&self, now: Instant, within: Duration) -> bool {
+        self.count > 0 && now.duration_since(self.changed_at) < within
+    }
+
     /// Silent at `now`: its heartbeat moved once (it is in the group), then
     /// stopped for longer than its window.
     fn silent(&self, now: Instant, floor: Duration) -> bool {
@@ -265,15 +270,7 @@ impl<S: KvStore> Watch<S> {
                     continue;
                 }
                 Ok(Command::Beating(within, reply)) => {
-                    let now = Instant::now();
-                    let mut beating: Vec<MemberId> = self
-                        .beats
-                        .iter()
-                        .filter(|(_, p)| p.count > 0 && now.duration_since(p.changed_at) < within)
-                        .map(|(&m, _)| m)
-                        .collect();
-                    beating.sort_unstable();
-                    let _ = reply.send(beating);
+                    let _ = reply.send(self.peers(|p| p.beating(Instant::now(), within)));
                     continue;
                 }
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => return,
@@ -296,10 +293,14 @@ impl<S: KvStore> Watch<S> {
 
     /// Members whose heartbeat has moved at least once and then stopped for its window.
     fn silent(&self, now: Instant) -> Vec<MemberId> {
-        let mut silent: Vec<MemberId> =
-            self.beats.iter().filter(|(_, p)| p.silent(now, self.timing.liveness)).map(|(&m, _)| m).collect();
-        silent.sort_unstable();
-        silent
+        self.peers(|p| p.silent(now, self.timing.liveness))
+    }
+
+    /// The peers whose pulse passes `test`, in id order.
+    fn peers(&self, test: impl Fn(&Pulse) -> bool) -> Vec<MemberId> {
+        let mut found: Vec<MemberId> = self.beats.iter().filter(|(_, p)| test(p)).map(|(&m, _)| m).collect();
+        found.sort_unstable();
+        found
     }
 
     fn tick(&mut self) -> Result<(), super::StoreError> {

@@ -11,6 +11,7 @@ use crossbeam_channel::Receiver;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::control::{mirror_vote, ControlVote, RankStatus};
+use super::reorder::positions_of;
 use super::{Scheduler, SchedulerConfig};
 use crate::arrival::{DType, ParamId, PayloadKind, Step, Token};
 use crate::bucket_buf::{BucketBuf, WriteMode};
@@ -188,20 +189,12 @@ impl Rank {
         let mut job = self.job();
         assert_eq!(kind(&job), CollectiveKind::Order { len: self.plan.num_params() }, "rank 0's layout first");
         let CommPayload::Words(words) = &mut job.payload else { panic!("order words") };
-        let own: Vec<u64> = if self.rank == 0 {
-            let mut own = vec![0; words.len()];
-            for (i, p) in self.sched.plan.launch_order().enumerate() {
-                own[p.index()] = i as u64 + 1;
-            }
-            own
-        } else {
-            vec![0; words.len()]
+        let own = match self.rank {
+            0 => positions_of(self.sched.plan.launch_order(), words.len()),
+            _ => vec![0; words.len()],
         };
         assert_eq!(words, &own, "rank 0 sends its launch order, the others nothing");
-        words.fill(0);
-        for (i, p) in rank0.iter().enumerate() {
-            words[p.index()] = i as u64 + 1;
-        }
+        *words = positions_of(rank0.iter().copied(), words.len());
         self.done(job);
     }
 
