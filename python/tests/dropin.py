@@ -11,6 +11,7 @@ bucket memory) is the one exercised; tolerances are float32's.
 import contextlib
 import copy
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -474,9 +475,15 @@ def buffer_rule(rank, world, impl, pattern, steps=3):
     """:class:`Counting`'s buffers after every forward of ``pattern``
     (the test compares them with DDP's, bit for bit): micro-batches under
     ``no_sync``; an eval forward under ``no_grad`` between steps on every
-    rank; two forwards before one backward."""
+    rank; two forwards before one backward; rank 0 alone evaluating through
+    the wrapper after every step (the last included) while the others wait
+    at a barrier, as training scripts validate."""
     model = Counting(rank)
-    wrapped = wrap(model, impl)
+    # DDP's rank 0 waits in its eval forward's broadcast for ranks that wait
+    # at the barrier (on its own group as on the default one): a short timeout ends it.
+    short = pattern == "rank0_validates" and impl == "ddp"
+    wrapped = wrap(model, impl, **({"group_timeout_s": 5} if short else {}))
+    gate = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5 if short else 60))
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     seen = []
 
@@ -499,11 +506,13 @@ def buffer_rule(rank, world, impl, pattern, steps=3):
                 forward(x).sum().backward()
             opt.step()
             opt.zero_grad()
-            if pattern == "eval_between_steps":
+            if pattern == "eval_between_steps" or (pattern == "rank0_validates" and rank == 0):
                 wrapped.eval()
                 with torch.no_grad():
                     forward(x)
                 wrapped.train()
+            if pattern == "rank0_validates":
+                dist.barrier(group=gate)
     outcome.result.update(seen=seen)
     return outcome.result
 

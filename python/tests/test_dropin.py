@@ -153,6 +153,27 @@ def test_buffers_are_broadcast_when_ddp_broadcasts_them(world2, side_by_side, pa
     side_by_side(f"buffers: {pattern.replace('_', ' ')}", "ok", "ok, the same buffers as DDP")
 
 
+def test_rank0_validating_alone_does_not_hang(world2, side_by_side):
+    """Rank 0 alone evaluates through the wrapper after every step while the
+    other rank waits at a barrier. The eval forward follows a synchronized
+    one, so rank 0 sends its buffers (DDP's rule) without waiting for the
+    receiver; rank 1 takes them before its next forward (its previous one
+    was synchronized, rank 0's was not): both make one broadcast per step.
+    DDP's rank 0 waits in that broadcast for a rank waiting at the barrier."""
+    ours = world2.run(dropin.buffer_rule, "gradsync", "rank0_validates")
+    theirs = world2.run(dropin.buffer_rule, "ddp", "rank0_validates")
+    assert all(o["status"] == "ok" for o in ours), ours
+    # Counting adds 1 + rank to its counts at every forward, eval ones included.
+    # Rank 0: train, eval, train (not sent: its last forward was an eval), eval, ...
+    assert [s for s, _, _ in ours[0]["seen"]] == [1, 2, 3, 4, 5, 6], ours[0]["seen"]
+    # Rank 1 starts each step from what rank 0 sent: 0, then 1 and 3 (sent before its evals).
+    assert [s for s, _, _ in ours[1]["seen"]] == [2, 3, 5], ours[1]["seen"]
+    assert [t - 2**40 - 1 for _, t, _ in ours[1]["seen"]] == [2, 3, 5]
+    assert [f for _, _, f in ours[1]["seen"]] == [False] * 3
+    ddp = "ok" if theirs[0]["status"] == "ok" else theirs[0]["error"].split(":")[0] + " (rank 0 waits in the broadcast)"
+    side_by_side("buffers: rank 0 alone validating through the wrapper", "ok, no wait", ddp)
+
+
 def test_parameters_and_buffers_ddp_is_told_to_ignore_stay_each_ranks_own(world2, side_by_side):
     ours = world2.run(dropin.ignored_state, "gradsync")
     theirs = world2.run(dropin.ignored_state, "ddp")

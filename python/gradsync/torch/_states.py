@@ -4,6 +4,14 @@ before each forward, everything at the end of a ``Join``.
 These broadcasts run on the program's thread, on a gloo group of their own
 (:class:`StateBroadcast`), so they never interleave with the collectives of
 gradsync's communicator thread.
+
+The buffer broadcast before a forward does not make its root wait for the
+receivers, as DDP's own does not on torch's default group: a loop in which
+rank 0 alone evaluates through the wrapper while the others wait at a
+barrier sends rank 0's buffers then, and the others take them before their
+next forward (their previous forward was a synchronized one, rank 0's was
+not, so each rank makes the same number of broadcasts). The root keeps the
+message and its work until the receivers took it (:meth:`StateBroadcast.send`).
 """
 
 import datetime
@@ -33,6 +41,9 @@ class StateBroadcast:
         self._group = dist.ProcessGroupGloo(
             dist.PrefixStore(f"{prefix}/states", store), rank, world, datetime.timedelta(seconds=timeout_s)
         )
+        # Broadcasts this rank sent as root and did not wait for: (work, message),
+        # oldest first; the message must live until the receivers took it.
+        self._sent = []
 
     def _wait(self, work):
         if self._abandon is not None:
@@ -50,13 +61,28 @@ class StateBroadcast:
         message of their raw bytes. A broadcast does no arithmetic, so every
         dtype travels bit for bit; a message of values would promote mixed
         dtypes (an int64 buffer sent as float32 loses its low bits above 2**24)."""
+        self._broadcast(tensors, root, wait_as_root=True)
+
+    def send(self, tensors, root=0):
+        """:meth:`broadcast`, except that the root does not wait for the
+        receivers (see the module docs): its values are its own already, and
+        the receivers take the message at their next broadcast. A send still
+        untaken when a later one finds it failed raises that failure."""
+        self._broadcast(tensors, root, wait_as_root=False)
+
+    def _broadcast(self, tensors, root, wait_as_root):
         if self._world == 1 or not tensors:
             return
+        self._reap()
         parts = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors]
         message = torch.cat(parts)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._wait(self._group.broadcast([message], opts))
+        work = self._group.broadcast([message], opts)
+        if self._rank == root and not wait_as_root:
+            self._sent.append((work, message))
+            return
+        self._wait(work)
         with torch.no_grad():
             for t, part in zip(tensors, message.split([p.numel() for p in parts])):
                 # Written through a byte view of the destination: a slice of
@@ -65,6 +91,20 @@ class StateBroadcast:
                 dst.view(-1).view(torch.uint8).copy_(part)
                 if dst is not t:
                     t.copy_(dst)
+
+    def _reap(self):
+        """Forget the sends the receivers took; raise the failure of one
+        that failed (gloo's timeout: a rank never made the matching broadcast)."""
+        while self._sent and self._sent[0][0].is_completed():
+            work, _message = self._sent.pop(0)
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"gradsync: rank {self._rank} sent its buffers before a forward and no rank took them before "
+                    "the timeout; every rank must make the same number of forwards that follow a synchronized "
+                    f"one (DDP's buffer rule): {error}"
+                ) from error
 
     def everyones(self, values):
         """Every rank's integers ``values`` (a sequence, the same length on

@@ -380,16 +380,18 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         self._retired_states.append(self._states)
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
 
-    def _broadcast_buffers_now(self):
+    def _broadcast_buffers_now(self, wait=False):
         """Rank 0's buffers to every rank, when DDP would send them: before a
         forward that follows a synchronized one (``require_forward_param_sync``,
         set by each forward as DDP sets it). An elastic job's boundary does it
         instead of the forward, under the same rule, where a lost member is
-        recovered from."""
+        recovered from (``wait``: rank 0 waits for the receivers there, so a
+        lost one is seen at the boundary; before a forward it does not, see
+        ``_states``)."""
         if self._broadcast_buffers and self.require_forward_param_sync:
             buffers = self._shared(self.module.named_buffers())
             if buffers:
-                self._states.broadcast(buffers)
+                (self._states.broadcast if wait else self._states.send)(buffers)
 
     def _select_parameters(self, module):
         """The parameters to average: those that require grad and have

@@ -491,7 +491,7 @@ class Elastic:
                 if self._send_parameters:
                     self._ddp._states.broadcast(self._ddp._model_states())
                     self._send_parameters = False
-                self._ddp._broadcast_buffers_now()
+                self._ddp._broadcast_buffers_now(wait=True)
                 break
             except (RuntimeError, StepFailedError) as error:  # a member lost during the admission or transfer
                 log.warning("gradsync elastic: a member was lost at the step %d boundary (%s)", self.step, error)
