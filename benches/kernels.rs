@@ -59,7 +59,7 @@ fn allreduce_time(numel: usize, world: usize, iters: u64) -> Duration {
                     let t = Instant::now();
                     for step in 0..iters {
                         let tag = CollectiveTag { step, kind: CollectiveKind::Bucket { index: 0, numel } };
-                        ep.all_reduce_f32(tag, &mut buf, 0.25, Instant::now() + Duration::from_secs(60)).unwrap();
+                        ep.all_reduce_grads(tag, &mut buf, 0.25, Instant::now() + Duration::from_secs(60)).unwrap();
                     }
                     t.elapsed()
                 })

@@ -26,8 +26,8 @@ impl GradStore for DeviceLike {
     fn bucket_numel(&self, bucket: &BucketBuf) -> usize {
         HostStore.bucket_numel(bucket)
     }
-    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<BucketBuf, AllocError> {
-        HostStore.alloc_bucket(numel, pieces)
+    fn alloc_bucket(&self, numel: usize, pieces: usize, dtype: DType) -> Result<BucketBuf, AllocError> {
+        HostStore.alloc_bucket(numel, pieces, dtype)
     }
     fn add_assign(&self, acc: &mut Vec<f32>, more: &Vec<f32>) {
         HostStore.add_assign(acc, more)
@@ -44,7 +44,7 @@ impl GradStore for DeviceLike {
     fn add_from(&self, dst: &mut BucketBuf, dst_offset: usize, src: &BucketBuf, src_offset: usize, len: usize) {
         HostStore.add_from(dst, dst_offset, src, src_offset, len)
     }
-    fn scale(&self, bucket: &mut BucketBuf, offset: usize, len: usize, factor: f32) {
+    fn scale(&self, bucket: &mut BucketBuf, offset: usize, len: usize, factor: f64) {
         HostStore.scale(bucket, offset, len, factor)
     }
 }
@@ -70,15 +70,15 @@ impl<S: GradStore<Bucket = BucketBuf>> Transport for TestEndpoint<S> {
     fn world(&self) -> usize {
         self.inner.world()
     }
-    fn all_reduce_f32(
+    fn all_reduce_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut BucketBuf,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError> {
         assert!(!self.panic_in_data, "transport bug under test");
-        self.inner.all_reduce_f32(tag, bucket, factor, deadline)
+        self.inner.all_reduce_grads(tag, bucket, factor, deadline)
     }
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
         self.inner.all_reduce_u64(tag, words, deadline)
@@ -111,6 +111,19 @@ fn a_store_that_cannot_check_finiteness_refuses_check_finite() {
     match b.build(endpoints(1, DeviceLike, false).pop().unwrap()) {
         Err(BuildError::InvalidSetting { setting, .. }) => assert_eq!(setting, "check_finite"),
         other => panic!("expected check_finite to be refused, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn a_parameter_of_a_type_the_store_does_not_hold_is_refused_when_built() {
+    let mut b = builder();
+    b.param("physics", 4, DType::F64).unwrap();
+    match b.build(endpoints(1, HostStore, false).pop().unwrap()) {
+        Err(e @ BuildError::UnsupportedDType { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("\"physics\"") && text.contains("F64"), "{text}");
+        }
+        other => panic!("expected the float64 parameter to be refused, got {:?}", other.map(|_| ())),
     }
 }
 

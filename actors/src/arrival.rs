@@ -46,13 +46,18 @@ pub struct Token(pub u64);
 /// Number of a training step. Steps run 0, 1, 2, … on every rank.
 pub type Step = u64;
 
-/// Element type of a parameter's gradient. Only `F32` is implemented; the
-/// type is non-exhaustive so half-precision gradients can be added.
+/// Element type of a parameter's gradient as it is packed, summed and
+/// averaged: its bucket's type. Buckets never mix types. Which types a
+/// backend holds is its store's to say ([`crate::GradStore::holds`]); half
+/// types are widened to `F32` by the bindings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DType {
     /// 32-bit IEEE float.
     F32,
+    /// 64-bit IEEE float, reduced in 64 bits (as torch's DDP reduces float64
+    /// gradients: their users need the precision float32 would lose).
+    F64,
 }
 
 impl DType {
@@ -60,6 +65,15 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+
+    /// A small non-zero code, part of the plan's fingerprint.
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            DType::F32 => 1,
+            DType::F64 => 2,
         }
     }
 }

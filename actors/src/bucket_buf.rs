@@ -8,15 +8,16 @@
 
 use gradsync_kernels as k;
 
-/// Gradient storage of one bucket: `numel` f32 values in one or more pieces.
+/// Gradient storage of one bucket: `numel` values (f32, or f64 for a bucket
+/// of float64 gradients) in one or more pieces.
 ///
 /// Between collectives every piece has its planned length. A transport may
 /// [`take_piece`](BucketBuf::take_piece) during a collective and must
 /// [`restore_piece`](BucketBuf::restore_piece) a piece of the same length.
 #[derive(Debug, Default)]
-pub struct BucketBuf {
+pub struct BucketBuf<T: k::Float = f32> {
     /// The pieces, in order.
-    pieces: Vec<Vec<f32>>,
+    pieces: Vec<Vec<T>>,
     /// Flat offset at which each piece starts (same length as `pieces`).
     starts: Vec<usize>,
     /// Planned length of each piece.
@@ -65,7 +66,7 @@ fn spans<'a>(
     })
 }
 
-impl BucketBuf {
+impl<T: k::Float> BucketBuf<T> {
     /// A zeroed buffer of `numel` values in `pieces` near-equal pieces (the
     /// first `numel % pieces` pieces hold one extra value).
     pub fn zeroed(numel: usize, pieces: usize) -> Self {
@@ -73,7 +74,7 @@ impl BucketBuf {
         let (base, extra) = (numel / n, numel % n);
         let lens: Vec<usize> = (0..n).map(|j| base + usize::from(j < extra)).collect();
         let starts = lens.iter().scan(0, |at, &l| Some(std::mem::replace(at, *at + l))).collect();
-        let pieces = lens.iter().map(|&l| vec![0.0; l]).collect();
+        let pieces = lens.iter().map(|&l| vec![T::ZERO; l]).collect();
         BucketBuf { pieces, starts, lens, numel }
     }
 
@@ -84,7 +85,7 @@ impl BucketBuf {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.numel * std::mem::size_of::<f32>()
+        self.numel * std::mem::size_of::<T>()
     }
 
     /// Number of pieces.
@@ -93,22 +94,22 @@ impl BucketBuf {
     }
 
     /// Piece `j`'s values.
-    pub fn piece(&self, j: usize) -> &[f32] {
+    pub fn piece(&self, j: usize) -> &[T] {
         &self.pieces[j]
     }
 
     /// Piece `j`'s values, writable.
-    pub fn piece_mut(&mut self, j: usize) -> &mut [f32] {
+    pub fn piece_mut(&mut self, j: usize) -> &mut [T] {
         &mut self.pieces[j]
     }
 
     /// Move piece `j` out (to send it to another rank); it is empty until restored.
-    pub fn take_piece(&mut self, j: usize) -> Vec<f32> {
+    pub fn take_piece(&mut self, j: usize) -> Vec<T> {
         std::mem::take(&mut self.pieces[j])
     }
 
     /// Put a piece back; it must have the planned length.
-    pub fn restore_piece(&mut self, j: usize, piece: Vec<f32>) -> Result<(), PieceLengthError> {
+    pub fn restore_piece(&mut self, j: usize, piece: Vec<T>) -> Result<(), PieceLengthError> {
         if piece.len() != self.lens[j] {
             return Err(PieceLengthError { index: j, expected: self.lens[j], got: piece.len() });
         }
@@ -117,7 +118,7 @@ impl BucketBuf {
     }
 
     /// Combine `src` into the values at `[offset, offset + src.len())`.
-    pub fn write(&mut self, offset: usize, src: &[f32], mode: WriteMode) {
+    pub fn write(&mut self, offset: usize, src: &[T], mode: WriteMode) {
         self.check(offset, src.len());
         for (j, dst_r, src_r) in spans(&self.starts, &self.lens, offset, src.len()) {
             let dst = &mut self.pieces[j][dst_r];
@@ -129,7 +130,7 @@ impl BucketBuf {
     }
 
     /// [`BucketBuf::write`] of `src * factor`, in the same single pass.
-    pub fn write_scaled(&mut self, offset: usize, src: &[f32], mode: WriteMode, factor: f32) {
+    pub fn write_scaled(&mut self, offset: usize, src: &[T], mode: WriteMode, factor: T) {
         self.check(offset, src.len());
         for (j, dst_r, src_r) in spans(&self.starts, &self.lens, offset, src.len()) {
             let dst = &mut self.pieces[j][dst_r];
@@ -141,7 +142,7 @@ impl BucketBuf {
     }
 
     /// `values[offset..] = last - sent`, element-wise.
-    pub fn write_difference(&mut self, offset: usize, last: &[f32], sent: &[f32]) {
+    pub fn write_difference(&mut self, offset: usize, last: &[T], sent: &[T]) {
         assert_eq!(last.len(), sent.len(), "write_difference: length mismatch");
         self.check(offset, last.len());
         for (j, dst_r, src_r) in spans(&self.starts, &self.lens, offset, last.len()) {
@@ -158,21 +159,31 @@ impl BucketBuf {
     }
 
     /// Multiply the values at `[offset, offset + len)` by `factor`.
-    pub fn scale(&mut self, offset: usize, len: usize, factor: f32) {
+    pub fn scale(&mut self, offset: usize, len: usize, factor: T) {
         self.check(offset, len);
         for (j, dst_r, _) in spans(&self.starts, &self.lens, offset, len) {
             k::scale(&mut self.pieces[j][dst_r], factor);
         }
     }
 
+    /// `self[at..][..len] += src[src_offset..][..len]`, piece by piece (no
+    /// scratch copy of the source).
+    pub fn add_from(&mut self, at: usize, src: &BucketBuf<T>, src_offset: usize, len: usize) {
+        let mut at = at;
+        for piece in src.chunks(src_offset, len) {
+            self.write(at, piece, WriteMode::Add);
+            at += piece.len();
+        }
+    }
+
     /// The values at `[offset, offset + len)` as one to a few contiguous runs, in order.
-    pub fn chunks(&self, offset: usize, len: usize) -> impl Iterator<Item = &[f32]> + '_ {
+    pub fn chunks(&self, offset: usize, len: usize) -> impl Iterator<Item = &[T]> + '_ {
         self.check(offset, len);
         spans(&self.starts, &self.lens, offset, len).map(move |(j, r, _)| &self.pieces[j][r])
     }
 
     /// Copy the values at `[offset, offset + out.len())` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [f32]) {
+    pub fn read(&self, offset: usize, out: &mut [T]) {
         self.check(offset, out.len());
         for (j, r, o) in spans(&self.starts, &self.lens, offset, out.len()) {
             k::copy(&mut out[o], &self.pieces[j][r]);
@@ -208,6 +219,18 @@ mod tests {
             b.read(3, &mut out[..3]);
             assert_eq!(out[..3], [-4.0, -3.0, -2.0]);
         }
+    }
+
+    #[test]
+    fn f64_buckets_keep_float64_values() {
+        let tiny = 2f64.powi(-40);
+        let mut b = BucketBuf::<f64>::zeroed(5, 2);
+        b.write_scaled(1, &[1.0 + tiny; 3], WriteMode::Set, 0.5);
+        b.write(1, &[tiny; 3], WriteMode::Add);
+        let mut out = [0.0f64; 3];
+        b.read(1, &mut out);
+        assert_eq!(out, [0.5 + 1.5 * tiny; 3]);
+        assert_eq!(b.bytes(), 40);
     }
 
     #[test]

@@ -38,12 +38,13 @@ pub trait Transport: Send + 'static {
     fn pieces(&self) -> usize {
         self.world()
     }
-    /// Sum `bucket` element-wise over all ranks, then multiply by `factor`.
-    fn all_reduce_f32(
+    /// Sum `bucket` element-wise over all ranks, then multiply by `factor`
+    /// (given in f64, rounded to the bucket's element type).
+    fn all_reduce_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut <Self::Store as GradStore>::Bucket,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError>;
     /// Sum `words` (wrapping) over all ranks.
@@ -70,17 +71,17 @@ pub trait Transport: Send + 'static {
     fn max_in_flight(&self) -> usize {
         1
     }
-    /// Start summing `bucket` (see [`Transport::all_reduce_f32`]); the result
+    /// Start summing `bucket` (see [`Transport::all_reduce_grads`]); the result
     /// is due at the matching [`Transport::wait_oldest`]. `bucket` stays put
     /// and untouched until then. Default: the whole collective, now.
-    fn start_f32(
+    fn start_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut <Self::Store as GradStore>::Bucket,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        self.all_reduce_f32(tag, bucket, factor, deadline)
+        self.all_reduce_grads(tag, bucket, factor, deadline)
     }
     /// Start summing `words` (see [`Transport::all_reduce_u64`]), due at the
     /// matching [`Transport::wait_oldest`]. Default: the whole collective, now.
@@ -101,7 +102,7 @@ pub trait Transport: Send + 'static {
     }
 
     /// Send data buckets ([`CollectiveKind::Bucket`]) as `wire` from now on,
-    /// converting from and back to float32 around the sum; other collectives
+    /// converting from and back to the bucket's type around the sum; other collectives
     /// stay exact. Called by the communicator thread before the first bucket
     /// of another wire type, never with a type [`Transport::wires`] leaves out.
     fn set_wire(&mut self, wire: Wire) {
@@ -146,7 +147,7 @@ pub struct CommJob<S: GradStore = HostStore> {
     /// Its buffer (moved to the communicator thread and back).
     pub payload: CommPayload<S>,
     /// Scale applied after summing gradients (`1 / divisor`).
-    pub factor: f32,
+    pub factor: f64,
     /// The type a data bucket travels in (see [`Transport::set_wire`]);
     /// `F32` for every other collective.
     pub wire: Wire,
@@ -240,7 +241,7 @@ pub fn run_communicator<T: Transport>(
             let start = match &broken {
                 Some(e) => Err(e.clone()),
                 None => guarded(rank, job.tag, || match &mut payload {
-                    CommPayload::Grads(buf) => transport.start_f32(job.tag, buf, job.factor, deadline),
+                    CommPayload::Grads(buf) => transport.start_grads(job.tag, buf, job.factor, deadline),
                     CommPayload::Words(words) => transport.start_u64(job.tag, words, deadline),
                 }),
             };
@@ -310,8 +311,14 @@ mod tests {
         fn world(&self) -> usize {
             1
         }
-        fn all_reduce_f32(&mut self, _: CollectiveTag, _: &mut BucketBuf, _: f32, _: Instant) -> Result<(), CommError> {
-            unreachable!("the windowed path calls start_f32")
+        fn all_reduce_grads(
+            &mut self,
+            _: CollectiveTag,
+            _: &mut BucketBuf,
+            _: f64,
+            _: Instant,
+        ) -> Result<(), CommError> {
+            unreachable!("the windowed path calls start_grads")
         }
         fn all_reduce_u64(&mut self, _: CollectiveTag, _: &mut Vec<u64>, _: Instant) -> Result<(), CommError> {
             unreachable!("the windowed path calls start_u64")
@@ -322,7 +329,7 @@ mod tests {
         fn max_in_flight(&self) -> usize {
             self.window
         }
-        fn start_f32(&mut self, tag: CollectiveTag, _: &mut BucketBuf, _: f32, _: Instant) -> Result<(), CommError> {
+        fn start_grads(&mut self, tag: CollectiveTag, _: &mut BucketBuf, _: f64, _: Instant) -> Result<(), CommError> {
             self.log.lock().unwrap().push(format!("start {}", tag.step));
             self.waiting.push_back(self.started);
             self.started += 1;

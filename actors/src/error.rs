@@ -262,8 +262,11 @@ pub enum BuildError {
         /// The name.
         name: String,
     },
-    /// The gradient element type has no implementation.
-    #[error("parameter {name:?}: {dtype:?} gradients are not supported; register it as F32")]
+    /// The backend's store holds no bucket of this element type.
+    #[error(
+        "parameter {name:?}: this backend holds no {dtype:?} buckets; register it as F32 (its gradient converted \
+         to float32 and back) or use a backend that holds {dtype:?} (the torch binding's)"
+    )]
     UnsupportedDType {
         /// The name.
         name: String,

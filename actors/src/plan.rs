@@ -84,6 +84,11 @@ impl Registry {
         self.params.len()
     }
 
+    /// The registered parameters, in registration order.
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.params
+    }
+
     /// Whether nothing is registered.
     pub fn is_empty(&self) -> bool {
         self.params.is_empty()
@@ -111,6 +116,8 @@ struct BucketSpec {
     params: Vec<ParamId>,
     /// Total elements.
     numel: usize,
+    /// The members' element type (one per bucket).
+    dtype: DType,
 }
 
 /// The agreed bucket layout of one GradSync instance: buckets in launch order,
@@ -199,11 +206,13 @@ impl Plan {
             .enumerate()
             .map(|(b, members)| {
                 let mut numel = 0;
+                let dtype = members.first().map_or(DType::F32, |p| params[p.index()].dtype);
                 for p in &members {
+                    assert_eq!(params[p.index()].dtype, dtype, "a bucket holds one element type");
                     slots[p.index()] = Slot { bucket: b, offset: numel };
                     numel += params[p.index()].numel;
                 }
-                BucketSpec { params: members, numel }
+                BucketSpec { params: members, numel, dtype }
             })
             .collect();
         assert!(slots.iter().all(|s| s.bucket != usize::MAX), "every parameter needs a bucket");
@@ -251,9 +260,19 @@ impl Plan {
         &self.buckets[b].params
     }
 
-    /// Number of f32 values of bucket `b`.
+    /// Number of values of bucket `b`.
     pub fn bucket_numel(&self, b: usize) -> usize {
         self.buckets[b].numel
+    }
+
+    /// The element type of bucket `b`.
+    pub fn bucket_dtype(&self, b: usize) -> DType {
+        self.buckets[b].dtype
+    }
+
+    /// The element type of `p`'s gradient (`F32` for an id of another plan).
+    pub fn param_dtype(&self, p: ParamId) -> DType {
+        self.params.get(p.index()).map_or(DType::F32, |s| s.dtype)
     }
 
     /// The bucket `p` is reduced in.
@@ -272,7 +291,7 @@ impl Plan {
 
     /// Bytes of one set of bucket buffers (one copy of every gradient).
     pub fn bucket_bytes(&self) -> usize {
-        self.total_numel() * std::mem::size_of::<f32>()
+        self.buckets.iter().map(|b| b.numel * b.dtype.size()).sum()
     }
 
     /// The byte cap the plan was built with.
@@ -282,13 +301,17 @@ impl Plan {
 
     /// A 64-bit FNV-1a digest of the collective sequence this plan produces
     /// (bucket count, each bucket's members and size) and of what the slots mean
-    /// (every parameter's name and size): two ranks that register different
+    /// (every parameter's name, size and element type): two ranks that register different
     /// parameters of equal sizes would otherwise sum unrelated tensors silently.
     /// Equal plans give equal fingerprints on every rank and every platform.
     pub fn fingerprint(&self) -> u64 {
         let mut h = Fnv::default();
         for spec in &self.params {
             h.write(spec.numel as u64);
+            if spec.dtype != DType::F32 {
+                // (Only other types: plans of float32 parameters keep their fingerprints.)
+                h.write(spec.dtype.code());
+            }
             for chunk in spec.name.as_bytes().chunks(8) {
                 let mut word = [0u8; 8];
                 word[..chunk.len()].copy_from_slice(chunk);
@@ -357,7 +380,8 @@ pub const TAIL_TAPER: u32 = 3;
 /// Buckets in launch order: `order` cut at `cap` bytes, the last
 /// [`TAIL_TAPER`] buckets at a half, a quarter, an eighth of it (cut from the
 /// end, so the first bucket holds what is left over). A parameter larger
-/// than its bucket's cap gets a bucket of its own.
+/// than its bucket's cap gets a bucket of its own, and a bucket holds one
+/// element type.
 fn fill(params: &[ParamSpec], order: &[ParamId], cap: usize) -> Vec<Vec<ParamId>> {
     let cap_of = |from_end: usize| {
         let shift = TAIL_TAPER.saturating_sub(from_end as u32);
@@ -369,7 +393,8 @@ fn fill(params: &[ParamSpec], order: &[ParamId], cap: usize) -> Vec<Vec<ParamId>
     for &p in order.iter().rev() {
         let spec = &params[p.index()];
         let bytes = spec.numel * spec.dtype.size();
-        if !current.is_empty() && current_bytes + bytes > cap_of(buckets.len()) {
+        let other_type = current.last().is_some_and(|q: &ParamId| params[q.index()].dtype != spec.dtype);
+        if !current.is_empty() && (other_type || current_bytes + bytes > cap_of(buckets.len())) {
             current.reverse();
             buckets.push(std::mem::take(&mut current));
             current_bytes = 0;
@@ -445,6 +470,30 @@ mod tests {
                 assert_eq!(off, plan.bucket_numel(b));
             }
         }
+    }
+
+    #[test]
+    fn a_bucket_holds_one_element_type() {
+        // p0, p1 float32, p2, p3 float64, p4 float32: a cap for all of them,
+        // yet three buckets (reverse registration, cut where the type changes).
+        let mut params = specs(&[1, 1, 1, 1, 1]);
+        params[2].dtype = DType::F64;
+        params[3].dtype = DType::F64;
+        let plan = Plan::build(params.clone(), 1 << 20);
+        let members: Vec<Vec<usize>> =
+            (0..plan.num_buckets()).map(|b| plan.bucket_params(b).iter().map(|p| p.index()).collect()).collect();
+        assert_eq!(members, vec![vec![4], vec![3, 2], vec![1, 0]]);
+        let types: Vec<DType> = (0..plan.num_buckets()).map(|b| plan.bucket_dtype(b)).collect();
+        assert_eq!(types, vec![DType::F32, DType::F64, DType::F32]);
+        assert_eq!(plan.bucket_bytes(), 3 * 4 + 2 * 8);
+        // Interleaved types in a rebuilt order still never share a bucket.
+        let p = ParamId::from_index;
+        let rebuilt = plan.reordered(&[p(0), p(2), p(1), p(3), p(4)]);
+        assert_eq!(rebuilt.num_buckets(), 5);
+        // Two ranks that registered the same names and sizes with other types disagree.
+        let mut other = params;
+        other[3].dtype = DType::F32;
+        assert_ne!(Plan::build(other, 1 << 20).fingerprint(), plan.fingerprint());
     }
 
     #[test]

@@ -37,9 +37,10 @@ impl Divisor {
         .max(1)
     }
 
-    /// The factor that turns the sum into the result, for [`Divisor::count`].
-    pub fn factor(self, world: usize, contributed: usize, excluded: usize) -> f32 {
-        1.0 / self.count(world, contributed, excluded) as f32
+    /// The factor that turns the sum into the result, for [`Divisor::count`]
+    /// (in f64: a float64 bucket needs it exactly; a float32 one rounds it).
+    pub fn factor(self, world: usize, contributed: usize, excluded: usize) -> f64 {
+        1.0 / self.count(world, contributed, excluded) as f64
     }
 
     /// A code that joins each step's control vote (ranks must divide alike).

@@ -121,7 +121,11 @@ pub struct StepReport {
     /// Parameters corrected after the data buckets (late on at least one
     /// rank, or retracted from an excluded rank).
     pub corrected: Vec<ParamId>,
-    /// Correction collectives issued (0 or 1).
+    /// What the step's sum was divided by (its [`crate::Divisor`]'s count;
+    /// 1 for a step that does not apply). Gradients reduced outside the
+    /// buckets (sparse ones) are divided by it too.
+    pub divisor: u32,
+    /// Correction collectives issued (0, or 1 per element type corrected).
     pub corrections: u32,
     /// Parameters with no arrival on this rank (they contributed zeros).
     pub unused_local: u32,

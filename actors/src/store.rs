@@ -27,6 +27,7 @@
 
 use std::fmt;
 
+use crate::arrival::DType;
 use crate::bucket_buf::{BucketBuf, WriteMode};
 use crate::error::AllocError;
 
@@ -47,12 +48,19 @@ pub trait GradStore: Clone + Send + Sync + fmt::Debug + 'static {
     /// device; the builder refuses `check_finite` otherwise.
     const CHECKS_FINITE: bool = true;
 
-    /// Number of f32 elements in `values`.
+    /// Whether buckets of `dtype` can be held (the builder refuses
+    /// parameters of other types). Default: float32 only.
+    fn holds(&self, dtype: DType) -> bool {
+        dtype == DType::F32
+    }
+    /// Number of elements in `values`.
     fn values_len(&self, values: &Self::Values) -> usize;
-    /// Number of f32 elements in `bucket`.
+    /// Number of elements in `bucket`.
     fn bucket_numel(&self, bucket: &Self::Bucket) -> usize;
-    /// A zeroed bucket of `numel` elements, split in `pieces` if the store can.
-    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<Self::Bucket, AllocError>;
+    /// A zeroed bucket of `numel` elements of `dtype` (one it [`holds`](GradStore::holds)),
+    /// split in `pieces` if the store can. Only values of that type are ever
+    /// combined into it.
+    fn alloc_bucket(&self, numel: usize, pieces: usize, dtype: DType) -> Result<Self::Bucket, AllocError>;
     /// `acc += more`, element-wise (same lengths).
     fn add_assign(&self, acc: &mut Self::Values, more: &Self::Values);
     /// Combine `src` into `bucket[offset .. offset + len(src)]`.
@@ -62,7 +70,10 @@ pub trait GradStore: Clone + Send + Sync + fmt::Debug + 'static {
     /// [`crate::Transport::scale_when_packing`]). The default composes
     /// `write` and `scale` (an add unscales the slot first, which rounds for
     /// factors that are not powers of two); stores override it with one exact pass.
-    fn write_scaled(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode, factor: f32) {
+    ///
+    /// Factors are given in f64, the type every factor is computed in, and
+    /// rounded to the bucket's type.
+    fn write_scaled(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode, factor: f64) {
         let len = self.values_len(src);
         if mode == WriteMode::Add {
             self.scale(bucket, offset, len, 1.0 / factor);
@@ -77,7 +88,7 @@ pub trait GradStore: Clone + Send + Sync + fmt::Debug + 'static {
     /// `dst[dst_offset ..][..len] += src[src_offset ..][..len]`.
     fn add_from(&self, dst: &mut Self::Bucket, dst_offset: usize, src: &Self::Bucket, src_offset: usize, len: usize);
     /// `bucket[offset .. offset + len] *= factor`.
-    fn scale(&self, bucket: &mut Self::Bucket, offset: usize, len: usize, factor: f32);
+    fn scale(&self, bucket: &mut Self::Bucket, offset: usize, len: usize, factor: f64);
     /// Whether every value is finite (only called when [`GradStore::CHECKS_FINITE`]).
     fn all_finite(&self, _values: &Self::Values) -> bool {
         true
@@ -100,7 +111,8 @@ impl GradStore for HostStore {
         bucket.numel()
     }
 
-    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<BucketBuf, AllocError> {
+    fn alloc_bucket(&self, numel: usize, pieces: usize, dtype: DType) -> Result<BucketBuf, AllocError> {
+        assert_eq!(dtype, DType::F32, "the builder refuses types a store does not hold");
         Ok(BucketBuf::zeroed(numel, pieces))
     }
 
@@ -112,8 +124,8 @@ impl GradStore for HostStore {
         bucket.write(offset, src, mode);
     }
 
-    fn write_scaled(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode, factor: f32) {
-        bucket.write_scaled(offset, src, mode, factor);
+    fn write_scaled(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode, factor: f64) {
+        bucket.write_scaled(offset, src, mode, factor as f32);
     }
 
     fn write_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
@@ -125,16 +137,11 @@ impl GradStore for HostStore {
     }
 
     fn add_from(&self, dst: &mut BucketBuf, dst_offset: usize, src: &BucketBuf, src_offset: usize, len: usize) {
-        // Add the source piece by piece: no scratch copy of the correction.
-        let mut at = dst_offset;
-        for piece in src.chunks(src_offset, len) {
-            dst.write(at, piece, WriteMode::Add);
-            at += piece.len();
-        }
+        dst.add_from(dst_offset, src, src_offset, len);
     }
 
-    fn scale(&self, bucket: &mut BucketBuf, offset: usize, len: usize, factor: f32) {
-        bucket.scale(offset, len, factor);
+    fn scale(&self, bucket: &mut BucketBuf, offset: usize, len: usize, factor: f64) {
+        bucket.scale(offset, len, factor as f32);
     }
 
     fn all_finite(&self, values: &Vec<f32>) -> bool {

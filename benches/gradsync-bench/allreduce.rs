@@ -45,7 +45,7 @@ fn allreduce_times(numel: usize, world: usize, rounds: usize) -> Vec<Duration> {
                         let tag = CollectiveTag { step, kind: CollectiveKind::Bucket { index: 0, numel } };
                         let t = Instant::now();
                         let deadline = t + Duration::from_secs(60);
-                        ep.all_reduce_f32(tag, &mut buf, 1.0 / world as f32, deadline).expect("all-reduce");
+                        ep.all_reduce_grads(tag, &mut buf, 1.0 / world as f64, deadline).expect("all-reduce");
                         times.push(t.elapsed());
                     }
                     times

@@ -42,6 +42,57 @@ impl Element for f32 {
     }
 }
 
+impl Element for f64 {
+    #[inline(always)]
+    fn combine(self, other: Self) -> Self {
+        self + other
+    }
+}
+
+/// The gradient element types: f32 (every gradient, unless its parameter is
+/// float64) and f64 (float64 gradients, reduced in float64 as torch's DDP
+/// reduces them). The loops below are written once for both.
+pub trait Float:
+    Element
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::AddAssign
+    + std::ops::MulAssign
+{
+    /// Zero.
+    const ZERO: Self;
+    /// A scale factor, given in f64 (the one type every factor is computed
+    /// in), rounded to this type.
+    fn factor(x: f64) -> Self;
+    /// Neither NaN nor infinite.
+    fn is_finite(self) -> bool;
+}
+
+impl Float for f32 {
+    const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn factor(x: f64) -> Self {
+        x as f32
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+}
+
+impl Float for f64 {
+    const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn factor(x: f64) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
+    }
+}
+
 impl Element for u64 {
     #[inline(always)]
     fn combine(self, other: Self) -> Self {
@@ -77,26 +128,26 @@ pub fn add_assign<T: Element>(dst: &mut [T], src: &[T]) {
     }
 }
 
-/// `dst[i] = a[i] - b[i]` for f32. Panics if the lengths differ.
+/// `dst[i] = a[i] - b[i]`. Panics if the lengths differ.
 #[inline]
-pub fn sub_into(dst: &mut [f32], a: &[f32], b: &[f32]) {
+pub fn sub_into<T: Float>(dst: &mut [T], a: &[T], b: &[T]) {
     assert!(dst.len() == a.len() && a.len() == b.len(), "sub_into: length mismatch");
-    for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+    for ((d, &x), &y) in dst.iter_mut().zip(a).zip(b) {
         *d = x - y;
     }
 }
 
 /// Whether every value is finite (no NaN, no ±Inf). Branch-free per chunk so
 /// the scan vectorizes; it is the cost of the optional non-finite check.
-pub fn all_finite(values: &[f32]) -> bool {
+pub fn all_finite<T: Float>(values: &[T]) -> bool {
     let mut chunks = values.chunks_exact(LANES);
     for c in &mut chunks {
         // x * 0 is 0 for finite x and NaN for NaN or ±Inf.
-        let mut acc = 0.0f32;
-        for x in c {
-            acc += x * 0.0;
+        let mut acc = T::ZERO;
+        for &x in c {
+            acc += x * T::ZERO;
         }
-        if acc != 0.0 {
+        if acc != T::ZERO {
             return false;
         }
     }
@@ -105,25 +156,25 @@ pub fn all_finite(values: &[f32]) -> bool {
 
 /// `dst[i] = src[i] * factor`: a copy and a scale in one pass. Panics if the lengths differ.
 #[inline]
-pub fn copy_scaled(dst: &mut [f32], src: &[f32], factor: f32) {
+pub fn copy_scaled<T: Float>(dst: &mut [T], src: &[T], factor: T) {
     assert_eq!(dst.len(), src.len(), "copy_scaled: length mismatch");
-    for (d, x) in dst.iter_mut().zip(src) {
+    for (d, &x) in dst.iter_mut().zip(src) {
         *d = x * factor;
     }
 }
 
 /// `dst[i] += src[i] * factor`. Panics if the lengths differ.
 #[inline]
-pub fn add_scaled(dst: &mut [f32], src: &[f32], factor: f32) {
+pub fn add_scaled<T: Float>(dst: &mut [T], src: &[T], factor: T) {
     assert_eq!(dst.len(), src.len(), "add_scaled: length mismatch");
-    for (d, x) in dst.iter_mut().zip(src) {
+    for (d, &x) in dst.iter_mut().zip(src) {
         *d += x * factor;
     }
 }
 
 /// `dst[i] *= factor`.
 #[inline]
-pub fn scale(dst: &mut [f32], factor: f32) {
+pub fn scale<T: Float>(dst: &mut [T], factor: T) {
     for x in dst.iter_mut() {
         *x *= factor;
     }
@@ -155,8 +206,8 @@ pub fn reduce_into<T: Element>(dst: &mut [T], srcs: &[&[T]], finish: impl Fn(&mu
 }
 
 /// [`reduce_into`] for gradients, with the `1 / divisor` average fused in.
-pub fn reduce_scaled(dst: &mut [f32], srcs: &[&[f32]], factor: f32) {
-    if factor == 1.0 {
+pub fn reduce_scaled<T: Float>(dst: &mut [T], srcs: &[&[T]], factor: T) {
+    if factor == T::factor(1.0) {
         reduce_into(dst, srcs, |_| {});
     } else {
         reduce_into(dst, srcs, |d| scale(d, factor));
@@ -327,6 +378,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn f64_loops_keep_what_f32_rounds_away() {
+        // 1 + 2^-30 is not an f32; a float64 gradient must keep it through every loop.
+        let tiny = 2f64.powi(-30);
+        let mut d = vec![1.0f64; 3];
+        add_assign(&mut d, &[tiny; 3]);
+        assert_eq!(d, vec![1.0 + tiny; 3]);
+        let mut r = vec![0.0f64; 3];
+        reduce_scaled(&mut r, &[&d, &d, &d], f64::factor(1.0 / 3.0));
+        assert_eq!(r, vec![(3.0 * (1.0 + tiny)) * (1.0 / 3.0); 3]);
+        let mut diff = vec![0.0f64; 3];
+        sub_into(&mut diff, &d, &[1.0; 3]);
+        assert_eq!(diff, vec![tiny; 3]);
+        assert!(all_finite(&d) && !all_finite(&[f64::NAN]));
     }
 
     #[test]

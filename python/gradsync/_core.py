@@ -71,6 +71,11 @@ class Framework(Protocol):
         """Put an applied step's averages into the gradients; return whether
         views of ``result``'s memory were lent (then it must not be released)."""
 
+    def joined_step(self, report: StepReport) -> None:
+        """This rank, out of data, took part in ``report``'s step with zeros
+        (``shadow_step``): whatever the framework reduces outside the runtime
+        it takes part in too."""
+
     def clear(self) -> None:
         """A step no rank may apply: leave no gradient an optimizer would step on."""
 
@@ -294,6 +299,7 @@ class ModelSync:
         """One step of a rank out of data: zeros for the others' open step."""
         self.raise_if_unfinished("join")
         self.last_report = self.session.shadow_step()
+        self.framework.joined_step(self.last_report)
         self.new_step()
         return self.last_report
 

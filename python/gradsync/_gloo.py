@@ -17,7 +17,16 @@ from gradsync._errors import _CollectiveFailed
 
 #: The ctypes element type of each dtype the runtime hands over by address
 #: (the half-width wire types as their raw 16 bits).
-CTYPES = {"float32": ctypes.c_float, "int64": ctypes.c_int64, "bfloat16": ctypes.c_uint16, "float16": ctypes.c_uint16}
+CTYPES = {
+    "float32": ctypes.c_float,
+    "float64": ctypes.c_double,
+    "int64": ctypes.c_int64,
+    "bfloat16": ctypes.c_uint16,
+    "float16": ctypes.c_uint16,
+}
+
+#: The element types whose sums are scaled (gradients; control words are not).
+SCALED = ("float32", "float64")
 
 # Substrings of gloo's messages when a peer process is gone.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")

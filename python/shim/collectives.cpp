@@ -15,7 +15,7 @@
 //   collectives this rank started in the group's epoch), wraps the runtime's
 //   memory as a tensor of the element type it is given (no copy) and launches
 //   the all-reduce. It returns a Flight and the position.
-// * `finish` waits for a Flight, scales a float32 sum, and frees the Flight.
+// * `finish` waits for a Flight, scales a float sum, and frees the Flight.
 //   `forget` frees one without waiting (after a failure).
 // * Errors come back as text (the return value says there is one); the Python
 //   side turns the text and the failed collective's position into a typed
@@ -62,10 +62,10 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 5;
+constexpr uint32_t kVersion = 6;
 
 // Element types the runtime hands over (`elem` of `start`; python/src/collectives.rs, `Words`).
-enum Elem : int32_t { kF32 = 0, kI64 = 1, kBF16 = 2, kF16 = 3 };
+enum Elem : int32_t { kF32 = 0, kI64 = 1, kBF16 = 2, kF16 = 3, kF64 = 4 };
 
 // Cuts short the collectives of an elastic job's broken membership epochs:
 // the liveness monitor (another thread) raises `broken` to epoch `e` when
@@ -110,8 +110,8 @@ struct Flight {
   const Endpoint* endpoint;
   // The runtime's memory, as a tensor (a device-plane bucket's wire copy).
   at::Tensor tensor;
-  // Applied to a float32 sum.
-  float factor;
+  // Applied to a float sum (1: none).
+  double factor;
   // A device-plane bucket that travelled in `tensor` as a half type: the sum
   // is widened back into it. Undefined otherwise.
   at::Tensor bucket = {};
@@ -129,6 +129,8 @@ at::ScalarType scalar_type(int32_t elem) {
       return at::kBFloat16;
     case kF16:
       return at::kHalf;
+    case kF64:
+      return at::kDouble;
     default:
       TORCH_CHECK(false, "gradsync: unknown element code ", elem);
   }
@@ -158,7 +160,7 @@ int32_t guarded(char* err, size_t len, F&& body) {
   return 1;
 }
 
-int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, float factor, int64_t timeout_ms,
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t timeout_ms,
               void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
   *seq = 0;
@@ -172,7 +174,7 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, float fac
     opts.timeout = std::chrono::milliseconds(timeout_ms);
     std::vector<at::Tensor> tensors{tensor};
     auto work = ep->group->allreduce(tensors, opts);
-    *flight = new Flight{std::move(work), ep, tensor, elem == kF32 ? factor : 1.0f};
+    *flight = new Flight{std::move(work), ep, tensor, elem == kF32 || elem == kF64 ? factor : 1.0};
   });
 }
 
@@ -216,7 +218,7 @@ int32_t finish(void* flight, char* err, size_t err_len) {
       f->bucket.copy_(f->tensor);
       sum = f->bucket;
     }
-    if (f->factor != 1.0f) {
+    if (f->factor != 1.0) {
       sum.mul_(f->factor);
     }
   });
@@ -284,7 +286,8 @@ at::Tensor ready(const Plane& plane, gradsync::Given& given) {
   return (t.is_complex() ? at::view_as_real(t) : t).reshape({-1});
 }
 
-// A device-plane bucket: its float32 tensor, and the packs staged into it.
+// A device-plane bucket: its tensor (float32, or float64 for float64
+// parameters), and the packs staged into it.
 //
 // A gradient handed over is not copied into the bucket at once: the copy is
 // staged, and the staged copies run as one `_foreach_copy_` (a few kernel
@@ -299,7 +302,7 @@ struct Bucket {
   // Staged packs: slot <- values * factor (every staged pack shares `factor`).
   std::vector<at::Tensor> slots;
   std::vector<at::Tensor> values;
-  float factor = 1.0f;
+  double factor = 1.0;
   // Offsets of the staged slots (a parameter's slot starts at one offset).
   std::unordered_set<int64_t> offsets;
 };
@@ -314,7 +317,7 @@ void flush(Bucket& b) {
     return;
   }
   at::_foreach_copy_(b.slots, b.values);
-  if (b.factor != 1.0f) {
+  if (b.factor != 1.0) {
     at::_foreach_mul_(b.slots, b.factor);
   }
   b.slots.clear();
@@ -333,12 +336,12 @@ void release_given(void* given) {
   delete static_cast<gradsync::Given*>(given);
 }
 
-int32_t plane_alloc(void* plane, int64_t numel, void** bucket, char* err, size_t err_len) {
+int32_t plane_alloc(void* plane, int64_t numel, int32_t elem, void** bucket, char* err, size_t err_len) {
   const auto& p = *static_cast<Plane*>(plane);
   *bucket = nullptr;
   return guarded(err, err_len, [&] {
     on_comm(p, [&] {
-      auto t = at::zeros({numel}, at::TensorOptions().dtype(at::kFloat).device(p.device));
+      auto t = at::zeros({numel}, at::TensorOptions().dtype(scalar_type(elem)).device(p.device));
       auto b = std::make_unique<Bucket>();
       b->tensor = std::move(t);
       *bucket = b.release();
@@ -352,7 +355,7 @@ void plane_free(void* bucket) {
 
 // bucket[offset..][..n] (=|+=) src * factor: a copy is staged (see `Bucket`),
 // an accumulation runs at once, after the staged packs.
-int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, float factor, char* err,
+int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, double factor, char* err,
                     size_t err_len) {
   const auto& p = *static_cast<Plane*>(plane);
   Bucket& b = bucket_of(bucket);
@@ -384,19 +387,19 @@ int32_t plane_difference(void* plane, void* bucket, int64_t offset, void* last, 
       at::Tensor a = ready(p, *static_cast<gradsync::Given*>(last));
       at::Tensor b = ready(p, *static_cast<gradsync::Given*>(sent));
       at::Tensor slot = flushed(p, bucket).narrow(0, offset, a.numel());
-      at::sub_out(slot, a.to(at::kFloat), b.to(at::kFloat));
+      at::sub_out(slot, a.to(slot.scalar_type()), b.to(slot.scalar_type()));
     });
   });
 }
 
 // bucket[offset..][..len] *= factor (0: zeroed).
-int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, float factor, char* err,
+int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, double factor, char* err,
                     size_t err_len) {
   const auto& p = *static_cast<Plane*>(plane);
   return guarded(err, err_len, [&] {
     on_comm(p, [&] {
       at::Tensor slot = flushed(p, bucket).narrow(0, offset, len);
-      if (factor == 0.0f) {
+      if (factor == 0.0) {
         slot.zero_();
       } else {
         slot.mul_(factor);
@@ -431,9 +434,9 @@ int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t e
 }
 
 // Start summing a device-plane bucket on the endpoint's data group, on the
-// plane's stream, travelling as `elem` (float32, or a half type it is
-// rounded to first); `finish` widens, scales and frees.
-int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, float factor, int64_t timeout_ms,
+// plane's stream, travelling as `elem` (the bucket's own type, or a half type
+// it is rounded to first); `finish` widens, scales and frees.
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t timeout_ms,
                      void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
   *seq = 0;
@@ -445,7 +448,7 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, fl
     on_comm(p, [&] {
       at::Tensor& t = flushed(p, bucket);
       auto f = std::make_unique<Flight>(Flight{{}, ep, t, factor, {}, p.comm});
-      if (elem != kF32) {
+      if (scalar_type(elem) != t.scalar_type()) {
         f->tensor = t.to(scalar_type(elem));
         f->bucket = t;
       }
@@ -554,16 +557,16 @@ void cancel_epoch(void* cancel, int64_t epoch) {
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
 struct Table {
   uint32_t version;
-  int32_t (*start)(void*, void*, int64_t, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
+  int32_t (*start)(void*, void*, int64_t, int32_t, double, int64_t, void**, int64_t*, char*, size_t);
   int32_t (*finish)(void*, char*, size_t);
   void (*forget)(void*);
   // The device plane.
-  int32_t (*start_tensor)(void*, void*, void*, int32_t, float, int64_t, void**, int64_t*, char*, size_t);
-  int32_t (*alloc)(void*, int64_t, void**, char*, size_t);
+  int32_t (*start_tensor)(void*, void*, void*, int32_t, double, int64_t, void**, int64_t*, char*, size_t);
+  int32_t (*alloc)(void*, int64_t, int32_t, void**, char*, size_t);
   void (*free)(void*);
-  int32_t (*write)(void*, void*, int64_t, void*, int32_t, float, char*, size_t);
+  int32_t (*write)(void*, void*, int64_t, void*, int32_t, double, char*, size_t);
   int32_t (*difference)(void*, void*, int64_t, void*, void*, char*, size_t);
-  int32_t (*scale)(void*, void*, int64_t, int64_t, float, char*, size_t);
+  int32_t (*scale)(void*, void*, int64_t, int64_t, double, char*, size_t);
   int32_t (*add_from)(void*, void*, int64_t, void*, int64_t, int64_t, char*, size_t);
   int32_t (*sum)(void*, void*, void*, void**, char*, size_t);
   void (*release_given)(void*);

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 5;
+pub const TABLE_VERSION: u32 = 6;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -45,7 +45,7 @@ pub struct Table {
         *mut c_void,
         i64,
         i32,
-        f32,
+        f64,
         i64,
         *mut *mut c_void,
         *mut i64,
@@ -59,20 +59,20 @@ pub struct Table {
         *mut c_void,
         *mut c_void,
         i32,
-        f32,
+        f64,
         i64,
         *mut *mut c_void,
         *mut i64,
         *mut c_char,
         usize,
     ) -> i32,
-    pub(crate) alloc: unsafe extern "C" fn(*mut c_void, i64, *mut *mut c_void, *mut c_char, usize) -> i32,
+    pub(crate) alloc: unsafe extern "C" fn(*mut c_void, i64, i32, *mut *mut c_void, *mut c_char, usize) -> i32,
     pub(crate) free: unsafe extern "C" fn(*mut c_void),
     pub(crate) write:
-        unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, i32, f32, *mut c_char, usize) -> i32,
+        unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, i32, f64, *mut c_char, usize) -> i32,
     pub(crate) difference:
         unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, *mut c_void, *mut c_char, usize) -> i32,
-    pub(crate) scale: unsafe extern "C" fn(*mut c_void, *mut c_void, i64, i64, f32, *mut c_char, usize) -> i32,
+    pub(crate) scale: unsafe extern "C" fn(*mut c_void, *mut c_void, i64, i64, f64, *mut c_char, usize) -> i32,
     pub(crate) add_from:
         unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, i64, i64, *mut c_char, usize) -> i32,
     pub(crate) sum:
@@ -128,14 +128,15 @@ impl Table {
     }
 }
 
-/// What a collective sums: float32 buckets and corrections, control words
-/// (summed as int64), or a bucket staged in its half-width wire type.
+/// What a collective sums: float32 or float64 buckets and corrections,
+/// control words (summed as int64), or a bucket staged in its half-width wire type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Words {
     F32,
     I64,
     BF16,
     F16,
+    F64,
 }
 
 impl Words {
@@ -146,16 +147,18 @@ impl Words {
             Words::I64 => "int64",
             Words::BF16 => "bfloat16",
             Words::F16 => "float16",
+            Words::F64 => "float64",
         }
     }
 
     /// The shim's element code (its `Elem`).
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         match self {
             Words::F32 => 0,
             Words::I64 => 1,
             Words::BF16 => 2,
             Words::F16 => 3,
+            Words::F64 => 4,
         }
     }
 }
@@ -229,14 +232,14 @@ impl NativeGloo {
     }
 
     /// Start summing `numel` `words` at `addr` over every rank, scaled by
-    /// `factor` when finished (float32 only).
+    /// `factor` when finished (float buckets; control words are not scaled).
     pub fn start(
         &mut self,
         tag: CollectiveTag,
         addr: usize,
         numel: usize,
         words: Words,
-        factor: f32,
+        factor: f64,
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
@@ -271,7 +274,7 @@ impl NativeGloo {
         plane: usize,
         bucket: usize,
         words: Words,
-        factor: f32,
+        factor: f64,
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let (table, endpoint) = (self.table, self.endpoint as *mut c_void);

@@ -1,10 +1,9 @@
 //! Reading gradients out of, and writing averaged gradients into, memory the
 //! Python side owns (a tensor's storage, given as an address).
 //!
-//! gradsync reduces in f32. Gradients of other float types are converted on
-//! the way in and back on the way out: `float64` loses precision beyond f32
-//! for the reduction (the result is rounded back), `float16` and `bfloat16`
-//! are exact in f32.
+//! gradsync reduces float64 gradients in f64 (read and written as they are)
+//! and every other float type in f32: `float16` and `bfloat16` are widened on
+//! the way in (exact) and rounded back on the way out.
 
 use half::{bf16, f16};
 
@@ -85,6 +84,16 @@ pub fn write(view: &[f32], dst: Raw) {
             }
         }
     }
+}
+
+/// Write the averaged float64 gradient `view` into `dst` (a float64 parameter's memory).
+pub fn write_wide(view: &[f64], dst: Raw) {
+    assert_eq!(view.len(), dst.numel, "destination size checked by the caller");
+    assert_eq!(dst.elem, Elem::F64, "float64 buckets hold float64 parameters only");
+    // SAFETY: `Raw`'s contract, for writing: `addr` holds `numel` float64
+    // elements, aligned, alive and touched by nobody else until this returns.
+    let out = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut f64, dst.numel) };
+    out.copy_from_slice(view);
 }
 
 fn write_converted<T>(view: &[f32], out: &mut [T], convert: impl Fn(f32) -> T) {

@@ -23,7 +23,7 @@
 use std::ffi::{c_char, c_void};
 
 use crate::arrivals::NativeTensor;
-use crate::collectives::{error_text, message, Table};
+use crate::collectives::{error_text, message, Table, Words};
 
 /// A wrapper's plane as the runtime calls it: the shim's table and the
 /// address of the Python-owned `Plane` (kept alive by the communicator for
@@ -40,13 +40,14 @@ impl std::fmt::Debug for DevicePlane {
     }
 }
 
-/// One bucket: the shim's `Bucket*` (a tensor of `numel` float32 values on
-/// the plane's device, and the packs staged into it), freed through the shim
-/// when dropped.
+/// One bucket: the shim's `Bucket*` (a tensor of `numel` float32 values, or
+/// float64 when `wide`, on the plane's device, and the packs staged into
+/// it), freed through the shim when dropped.
 #[derive(Debug)]
 pub struct PlaneBucket {
     handle: *mut c_void,
     numel: usize,
+    wide: bool,
     free: unsafe extern "C" fn(*mut c_void),
 }
 
@@ -56,9 +57,14 @@ pub struct PlaneBucket {
 unsafe impl Send for PlaneBucket {}
 
 impl PlaneBucket {
-    /// Its float32 element count.
+    /// Its element count.
     pub fn numel(&self) -> usize {
         self.numel
+    }
+
+    /// Whether it holds float64 values (else float32).
+    pub fn is_wide(&self) -> bool {
+        self.wide
     }
 
     /// The shim's `Bucket*` (for `_collectives.bucket_tensor` and the collectives).
@@ -75,7 +81,7 @@ impl Drop for PlaneBucket {
 }
 
 /// One handed-over gradient on the plane: the shim's `Given` (the tensor and
-/// its producer's event) and its length in float32 values.
+/// its producer's event) and its element count.
 #[derive(Debug)]
 pub struct PlaneGrad {
     pub given: NativeTensor,
@@ -122,17 +128,21 @@ impl DevicePlane {
         }
     }
 
-    /// A zeroed bucket of `numel` float32 values, from torch's allocator.
-    pub fn alloc(&self, numel: usize) -> Result<PlaneBucket, String> {
+    /// A zeroed bucket of `numel` float32 values (float64 when `wide`), from
+    /// torch's allocator.
+    pub fn alloc(&self, numel: usize, wide: bool) -> Result<PlaneBucket, String> {
         let mut handle = std::ptr::null_mut();
+        let elem = if wide { Words::F64 } else { Words::F32 }.code();
         // SAFETY: the plane is alive (see `new`); `handle` and the error
         // buffer outlive the call.
-        Self::call(|err, err_len| unsafe { (self.table.alloc)(self.ptr(), numel as i64, &mut handle, err, err_len) })?;
-        Ok(PlaneBucket { handle, numel, free: self.table.free })
+        Self::call(|err, err_len| unsafe {
+            (self.table.alloc)(self.ptr(), numel as i64, elem, &mut handle, err, err_len)
+        })?;
+        Ok(PlaneBucket { handle, numel, wide, free: self.table.free })
     }
 
     /// `bucket[offset..][..len(src)]` = (or `+=`, when `add`) `src * factor`.
-    pub fn write(&self, bucket: &mut PlaneBucket, offset: usize, src: &PlaneGrad, add: bool, factor: f32) {
+    pub fn write(&self, bucket: &mut PlaneBucket, offset: usize, src: &PlaneGrad, add: bool, factor: f64) {
         assert!(offset + src.numel <= bucket.numel, "write past the bucket's end");
         // SAFETY: the plane, the bucket and the given tensor are alive and
         // the range is inside the bucket (checked above); the error buffer
@@ -169,7 +179,7 @@ impl DevicePlane {
     }
 
     /// `bucket[offset..][..len] *= factor` (zeroed when `factor` is 0).
-    pub fn scale(&self, bucket: &mut PlaneBucket, offset: usize, len: usize, factor: f32) {
+    pub fn scale(&self, bucket: &mut PlaneBucket, offset: usize, len: usize, factor: f64) {
         assert!(offset + len <= bucket.numel, "scale past the bucket's end");
         // SAFETY: as in `write`.
         Self::queue("scaling a bucket", |err, err_len| unsafe {

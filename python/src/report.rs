@@ -33,7 +33,9 @@ pub struct StepReport {
     late_arrivals: u64,
     /// Indices of the parameters corrected after the data buckets.
     corrected: Vec<usize>,
-    /// Correction collectives issued (0 or 1).
+    /// What the step's sum was divided by (1 for a step that does not apply).
+    divisor: u32,
+    /// Correction collectives issued (0, or 1 per element type corrected).
     corrections: u32,
     /// Parameters with no arrival on this rank.
     unused_local: u32,
@@ -77,6 +79,7 @@ impl StepReport {
             rejections: r.rejections.iter().map(|x| x.to_string()).collect(),
             late_arrivals: r.late_arrivals,
             corrected: r.corrected.iter().map(|p| p.index()).collect(),
+            divisor: r.divisor,
             corrections: r.corrections,
             unused_local: r.unused_local,
             unused_everywhere: r.unused_everywhere.iter().map(|p| p.index()).collect(),
@@ -110,6 +113,7 @@ impl StepReport {
                 ("rejections", value(py, self.rejections.clone())),
                 ("late_arrivals", value(py, self.late_arrivals)),
                 ("corrected", value(py, self.corrected.clone())),
+                ("divisor", value(py, self.divisor)),
                 ("corrections", value(py, self.corrections)),
                 ("unused_local", value(py, self.unused_local)),
                 ("unused_everywhere", value(py, self.unused_everywhere.clone())),

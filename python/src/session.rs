@@ -101,7 +101,8 @@ impl Session {
 impl Session {
     /// Register the parameters (in forward order) and start the runtime.
     /// `dtypes` name each gradient's element type (`"float32"`, `"float64"`,
-    /// `"float16"`, `"bfloat16"`); gradsync reduces in float32. Up to
+    /// `"float16"`, `"bfloat16"`); float64 gradients are reduced in float64,
+    /// the others in float32. Up to
     /// `in_flight` collectives overlap when the communicator has `start` and
     /// `wait_oldest`. `reorder_buckets` rebuilds the bucket plan in the order
     /// gradients arrive (after the first step, and when that order changes
@@ -149,12 +150,14 @@ impl Session {
         for ((name, &numel), dtype) in names.iter().zip(&numels).zip(&dtypes) {
             let e = Elem::parse(dtype).ok_or_else(|| {
                 let why = format!(
-                    "parameter {name:?} has dtype {dtype}: gradsync reduces float32 and converts float64, \
-                     float16 and bfloat16; other types cannot be averaged"
+                    "parameter {name:?} has dtype {dtype}: gradsync reduces float32 and float64 gradients, \
+                     and float16 and bfloat16 ones in float32; other types cannot be averaged"
                 );
                 errors::raise(py, "ConfigError", why, &[])
             })?;
-            ids.push(b.param(name.clone(), numel, DType::F32).map_err(|e| errors::build_error(py, &e))?);
+            // Float64 gradients get float64 buckets; the half types are widened to float32.
+            let reduced = if e == Elem::F64 { DType::F64 } else { DType::F32 };
+            ids.push(b.param(name.clone(), numel, reduced).map_err(|e| errors::build_error(py, &e))?);
             elem.push(e);
         }
         let divisor = match divisor {

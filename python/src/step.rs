@@ -36,10 +36,12 @@ impl Step {
     }
 
     /// The host memory of a bucket (one contiguous piece in this binding).
-    fn host(bucket: &Bucket) -> PyResult<&[f32]> {
+    fn host(bucket: &Bucket) -> PyResult<Piece<'_>> {
+        let not_contiguous = || pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous");
         match bucket {
-            Bucket::Host(b) if b.num_pieces() == 1 => Ok(b.piece(0)),
-            Bucket::Host(_) => Err(pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous")),
+            Bucket::Host(b) if b.num_pieces() == 1 => Ok(Piece::Narrow(b.piece(0))),
+            Bucket::Wide(b) if b.num_pieces() == 1 => Ok(Piece::Wide(b.piece(0))),
+            Bucket::Host(_) | Bucket::Wide(_) => Err(not_contiguous()),
             Bucket::Plane(_) => Err(Python::attach(|py| {
                 let why = "this step's buckets are on the device: read them with buckets() (gradsync.torch does)";
                 errors::raise(py, "ConfigError", why.to_string(), &[])
@@ -89,17 +91,21 @@ impl Step {
         let id = self.params.ids[param];
         let guard = self.lent()?;
         let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(false) };
-        let view = &Self::host(bucket)?[range];
+        let piece = Self::host(bucket)?;
+        let write = || match piece {
+            Piece::Narrow(values) => memory::write(&values[range], dst),
+            Piece::Wide(values) => memory::write_wide(&values[range], dst),
+        };
         if dst.numel * 4 >= DETACH_BYTES {
-            py.detach(|| memory::write(view, dst));
+            py.detach(write);
         } else {
-            memory::write(view, dst);
+            write();
         }
         Ok(true)
     }
 
     /// The address of parameter `param`'s averaged gradient inside the
-    /// step's bucket memory (float32, the parameter's element count), or
+    /// step's bucket memory (its bucket's type, the parameter's element count), or
     /// `None` if it has none. The memory belongs to this `Step`: it stays
     /// valid while this object lives and is not released, and goes back to
     /// the runtime when it is collected (`gradsync.torch` hands out tensors
@@ -108,26 +114,30 @@ impl Step {
         let Some(&id) = self.params.ids.get(param) else { return Ok(None) };
         let guard = self.lent()?;
         let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(None) };
-        Ok(Some(Self::host(bucket)?[range].as_ptr() as usize))
+        let piece = Self::host(bucket)?;
+        Ok(Some(piece.address() + range.start * piece.width()))
     }
 
-    /// Every bucket as `(address, numel, members)`: `numel` float32 values
-    /// at `address` holding the averaged gradients of the parameter indices
-    /// `members`, back to back in that order. Same lifetime as [`Step::address`].
+    /// Every bucket as `(address, numel, members, dtype)`: `numel` values of
+    /// `dtype` (`"float32"` or `"float64"`) at `address` holding the averaged
+    /// gradients of the parameter indices `members`, back to back in that
+    /// order. Same lifetime as [`Step::address`].
     /// On the device plane `address` is the shim's `Bucket*` instead,
     /// for `gradsync.torch._collectives.bucket_tensor` (the tensor it makes
     /// shares the bucket's memory, whose lifetime is the same).
-    fn buckets(&self) -> PyResult<Vec<(usize, usize, Vec<usize>)>> {
+    fn buckets(&self) -> PyResult<Vec<BucketEntry>> {
         let guard = self.lent()?;
         let Some(g) = guard.as_ref() else { return Ok(Vec::new()) };
         g.buckets()
             .map(|(bucket, members)| {
                 let members = members.iter().map(|p| p.index()).collect();
                 Ok(match bucket {
-                    Bucket::Plane(b) => (b.address(), b.numel(), members),
+                    Bucket::Plane(b) => {
+                        (b.address(), b.numel(), members, if b.is_wide() { "float64" } else { "float32" })
+                    }
                     host => {
                         let piece = Self::host(host)?;
-                        (piece.as_ptr() as usize, piece.len(), members)
+                        (piece.address(), piece.len(), members, piece.dtype())
                     }
                 })
             })
@@ -138,5 +148,47 @@ impl Step {
     fn release(&self) -> PyResult<()> {
         self.lent()?.take();
         Ok(())
+    }
+}
+
+/// A bucket as [`Step::buckets`] lists it: address, element count, members, element type.
+type BucketEntry = (usize, usize, Vec<usize>, &'static str);
+
+/// A host bucket's one contiguous piece, of either element type.
+#[derive(Clone, Copy)]
+enum Piece<'a> {
+    Narrow(&'a [f32]),
+    Wide(&'a [f64]),
+}
+
+impl Piece<'_> {
+    fn address(self) -> usize {
+        match self {
+            Piece::Narrow(v) => v.as_ptr() as usize,
+            Piece::Wide(v) => v.as_ptr() as usize,
+        }
+    }
+
+    fn len(self) -> usize {
+        match self {
+            Piece::Narrow(v) => v.len(),
+            Piece::Wide(v) => v.len(),
+        }
+    }
+
+    /// Bytes per element.
+    fn width(self) -> usize {
+        match self {
+            Piece::Narrow(_) => 4,
+            Piece::Wide(_) => 8,
+        }
+    }
+
+    /// The element type, as torch names it.
+    fn dtype(self) -> &'static str {
+        match self {
+            Piece::Narrow(_) => "float32",
+            Piece::Wide(_) => "float64",
+        }
     }
 }

@@ -12,10 +12,12 @@
 //! hands it over: the runtime keeps a reference to the tensor (so its memory
 //! stays allocated) and packs straight from that memory into the bucket, as
 //! DDP copies a gradient into its bucket. No copy on the hook path, no
-//! allocation per step. Gradients of other element types are converted into
-//! an owned vector instead.
+//! allocation per step. Float64 gradients are read in place too, into float64
+//! buckets (reduced in float64, as DDP reduces them); float16 and bfloat16
+//! ones are widened into an owned float32 vector (exact).
 
 use gradsync_runtime::backend::{AllocError, BucketBuf, GradStore, HostStore, WriteMode};
+use gradsync_runtime::DType;
 use pyo3::prelude::*;
 
 use crate::arrivals::NativeTensor;
@@ -25,11 +27,14 @@ use crate::plane::{DevicePlane, PlaneBucket, PlaneGrad};
 /// One payload.
 #[derive(Debug)]
 pub enum Grad {
-    /// Values the runtime owns.
+    /// Float32 values the runtime owns.
     Owned(Vec<f32>),
-    /// `numel` contiguous f32 values at `addr`, the storage of the tensor `_owner`
-    /// (held, never read: the reference keeps that storage allocated).
-    Tensor { addr: usize, numel: usize, _owner: Owner },
+    /// Float64 values the runtime owns.
+    OwnedWide(Vec<f64>),
+    /// `numel` contiguous values at `addr` (float64 when `wide`, else
+    /// float32), the storage of the tensor `_owner` (held, never read: the
+    /// reference keeps that storage allocated).
+    Tensor { addr: usize, numel: usize, wide: bool, _owner: Owner },
     /// A tensor on the device plane (read only by torch ops on its stream).
     Plane(PlaneGrad),
 }
@@ -47,32 +52,56 @@ pub enum Owner {
 
 impl Grad {
     /// The gradient at `src`, kept alive by `owner`: read in place when
-    /// float32, else converted into an owned copy (and `owner` let go).
-    /// `src` must be as [`Raw`] requires, and stay so while `owner` is held.
+    /// float32 or float64, else widened into an owned float32 copy (and
+    /// `owner` let go). `src` must be as [`Raw`] requires, and stay so while
+    /// `owner` is held.
     pub fn read(src: Raw, owner: Owner) -> Grad {
-        if src.elem == Elem::F32 {
-            return Grad::Tensor { addr: src.addr, numel: src.numel, _owner: owner };
+        match src.elem {
+            Elem::F32 | Elem::F64 => {
+                Grad::Tensor { addr: src.addr, numel: src.numel, wide: src.elem == Elem::F64, _owner: owner }
+            }
+            Elem::F16 | Elem::BF16 => {
+                let mut values = Vec::new();
+                memory::read(src, &mut values);
+                Grad::Owned(values)
+            }
         }
-        let mut values = Vec::new();
-        memory::read(src, &mut values);
-        Grad::Owned(values)
     }
 
-    /// The values.
+    /// The float32 values (a payload of a float32 bucket).
     fn values(&self) -> &[f32] {
         match self {
             Grad::Owned(v) => v,
             // SAFETY: `Grad::Tensor` is built only by `Grad::read` (for
-            // `Session::give` and the shim's `give`) from a contiguous
-            // float32 CPU tensor of `numel` elements whose data address is
-            // `addr`. The held owner keeps the storage allocated, and nothing
-            // writes it while the runtime holds it: the wrapper (or the
-            // shim's hook) took the tensor out of `.grad` and writes into it
-            // only after its step has ended, when the runtime has dropped
-            // every payload of the step.
-            Grad::Tensor { addr, numel, .. } => unsafe { std::slice::from_raw_parts(*addr as *const f32, *numel) },
-            Grad::Plane(_) => unreachable!("a device-plane gradient is never read on the host"),
+            // `Session::give` and the shim's `give`) from a contiguous CPU
+            // tensor of `numel` elements (float32 unless `wide`) whose data
+            // address is `addr`. The held owner keeps the storage allocated,
+            // and nothing writes it while the runtime holds it: the wrapper
+            // (or the shim's hook) took the tensor out of `.grad` and writes
+            // into it only after its step has ended, when the runtime has
+            // dropped every payload of the step.
+            Grad::Tensor { addr, numel, wide: false, .. } => unsafe {
+                std::slice::from_raw_parts(*addr as *const f32, *numel)
+            },
+            _ => unreachable!("a float32 bucket receives float32 host payloads only (the plan types buckets)"),
         }
+    }
+
+    /// The float64 values (a payload of a float64 bucket).
+    fn wide_values(&self) -> &[f64] {
+        match self {
+            Grad::OwnedWide(v) => v,
+            // SAFETY: as in `values`, for a tensor of `numel` float64 values.
+            Grad::Tensor { addr, numel, wide: true, .. } => unsafe {
+                std::slice::from_raw_parts(*addr as *const f64, *numel)
+            },
+            _ => unreachable!("a float64 bucket receives float64 host payloads only (the plan types buckets)"),
+        }
+    }
+
+    /// Whether these are float64 values.
+    fn is_wide(&self) -> bool {
+        matches!(self, Grad::OwnedWide(_) | Grad::Tensor { wide: true, .. })
     }
 
     /// The device-plane tensor (host payloads never meet device buckets).
@@ -83,14 +112,20 @@ impl Grad {
         }
     }
 
-    /// The values, writable (copied out of a held tensor first).
-    fn owned(&mut self) -> &mut Vec<f32> {
-        if let Grad::Tensor { .. } = self {
-            *self = Grad::Owned(self.values().to_vec());
-        }
-        match self {
-            Grad::Owned(v) => v,
-            _ => unreachable!("converted above"),
+    /// `self += more` (host payloads of one type; a held tensor is copied out first).
+    fn add_host(&mut self, more: &Grad) {
+        if self.is_wide() {
+            if let Grad::Tensor { .. } = self {
+                *self = Grad::OwnedWide(self.wide_values().to_vec());
+            }
+            let Grad::OwnedWide(acc) = self else { unreachable!("copied out above") };
+            gradsync_kernels::add_assign(acc, more.wide_values());
+        } else {
+            if let Grad::Tensor { .. } = self {
+                *self = Grad::Owned(self.values().to_vec());
+            }
+            let Grad::Owned(acc) = self else { unreachable!("copied out above") };
+            gradsync_kernels::add_assign(acc, more.values());
         }
     }
 }
@@ -98,24 +133,12 @@ impl Grad {
 /// One bucket of either plane.
 #[derive(Debug)]
 pub enum Bucket {
+    /// Float32 values in host memory.
     Host(BucketBuf),
+    /// Float64 values in host memory (float64 parameters).
+    Wide(BucketBuf<f64>),
+    /// A tensor on the device plane (its element type is the bucket's).
     Plane(PlaneBucket),
-}
-
-impl Bucket {
-    fn host(&mut self) -> &mut BucketBuf {
-        match self {
-            Bucket::Host(b) => b,
-            Bucket::Plane(_) => unreachable!("a device bucket in host memory"),
-        }
-    }
-
-    fn plane(&mut self) -> &mut PlaneBucket {
-        match self {
-            Bucket::Plane(b) => b,
-            Bucket::Host(_) => unreachable!("a host bucket on the device plane"),
-        }
-    }
 }
 
 /// The store of the torch binding (see the module docs): host buckets (as
@@ -136,9 +159,15 @@ impl GradStore for TensorGrads {
     type Values = Grad;
     type Bucket = Bucket;
 
+    /// Float32 and float64 buckets, on either plane.
+    fn holds(&self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::F64)
+    }
+
     fn values_len(&self, values: &Grad) -> usize {
         match values {
             Grad::Owned(v) => v.len(),
+            Grad::OwnedWide(v) => v.len(),
             Grad::Tensor { numel, .. } => *numel,
             Grad::Plane(g) => g.numel,
         }
@@ -147,14 +176,19 @@ impl GradStore for TensorGrads {
     fn bucket_numel(&self, bucket: &Bucket) -> usize {
         match bucket {
             Bucket::Host(b) => b.numel(),
+            Bucket::Wide(b) => b.numel(),
             Bucket::Plane(b) => b.numel(),
         }
     }
 
-    fn alloc_bucket(&self, numel: usize, pieces: usize) -> Result<Bucket, AllocError> {
-        match &self.plane {
-            None => HostStore.alloc_bucket(numel, pieces).map(Bucket::Host),
-            Some(plane) => plane.alloc(numel).map(Bucket::Plane).map_err(|why| AllocError { bytes: numel * 4, why }),
+    fn alloc_bucket(&self, numel: usize, pieces: usize, dtype: DType) -> Result<Bucket, AllocError> {
+        match (&self.plane, dtype) {
+            (None, DType::F64) => Ok(Bucket::Wide(BucketBuf::zeroed(numel, pieces))),
+            (None, _) => HostStore.alloc_bucket(numel, pieces, DType::F32).map(Bucket::Host),
+            (Some(plane), dtype) => plane
+                .alloc(numel, dtype == DType::F64)
+                .map(Bucket::Plane)
+                .map_err(|why| AllocError { bytes: numel * dtype.size(), why }),
         }
     }
 
@@ -164,51 +198,53 @@ impl GradStore for TensorGrads {
             *acc = Grad::Plane(plane.sum(acc.plane(), more.plane()));
             return;
         }
-        for (a, m) in acc.owned().iter_mut().zip(more.values()) {
-            *a += m;
-        }
+        acc.add_host(more);
     }
 
     fn write(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode) {
         self.write_scaled(bucket, offset, src, mode, 1.0);
     }
 
-    fn write_scaled(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode, factor: f32) {
-        match &self.plane {
-            Some(plane) => plane.write(bucket.plane(), offset, src.plane(), mode == WriteMode::Add, factor),
-            None if factor == 1.0 => bucket.host().write(offset, src.values(), mode),
-            None => bucket.host().write_scaled(offset, src.values(), mode, factor),
+    fn write_scaled(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode, factor: f64) {
+        match bucket {
+            Bucket::Plane(b) => self.on_plane().write(b, offset, src.plane(), mode == WriteMode::Add, factor),
+            Bucket::Host(b) if factor == 1.0 => b.write(offset, src.values(), mode),
+            Bucket::Host(b) => b.write_scaled(offset, src.values(), mode, factor as f32),
+            Bucket::Wide(b) if factor == 1.0 => b.write(offset, src.wide_values(), mode),
+            Bucket::Wide(b) => b.write_scaled(offset, src.wide_values(), mode, factor),
         }
     }
 
     fn write_difference(&self, bucket: &mut Bucket, offset: usize, last: &Grad, sent: &Grad) {
-        match &self.plane {
-            Some(plane) => plane.difference(bucket.plane(), offset, last.plane(), sent.plane()),
-            None => bucket.host().write_difference(offset, last.values(), sent.values()),
+        match bucket {
+            Bucket::Plane(b) => self.on_plane().difference(b, offset, last.plane(), sent.plane()),
+            Bucket::Host(b) => b.write_difference(offset, last.values(), sent.values()),
+            Bucket::Wide(b) => b.write_difference(offset, last.wide_values(), sent.wide_values()),
         }
     }
 
     fn zero(&self, bucket: &mut Bucket, offset: usize, len: usize) {
-        match &self.plane {
-            Some(plane) => plane.scale(bucket.plane(), offset, len, 0.0),
-            None => bucket.host().zero(offset, len),
+        match bucket {
+            Bucket::Plane(b) => self.on_plane().scale(b, offset, len, 0.0),
+            Bucket::Host(b) => b.zero(offset, len),
+            Bucket::Wide(b) => b.zero(offset, len),
         }
     }
 
     fn add_from(&self, dst: &mut Bucket, dst_offset: usize, src: &Bucket, src_offset: usize, len: usize) {
         match (dst, src) {
-            (Bucket::Host(d), Bucket::Host(s)) => HostStore.add_from(d, dst_offset, s, src_offset, len),
-            (Bucket::Plane(d), Bucket::Plane(s)) => {
-                self.plane.expect("device buckets come from a plane").add_from(d, dst_offset, s, src_offset, len)
-            }
-            _ => unreachable!("buckets of two planes"),
+            (Bucket::Host(d), Bucket::Host(s)) => d.add_from(dst_offset, s, src_offset, len),
+            (Bucket::Wide(d), Bucket::Wide(s)) => d.add_from(dst_offset, s, src_offset, len),
+            (Bucket::Plane(d), Bucket::Plane(s)) => self.on_plane().add_from(d, dst_offset, s, src_offset, len),
+            _ => unreachable!("buckets of two planes or two element types"),
         }
     }
 
-    fn scale(&self, bucket: &mut Bucket, offset: usize, len: usize, factor: f32) {
-        match &self.plane {
-            Some(plane) => plane.scale(bucket.plane(), offset, len, factor),
-            None => bucket.host().scale(offset, len, factor),
+    fn scale(&self, bucket: &mut Bucket, offset: usize, len: usize, factor: f64) {
+        match bucket {
+            Bucket::Plane(b) => self.on_plane().scale(b, offset, len, factor),
+            Bucket::Host(b) => b.scale(offset, len, factor as f32),
+            Bucket::Wide(b) => b.scale(offset, len, factor),
         }
     }
 
@@ -217,7 +253,15 @@ impl GradStore for TensorGrads {
     fn all_finite(&self, values: &Grad) -> bool {
         match values {
             Grad::Plane(_) => unreachable!("check_finite is never on for the torch binding"),
-            host => host.values().iter().all(|x| x.is_finite()),
+            wide if wide.is_wide() => gradsync_kernels::all_finite(wide.wide_values()),
+            narrow => gradsync_kernels::all_finite(narrow.values()),
         }
+    }
+}
+
+impl TensorGrads {
+    /// The plane of a device bucket (device buckets come only from a plane).
+    fn on_plane(&self) -> &DevicePlane {
+        self.plane.as_ref().expect("device buckets come from a plane")
     }
 }

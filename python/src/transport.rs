@@ -48,7 +48,7 @@ struct Collective {
     addr: usize,
     numel: usize,
     words: Words,
-    factor: f32,
+    factor: f64,
     deadline: Instant,
     /// A device-plane bucket (the shim's `Bucket*`): summed on the data group,
     /// converted to the wire type by the shim; `addr` is unused.
@@ -56,19 +56,32 @@ struct Collective {
 }
 
 impl Collective {
-    /// A bucket (one contiguous piece: [`Transport::pieces`] is 1).
-    fn bucket(tag: CollectiveTag, bucket: &mut Bucket, factor: f32, deadline: Instant) -> Self {
+    /// A bucket (one contiguous piece: [`Transport::pieces`] is 1), summed
+    /// in its own element type.
+    fn bucket(tag: CollectiveTag, bucket: &mut Bucket, factor: f64, deadline: Instant) -> Self {
+        let host = |addr: usize, numel: usize, words: Words| Collective {
+            tag,
+            addr,
+            numel,
+            words,
+            factor,
+            deadline,
+            tensor: None,
+        };
         match bucket {
             Bucket::Host(bucket) => {
                 let piece = bucket.piece_mut(0);
-                let (addr, numel) = (piece.as_mut_ptr() as usize, piece.len());
-                Collective { tag, addr, numel, words: Words::F32, factor, deadline, tensor: None }
+                host(piece.as_mut_ptr() as usize, piece.len(), Words::F32)
+            }
+            Bucket::Wide(bucket) => {
+                let piece = bucket.piece_mut(0);
+                host(piece.as_mut_ptr() as usize, piece.len(), Words::F64)
             }
             Bucket::Plane(bucket) => Collective {
                 tag,
                 addr: 0,
                 numel: bucket.numel(),
-                words: Words::F32,
+                words: if bucket.is_wide() { Words::F64 } else { Words::F32 },
                 factor,
                 deadline,
                 tensor: Some(bucket.address()),
@@ -110,38 +123,61 @@ struct Staged {
     /// The bucket's values rounded to the wire type (bf16 or f16 bits).
     wire: Vec<u16>,
     words: Words,
-    /// The bucket: `numel` float32 values the sum is widened back into.
+    /// The bucket: `numel` values (float64 when `wide`, else float32) the
+    /// sum is widened back into.
     bucket: usize,
     numel: usize,
-    factor: f32,
+    wide: bool,
+    factor: f64,
 }
 
 impl Staged {
-    /// Round the `c.numel` float32 values at `c.addr` to `wire`.
+    /// Round the `c.numel` float values at `c.addr` to `wire`.
     fn start(c: &Collective, wire: Wire) -> Staged {
-        // SAFETY: `c.addr` holds the bucket's `c.numel` float32 values (one
-        // piece, `Collective::bucket`), owned by the runtime and untouched by
-        // anyone else until this collective is finished or forgotten.
-        let values = unsafe { std::slice::from_raw_parts(c.addr as *const f32, c.numel) };
-        let (wire, words) = match wire {
-            Wire::BF16 => (values.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(), Words::BF16),
-            Wire::F16 => (values.iter().map(|&x| f16::from_f32(x).to_bits()).collect(), Words::F16),
-            Wire::F32 => unreachable!("float32 buckets travel as they are"),
+        let wide = c.words == Words::F64;
+        let (wire, words) = if wide {
+            // SAFETY: `c.addr` holds the bucket's `c.numel` float64 values (one
+            // piece, `Collective::bucket`), owned by the runtime and untouched
+            // by anyone else until this collective is finished or forgotten.
+            let values = unsafe { std::slice::from_raw_parts(c.addr as *const f64, c.numel) };
+            match wire {
+                Wire::BF16 => (values.iter().map(|&x| bf16::from_f64(x).to_bits()).collect(), Words::BF16),
+                Wire::F16 => (values.iter().map(|&x| f16::from_f64(x).to_bits()).collect(), Words::F16),
+                Wire::F32 => unreachable!("buckets travel as they are on a float32 wire"),
+            }
+        } else {
+            // SAFETY: as above, for float32 values.
+            let values = unsafe { std::slice::from_raw_parts(c.addr as *const f32, c.numel) };
+            match wire {
+                Wire::BF16 => (values.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(), Words::BF16),
+                Wire::F16 => (values.iter().map(|&x| f16::from_f32(x).to_bits()).collect(), Words::F16),
+                Wire::F32 => unreachable!("buckets travel as they are on a float32 wire"),
+            }
         };
-        Staged { wire, words, bucket: c.addr, numel: c.numel, factor: c.factor }
+        Staged { wire, words, bucket: c.addr, numel: c.numel, wide, factor: c.factor }
     }
 
     /// Widen the summed wire values back into the bucket, scaled.
     fn finish(self) {
-        // SAFETY: as in `start`: the bucket is still the runtime's and
-        // untouched until this collective is reported finished.
-        let out = unsafe { std::slice::from_raw_parts_mut(self.bucket as *mut f32, self.numel) };
-        let widen: fn(u16) -> f32 = match self.words {
-            Words::BF16 => |h| bf16::from_bits(h).to_f32(),
-            _ => |h| f16::from_bits(h).to_f32(),
+        let widen: fn(u16) -> f64 = match self.words {
+            Words::BF16 => |h| bf16::from_bits(h).to_f64(),
+            _ => |h| f16::from_bits(h).to_f64(),
         };
-        for (o, &h) in out.iter_mut().zip(&self.wire) {
-            *o = widen(h) * self.factor;
+        if self.wide {
+            // SAFETY: as in `start`: the bucket is still the runtime's and
+            // untouched until this collective is reported finished.
+            let out = unsafe { std::slice::from_raw_parts_mut(self.bucket as *mut f64, self.numel) };
+            for (o, &h) in out.iter_mut().zip(&self.wire) {
+                *o = widen(h) * self.factor;
+            }
+        } else {
+            // SAFETY: as above, for float32 values.
+            let out = unsafe { std::slice::from_raw_parts_mut(self.bucket as *mut f32, self.numel) };
+            let factor = self.factor as f32;
+            for (o, &h) in out.iter_mut().zip(&self.wire) {
+                // A half value is exact in float32: the same product as before.
+                *o = widen(h) as f32 * factor;
+            }
         }
     }
 }
@@ -386,11 +422,11 @@ impl Transport for PyTransport {
         1
     }
 
-    fn all_reduce_f32(
+    fn all_reduce_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut Bucket,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError> {
         self.whole(Collective::bucket(tag, bucket, factor, deadline))
@@ -420,11 +456,11 @@ impl Transport for PyTransport {
         true
     }
 
-    fn start_f32(
+    fn start_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut Bucket,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError> {
         self.start(Collective::bucket(tag, bucket, factor, deadline))

@@ -20,10 +20,15 @@ def expect(exc, fn):
 
 def misuse(rank, world):
     seen = {}
-    # Sparse gradients are refused, from backward, naming the parameter.
-    emb = DDP(nn.Embedding(10, 4, sparse=True).double())
+    # A sparse gradient from an embedding that was dense when wrapped is
+    # refused, from backward, naming the parameter; a model with nothing but
+    # sparse parameters is refused when wrapped.
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).double()
+    emb = DDP(model)
+    model[0].sparse = True
     seen["sparse"] = expect(gradsync.GradientLayoutError, lambda: emb(torch.tensor([1, 2])).sum().backward())
     emb.close()
+    seen["only_sparse"] = expect(gradsync.ConfigError, lambda: DDP(nn.Embedding(10, 4, sparse=True)))
     # Parameters on several devices.
     two = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     two[1].to("meta")

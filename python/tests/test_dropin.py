@@ -171,7 +171,7 @@ def test_rank0_validating_alone_does_not_hang(world2, side_by_side):
     assert [t - 2**40 - 1 for _, t, _ in ours[1]["seen"]] == [2, 3, 5]
     assert [f for _, _, f in ours[1]["seen"]] == [False] * 3
     ddp = "ok" if theirs[0]["status"] == "ok" else theirs[0]["error"].split(":")[0] + " (rank 0 waits in the broadcast)"
-    side_by_side("buffers: rank 0 alone validating through the wrapper", "ok, no wait", ddp)
+    side_by_side("buffers: rank 0 alone validating through the wrapper", ddp, "ok, rank 0 does not wait")
 
 
 def test_parameters_and_buffers_ddp_is_told_to_ignore_stay_each_ranks_own(world2, side_by_side):

@@ -205,6 +205,10 @@ impl GradSyncBuilder {
                 &format!("this transport carries data buckets as {carried:?}, not {}", self.wire.label()),
             );
         }
+        let store = transport.store();
+        if let Some(spec) = self.registry.specs().iter().find(|s| !store.holds(s.dtype)) {
+            return Err(BuildError::UnsupportedDType { name: spec.name.clone(), dtype: spec.dtype });
+        }
         let (rank, world) = (transport.rank(), transport.world());
         if world == 0 || rank >= world {
             return Err(BuildError::InvalidWorld { rank, world });

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::control::{disagreement, ControlVerdict, ControlVote, RankStatus};
 use super::step::{Correction, Lifecycle, StepState};
 use super::Scheduler;
-use crate::arrival::{ParamId, PayloadKind};
+use crate::arrival::{DType, ParamId, PayloadKind};
 use crate::bucket_buf::WriteMode;
 use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag, SyncError};
@@ -223,9 +223,23 @@ impl<S: GradStore> Scheduler<S> {
     /// * a rank that aborted (partial policy) contributes `-sent` where it had
     ///   written a value into a launched bucket, and zeros elsewhere;
     /// * a joined rank contributes zeros.
+    ///
+    /// A correction buffer holds one element type, as a bucket does: targets
+    /// of two types are corrected by two collectives in turn (float32 first),
+    /// the same sequence on every rank (the targets come from the control verdict).
     fn start_correction(&mut self, targets: Vec<ParamId>, outcome: Outcome, contributors: usize) {
+        self.step.corrected = targets.clone();
+        self.correct(targets, outcome, contributors);
+    }
+
+    /// Pack and all-reduce the correction of the `targets` of one element
+    /// type (the first one's); the others are left for the next round.
+    fn correct(&mut self, targets: Vec<ParamId>, outcome: Outcome, contributors: usize) {
+        let dtype = targets.iter().map(|&p| self.plan.param_dtype(p)).min_by_key(|d| d.size()).expect("targets");
+        let (targets, rest): (Vec<ParamId>, Vec<ParamId>) =
+            targets.into_iter().partition(|&p| self.plan.param_dtype(p) == dtype);
         let numel: usize = targets.iter().map(|&p| self.plan.param_numel(p)).sum();
-        let mut buf = match self.store.alloc_bucket(numel, self.cfg.pieces) {
+        let mut buf = match self.store.alloc_bucket(numel, self.cfg.pieces, dtype) {
             Ok(buf) => buf,
             Err(e) => return self.fail(e.into()),
         };
@@ -260,12 +274,11 @@ impl<S: GradStore> Scheduler<S> {
             offsets.push((p, offset));
             offset += n;
         }
-        self.step.corrected = targets;
         let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Correction { numel } };
         let Lifecycle::Control(req) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
             unreachable!("a correction follows the control collective")
         };
-        self.lifecycle = Lifecycle::Correcting(req, Correction { targets: offsets, outcome, contributors });
+        self.lifecycle = Lifecycle::Correcting(req, Correction { targets: offsets, rest, outcome, contributors });
         let factor = self.launch_factor();
         self.submit(tag, CommPayload::Grads(buf), factor, self.cfg.collective_timeout);
     }
@@ -282,6 +295,13 @@ impl<S: GradStore> Scheduler<S> {
             self.store.add_from(dst, slot.offset, buf, offset, n);
         }
         let (outcome, contributors) = (correction.outcome.clone(), correction.contributors);
+        if !correction.rest.is_empty() {
+            let Lifecycle::Correcting(req, correction) = std::mem::replace(&mut self.lifecycle, Lifecycle::Open) else {
+                unreachable!("checked above")
+            };
+            self.lifecycle = Lifecycle::Control(req);
+            return self.correct(correction.rest, outcome, contributors);
+        }
         self.complete(outcome, contributors);
     }
 
@@ -299,8 +319,18 @@ impl<S: GradStore> Scheduler<S> {
             self.step.refusals.absorb(early);
         }
         let unused_everywhere: Vec<bool> = st.unused_everywhere.clone();
-        let corrections = u32::from(!st.corrected.is_empty());
+        // One correction collective per element type corrected.
+        let corrections = [DType::F32, DType::F64]
+            .iter()
+            .filter(|&&d| st.corrected.iter().any(|&p| self.plan.param_dtype(p) == d))
+            .count() as u32;
+        let excluded = match &outcome {
+            Outcome::Partial { excluded } => excluded.len(),
+            _ => 0,
+        };
+        let divisor = if outcome.is_applied() { st.divisor.count(self.cfg.world, contributors, excluded) } else { 1 };
         let report = StepReport {
+            divisor: divisor as u32,
             step: st.step,
             rank: self.cfg.rank,
             outcome: outcome.clone(),
@@ -368,7 +398,7 @@ impl<S: GradStore> Scheduler<S> {
         if contributors == 0 || assumed == actual {
             return;
         }
-        let factor = assumed as f32 / actual as f32;
+        let factor = assumed as f64 / actual as f64;
         for b in 0..self.plan.num_buckets() {
             let buf = self.buffers.current[b].as_mut().expect("buffers are home at completion");
             self.store.scale(buf, 0, self.plan.bucket_numel(b), factor);

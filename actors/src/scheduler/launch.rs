@@ -134,7 +134,7 @@ impl<S: GradStore> Scheduler<S> {
     /// The factor data buckets and corrections are multiplied by: one over
     /// the step's divisor, counting the ranks not known to have joined as its
     /// contributors (corrected at completion by [`Self::rescale`]).
-    pub(super) fn launch_factor(&self) -> f32 {
+    pub(super) fn launch_factor(&self) -> f64 {
         self.step.divisor.factor(self.cfg.world, self.step.launch_contributors, 0)
     }
 

@@ -393,7 +393,7 @@ impl<S: GradStore> Scheduler<S> {
     fn allocate_set(&mut self) -> Result<Vec<S::Bucket>, AllocError> {
         let mut set = Vec::with_capacity(self.plan.num_buckets());
         for b in 0..self.plan.num_buckets() {
-            set.push(self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces)?);
+            set.push(self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces, self.plan.bucket_dtype(b))?);
         }
         self.buffers.sets += 1;
         self.allocated.fetch_add(self.plan.bucket_bytes(), Ordering::Relaxed);
@@ -414,7 +414,7 @@ impl<S: GradStore> Scheduler<S> {
     }
 
     /// Hand a collective to the communicator thread.
-    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload<S>, factor: f32, timeout: Duration) {
+    fn submit(&mut self, tag: CollectiveTag, payload: CommPayload<S>, factor: f64, timeout: Duration) {
         self.step.bytes += payload.bytes(&self.store) as u64;
         let wire = if matches!(tag.kind, CollectiveKind::Bucket { .. }) { self.cfg.wire } else { Wire::F32 };
         let job = CommJob { tag, payload, factor, timeout, wire };

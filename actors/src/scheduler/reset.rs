@@ -96,7 +96,7 @@ impl<S: GradStore> Scheduler<S> {
         }
         for b in 0..self.plan.num_buckets() {
             if self.buffers.current[b].is_none() {
-                match self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces) {
+                match self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces, self.plan.bucket_dtype(b)) {
                     Ok(fresh) => self.buffers.current[b] = Some(fresh),
                     Err(e) => return reply.send(Err(e.into())),
                 }

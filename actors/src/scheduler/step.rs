@@ -86,6 +86,8 @@ pub(crate) struct Failure {
 pub(crate) struct Correction {
     /// Each corrected parameter's offset in the correction buffer.
     pub(crate) targets: Vec<(crate::arrival::ParamId, usize)>,
+    /// Targets of another element type, corrected by the next collective.
+    pub(crate) rest: Vec<crate::arrival::ParamId>,
     /// The step's outcome once the correction is applied.
     pub(crate) outcome: crate::report::Outcome,
     /// Ranks whose gradients are in the result.

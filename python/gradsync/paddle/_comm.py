@@ -28,7 +28,7 @@ import numpy as np
 import paddle
 from paddle.base import core
 
-from gradsync._gloo import GlooCommunicator
+from gradsync._gloo import SCALED, GlooCommunicator
 
 #: Seconds after which Paddle's gloo gives up on a collective (gloo's default;
 #: ``ProcessGroupGloo.create`` takes no timeout).
@@ -41,7 +41,7 @@ _BASE_GROUP_ID = 7_000_000
 _STRIDE = 10_000
 # numpy's view of each element type the runtime hands over; Paddle's type
 # when numpy's is not it (bfloat16, which numpy lacks, viewed from int16).
-_NUMPY = {"float32": np.float32, "int64": np.int64, "bfloat16": np.int16}
+_NUMPY = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "bfloat16": np.int16}
 _PADDLE_VIEW = {"bfloat16": paddle.bfloat16}
 
 
@@ -66,7 +66,7 @@ class PaddleCommunicator(GlooCommunicator):
 
     def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
         """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in
-        place, then multiply a float32 sum by ``factor``. The deadline is
+        place, then multiply a float sum by ``factor``. The deadline is
         gloo's (:data:`GLOO_TIMEOUT_S`); ``timeout_s`` is the runtime's, equal to it."""
         mine = self._mark()
         array = np.ctypeslib.as_array(self._array(addr, numel, dtype)).view(_NUMPY[dtype])
@@ -81,5 +81,5 @@ class PaddleCommunicator(GlooCommunicator):
             self._group.all_reduce(tensor, core.ReduceOp.SUM, True).wait()
         except Exception as e:  # Paddle raises its own error types
             raise self.failure(e, tag, mine) from None
-        if dtype == "float32" and factor != 1.0:
+        if dtype in SCALED and factor != 1.0:
             array *= array.dtype.type(factor)

@@ -109,6 +109,9 @@ class PaddleGrads:
             result.copy_into_ptr(i, p.grad.data_ptr())
         return False
 
+    def joined_step(self, report):
+        """Nothing is reduced outside the runtime for Paddle."""
+
     def clear(self):
         """Skipped on every rank: no optimizer may apply this step."""
         for p in self._params:
@@ -156,9 +159,9 @@ class DataParallel(StepControls, paddle.nn.Layer):
     join in time is named in the :class:`gradsync.TimeoutError`; call
     :meth:`reset` on every rank to go on.
 
-    Gradients of float32 parameters are reduced as they are; float64,
-    float16 and bfloat16 ones are converted to float32 for the reduction and
-    back (float64 loses precision beyond float32). CPU parameters only for now.
+    Gradients of float32 and float64 parameters are reduced in their own
+    type; float16 and bfloat16 ones in float32 (exact), rounded back. CPU
+    parameters only for now.
     """
 
     _NAME = "DataParallel"

@@ -40,9 +40,15 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from gradsync._gloo import GlooCommunicator
+from gradsync._gloo import SCALED, GlooCommunicator
 
-_TORCH_DTYPES = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 class TorchCommunicator(GlooCommunicator):
@@ -153,7 +159,7 @@ class TorchCommunicator(GlooCommunicator):
 
     def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
         """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in
-        place, then multiply a float32 sum by ``factor``; within ``timeout_s`` seconds."""
+        place, then multiply a float sum by ``factor``; within ``timeout_s`` seconds."""
         self.start(addr, numel, dtype, factor, tag, kind, timeout_s)
         self.wait_oldest()
 
@@ -170,7 +176,7 @@ class TorchCommunicator(GlooCommunicator):
             work = self._group.allreduce([tensor], opts)
         except RuntimeError as e:
             raise self.failure(e, tag, mine) from None
-        self._flight.append((work, tensor, factor if dtype == "float32" else 1.0, mine, tag))
+        self._flight.append((work, tensor, factor if dtype in SCALED else 1.0, mine, tag))
 
     def wait_oldest(self):
         """Finish the oldest started collective: wait, scale."""

@@ -4,7 +4,7 @@ The runtime hands back a finished step as a ``Gradients`` object: the
 step's bucket memory, on loan until it is released. :class:`GradWriter`
 decides, per parameter, between
 
-* a **view** of that bucket memory (no copy): for a float32 CPU parameter
+* a **view** of that bucket memory (no copy): for a float32 or float64 CPU parameter
   whose ``.grad`` did not exist when the step's backward began (the hook
   kept no tensor for it in ``step.out``), and only
   when no view of an earlier step is still alive (so gradsync never keeps
@@ -32,6 +32,11 @@ import torch
 from gradsync._gloo import AddressArrays
 
 
+# The element types of bucket memory (float64 parameters have float64 buckets).
+_BUCKET_TYPES_BY_NAME = {"float32": torch.float32, "float64": torch.float64}
+_BUCKET_TYPES = tuple(_BUCKET_TYPES_BY_NAME.values())
+
+
 def reals(p):
     """How many real numbers ``p``'s gradient holds in bucket memory (two
     per complex element: its real and imaginary parts, reduced alike)."""
@@ -48,7 +53,7 @@ class GradWriter:
         # The communicator when the buckets are on the device plane, else None.
         self._plane = plane
         # Per parameter: may its average be a view of the bucket memory?
-        self.viewable = [not staging and p.dtype == torch.float32 and p.is_contiguous() for p in params]
+        self.viewable = [not staging and p.dtype in _BUCKET_TYPES and p.is_contiguous() for p in params]
         # Per bucket (its members, which a plan rebuilt in gradient order
         # changes): member sizes, the shape of each view (None: flat already)
         # and each member's offset (``_layout``).
@@ -85,11 +90,11 @@ class GradWriter:
         """Lend views; returns whether any was lent, and the parameters left to copy."""
         lent, copied = False, []
         params, viewable = self._params, self.viewable
-        for addr, numel, members in result.buckets():
+        for addr, numel, members, dtype in result.buckets():
             sizes, shapes, _offsets = self._layout(members)
-            array = self._arrays.at(addr, numel)
+            array = self._arrays.at(addr, numel, dtype)
             array._gradsync_step = result  # the loan lives as long as any view of it
-            views = torch.frombuffer(array, dtype=torch.float32).split(sizes)
+            views = torch.frombuffer(array, dtype=_BUCKET_TYPES_BY_NAME[dtype]).split(sizes)
             for i, shape, view in zip(members, shapes, views):
                 if viewable[i] and out[i] is None and i not in unused:
                     params[i].grad = view if shape is None else view.view(shape)
@@ -106,7 +111,7 @@ class GradWriter:
         params, viewable = self._params, self.viewable
         may_lend = self._lent is None or self._lent() is None
         lent = False
-        for addr, _numel, members in result.buckets():
+        for addr, _numel, members, _dtype in result.buckets():
             sizes, _shapes, offsets = self._layout(members)
             bucket = self._plane.bucket_tensor(addr)
             lend_params, lend_offsets = [], []
@@ -167,12 +172,14 @@ class GradWriter:
 class TorchGrads:
     """The torch side of a wrapped model's gradients, for its
     ``gradsync._core.ModelSync``: records and held gradients come from the
-    hooks (``_hooks.Hooks``), results are written by a :class:`GradWriter`."""
+    hooks (``_hooks.Hooks``), results are written by a :class:`GradWriter`,
+    sparse gradients reduced by ``_sparse.SparseGrads``."""
 
-    def __init__(self, params, hooks, writer):
+    def __init__(self, params, hooks, writer, sparse):
         self._params = params
         self.hooks = hooks
         self._writer = writer
+        self._sparse = sparse
 
     def new_record(self):
         return self.hooks.record()
@@ -181,12 +188,22 @@ class TorchGrads:
         self.hooks.hand_over_held(record)
 
     def write(self, result, record):
-        return self._writer.write(result, record.outputs(), set(result.report.unused_everywhere))
+        lent = self._writer.write(result, record.outputs(), set(result.report.unused_everywhere))
+        if self._sparse:
+            self._sparse.reduce(result.report)
+        return lent
+
+    def joined_step(self, report):
+        """This rank is out of data and shadowed ``report``'s step: it sends
+        empty sparse gradients where the others reduce theirs."""
+        if self._sparse and report.outcome in ("applied", "partial"):
+            self._sparse.reduce(report)
 
     def clear(self):
         """Skipped on every rank: no optimizer may apply this step."""
         for p in self._params:
             p.grad = None
+        self._sparse.clear()
 
     def remove_hooks(self):
         self.hooks.remove()

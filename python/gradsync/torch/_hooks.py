@@ -197,8 +197,8 @@ class Hooks:
     def layout_error(self, index, grad):
         if grad.layout is not _STRIDED:
             return GradientLayoutError(
-                f"parameter {self._names[index]!r} has a {grad.layout} gradient: gradsync reduces dense "
-                "gradients; use a dense embedding (sparse=False)"
+                f"parameter {self._names[index]!r} has a {grad.layout} gradient but was dense when wrapped: "
+                "gradsync reduces the sparse gradients of embeddings built with sparse=True; set it before wrapping"
             )
         return GradientLayoutError(
             f"parameter {self._names[index]!r} has a gradient on {grad.device}, and gradsync was built for "

@@ -106,6 +106,18 @@ class StateBroadcast:
                     f"one (DDP's buffer rule): {error}"
                 ) from error
 
+    def sum_sparse(self, tensor):
+        """The sum of every rank's sparse ``tensor`` (same shape and dtype on
+        every rank), coalesced: gloo's sparse all-reduce gathers every rank's
+        indices and values and adds them in rank order, so every rank gets
+        the same tensor."""
+        if self._world == 1:
+            return tensor.coalesce()
+        self._reap()
+        work = self._group.allreduce([tensor])
+        self._wait(work)
+        return work.result()[0].coalesce()
+
     def everyones(self, values):
         """Every rank's integers ``values`` (a sequence, the same length on
         every rank), as a ``world x len(values)`` tensor by rank (an all-gather)."""

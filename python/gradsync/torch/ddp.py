@@ -66,6 +66,7 @@ from gradsync.torch._grads import GradWriter, TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
+from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameter_names
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
 log = logging.getLogger("gradsync.torch")
@@ -242,13 +243,14 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
       rank does not end the job, a replacement joins it (see
       :mod:`gradsync.torch.elastic`).
 
-    Gradients of float32 parameters are reduced as they are; float64, float16
-    and bfloat16 gradients are converted to float32 for the reduction and back
-    (float64 loses precision beyond float32); complex64 and complex128 ones as
-    their real and imaginary parts (float32, float64). Non-contiguous gradients are
-    copied; sparse gradients are refused. ``path`` says which hooks,
-    collectives and bucket memory run. See the module docs for what
-    ``.grad`` holds after a step.
+    Gradients of float32 and float64 parameters are reduced in their own type
+    (as DDP reduces them); float16 and bfloat16 ones in float32 (exact) and
+    rounded back; complex64 and complex128 ones as their real and imaginary
+    parts (float32, float64). Non-contiguous gradients are copied. The
+    sparse gradients of embeddings built with ``sparse=True`` are reduced
+    outside the buckets when a step applies, and stay sparse (``_sparse``).
+    ``path`` says which hooks, collectives and bucket memory run. See the
+    module docs for what ``.grad`` holds after a step.
     """
 
     _NAME = "DistributedDataParallel"
@@ -335,6 +337,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
                 raise ConfigError("elastic=...: the members are the elastic job's; leave process_group unset")
             if collectives is None:
                 raise ConfigError("an elastic job needs gradsync's C++ collectives (reinstall with torch installed)")
+            refuse_in_elastic_job([n for n, _ in self._sparse_named])
             self.process_group = None
             store, prefix, self._rank, self._world = elastic._attach(self)
         else:
@@ -406,6 +409,16 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         # Empty parameters (a zero-width layer, a placeholder) have nothing to
         # average: their gradients are left as they are, as under DDP.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored and p.numel()]
+        # Embeddings built with sparse=True: reduced outside the buckets (_sparse).
+        sparse = sparse_parameter_names(module)
+        self._sparse_named = [(n, p) for n, p in named if n in sparse]
+        named = [(n, p) for n, p in named if n not in sparse]
+        if self._sparse_named and not named:
+            raise ConfigError(
+                f"every parameter of the model wrapped by {self._NAME} has sparse gradients "
+                f"({[n for n, _ in self._sparse_named][:3]}): gradsync needs at least one dense parameter to "
+                "synchronize (build the embedding with sparse=False)"
+            )
         self._names, self._params = select_parameters(
             named,
             dtype_name=lambda p: _DTYPES.get(p.dtype),
@@ -451,7 +464,9 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             weakref.ref(self._sync), self._names, self._params, writer.viewable, staging, self._device,
             self._sync.session, ledger, self._on_backward, device_plane=plane is not None,
         )
-        self._sync.attach(TorchGrads(self._params, hooks, writer))
+        sparse = SparseGrads([n for n, _ in self._sparse_named], [p for _, p in self._sparse_named], self._states,
+                             self._rank)
+        self._sync.attach(TorchGrads(self._params, hooks, writer, sparse))
 
     # ---- forward and the end of backward --------------------------------------------------
 

@@ -301,13 +301,14 @@ impl Transport for NcclEndpoint {
         1
     }
 
-    fn all_reduce_f32(
+    fn all_reduce_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut CudaSlice<f32>,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        let factor = factor as f32;
         let comm = self.prepare(tag)?;
         self.enqueue_sum(comm, tag, bucket, sys::ncclDataType_t::ncclFloat32)?;
         let n = bucket.len() as u64;

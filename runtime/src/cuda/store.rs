@@ -18,7 +18,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
 use gradsync_actors::bucket_buf::WriteMode;
 use gradsync_actors::error::AllocError;
-use gradsync_actors::GradStore;
+use gradsync_actors::{DType, GradStore};
 
 use super::{grid_for, StoreKernels};
 
@@ -82,7 +82,8 @@ impl GradStore for DeviceStore {
         bucket.len()
     }
 
-    fn alloc_bucket(&self, numel: usize, _pieces: usize) -> Result<CudaSlice<f32>, AllocError> {
+    fn alloc_bucket(&self, numel: usize, _pieces: usize, dtype: DType) -> Result<CudaSlice<f32>, AllocError> {
+        assert_eq!(dtype, DType::F32, "the builder refuses types a store does not hold");
         self.stream
             .alloc_zeros::<f32>(numel)
             .map_err(|e| AllocError { bytes: numel * std::mem::size_of::<f32>(), why: e.to_string() })
@@ -142,7 +143,8 @@ impl GradStore for DeviceStore {
         self.add_into(dst, dst_offset..dst_offset + len, &src.slice(src_offset..src_offset + len));
     }
 
-    fn scale(&self, bucket: &mut CudaSlice<f32>, offset: usize, len: usize, factor: f32) {
+    fn scale(&self, bucket: &mut CudaSlice<f32>, offset: usize, len: usize, factor: f64) {
+        let factor = factor as f32;
         let n = len as u64;
         if n == 0 || factor == 1.0 {
             return;

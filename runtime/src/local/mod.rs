@@ -440,13 +440,14 @@ impl Transport for LocalEndpoint {
         self.world
     }
 
-    fn all_reduce_f32(
+    fn all_reduce_grads(
         &mut self,
         tag: CollectiveTag,
         bucket: &mut BucketBuf,
-        factor: f32,
+        factor: f64,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        let factor = factor as f32;
         if bucket.num_pieces() != self.world {
             // Allocated for the world this endpoint was in before a move: cut
             // it into this world's pieces (a copy), reduce, write it back.

@@ -47,7 +47,8 @@ fn every_rank_gets_the_exact_sum_for_many_shapes() {
                     let mut p = pieces(ep.rank, numel, world);
                     // Rounds two and three reduce the previous sums again.
                     for step in 0..3 {
-                        ep.all_reduce_f32(tag(step, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
+                        ep.all_reduce_grads(tag(step, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(10)))
+                            .unwrap();
                     }
                     p.chunks(0, p.numel()).flatten().copied().collect::<Vec<f32>>()
                 },
@@ -72,7 +73,7 @@ fn a_missing_rank_is_named_after_the_deadline() {
         || {},
         |mut ep| {
             let mut p = pieces(ep.rank, 9, 3);
-            ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline(Duration::from_millis(200))).unwrap_err()
+            ep.all_reduce_grads(tag(0, 0, 9), &mut p, 1.0, deadline(Duration::from_millis(200))).unwrap_err()
         },
     );
     assert!(t0.elapsed() < Duration::from_secs(2), "deadline not honoured: {:?}", t0.elapsed());
@@ -93,7 +94,7 @@ fn a_dropped_peer_is_named_at_once_not_after_the_deadline() {
     };
     let errs = on_endpoints(eps, drop_rank_2, |mut ep| {
         let mut p = pieces(ep.rank, 9, 3);
-        ep.all_reduce_f32(tag(0, 0, 9), &mut p, 1.0, deadline(Duration::from_secs(30))).unwrap_err()
+        ep.all_reduce_grads(tag(0, 0, 9), &mut p, 1.0, deadline(Duration::from_secs(30))).unwrap_err()
     });
     assert!(t0.elapsed() < Duration::from_secs(5), "waited for the deadline: {:?}", t0.elapsed());
     for e in errs {
@@ -111,11 +112,11 @@ fn after_reset_stale_pieces_are_ignored_and_sums_are_exact() {
             let mut p = pieces(ep.rank, 6, 2);
             if ep.rank == 0 {
                 // Rank 0 starts a collective rank 1 never joins.
-                ep.all_reduce_f32(tag(0, 0, 6), &mut p, 1.0, deadline(Duration::from_millis(100))).unwrap_err();
+                ep.all_reduce_grads(tag(0, 0, 6), &mut p, 1.0, deadline(Duration::from_millis(100))).unwrap_err();
                 p = pieces(0, 6, 2);
             }
             ep.reset();
-            ep.all_reduce_f32(tag(1, 0, 6), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
+            ep.all_reduce_grads(tag(1, 0, 6), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap();
             p.chunks(0, p.numel()).flatten().copied().collect::<Vec<f32>>()
         },
     );
@@ -132,7 +133,7 @@ fn different_collectives_at_the_same_position_are_a_desync() {
         |mut ep| {
             let numel = 4 + ep.rank; // rank 1 thinks the bucket is larger
             let mut p = pieces(ep.rank, numel, 2);
-            ep.all_reduce_f32(tag(0, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(5))).unwrap_err()
+            ep.all_reduce_grads(tag(0, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(5))).unwrap_err()
         },
     );
     for (rank, e) in errs.into_iter().enumerate() {
@@ -176,7 +177,7 @@ fn a_rank_that_notices_a_desync_tells_the_others_before_it_leaves() {
                 std::thread::sleep(Duration::from_millis(100));
             }
             let mut p = pieces(ep.rank, numel, 3);
-            let e = ep.all_reduce_f32(tag(0, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(5))).unwrap_err();
+            let e = ep.all_reduce_grads(tag(0, 0, numel), &mut p, 1.0, deadline(Duration::from_secs(5))).unwrap_err();
             drop(ep); // a program that exits on error
             e
         },
@@ -207,14 +208,14 @@ fn a_moved_endpoint_reduces_in_its_new_world_and_its_old_peers_see_it_leave() {
             assert_eq!((ep.world(), ep.rank() < 2), (2, true));
             // A bucket allocated for the old world (3 pieces) is cut for the new one.
             let mut p = pieces(ep.rank(), 7, 3);
-            ep.all_reduce_f32(tag(0, 0, 7), &mut p, 0.5, deadline(Duration::from_secs(10))).unwrap();
+            ep.all_reduce_grads(tag(0, 0, 7), &mut p, 0.5, deadline(Duration::from_secs(10))).unwrap();
             p.chunks(0, p.numel()).flatten().copied().collect::<Vec<f32>>()
         },
     );
     let want: Vec<f32> = (0..7).map(|i| (i + 2 * i) as f32 * 0.5).collect();
     assert_eq!(results, vec![want.clone(), want]);
     let mut p = pieces(1, 3, 3);
-    let err = stays.all_reduce_f32(tag(0, 0, 3), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap_err();
+    let err = stays.all_reduce_grads(tag(0, 0, 3), &mut p, 1.0, deadline(Duration::from_secs(10))).unwrap_err();
     assert!(matches!(err, CommError::PeerGone { .. }), "the old world sees its ranks leave: {err}");
 }
 
@@ -228,7 +229,7 @@ fn the_interrupter_still_wakes_an_endpoint_after_a_move() {
     ep.reset();
     let waiting = std::thread::spawn(move || {
         let mut p = pieces(0, 2, 2);
-        ep.all_reduce_f32(tag(0, 0, 2), &mut p, 1.0, deadline(Duration::from_secs(30)))
+        ep.all_reduce_grads(tag(0, 0, 2), &mut p, 1.0, deadline(Duration::from_secs(30)))
     });
     std::thread::sleep(Duration::from_millis(50));
     interrupt();

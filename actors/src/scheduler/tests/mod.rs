@@ -871,7 +871,7 @@ fn finishing_a_step_other_than_the_current_one_is_refused() {
 fn a_collective_tag_names_step_kind_and_size() {
     let tag = CollectiveTag { step: 4, kind: CollectiveKind::Bucket { index: 2, numel: 9 } };
     assert_eq!(tag.to_string(), "step 4 bucket 2 (9 values)");
-    let _ = BucketBuf::zeroed(1, 1);
+    let _ = BucketBuf::<f32>::zeroed(1, 1);
 }
 
 /// A NaN already summed cannot be subtracted out: a non-finite abort skips
