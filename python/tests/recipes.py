@@ -67,3 +67,24 @@ def timm_loop(rank, world, impl, steps=4, accumulate=3, decay=0.9):
             )
     outcome.result.update(states=states)
     return outcome.result
+
+
+def uneven_with_buffers(rank, world, impl, first_out=0):
+    """DDP's uneven-inputs loop (``with model.join():``) on a BatchNorm model,
+    rank ``first_out`` running out of data first: buffers before each forward
+    come from the highest rank still training, and the joined rank takes part
+    in those broadcasts. Returns the model's state after the loop."""
+    model = SmallNet()
+    wrapped = wrap(model, impl)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    loss_fn = nn.CrossEntropyLoss()
+    steps = 2 if rank == first_out else 4
+    with Outcome(impl, wrapped) as outcome:
+        with wrapped.join():
+            for step in range(steps):
+                x, y = images(step, 0, rank)
+                loss_fn(wrapped(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    outcome.result.update(state={k: v.clone() for k, v in model.state_dict().items()})
+    return outcome.result

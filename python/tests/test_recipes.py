@@ -1,6 +1,8 @@
 """Training loops as libraries write them (``recipes.py``), side by side
 with torch's DDP."""
 
+import pytest
+
 import recipes
 
 
@@ -17,3 +19,18 @@ def test_timm_style_loop_leaves_what_ddp_leaves(world2, side_by_side):
             odd = [k for k in mine if not mine[k].equal(ddp[k])]
             assert not odd, f"rank {rank} step {step}: {odd} differ from DDP's"
     side_by_side("timm-style loop: BatchNorm, no_sync, EMA, eval forwards", "ok", "ok, every state bit for bit DDP's")
+
+
+@pytest.mark.parametrize("first_out", [0, 1])
+def test_uneven_inputs_with_buffers_end_as_ddp_ends(world2, side_by_side, first_out):
+    """``with model.join():`` on a BatchNorm model, one rank out of data
+    after 2 steps of 4: no hang, and every parameter and running statistic
+    equals DDP's bit for bit (rank 0 out first: the buffers must come from a
+    rank still training)."""
+    ours = world2.run(recipes.uneven_with_buffers, "gradsync", first_out)
+    theirs = world2.run(recipes.uneven_with_buffers, "ddp", first_out)
+    for rank, (o, t) in enumerate(zip(ours, theirs)):
+        assert o["status"] == "ok" and t["status"] == "ok", (o.get("error"), t.get("error"))
+        odd = [k for k in o["state"] if not o["state"][k].equal(t["state"][k])]
+        assert not odd, f"rank {rank}: {odd} differ from DDP's"
+    side_by_side(f"uneven inputs with BatchNorm, rank {first_out} out of data first", "ok", "ok, the same state bit for bit")

@@ -8,7 +8,9 @@ inputs run out enters ``Join.__exit__``, which calls the hook's
 :meth:`ShadowStep.main_hook` once per step the other ranks still run: it
 contributes zeros to that step through the runtime's ``shadow_step``. When
 every rank has joined, :meth:`ShadowStep.post_hook` gives every rank the
-last joiner's parameters and buffers.
+last joiner's parameters and buffers. Buffers broadcast before a forward
+come from the highest rank still training, the joined ranks taking part
+from :meth:`ShadowStep.main_hook`.
 """
 
 from torch.distributed.algorithms.join import JoinHook
@@ -22,6 +24,9 @@ class ShadowStep(JoinHook):
         self.ddp = ddp
 
     def main_hook(self):
+        # The buffer broadcast of the others' forward first (when DDP's rule
+        # sends one), then their step's collectives.
+        self.ddp._broadcast_buffers_now(joined=True)
         self.ddp._sync.shadow_step()
 
     def post_hook(self, is_last_joiner):

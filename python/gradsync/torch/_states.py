@@ -127,16 +127,23 @@ class StateBroadcast:
             self._wait(self._group.allreduce([slots]))
         return slots
 
+    def highest(self, mine):
+        """The highest rank for which ``mine`` is true on its side, or -1."""
+        if self._world == 1:
+            return self._rank if mine else -1
+        self._reap()
+        rank = torch.tensor([self._rank if mine else -1], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._wait(self._group.allreduce([rank], opts))
+        return int(rank.item())
+
     def from_last_joiner(self, tensors, is_last_joiner):
         """Every rank takes the last joiner's values (the end of a ``Join``:
         ranks that joined early skipped optimizer steps)."""
         if self._world == 1:
             return
-        last = torch.tensor([self._rank if is_last_joiner else -1], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        self._wait(self._group.allreduce([last], opts))
-        self.broadcast(tensors, int(last.item()))
+        self.broadcast(tensors, self.highest(is_last_joiner))
 
 
 class Abandoned(MembershipError, RuntimeError):

@@ -383,18 +383,29 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         self._retired_states.append(self._states)
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
 
-    def _broadcast_buffers_now(self, wait=False):
+    def _broadcast_buffers_now(self, wait=False, joined=False):
         """Rank 0's buffers to every rank, when DDP would send them: before a
         forward that follows a synchronized one (``require_forward_param_sync``,
         set by each forward as DDP sets it). An elastic job's boundary does it
         instead of the forward, under the same rule, where a lost member is
         recovered from (``wait``: rank 0 waits for the receivers there, so a
         lost one is seen at the boundary; before a forward it does not, see
-        ``_states``)."""
+        ``_states``).
+
+        Inside a ``Join`` (uneven inputs) the buffers come from the highest
+        rank still training, as DDP takes them (rank 0 may have run out of
+        data, its buffers stale); a rank that ``joined`` takes part from its
+        join hook, once per step of the others."""
         if self._broadcast_buffers and self.require_forward_param_sync:
             buffers = self._shared(self.module.named_buffers())
-            if buffers:
-                (self._states.broadcast if wait else self._states.send)(buffers)
+            if not buffers:
+                return
+            root = 0
+            if self._join_config.enable:
+                root = self._states.highest(not joined)
+                if root < 0:
+                    raise ConfigError("every rank joined, yet a forward asks for buffers: nothing to send them from")
+            (self._states.broadcast if wait or joined else self._states.send)(buffers, root)
 
     def _select_parameters(self, module):
         """The parameters to average: those that require grad and have
