@@ -23,12 +23,20 @@ def misuse(rank, world):
     # A sparse gradient from an embedding that was dense when wrapped is
     # refused, from backward, naming the parameter; a model with nothing but
     # sparse parameters is refused when wrapped.
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).double()
+    # (One parameter: nothing is handed over before the hook refuses it, so
+    # no rank is left in a collective the other never starts.)
+    model = nn.Embedding(10, 4).double()
     emb = DDP(model)
-    model[0].sparse = True
+    model.sparse = True
     seen["sparse"] = expect(gradsync.GradientLayoutError, lambda: emb(torch.tensor([1, 2])).sum().backward())
     emb.close()
     seen["only_sparse"] = expect(gradsync.ConfigError, lambda: DDP(nn.Embedding(10, 4, sparse=True)))
+    # A sparse embedding tied to an output layer gets a dense gradient: named, from the end of backward.
+    tied = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 10))
+    tied[1].weight = tied[0].weight
+    tied_ddp = DDP(tied)
+    seen["tied"] = expect(gradsync.GradientLayoutError, lambda: tied_ddp(torch.tensor([1, 2])).sum().backward())
+    tied_ddp.close()
     # Parameters on several devices.
     two = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     two[1].to("meta")

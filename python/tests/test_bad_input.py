@@ -10,9 +10,10 @@ from gradsync.torch import DistributedDataParallel as DDP
 
 def test_misuse_is_refused_with_a_clear_message(world2):
     for rank, seen in enumerate(world2.run(bad_input.misuse)):
-        assert "sparse" in seen["sparse"] and "'0.weight'" in seen["sparse"], seen["sparse"]
+        assert "sparse" in seen["sparse"] and "'weight'" in seen["sparse"], seen["sparse"]
         assert "sparse=True" in seen["sparse"], seen["sparse"]
         assert "at least one dense parameter" in seen["only_sparse"], seen["only_sparse"]
+        assert "'0.weight'" in seen["tied"] and "tied" in seen["tied"], seen["tied"]
         assert "several devices" in seen["devices"], seen["devices"]
         assert "already" in seen["wrapper"] and ".module" in seen["wrapper"], seen["wrapper"]
         assert "retired" in seen["retired_forward"] and "'weight'" in seen["retired_forward"], seen["retired_forward"]

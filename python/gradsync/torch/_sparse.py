@@ -25,14 +25,11 @@ from gradsync._errors import ConfigError, GradientLayoutError
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
-def sparse_parameter_names(module):
-    """The names of ``module``'s parameters whose gradients are sparse by
-    construction (DDP's own test: an embedding module built with ``sparse=True``)."""
-    names = set()
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, _SPARSE_MODULES) and sub.sparse:
-            names.add(f"{prefix}.weight" if prefix else "weight")
-    return names
+def sparse_parameters(module):
+    """The ids of ``module``'s parameters whose gradients are sparse by
+    construction (DDP's own test: the weight of an embedding module built
+    with ``sparse=True``; by identity, as a tied weight has several names)."""
+    return {id(sub.weight) for sub in module.modules() if isinstance(sub, _SPARSE_MODULES) and sub.sparse}
 
 
 class SparseGrads:
@@ -56,8 +53,9 @@ class SparseGrads:
             grad = p.grad
             if grad is not None and not grad.is_sparse:
                 raise GradientLayoutError(
-                    f"parameter {name!r} belongs to an embedding built with sparse=True but its gradient is dense "
-                    "(the module's sparse flag changed after wrapping?): wrap the model again"
+                    f"parameter {name!r} belongs to an embedding built with sparse=True but its gradient is dense: "
+                    "its weight is also used densely (tied to an output layer?) or the flag changed after "
+                    "wrapping; build the embedding with sparse=False"
                 )
             if grad is None or not mine:
                 local = torch.sparse_coo_tensor(
@@ -68,7 +66,8 @@ class SparseGrads:
                 local = grad.coalesce()
             if report.divisor != 1:
                 local = local / report.divisor
-            total = self._states.sum_sparse(local)
+            # The state group is gloo's: sums on the CPU.
+            total = self._states.sum_sparse(local.cpu()).to(p.device)
             if grad is None and total._nnz() == 0:
                 continue  # no rank looked a row up: no gradient, as a dense unused parameter has none
             p.grad = total

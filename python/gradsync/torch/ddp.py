@@ -66,7 +66,7 @@ from gradsync.torch._grads import GradWriter, TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
-from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameter_names
+from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
 log = logging.getLogger("gradsync.torch")
@@ -421,9 +421,9 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         # average: their gradients are left as they are, as under DDP.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored and p.numel()]
         # Embeddings built with sparse=True: reduced outside the buckets (_sparse).
-        sparse = sparse_parameter_names(module)
-        self._sparse_named = [(n, p) for n, p in named if n in sparse]
-        named = [(n, p) for n, p in named if n not in sparse]
+        sparse = sparse_parameters(module)
+        self._sparse_named = [(n, p) for n, p in named if id(p) in sparse]
+        named = [(n, p) for n, p in named if id(p) not in sparse]
         if self._sparse_named and not named:
             raise ConfigError(
                 f"every parameter of the model wrapped by {self._NAME} has sparse gradients "
