@@ -5,22 +5,30 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from cases import Outcome, wrap
 
 
 class SmallNet(nn.Module):
-    """A convolution, BatchNorm (buffers: running statistics and a counter), a head."""
+    """A convolution, BatchNorm (buffers: running statistics and a counter), a
+    head; with ``reentrant``, the convolution and BatchNorm run under
+    reentrant checkpointing (recomputed in backward, statistics included)."""
 
-    def __init__(self):
+    def __init__(self, reentrant=False):
         super().__init__()
         torch.manual_seed(41)
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.bn = nn.BatchNorm2d(8)
         self.head = nn.Linear(8, 5)
+        self.reentrant = reentrant
 
     def forward(self, x):
-        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+        if self.reentrant:
+            x = checkpoint(lambda t: torch.relu(self.bn(self.conv(t))), x.requires_grad_(), use_reentrant=True)
+        else:
+            x = torch.relu(self.bn(self.conv(x)))
+        return self.head(x.mean((2, 3)))
 
 
 def images(step, micro, rank):
@@ -28,13 +36,13 @@ def images(step, micro, rank):
     return torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
-def timm_loop(rank, world, impl, steps=4, accumulate=3, decay=0.9):
+def timm_loop(rank, world, impl, reentrant=False, steps=4, accumulate=3, decay=0.9):
     """timm's train script in small: micro-batches under ``no_sync`` but the
     last, SGD with momentum, an EMA of the model (parameters and buffers,
     ``timm.utils.ModelEmaV2``'s update) after each step, and an eval forward
     through the wrapper every other step. Returns the model's and the EMA's
     state after every step."""
-    model = SmallNet()
+    model = SmallNet(reentrant)
     ema = copy.deepcopy(model).eval()
     wrapped = wrap(model, impl)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
