@@ -144,3 +144,24 @@ def wire_types_that_differ(rank, world, how):
     finally:
         wrapped.close()
     return None
+
+
+def closed_mid_step(rank, world):
+    """Rank 0's hook refuses a gradient after the first bucket left (its
+    collective waits for rank 1, which never runs a step); each rank then
+    closes its wrapper. Returns how long the close took and whether the
+    ranks still meet afterwards."""
+    import time
+
+    import torch.distributed as dist
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    wrapped = DDP(model, bucket_cap_mb=1e-6, timeout=120)
+    if rank == 0:
+        model[0].sparse = True
+        expect(gradsync.GradientLayoutError, lambda: wrapped(torch.tensor([1, 2])).sum().backward())
+    began = time.monotonic()
+    wrapped.close()
+    took = time.monotonic() - began
+    dist.barrier()
+    return {"close_s": took, "report": wrapped.last_report}

@@ -61,3 +61,11 @@ def test_exceptions_form_one_hierarchy():
     assert issubclass(gradsync.DesyncError, gradsync.StepFailedError)
     assert issubclass(gradsync.ConfigError, ValueError)
     assert all(issubclass(e, gradsync.GradsyncError) for e in (gradsync.ClosedError, gradsync.UnfinishedStepError))
+
+
+def test_a_wrapper_closed_mid_step_does_not_wait_for_peers_that_never_come(world2):
+    """Closing gives up a collective still waiting (here for a rank that
+    never ran the step) instead of holding the close for its timeout (120 s)."""
+    seen = world2.run(bad_input.closed_mid_step)
+    for rank, s in enumerate(seen):
+        assert s["close_s"] < 30, f"rank {rank}: close took {s['close_s']:.1f} s"

@@ -64,7 +64,9 @@ class TorchCommunicator(GlooCommunicator):
         # An elastic job's cancellation (a `_collectives.Cancel`): the
         # liveness monitor breaks a membership epoch, and the waits of this
         # communicator's endpoints of that epoch fail at once (`move`).
-        self._cancel = cancel
+        # Otherwise one of its own, which `abandon` breaks.
+        self._own_cancel = cancel is None and shim is not None
+        self._cancel = shim.Cancel() if self._own_cancel else cancel
         self.membership_epoch = 0
         # Groups of earlier membership epochs, kept: a gloo group whose work
         # waits on a vanished peer blocks its destructor until gloo's timeout.
@@ -83,6 +85,14 @@ class TorchCommunicator(GlooCommunicator):
         self._flight = collections.deque()
         self._group = self._endpoint = None
         self._new_group()
+
+    def abandon(self):
+        """The wrapper is closing: a collective still waiting (a step left
+        half done, its peers never to join) fails at once instead of holding
+        the close until its timeout. Only for a cancellation of its own (an
+        elastic job's belongs to the job)."""
+        if self._own_cancel:
+            self._cancel.cancel(2**62)
 
     @property
     def is_native(self):
