@@ -6,13 +6,13 @@ world, and measures itself against a one-process replay of the same steps.
 """
 
 import copy
-import time
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from cases import Outcome, wrap
+from features import SlowBackward
 
 #: How far a float64 run may end from the one-process replay (the issue's
 #: bound; float32 arithmetic anywhere on the way ends about 1e-8 away).
@@ -73,18 +73,11 @@ def float64_training(rank, world, impl, reentrant, steps=4, lr=0.05):
     return outcome.result
 
 
-class Pause(torch.autograd.Function):
-    """Identity whose backward waits a moment: what comes before it in
-    forward reaches its gradients well after what comes after it."""
+class Pause(SlowBackward):
+    """Identity whose backward waits 200 ms: what comes before it in forward
+    reaches its gradients well after what comes after it."""
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(0.2)
-        return grad
+    PAUSE_S = 0.2
 
 
 class Mixed(nn.Module):

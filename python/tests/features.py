@@ -19,18 +19,20 @@ def batch(step, rank, rows=6, cols=10, dtype=torch.float64):
 
 
 class SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes 30 ms: compute that a bucket launched
-    before it can overlap."""
+    """Identity whose backward takes ``PAUSE_S`` (30 ms): compute that a
+    bucket launched before it can overlap."""
+
+    PAUSE_S = 0.03
 
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, g):
+    @classmethod
+    def backward(cls, ctx, g):
         import time
 
-        time.sleep(0.03)
+        time.sleep(cls.PAUSE_S)
         return g
 
 
