@@ -11,7 +11,7 @@ outermost backward ends.
 :class:`StepRecord` is the interface; :class:`PythonRecord` is the record of
 hooks written in Python (Paddle's, and torch's where the C++ hooks cannot
 run). torch's C++ hooks keep the same record in C++
-(``python/shim/arrivals.cpp``) behind ``gradsync.torch._steps.LedgerRecord``.
+(``python/shim/arrivals.cpp``) behind ``gradsync.torch._hooks.LedgerRecord``.
 A record serves one step: the core asks its framework for a fresh one when a
 step ends.
 """

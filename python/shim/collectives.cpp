@@ -21,9 +21,10 @@
 //   side turns the text and the failed collective's position into a typed
 //   failure (ranks whose position is lower never reached it).
 //
-// Nothing is converted here: a bucket that travels as bfloat16 or float16 was
-// rounded into a buffer of that type by the runtime's transport
-// (python/src/transport.rs), the one place gradsync converts wire types.
+// Wire types: a host bucket that travels as bfloat16 or float16 was rounded
+// into a buffer of that type by the runtime's transport (python/src/transport.rs)
+// and `start` sums it as it is; a device-plane bucket is rounded and widened
+// back here, on the device (`start_tensor`, `finish`).
 //
 // The Endpoint belongs to Python (it holds references to the group and the
 // store); the Rust side reads its address again after every reset.

@@ -1,7 +1,7 @@
 //! [`EtcdClient`]: an etcd cluster as an elastic job's store, for Python.
 //!
 //! ```text
-//! gradsync.etcd.EtcdStore (a torch.distributed.Store: gloo's rendezvous, the wrapper's groups)
+//! gradsync.torch.etcd.EtcdStore (a torch.distributed.Store: gloo's rendezvous, the wrapper's groups)
 //!     └─▶ EtcdClient (this) ── gradsync_runtime::membership::EtcdStore ── HTTP/JSON ──▶ etcd
 //! Membership(client=EtcdClient) ── the same EtcdStore, on the monitor's thread too (no interpreter)
 //! ```

@@ -20,12 +20,13 @@
 //! returns, `wait_oldest` finishes the oldest, up to `window` at a time. The
 //! communicator must not keep the tensor it makes after the collective finished.
 //!
-//! **The wire type is converted here, and only here.** A data bucket that
-//! travels as bfloat16 or float16 ([`Transport::set_wire`]) is rounded into a
-//! half-width buffer of this transport's before the collective starts; the
-//! communicator (native or Python) sums whatever element type it is handed,
-//! and the sum is widened back into the bucket when it finishes. Control
-//! words and corrections always travel as they are.
+//! **Wire types.** A host bucket that travels as bfloat16 or float16
+//! ([`Transport::set_wire`]) is rounded here into a half-width buffer of this
+//! transport's before the collective starts; the communicator (native or
+//! Python) sums whatever element type it is handed, and the sum is widened
+//! back into the bucket when it finishes. A device-plane bucket is rounded
+//! and widened by the shim on the device (python/shim/collectives.cpp,
+//! `start_tensor`). Control words and corrections always travel as they are.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -29,7 +29,6 @@ def _serve(rank, world, port, pg_timeout_s, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["GRADSYNC_TEST_RANK"] = str(rank)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

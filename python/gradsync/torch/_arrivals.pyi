@@ -1,7 +1,7 @@
 """gradsync's gradient hooks in C++ (python/shim/arrivals.cpp), compiled by
 ``pip install`` against the installed torch: a post hook on each parameter's
 ``AccumulateGrad`` node hands the gradient to the runtime without entering
-Python. ``gradsync.torch._steps`` uses it; see that module."""
+Python. ``gradsync.torch._hooks`` uses it; see that module."""
 
 from typing import Any, Callable, Optional, Sequence
 

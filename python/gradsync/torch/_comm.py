@@ -94,11 +94,6 @@ class TorchCommunicator(GlooCommunicator):
         if self._own_cancel:
             self._cancel.cancel(2**62)
 
-    @property
-    def is_native(self):
-        """Whether collectives take the native path (see the module docs)."""
-        return self._shim is not None
-
     def native(self):
         """``(table address, endpoint address)`` for the runtime's native
         path, or ``None`` (the Python path)."""

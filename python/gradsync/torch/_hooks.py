@@ -115,11 +115,6 @@ class Hooks:
             self._ledger = None
             self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
 
-    @property
-    def native(self):
-        """Whether the C++ hooks record the arrivals."""
-        return self._ledger is not None
-
     def record(self):
         """A fresh record for the runtime's next step."""
         if self._ledger is not None:
