@@ -27,9 +27,8 @@ use std::process::Command;
 
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    for source in ["build.py", "collectives.cpp", "arrivals.cpp", "given.h"] {
-        println!("cargo:rerun-if-changed={}", manifest.join("shim").join(source).display());
-    }
+    // Every source and header of the shim (a folder is watched whole).
+    println!("cargo:rerun-if-changed={}", manifest.join("shim").display());
     // The outputs' folder: missing outputs (a fresh work tree over an old
     // target/) bring the script back; build.py leaves fresh modules alone.
     println!("cargo:rerun-if-changed={}", manifest.join("gradsync/torch").display());

@@ -21,6 +21,7 @@ use gradsync_runtime::{ArrivalBatch, Rejection, Token};
 use pyo3::prelude::*;
 
 use crate::errors;
+use crate::given::NativeTensor;
 use crate::params::Params;
 use crate::plane::PlaneGrad;
 use crate::tensor_grads::{Grad, Owner, TensorGrads};
@@ -31,47 +32,6 @@ pub const TABLE_VERSION: u32 = 3;
 /// What `give` returns.
 const GIVEN: i32 = 0;
 const REFUSED: i32 = 1;
-
-/// A gradient the shim allocated (its `Given`: the tensor and, on a device,
-/// the event of the stream that produced it; python/shim/given.h), held
-/// until the runtime is done with its memory and then handed back to `release`.
-#[derive(Debug)]
-pub struct NativeTensor {
-    handle: *mut c_void,
-    release: unsafe extern "C" fn(*mut c_void),
-}
-
-// SAFETY: the handle is a heap `at::Tensor` owned by this value alone; its
-// reference count is atomic, so it may be released from any thread (torch
-// takes the interpreter lock itself should the storage's last owner be a
-// Python object).
-unsafe impl Send for NativeTensor {}
-// SAFETY: shared references never touch the handle (only `drop` does).
-unsafe impl Sync for NativeTensor {}
-
-impl NativeTensor {
-    /// Take ownership of `handle`, to be handed back to `release`.
-    ///
-    /// # Safety
-    /// `handle` must be a `Given` the shim allocated, with the `release`
-    /// that frees it, owned by nobody else.
-    pub unsafe fn new(handle: *mut c_void, release: unsafe extern "C" fn(*mut c_void)) -> NativeTensor {
-        NativeTensor { handle, release }
-    }
-
-    /// The shim's `Given*`, for the device plane's functions.
-    pub fn handle(&self) -> *mut c_void {
-        self.handle
-    }
-}
-
-impl Drop for NativeTensor {
-    fn drop(&mut self) {
-        // SAFETY: `handle` came from the shim with this `release` and is
-        // released exactly once.
-        unsafe { (self.release)(self.handle) }
-    }
-}
 
 /// The session's arrival batch; `None` once the session is closed.
 pub type SharedBatch = Arc<Mutex<Option<ArrivalBatch<TensorGrads>>>>;
@@ -112,7 +72,8 @@ unsafe extern "C" fn give(
     handle: *mut c_void,
     release: unsafe extern "C" fn(*mut c_void),
 ) -> i32 {
-    let owner = NativeTensor { handle, release };
+    // SAFETY: the caller hands over a `Given` it allocated, with its `release` (this function's contract).
+    let owner = unsafe { NativeTensor::new(handle, release) };
     // SAFETY: the caller vouches that `sink` is alive.
     let sink = unsafe { &*sink };
     match sink.give(param, token, addr, owner) {

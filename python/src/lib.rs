@@ -27,8 +27,8 @@
 //! finished step), `settings` (names parsed into the runtime's types),
 //! `params` and `memory` (gradient memory by address), `tensor_grads`
 //! (the store: payloads that are tensors held in place, on either plane),
-//! `plane` (the device plane's operations), `arrivals` (the C entry of the
-//! C++ hooks), `membership` (an elastic job's membership protocol over torch's store), `transport` and `collectives` (the communicator thread's way
+//! `plane` (the device plane's operations), `given` (a gradient as the C++
+//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `membership` (an elastic job's membership protocol over torch's store), `transport` and `collectives` (the communicator thread's way
 //! to gloo), `errors`, `closing`.
 
 mod arrivals;
@@ -36,6 +36,7 @@ mod closing;
 mod collectives;
 mod errors;
 mod etcd;
+mod given;
 mod membership;
 mod memory;
 mod params;

@@ -22,8 +22,8 @@
 
 use std::ffi::{c_char, c_void};
 
-use crate::arrivals::NativeTensor;
 use crate::collectives::{error_text, message, Table, Words};
+use crate::given::NativeTensor;
 
 /// A wrapper's plane as the runtime calls it: the shim's table and the
 /// address of the Python-owned `Plane` (kept alive by the communicator for

@@ -14,7 +14,7 @@ use crate::arrivals::{ArrivalSink, SharedBatch, Sink};
 use crate::closing;
 use crate::errors::{self, dict, value};
 use crate::membership::Membership;
-use crate::memory::{self, Elem};
+use crate::memory::Elem;
 use crate::params::Params;
 use crate::report::StepReport;
 use crate::settings;
@@ -224,13 +224,8 @@ impl Session {
         self.refuse_on_device_plane(py)?;
         let step = self.step_or_open(py, step)?;
         let src = self.params.raw(param, addr)?;
-        let mut values = Vec::new();
-        if src.numel * 4 >= DETACH_BYTES {
-            py.detach(|| memory::read(src, &mut values));
-        } else {
-            memory::read(src, &mut values);
-        }
-        self.offer(py, |batch| batch.accumulated(step, self.params.ids[param], Token(token), Grad::Owned(values)))
+        let values = if src.numel * 4 >= DETACH_BYTES { py.detach(|| Grad::copy_of(src)) } else { Grad::copy_of(src) };
+        self.offer(py, |batch| batch.accumulated(step, self.params.ids[param], Token(token), values))
     }
 
     /// Hand over `tensor`, one additive contribution to parameter `param`'s

@@ -20,7 +20,7 @@ use gradsync_runtime::backend::{AllocError, BucketBuf, GradStore, HostStore, Wri
 use gradsync_runtime::DType;
 use pyo3::prelude::*;
 
-use crate::arrivals::NativeTensor;
+use crate::given::NativeTensor;
 use crate::memory::{self, Elem, Raw};
 use crate::plane::{DevicePlane, PlaneBucket, PlaneGrad};
 
@@ -66,6 +66,20 @@ impl Grad {
                 Grad::Owned(values)
             }
         }
+    }
+
+    /// A copy of the gradient at `src` (`src` as [`Raw`] requires, for the
+    /// call): float64 kept as float64, the other types widened to float32.
+    pub fn copy_of(src: Raw) -> Grad {
+        if src.elem == Elem::F64 {
+            // SAFETY: `Raw`'s contract: `numel` float64 values at `addr`, alive
+            // and unchanged for this call.
+            let values = unsafe { std::slice::from_raw_parts(src.addr as *const f64, src.numel) };
+            return Grad::OwnedWide(values.to_vec());
+        }
+        let mut values = Vec::new();
+        memory::read(src, &mut values);
+        Grad::Owned(values)
     }
 
     /// The float32 values (a payload of a float32 bucket).

@@ -1,0 +1,216 @@
+// What the shim's three parts share (python/shim/collectives.cpp, the module
+// and its function table; gloo.cpp, host collectives; plane.cpp, the device
+// plane; store.cpp, the membership store): the element codes, the endpoint
+// and its started collectives, the device plane's state, the error
+// convention (`guarded`: a return code and a message, never an exception
+// across the C boundary), and the functions the table points at.
+
+#pragma once
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "given.h"
+
+namespace gradsync::shim {
+
+// Element types the runtime hands over (`elem` of `start`; python/src/collectives.rs, `Words`).
+enum Elem : int32_t { kF32 = 0, kI64 = 1, kBF16 = 2, kF16 = 3, kF64 = 4 };
+
+// Cuts short the collectives of an elastic job's broken membership epochs:
+// the liveness monitor (another thread) raises `broken` to epoch `e` when
+// the group of epoch `e` lost a member, and every wait of an endpoint of an
+// epoch up to `e` fails promptly instead of waiting for gloo's timeout.
+struct Cancel {
+  std::atomic<int64_t> broken{-1};
+};
+
+// How long one slice of a cancellable wait lasts. A wait that completes
+// returns at once; a slice only bounds how late a cancellation is seen.
+constexpr auto kWaitSlice = std::chrono::milliseconds(20);
+
+// One process group as the communicator thread sees it.
+struct Endpoint {
+  // Control words, plan agreements, host buckets (gloo).
+  c10::intrusive_ptr<c10d::Backend> group;
+  // Device-plane buckets: NCCL for CUDA tensors; `group` itself on the CPU.
+  c10::intrusive_ptr<c10d::Backend> data;
+  // The job's store, where positions are counted.
+  c10::intrusive_ptr<c10d::Store> store;
+  // This rank's position key in `store` (one per group epoch).
+  std::string key;
+  // An elastic job's cancellation (shared with its Python owner, so no
+  // Python reference is held here), and the membership epoch this group
+  // belongs to; null: never cancelled.
+  std::shared_ptr<Cancel> cancel;
+  int64_t epoch = 0;
+
+  bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
+  void check_cancelled() const {
+    TORCH_CHECK(!cancelled(), "gradsync: collective cancelled: membership epoch ", epoch,
+                " lost a member (the liveness monitor broke it)");
+  }
+};
+
+// One started collective.
+struct Flight {
+  c10::intrusive_ptr<c10d::Work> work;
+  // The endpoint it was started on (cancellation); the Python communicator
+  // keeps it alive until every flight of its epoch is finished or forgotten.
+  const Endpoint* endpoint;
+  // The runtime's memory, as a tensor (a device-plane bucket's wire copy).
+  at::Tensor tensor;
+  // Applied to a float sum (1: none).
+  double factor;
+  // A device-plane bucket that travelled in `tensor` as a half type: the sum
+  // is widened back into it. Undefined otherwise.
+  at::Tensor bucket = {};
+  // The device plane's stream the collective was ordered on (none: host).
+  std::optional<c10::Stream> stream = std::nullopt;
+};
+
+inline at::ScalarType scalar_type(int32_t elem) {
+  switch (elem) {
+    case kF32:
+      return at::kFloat;
+    case kI64:
+      return at::kLong;
+    case kBF16:
+      return at::kBFloat16;
+    case kF16:
+      return at::kHalf;
+    case kF64:
+      return at::kDouble;
+    default:
+      TORCH_CHECK(false, "gradsync: unknown element code ", elem);
+  }
+}
+
+// The message of whatever was thrown, without C++ backtraces, into `err`.
+inline void write_error(char* err, size_t len, const char* message) {
+  if (err == nullptr || len == 0) {
+    return;
+  }
+  std::strncpy(err, message, len - 1);
+  err[len - 1] = '\0';
+}
+
+template <typename F>
+int32_t guarded(char* err, size_t len, F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const c10::Error& e) {
+    write_error(err, len, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    write_error(err, len, e.what());
+  } catch (...) {
+    write_error(err, len, "unknown C++ exception");
+  }
+  return 1;
+}
+
+
+// A wrapper's device plane: its device, and on a device (not the CPU) the
+// communication stream every bucket operation and collective is queued on.
+struct Plane {
+  c10::Device device;
+  std::optional<c10::Stream> comm;
+};
+
+
+// Runs `body` with the plane's stream as this thread's current stream.
+template <typename F>
+void on_comm(const Plane& plane, F&& body) {
+  if (plane.comm) {
+    c10::StreamGuard guard(*plane.comm);
+    body();
+  } else {
+    body();
+  }
+}
+
+
+// A device-plane bucket: its tensor (float32, or float64 for float64
+// parameters), and the packs staged into it.
+//
+// A gradient handed over is not copied into the bucket at once: the copy is
+// staged, and the staged copies run as one `_foreach_copy_` (a few kernel
+// launches instead of one copy per gradient: on a GPU each copy costs the
+// communicator thread a driver call, and those calls compete with the
+// training thread's launches) when anything else touches the bucket: its
+// collective, or any other bucket operation. The order of effects on the
+// bucket is the order of the calls: a second pack into a slot already staged,
+// a pack with another scale factor, or an accumulating pack flushes first.
+struct Bucket {
+  at::Tensor tensor;
+  // Staged packs: slot <- values * factor (every staged pack shares `factor`).
+  std::vector<at::Tensor> slots;
+  std::vector<at::Tensor> values;
+  double factor = 1.0;
+  // Offsets of the staged slots (a parameter's slot starts at one offset).
+  std::unordered_set<int64_t> offsets;
+};
+
+
+// The store of an elastic job, as the runtime's membership protocol and its
+// liveness monitor use it (python/src/membership.rs), from threads of their
+// own and without the interpreter lock. Keys and values are bytes.
+struct StoreClient {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+// ---- gloo.cpp: collectives on host memory -------------------------------------------
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t timeout_ms,
+              void** flight, int64_t* seq, char* err, size_t err_len);
+int32_t finish(void* flight, char* err, size_t err_len);
+void forget(void* flight);
+
+// ---- plane.cpp: the device plane -----------------------------------------------------
+Plane* new_plane(const c10::Device& device);
+c10::Stream caller_stream(const Plane& plane);
+void stream_waits(const c10::Stream& a, const c10::Stream& b);
+void release_given(void* given);
+int32_t plane_alloc(void* plane, int64_t numel, int32_t elem, void** bucket, char* err, size_t err_len);
+void plane_free(void* bucket);
+int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, double factor, char* err,
+                    size_t err_len);
+int32_t plane_difference(void* plane, void* bucket, int64_t offset, void* last, void* sent, char* err,
+                         size_t err_len);
+int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, double factor, char* err,
+                    size_t err_len);
+int32_t plane_add_from(void* plane, void* dst, int64_t dst_offset, void* src, int64_t src_offset, int64_t len,
+                       char* err, size_t err_len);
+int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t err_len);
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t timeout_ms,
+                     void** flight, int64_t* seq, char* err, size_t err_len);
+void lend(const at::Tensor& bucket, const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+          const pybind11::object& loan);
+
+// ---- store.cpp: the membership store -------------------------------------------------
+int32_t store_add(void* client, const char* key, size_t key_len, int64_t delta, int64_t* out, char* err,
+                  size_t err_len);
+int32_t store_set(void* client, const char* key, size_t key_len, const uint8_t* value, size_t len, char* err,
+                  size_t err_len);
+int32_t store_get(void* client, const char* key, size_t key_len, int32_t* found, uint8_t* out, size_t cap,
+                  size_t* len, char* err, size_t err_len);
+int32_t store_compare_set(void* client, const char* key, size_t key_len, const uint8_t* expected, size_t expected_len,
+                          const uint8_t* desired, size_t desired_len, uint8_t* out, size_t cap, size_t* len,
+                          char* err, size_t err_len);
+void cancel_epoch(void* cancel, int64_t epoch);
+
+}  // namespace gradsync::shim
