@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{pid, Sent};
-use gradsync::membership::{Agreement, Canceller, KvStore, MemoryStore, Monitor, Roster, Timing};
+use gradsync::membership::{Agreement, Canceller, KvStore, MemoryKv, Monitor, Roster, Timing};
 use gradsync::{AbortPolicy, DType, GradSync, LocalEndpoint, LocalWorld, Outcome};
 
 const PREFIX: &str = "job";
@@ -48,7 +48,7 @@ fn build(worlds: &Worlds, roster: &Roster, member: u64, flag: &Arc<AtomicBool>) 
     b.build(worlds.endpoint(roster, member)).unwrap()
 }
 
-fn monitor(store: &MemoryStore, member: u64, roster: &Roster, flag: &Arc<AtomicBool>) -> Monitor {
+fn monitor(store: &MemoryKv, member: u64, roster: &Roster, flag: &Arc<AtomicBool>) -> Monitor {
     // Local endpoints fail at once when a peer leaves: nothing to cancel.
     let cancel: Canceller = Box::new(|_| {});
     let beat = Duration::from_millis(20);
@@ -59,7 +59,7 @@ fn monitor(store: &MemoryStore, member: u64, roster: &Roster, flag: &Arc<AtomicB
 /// (`None`: skipped).
 type Seen = Vec<(u64, usize, Option<f32>)>;
 
-fn member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, leave_at: Option<u64>, join: bool) -> Seen {
+fn member(store: MemoryKv, worlds: &Worlds, member: u64, steps: u64, leave_at: Option<u64>, join: bool) -> Seen {
     let mut agreement = Agreement::new(store.clone(), PREFIX, member, timing());
     let roster = if join {
         agreement.request_join("w: 4 x f32").unwrap().clone()
@@ -110,7 +110,7 @@ fn member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, leave_at
 }
 
 /// The loop step the members continue at in `epoch` (written when they admitted a joiner).
-fn at_epoch(store: &MemoryStore, epoch: u64) -> u64 {
+fn at_epoch(store: &MemoryKv, epoch: u64) -> u64 {
     let key = format!("{PREFIX}/step-at/{epoch}");
     loop {
         if let Some(v) = store.get(&key).unwrap() {
@@ -122,7 +122,7 @@ fn at_epoch(store: &MemoryStore, epoch: u64) -> u64 {
 
 #[test]
 fn survivors_agree_rebuild_and_train_on_exactly_and_a_joiner_is_admitted_at_a_boundary() {
-    let store = MemoryStore::default();
+    let store = MemoryKv::default();
     let worlds = Worlds::default();
     let steps = 30;
     let seen: Vec<Seen> = std::thread::scope(|s| {
@@ -166,7 +166,7 @@ fn survivors_agree_rebuild_and_train_on_exactly_and_a_joiner_is_admitted_at_a_bo
 /// A member under the partial policy that keeps one `GradSync` for the
 /// whole job: after a loss it moves its endpoint into the survivors' world
 /// and resets into it; the step the loss failed comes back redone.
-fn moving_member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, leave_at: Option<u64>) -> Seen {
+fn moving_member(store: MemoryKv, worlds: &Worlds, member: u64, steps: u64, leave_at: Option<u64>) -> Seen {
     let mut agreement = Agreement::new(store.clone(), PREFIX, member, timing());
     let roster = agreement.start(vec![0, 1, 2]).unwrap().clone();
     let flag = Arc::new(AtomicBool::new(false));
@@ -207,7 +207,7 @@ fn moving_member(store: MemoryStore, worlds: &Worlds, member: u64, steps: u64, l
 
 #[test]
 fn under_the_partial_policy_the_survivors_redo_the_lost_step_in_their_new_world() {
-    let store = MemoryStore::default();
+    let store = MemoryKv::default();
     let worlds = Worlds::default();
     let steps = 8;
     let seen: Vec<Seen> = std::thread::scope(|s| {

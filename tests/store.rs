@@ -32,11 +32,11 @@ impl GradStore for DeviceLike {
     fn add_assign(&self, acc: &mut Vec<f32>, more: &Vec<f32>) {
         HostStore.add_assign(acc, more)
     }
-    fn write(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode) {
-        HostStore.write(bucket, offset, src, mode)
+    fn pack(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode) {
+        HostStore.pack(bucket, offset, src, mode)
     }
-    fn write_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
-        HostStore.write_difference(bucket, offset, last, sent)
+    fn pack_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
+        HostStore.pack_difference(bucket, offset, last, sent)
     }
     fn zero(&self, bucket: &mut BucketBuf, offset: usize, len: usize) {
         HostStore.zero(bucket, offset, len)
@@ -185,7 +185,7 @@ fn recompute_duplicates_and_late_supersedes_are_exact_on_another_store() {
 fn buckets_scaled_while_packing_average_exactly_on_both_stores() {
     // World 2: the factor 1/2 is exact, so scaling before or after the sum
     // must agree bit for bit. DeviceLike packs through the trait's default
-    // `write_scaled`, HostStore through its fused kernel.
+    // `pack_scaled`, HostStore through its fused kernel.
     fn sums_only<S>(mut eps: Vec<TestEndpoint<S>>) -> Vec<TestEndpoint<S>> {
         eps.iter_mut().for_each(|ep| ep.sums_only = true);
         eps

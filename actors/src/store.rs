@@ -6,10 +6,10 @@
 //!
 //! ```text
 //! ParamShard:  add_assign(held, increment)                 (increments before ready)
-//! Scheduler:   write(bucket, offset, values, Set | Add)     (pack a ready / merged value)
+//! Scheduler:   pack(bucket, offset, values, Set | Add)      (a ready / merged value into its slot)
 //!              zero(bucket, offset, len)                    (unused parameter at launch)
 //!              add_assign(late, increment)                  (late increments)
-//!              write_difference(buf, offset, last, sent)    (late supersede → correction)
+//!              pack_difference(buf, offset, last, sent)     (late supersede → correction)
 //!              add_from(bucket, offset, correction, ...)    (apply the reduced correction)
 //!              scale(bucket, offset, len, factor)           (negate a retracted value; re-divide
 //!                                                            when fewer ranks contributed)
@@ -64,25 +64,25 @@ pub trait GradStore: Clone + Send + Sync + fmt::Debug + 'static {
     /// `acc += more`, element-wise (same lengths).
     fn add_assign(&self, acc: &mut Self::Values, more: &Self::Values);
     /// Combine `src` into `bucket[offset .. offset + len(src)]`.
-    fn write(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode);
+    fn pack(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode);
     /// Combine `src * factor` into `bucket[offset .. offset + len(src)]`
     /// (packing for transports that only sum, see
     /// [`crate::Transport::scale_when_packing`]). The default composes
-    /// `write` and `scale` (an add unscales the slot first, which rounds for
+    /// `pack` and `scale` (an add unscales the slot first, which rounds for
     /// factors that are not powers of two); stores override it with one exact pass.
     ///
     /// Factors are given in f64, the type every factor is computed in, and
     /// rounded to the bucket's type.
-    fn write_scaled(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode, factor: f64) {
+    fn pack_scaled(&self, bucket: &mut Self::Bucket, offset: usize, src: &Self::Values, mode: WriteMode, factor: f64) {
         let len = self.values_len(src);
         if mode == WriteMode::Add {
             self.scale(bucket, offset, len, 1.0 / factor);
         }
-        self.write(bucket, offset, src, mode);
+        self.pack(bucket, offset, src, mode);
         self.scale(bucket, offset, len, factor);
     }
     /// `bucket[offset ..] = last - sent`, element-wise (same lengths).
-    fn write_difference(&self, bucket: &mut Self::Bucket, offset: usize, last: &Self::Values, sent: &Self::Values);
+    fn pack_difference(&self, bucket: &mut Self::Bucket, offset: usize, last: &Self::Values, sent: &Self::Values);
     /// Zero `bucket[offset .. offset + len]`.
     fn zero(&self, bucket: &mut Self::Bucket, offset: usize, len: usize);
     /// `dst[dst_offset ..][..len] += src[src_offset ..][..len]`.
@@ -120,15 +120,15 @@ impl GradStore for HostStore {
         gradsync_kernels::add_assign(acc, more);
     }
 
-    fn write(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode) {
+    fn pack(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode) {
         bucket.write(offset, src, mode);
     }
 
-    fn write_scaled(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode, factor: f64) {
+    fn pack_scaled(&self, bucket: &mut BucketBuf, offset: usize, src: &Vec<f32>, mode: WriteMode, factor: f64) {
         bucket.write_scaled(offset, src, mode, factor as f32);
     }
 
-    fn write_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
+    fn pack_difference(&self, bucket: &mut BucketBuf, offset: usize, last: &Vec<f32>, sent: &Vec<f32>) {
         bucket.write_difference(offset, last, sent);
     }
 

@@ -67,7 +67,7 @@ class Framework(Protocol):
         """Before a synchronized step ends: hand the runtime the ``.grad`` of
         every parameter that only ``no_sync`` micro-batches reached."""
 
-    def write(self, result: Step, record: StepRecord) -> bool:
+    def write_back(self, result: Step, record: StepRecord) -> bool:
         """Put an applied step's averages into the gradients; return whether
         views of ``result``'s memory were lent (then it must not be released)."""
 
@@ -321,7 +321,7 @@ class ModelSync:
             if self.elastic is not None:
                 self.elastic._ended(report)
             if result.applied:
-                lent = self.framework.write(result, self.record)
+                lent = self.framework.write_back(result, self.record)
                 if self.elastic is not None:
                     self.elastic._applied(report)
             else:

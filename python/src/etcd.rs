@@ -2,15 +2,15 @@
 //!
 //! ```text
 //! gradsync.torch.etcd.EtcdStore (a torch.distributed.Store: gloo's rendezvous, the wrapper's groups)
-//!     └─▶ EtcdClient (this) ── gradsync_runtime::membership::EtcdStore ── HTTP/JSON ──▶ etcd
-//! Membership(client=EtcdClient) ── the same EtcdStore, on the monitor's thread too (no interpreter)
+//!     └─▶ EtcdClient (this) ── gradsync_runtime::membership::EtcdKv ── HTTP/JSON ──▶ etcd
+//! Membership(client=EtcdClient) ── the same EtcdKv, on the monitor's thread too (no interpreter)
 //! ```
 //!
 //! Every method releases the interpreter while it talks to etcd.
 
 use std::time::{Duration, Instant};
 
-use gradsync_runtime::membership::{EtcdStore, KvStore, StoreError};
+use gradsync_runtime::membership::{EtcdKv, KvStore, StoreError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -24,7 +24,7 @@ const POLL: Duration = Duration::from_millis(10);
 /// `timeout_s`.
 #[pyclass(module = "gradsync._native", frozen)]
 pub struct EtcdClient {
-    pub(crate) store: EtcdStore,
+    pub(crate) store: EtcdKv,
 }
 
 fn store_error(py: Python<'_>, e: StoreError) -> PyErr {
@@ -40,7 +40,7 @@ impl EtcdClient {
             return Err(errors::raise(py, "ConfigError", format!("timeout_s={timeout_s}: use a positive number"), &[]));
         }
         let timeout = Duration::from_secs_f64(timeout_s);
-        let store = py.detach(|| EtcdStore::connect(endpoints, prefix, timeout)).map_err(|e| store_error(py, e))?;
+        let store = py.detach(|| EtcdKv::connect(endpoints, prefix, timeout)).map_err(|e| store_error(py, e))?;
         Ok(EtcdClient { store })
     }
 

@@ -17,7 +17,7 @@ use std::ffi::c_char;
 use std::time::Duration;
 
 use gradsync_runtime::membership::{
-    Agreement, Canceller, EtcdStore, KvStore, MemberId, MembershipError, Monitor, Roster, StoreError, Timing,
+    Agreement, Canceller, EtcdKv, KvStore, MemberId, MembershipError, Monitor, Roster, StoreError, Timing,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -148,7 +148,7 @@ impl KvStore for ShimStore {
 #[derive(Clone)]
 enum JobStore {
     Shim(ShimStore),
-    Etcd(EtcdStore),
+    Etcd(EtcdKv),
 }
 
 impl JobStore {

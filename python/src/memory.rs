@@ -62,7 +62,7 @@ pub fn read(src: Raw, out: &mut Vec<f32>) {
 }
 
 /// Write the averaged gradient `view` into `dst` (converted to its type).
-pub fn write(view: &[f32], dst: Raw) {
+pub fn write_back(view: &[f32], dst: Raw) {
     assert_eq!(view.len(), dst.numel, "destination size checked by the caller");
     // SAFETY: `Raw`'s contract, for writing: `addr` holds `numel` elements of
     // `elem`, aligned, alive and touched by nobody else until this returns;
@@ -87,7 +87,7 @@ pub fn write(view: &[f32], dst: Raw) {
 }
 
 /// Write the averaged float64 gradient `view` into `dst` (a float64 parameter's memory).
-pub fn write_wide(view: &[f64], dst: Raw) {
+pub fn write_back_wide(view: &[f64], dst: Raw) {
     assert_eq!(view.len(), dst.numel, "destination size checked by the caller");
     assert_eq!(dst.elem, Elem::F64, "float64 buckets hold float64 parameters only");
     // SAFETY: `Raw`'s contract, for writing: `addr` holds `numel` float64

@@ -142,7 +142,7 @@ impl DevicePlane {
     }
 
     /// `bucket[offset..][..len(src)]` = (or `+=`, when `add`) `src * factor`.
-    pub fn write(&self, bucket: &mut PlaneBucket, offset: usize, src: &PlaneGrad, add: bool, factor: f64) {
+    pub fn pack(&self, bucket: &mut PlaneBucket, offset: usize, src: &PlaneGrad, add: bool, factor: f64) {
         assert!(offset + src.numel <= bucket.numel, "write past the bucket's end");
         // SAFETY: the plane, the bucket and the given tensor are alive and
         // the range is inside the bucket (checked above); the error buffer

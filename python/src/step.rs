@@ -93,8 +93,8 @@ impl Step {
         let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(false) };
         let piece = Self::host(bucket)?;
         let write = || match piece {
-            Piece::Narrow(values) => memory::write(&values[range], dst),
-            Piece::Wide(values) => memory::write_wide(&values[range], dst),
+            Piece::Narrow(values) => memory::write_back(&values[range], dst),
+            Piece::Wide(values) => memory::write_back_wide(&values[range], dst),
         };
         if dst.numel * 4 >= DETACH_BYTES {
             py.detach(write);

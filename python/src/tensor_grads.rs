@@ -215,13 +215,13 @@ impl GradStore for TensorGrads {
         acc.add_host(more);
     }
 
-    fn write(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode) {
-        self.write_scaled(bucket, offset, src, mode, 1.0);
+    fn pack(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode) {
+        self.pack_scaled(bucket, offset, src, mode, 1.0);
     }
 
-    fn write_scaled(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode, factor: f64) {
+    fn pack_scaled(&self, bucket: &mut Bucket, offset: usize, src: &Grad, mode: WriteMode, factor: f64) {
         match bucket {
-            Bucket::Plane(b) => self.on_plane().write(b, offset, src.plane(), mode == WriteMode::Add, factor),
+            Bucket::Plane(b) => self.on_plane().pack(b, offset, src.plane(), mode == WriteMode::Add, factor),
             Bucket::Host(b) if factor == 1.0 => b.write(offset, src.values(), mode),
             Bucket::Host(b) => b.write_scaled(offset, src.values(), mode, factor as f32),
             Bucket::Wide(b) if factor == 1.0 => b.write(offset, src.wide_values(), mode),
@@ -229,7 +229,7 @@ impl GradStore for TensorGrads {
         }
     }
 
-    fn write_difference(&self, bucket: &mut Bucket, offset: usize, last: &Grad, sent: &Grad) {
+    fn pack_difference(&self, bucket: &mut Bucket, offset: usize, last: &Grad, sent: &Grad) {
         match bucket {
             Bucket::Plane(b) => self.on_plane().difference(b, offset, last.plane(), sent.plane()),
             Bucket::Host(b) => b.write_difference(offset, last.values(), sent.values()),

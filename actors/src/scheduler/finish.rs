@@ -255,17 +255,17 @@ impl<S: GradStore> Scheduler<S> {
                         match (ps.kind, ps.sent.as_ref()) {
                             // Superseded after launch: contribute (final - what was sent).
                             (Some(PayloadKind::Accumulated), Some(sent)) => {
-                                self.store.write_difference(&mut buf, offset, &values, sent)
+                                self.store.pack_difference(&mut buf, offset, &values, sent)
                             }
                             // Late increments, or a first value after a zero launch.
-                            _ => self.store.write(&mut buf, offset, &values, WriteMode::Set),
+                            _ => self.store.pack(&mut buf, offset, &values, WriteMode::Set),
                         }
                         self.recycle(p, values);
                     }
                 }
                 StepEnd::Abort(_) => {
                     if let (true, Some(sent)) = (ps.written, ps.sent.as_ref()) {
-                        self.store.write(&mut buf, offset, sent, WriteMode::Set);
+                        self.store.pack(&mut buf, offset, sent, WriteMode::Set);
                         self.store.scale(&mut buf, offset, n, -1.0);
                     }
                 }

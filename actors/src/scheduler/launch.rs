@@ -104,9 +104,9 @@ impl<S: GradStore> Scheduler<S> {
         }
         let mode = if kind == PayloadKind::Increment && ps.written { WriteMode::Add } else { WriteMode::Set };
         if self.cfg.scale_when_packing {
-            self.store.write_scaled(buf, slot.offset, &values, mode, factor);
+            self.store.pack_scaled(buf, slot.offset, &values, mode, factor);
         } else {
-            self.store.write(buf, slot.offset, &values, mode);
+            self.store.pack(buf, slot.offset, &values, mode);
         }
         ps.written = true;
         // Keep what was sent where a later step of the protocol needs it.

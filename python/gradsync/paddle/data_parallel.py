@@ -97,7 +97,7 @@ class PaddleGrads:
                 self._arrive(None, index, 0, grad.data_ptr())
                 record.arrivals += 1
 
-    def write(self, result, record):
+    def write_back(self, result, record):
         """Copy an applied step's averages into ``param.grad``; nothing is lent."""
         for i, p in enumerate(self._params):
             if not result.has(i):

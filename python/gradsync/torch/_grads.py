@@ -66,7 +66,7 @@ class GradWriter:
         # alive while any of those views is).
         self._lent = None
 
-    def write(self, result, out, unused):
+    def write_back(self, result, out, unused):
         """Put ``result``'s averages into ``.grad``. ``out``: per parameter,
         the tensor that must receive its average (the caller's own ``.grad``,
         or one a view cannot replace), else None; ``unused``: parameters no
@@ -104,7 +104,7 @@ class GradWriter:
         return lent, copied
 
     def _write_device(self, result, out, unused):
-        """:meth:`write` for buckets on the device plane: views of the bucket
+        """:meth:`write_back` for buckets on the device plane: views of the bucket
         tensors where allowed (set in C++, the loan carried once per bucket),
         else copies, all queued on the caller's stream behind the reduction."""
         self._plane.leave()
@@ -187,8 +187,8 @@ class TorchGrads:
     def hand_over_held(self, record):
         self.hooks.hand_over_held(record)
 
-    def write(self, result, record):
-        lent = self._writer.write(result, record.outputs(), set(result.report.unused_everywhere))
+    def write_back(self, result, record):
+        lent = self._writer.write_back(result, record.outputs(), set(result.report.unused_everywhere))
         if self._sparse:
             self._sparse.reduce(result.report)
         return lent

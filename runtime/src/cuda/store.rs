@@ -94,7 +94,7 @@ impl GradStore for DeviceStore {
         self.add_into(acc, 0..n, &more.as_view());
     }
 
-    fn write(&self, bucket: &mut CudaSlice<f32>, offset: usize, src: &CudaSlice<f32>, mode: WriteMode) {
+    fn pack(&self, bucket: &mut CudaSlice<f32>, offset: usize, src: &CudaSlice<f32>, mode: WriteMode) {
         let range = offset..offset + src.len();
         match mode {
             WriteMode::Set => {
@@ -105,7 +105,7 @@ impl GradStore for DeviceStore {
         }
     }
 
-    fn write_difference(
+    fn pack_difference(
         &self,
         bucket: &mut CudaSlice<f32>,
         offset: usize,

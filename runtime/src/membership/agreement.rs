@@ -401,7 +401,7 @@ impl<S: KvStore> Agreement<S> {
 mod tests {
     use std::thread;
 
-    use super::super::MemoryStore;
+    use super::super::MemoryKv;
     use super::*;
 
     fn fast() -> Timing {
@@ -414,7 +414,7 @@ mod tests {
         }
     }
 
-    fn members(store: &MemoryStore, n: u64) -> Vec<Agreement<MemoryStore>> {
+    fn members(store: &MemoryKv, n: u64) -> Vec<Agreement<MemoryKv>> {
         (0..n)
             .map(|m| {
                 let mut a = Agreement::new(store.clone(), "job", m, fast());
@@ -426,7 +426,7 @@ mod tests {
 
     #[test]
     fn survivors_of_a_reaped_member_agree_at_once_on_one_roster() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 4);
         Agreement::obituary(&store, "job", 2).unwrap();
         all.remove(2);
@@ -445,7 +445,7 @@ mod tests {
 
     #[test]
     fn a_silent_member_is_lost_after_the_liveness_window_and_a_suspect_sooner() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 3);
         let mut a = all.remove(0);
         let began = Instant::now();
@@ -463,7 +463,7 @@ mod tests {
 
     #[test]
     fn a_member_the_others_left_out_learns_it_and_leaves() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 3);
         Agreement::obituary(&store, "job", 2).unwrap();
         // Members 0 and 2 settle without member 1's check-in? No: 1 is alive
@@ -471,7 +471,7 @@ mod tests {
         let r = all[0].recover(&[], &Heard { silent: vec![1], beating: vec![] });
         assert!(r.is_err(), "0 alone is not a majority of {{0, 1}}: {r:?}");
         // Member 1 had gone silent; member 0 and a third survivor decide.
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 3);
         let decided =
             all[0].roster().after_loss(&Tally { present: vec![0, 2], dead: vec![], silent: vec![1] }).unwrap();
@@ -483,7 +483,7 @@ mod tests {
 
     #[test]
     fn a_joiner_is_admitted_at_the_members_boundary_and_a_mismatch_is_refused() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 2);
         let joiner = thread::spawn({
             let store = store.clone();
@@ -528,7 +528,7 @@ mod tests {
 
     #[test]
     fn a_slow_member_whose_heartbeat_moves_is_waited_for_not_left_out() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 3);
         let mut a = all.remove(0);
         let late = thread::spawn({
@@ -553,7 +553,7 @@ mod tests {
 
     #[test]
     fn a_desync_right_after_a_change_sends_the_odd_members_away() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 3);
         let why = "ranks disagree on the plan";
         let e = all[2].expel(&[2], why).unwrap_err();
@@ -566,7 +566,7 @@ mod tests {
 
     #[test]
     fn a_joiner_of_a_job_with_no_member_left_gives_up() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let _all = members(&store, 2);
         assert_eq!(Agreement::members_left(&store, "job").unwrap(), vec![0, 1]);
         Agreement::obituary(&store, "job", 0).unwrap();
@@ -583,7 +583,7 @@ mod tests {
 
     #[test]
     fn a_late_first_member_finds_the_job_moved_on() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let mut all = members(&store, 3);
         Agreement::obituary(&store, "job", 2).unwrap();
         thread::scope(|s| {

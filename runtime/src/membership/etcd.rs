@@ -1,7 +1,7 @@
-//! [`EtcdStore`]: a job's membership in etcd (v3), where a user runs one.
+//! [`EtcdKv`]: a job's membership in etcd (v3), where a user runs one.
 //!
 //! ```text
-//! Agreement / Monitor ── KvStore ──▶ EtcdStore ── POST /v3/kv/{range,put,txn,deleterange}
+//! Agreement / Monitor ── KvStore ──▶ EtcdKv ── POST /v3/kv/{range,put,txn,deleterange}
 //!                                        (JSON, keys and values base64) ──▶ etcd cluster
 //! ```
 //!
@@ -26,7 +26,7 @@ const ADD_ATTEMPTS: usize = 1000;
 /// A [`KvStore`] over an etcd cluster's v3 JSON gateway. Clones share the
 /// HTTP connection pool.
 #[derive(Clone)]
-pub struct EtcdStore {
+pub struct EtcdKv {
     /// `http://host:port` of each cluster member, tried in order.
     endpoints: Vec<String>,
     /// Prepended to every key (`{prefix}/{key}`).
@@ -34,13 +34,13 @@ pub struct EtcdStore {
     agent: ureq::Agent,
 }
 
-impl std::fmt::Debug for EtcdStore {
+impl std::fmt::Debug for EtcdKv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdStore").field("endpoints", &self.endpoints).field("prefix", &self.prefix).finish()
+        f.debug_struct("EtcdKv").field("endpoints", &self.endpoints).field("prefix", &self.prefix).finish()
     }
 }
 
-impl EtcdStore {
+impl EtcdKv {
     /// A store on the etcd cluster at `endpoints` (`host:port` or
     /// `http://host:port`, comma-separated), keys under `prefix`; each
     /// request may take `timeout`.
@@ -59,7 +59,7 @@ impl EtcdStore {
             return Err(StoreError(format!("{tls}: only plain-HTTP etcd endpoints are supported (no TLS client)")));
         }
         let agent = ureq::AgentBuilder::new().timeout(timeout).build();
-        let store = EtcdStore { endpoints, prefix: prefix.trim_end_matches('/').to_string(), agent };
+        let store = EtcdKv { endpoints, prefix: prefix.trim_end_matches('/').to_string(), agent };
         // Fail now, naming the endpoints, rather than at the first protocol step.
         store.get("")?;
         Ok(store)
@@ -161,7 +161,7 @@ fn first_kv(kvs: &Value) -> Result<Option<(Vec<u8>, String)>, StoreError> {
     Ok(Some((value, revision)))
 }
 
-impl KvStore for EtcdStore {
+impl KvStore for EtcdKv {
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         for _ in 0..ADD_ATTEMPTS {
             let (now, compare) = match self.read(key)? {
@@ -253,7 +253,7 @@ pub(crate) mod tests {
         };
         let etcd = Etcd { child, dir, endpoint: format!("127.0.0.1:{client}") };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while EtcdStore::connect(&etcd.endpoint, "probe", Duration::from_secs(1)).is_err() {
+        while EtcdKv::connect(&etcd.endpoint, "probe", Duration::from_secs(1)).is_err() {
             assert!(Instant::now() < deadline, "etcd did not start within 20 s");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -263,7 +263,7 @@ pub(crate) mod tests {
     #[test]
     fn etcd_keeps_the_store_semantics_the_protocol_needs() {
         let Some(etcd) = etcd() else { return };
-        let s = EtcdStore::connect(&etcd.endpoint, "job", Duration::from_secs(5)).unwrap();
+        let s = EtcdKv::connect(&etcd.endpoint, "job", Duration::from_secs(5)).unwrap();
         assert_eq!(s.get("k").unwrap(), None);
         assert_eq!(s.compare_set("k", b"", b"a").unwrap(), b"a");
         assert_eq!(s.compare_set("k", b"", b"b").unwrap(), b"a", "the second proposal reads the winner");
@@ -274,7 +274,7 @@ pub(crate) mod tests {
         s.set("t", b"word").unwrap();
         assert!(s.add("t", 1).is_err());
         assert!(s.delete("t").unwrap() && !s.delete("t").unwrap());
-        let other = EtcdStore::connect(&etcd.endpoint, "other-job", Duration::from_secs(5)).unwrap();
+        let other = EtcdKv::connect(&etcd.endpoint, "other-job", Duration::from_secs(5)).unwrap();
         assert_eq!(other.get("k").unwrap(), None, "prefixes keep jobs apart");
         assert_eq!(s.count().unwrap(), 2, "k and n (t was deleted; the connection probe writes nothing)");
     }
@@ -282,7 +282,7 @@ pub(crate) mod tests {
     #[test]
     fn concurrent_adds_are_linearizable() {
         let Some(etcd) = etcd() else { return };
-        let s = EtcdStore::connect(&etcd.endpoint, "job", Duration::from_secs(5)).unwrap();
+        let s = EtcdKv::connect(&etcd.endpoint, "job", Duration::from_secs(5)).unwrap();
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let s = s.clone();
@@ -297,7 +297,7 @@ pub(crate) mod tests {
     #[test]
     fn the_membership_protocol_runs_over_etcd() {
         let Some(etcd) = etcd() else { return };
-        let store = || EtcdStore::connect(&etcd.endpoint, "", Duration::from_secs(5)).unwrap();
+        let store = || EtcdKv::connect(&etcd.endpoint, "", Duration::from_secs(5)).unwrap();
         let timing = Timing { suspect_grace: Duration::from_millis(50), ..Timing::default() };
         let mut members: Vec<_> = (0..3).map(|m| Agreement::new(store(), "job", m, timing)).collect();
         for a in &mut members {

@@ -3,7 +3,7 @@
 //!
 //! The state lives in a key-value store that outlives every training
 //! process (torch's `TCPStore` hosted by gradsync's supervisor, an etcd
-//! cluster ([`EtcdStore`]), or any store with an atomic compare-and-set:
+//! cluster ([`EtcdKv`]), or any store with an atomic compare-and-set:
 //! [`KvStore`]), never in rank 0. What flows:
 //!
 //! ```text
@@ -36,10 +36,10 @@ mod roster;
 mod store;
 
 pub use agreement::{Agreement, Timing};
-pub use etcd::EtcdStore;
+pub use etcd::EtcdKv;
 pub use monitor::{Canceller, Liveness, Monitor, PAUSE_FACTOR, SPREAD};
 pub use roster::{Roster, Tally};
-pub use store::{KvStore, MemoryStore, StoreError};
+pub use store::{KvStore, MemoryKv, StoreError};
 
 /// A process's identity in an elastic job: unique for the job's life (a
 /// replacement for a lost process gets a new one).

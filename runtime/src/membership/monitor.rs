@@ -345,19 +345,14 @@ impl<S: KvStore> Watch<S> {
 mod tests {
     use std::sync::Mutex;
 
-    use super::super::MemoryStore;
+    use super::super::MemoryKv;
     use super::*;
 
     fn timing() -> Timing {
         Timing { liveness: Duration::from_millis(300), ..Timing::default() }
     }
 
-    fn watching(
-        store: &MemoryStore,
-        me: MemberId,
-        members: Vec<MemberId>,
-        cancelled: &Arc<Mutex<Vec<u64>>>,
-    ) -> Monitor {
+    fn watching(store: &MemoryKv, me: MemberId, members: Vec<MemberId>, cancelled: &Arc<Mutex<Vec<u64>>>) -> Monitor {
         let log = Arc::clone(cancelled);
         let cancel: Canceller = Box::new(move |e| log.lock().unwrap().push(e));
         let flag = Arc::new(AtomicBool::new(false));
@@ -385,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_peer_whose_heartbeat_stops_breaks_the_epoch_within_the_window() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let cancelled = Arc::new(Mutex::new(Vec::new()));
         let a = watching(&store, 0, vec![0, 1], &cancelled);
         let b = watching(&store, 1, vec![0, 1], &Arc::new(Mutex::new(Vec::new())));
@@ -424,7 +419,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_stalls_more_and_more_is_given_room_and_still_found_when_it_stops() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let cancelled = Arc::new(Mutex::new(Vec::new()));
         let a = watching(&store, 0, vec![0, 1], &cancelled);
         // Member 1 beats every 20 ms with stalls (a loaded machine): 200, 250 ms, then 450 ms,
@@ -449,7 +444,7 @@ mod tests {
 
     #[test]
     fn another_process_breaking_the_epoch_checks_this_one_in_at_once() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let cancelled = Arc::new(Mutex::new(Vec::new()));
         let a = watching(&store, 0, vec![0, 1, 2], &cancelled);
         store.set(&Keys("job".into()).failed(0), b"1").unwrap();
@@ -463,7 +458,7 @@ mod tests {
 
     #[test]
     fn a_waiting_joiner_raises_the_flag_until_a_roster_counts_it() {
-        let store = MemoryStore::default();
+        let store = MemoryKv::default();
         let a = watching(&store, 0, vec![0], &Arc::new(Mutex::new(Vec::new())));
         let flag = a.joiner_flag();
         store.add(&Keys("job".into()).joiners(), 1).unwrap();

@@ -26,17 +26,17 @@ pub trait KvStore: Send + Sync + 'static {
 /// A store in this process's memory (clones share it): for tests, and for
 /// ranks that are threads of one process.
 #[derive(Debug, Clone, Default)]
-pub struct MemoryStore {
+pub struct MemoryKv {
     map: Arc<Mutex<HashMap<String, Vec<u8>>>>,
 }
 
-impl MemoryStore {
+impl MemoryKv {
     fn with<T>(&self, f: impl FnOnce(&mut HashMap<String, Vec<u8>>) -> T) -> T {
         f(&mut self.map.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 }
 
-impl KvStore for MemoryStore {
+impl KvStore for MemoryKv {
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         self.with(|m| {
             let now = m.get(key).map_or(Ok(0), |v| {
@@ -81,7 +81,7 @@ mod tests {
 
     #[test]
     fn compare_set_lets_exactly_the_first_writer_win() {
-        let s = MemoryStore::default();
+        let s = MemoryKv::default();
         assert_eq!(s.compare_set("k", b"", b"a").unwrap(), b"a");
         assert_eq!(s.compare_set("k", b"", b"b").unwrap(), b"a", "the second proposal reads the winner");
         assert_eq!(s.compare_set("k", b"a", b"c").unwrap(), b"c");
@@ -90,7 +90,7 @@ mod tests {
 
     #[test]
     fn add_counts_from_zero_and_refuses_text() {
-        let s = MemoryStore::default();
+        let s = MemoryKv::default();
         assert_eq!(s.add("n", 0).unwrap(), 0);
         assert_eq!(s.add("n", 3).unwrap(), 3);
         s.set("t", b"word").unwrap();
