@@ -161,7 +161,7 @@ class ModelSync:
         self.kind = kind
         self.unseen_end = unseen_end
         self.path = path
-        # Told to give up a waiting collective when the wrapper closes (if it can: `abandon`).
+        # Told to give up a waiting collective when the wrapper closes (`abandon`).
         self._communicator = communicator
         self.session = Session(
             communicator,
@@ -371,7 +371,5 @@ class ModelSync:
         self.closed_why = why
         if self.framework is not None:
             self.framework.remove_hooks()
-        abandon = getattr(self._communicator, "abandon", None)
-        if abandon is not None:
-            abandon()
+        self._communicator.abandon()
         self.session.close()

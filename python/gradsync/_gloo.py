@@ -106,6 +106,10 @@ class GlooCommunicator:
         # the array shares that memory and does not outlive the collective.
         return self._arrays.at(addr, numel, dtype)
 
+    def abandon(self):
+        """The wrapper is closing: give up a collective still waiting for
+        peers (a framework's communicator that can; by default nothing)."""
+
     def _new_group(self):
         """Open this epoch's group (the framework's)."""
         raise NotImplementedError

@@ -6,7 +6,7 @@ These broadcasts run on the program's thread, on a gloo group of their own
 gradsync's communicator thread.
 
 The buffer broadcast before a forward does not make its root wait for the
-receivers, as DDP's own does not on torch's default group: a loop in which
+receivers (DDP's does, until gloo's timeout, when they never come): a loop in which
 rank 0 alone evaluates through the wrapper while the others wait at a
 barrier sends rank 0's buffers then, and the others take them before their
 next forward (their previous forward was a synchronized one, rank 0's was
