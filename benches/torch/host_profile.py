@@ -1,13 +1,13 @@
 """Where a wrapper's host time goes in a training step, gradsync against torch
-DDP with ``gradient_as_bucket_view`` (the cheapest DDP), world 1.
+DDP with ``gradient_as_bucket_view`` (the cheapest DDP) and no wrapper, world 1.
 
-    python benches/torch/host_profile.py [--device cuda] [--model gpt2-small] [--steps 30] [--profile]
+    python benches/torch/host_profile.py [--device cuda] [--model gpt2-small|tiny] [--steps 30] [--profile]
 
 On a launch-bound model (GPT-2 small on one H100) host time is step time, so
 this is where a wrapper's overhead shows. Per policy it prints the host time
-of forward and of backward per step and, for gradsync, the part of backward
-spent ending the step (``ModelSync.finish``) and writing ``.grad``
-(``GradWriter``); ``--profile`` adds torch.profiler's busiest operations and
+of forward and of backward per step, the host microseconds per gradient
+(backward over the parameters that get one) and, for gradsync, the part of
+backward spent ending the step (``ModelSync.finish``); ``--profile`` adds torch.profiler's busiest operations and
 CUDA calls (self CPU time over 5 steps). The policies run twice each,
 alternating, so a drifting machine shows as a spread.
 """
@@ -27,7 +27,6 @@ import bench_models  # noqa: E402
 
 from gradsync import _core  # noqa: E402
 from gradsync.torch import DistributedDataParallel as GradsyncDDP  # noqa: E402
-from gradsync.torch import _grads  # noqa: E402
 
 #: Host seconds spent in instrumented gradsync functions, by label.
 SPENT = collections.defaultdict(float)
@@ -58,6 +57,8 @@ def run(policy, args, device):
     model = bench_models.make_model(args).to(device)
     if policy == "gradsync":
         wrapped = GradsyncDDP(model)
+    elif policy == "none":
+        wrapped = model
     else:
         ids = [device.index or 0] if device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
@@ -82,8 +83,11 @@ def run(policy, args, device):
     times = [step(args.warmup + i) for i in range(args.steps)]
     n = len(times)
     parts = "  ".join(f"{k} {v / n * 1e3:.2f}" for k, v in SPENT.items())
+    backward = sum(t[1] for t in times) / n
+    grads = sum(1 for p in model.parameters() if p.requires_grad)
     print(f"{policy:<9} forward {sum(t[0] for t in times) / n * 1e3:7.2f} ms  "
-          f"backward {sum(t[1] for t in times) / n * 1e3:7.2f} ms  {parts}", flush=True)
+          f"backward {backward * 1e3:7.2f} ms  ({backward / grads * 1e6:5.2f} us per gradient, {grads})  {parts}",
+          flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -100,7 +104,9 @@ def main():
     """Parse the arguments, start a one-rank world, run each policy twice, alternating."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    ap.add_argument("--model", choices=["gpt2-small", "resnet18"], default="gpt2-small")
+    ap.add_argument("--model", choices=["gpt2-small", "resnet18", "tiny"], default="gpt2-small",
+                    help="tiny: --tiny-params parameters of 16 values (overhead per gradient)")
+    ap.add_argument("--tiny-params", type=int, default=2000)
     ap.add_argument("--tokens-per-rank", type=int, default=1024)
     ap.add_argument("--images-per-rank", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=224)
@@ -108,7 +114,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's busiest operations")
     args = ap.parse_args()
-    args.tiny_params, args.reentrant = 0, False
+    args.reentrant = False
+    if args.model != "tiny":
+        args.tiny_params = 0
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device here: pass --device cpu")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -117,10 +125,9 @@ def main():
     dist.init_process_group(backend, init_method="tcp://127.0.0.1:29551", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120), **kwargs)
     instrument(_core.ModelSync, "finish", "end of step")
-    instrument(_grads.GradWriter, "write", "write .grad")
     print(f"{args.model} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"world 1, {args.steps} steps; host ms per step", flush=True)
-    for policy in ("ddp_view", "gradsync", "ddp_view", "gradsync"):
+    for policy in ("none", "ddp_view", "gradsync", "none", "ddp_view", "gradsync"):
         run(policy, args, device)
     dist.destroy_process_group()
 
