@@ -14,12 +14,14 @@
 //! compiles each module with the system C++ compiler (`CXX`, else `c++`) and
 //! writes it, with `_<name>_built.py` naming the torch version it was built
 //! against, next to the Python sources, where maturin packs them into the
-//! wheel; its output is cargo directives. Without `PYO3_PYTHON` (a plain
-//! `cargo build`), without torch, or when the compiler fails, nothing is
-//! built: `gradsync.torch` then runs its collectives through
-//! `torch.distributed` and its hooks in Python, and says so (a warning, and
-//! `DistributedDataParallel.path`). `GRADSYNC_REQUIRE_SHIM=1` turns those
-//! warnings into build failures.
+//! wheel; its output is cargo directives.
+//!
+//! They are gradsync.torch's hook and collectives (as DDP's reducer is C++,
+//! there is no Python path to fall back on): when the interpreter has torch
+//! and the compiler fails, the build fails. Without `PYO3_PYTHON` (a plain
+//! `cargo build`) or without torch (a Paddle-only install), nothing is built
+//! and the build goes on with a warning; `gradsync.torch` then refuses to
+//! wrap a model with a `ConfigError` that says how to reinstall.
 
 use std::env;
 use std::path::PathBuf;
@@ -34,16 +36,19 @@ fn main() {
     println!("cargo:rerun-if-changed={}", manifest.join("gradsync/torch").display());
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     println!("cargo:rerun-if-env-changed=CXX");
-    println!("cargo:rerun-if-env-changed=GRADSYNC_REQUIRE_SHIM");
     let Ok(python) = env::var("PYO3_PYTHON") else { return };
-    let required = env::var("GRADSYNC_REQUIRE_SHIM").is_ok_and(|v| v == "1");
     // build.py's standard output is this script's: cargo reads its directives.
     let status = Command::new(&python).arg(manifest.join("shim/build.py")).arg("--cargo").status();
     match status {
         Ok(s) if s.success() => {}
-        Ok(s) if required => panic!("gradsync.torch's C++ modules were not built ({s}): see the warnings above"),
-        Ok(_) => println!("cargo:warning=gradsync.torch will do without its C++ modules (see the warnings above)"),
-        Err(e) if required => panic!("cannot run {python} python/shim/build.py: {e}"),
-        Err(e) => println!("cargo:warning=gradsync.torch will do without its C++ modules: cannot run {python}: {e}"),
+        // Exit status 2: this interpreter has no usable torch (a Paddle-only install).
+        Ok(s) if s.code() == Some(2) => {
+            println!("cargo:warning=no torch in {python}: gradsync.torch is not built (gradsync.paddle is)")
+        }
+        Ok(s) => panic!(
+            "gradsync.torch's C++ modules failed to compile ({s}): see the errors above. They are its hook and \
+             collectives; fix the compiler (CXX) or the torch installation and build again"
+        ),
+        Err(e) => panic!("cannot run {python} python/shim/build.py: {e}"),
     }
 }

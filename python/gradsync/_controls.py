@@ -17,11 +17,11 @@ class StepControls:
     _NAME = "wrapper"
 
     def finish_step(self):
-        """End the step now. Needed only where the wrapper cannot see the end
-        of backward (``torch.autograd.grad``, ``paddle.grad``, a backward
-        nested inside another one). Does nothing if no gradient arrived and no
-        forward asked for a synchronized step since the last one ended.
-        Returns the step's report, or ``None``."""
+        """End the step now. Under torch the end of backward is always seen
+        (the wrapped model inside nested checkpoints included); under Paddle
+        it is needed after ``paddle.grad``. Does nothing if no gradient
+        arrived and no forward asked for a synchronized step since the last
+        one ended. Returns the step's report, or ``None``."""
         return self._sync.finish_step()
 
     def abort_step(self, reason="out_of_memory"):

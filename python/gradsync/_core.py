@@ -41,18 +41,31 @@ WIRES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class DataPath:
-    """Which path a wrapped model's gradients take, and why: ``hooks`` is
-    ``"native"`` (C++ hooks, no Python per gradient) or ``"python"``;
-    ``collectives`` is ``"native"`` (the runtime calls the collective engine
-    without the interpreter) or ``"python"``; ``buckets`` is ``"host"``
-    (the runtime's own memory, reduced by gloo) or ``"device"`` (torch
-    tensors on the parameters' device, reduced by the device's engine: NCCL
-    for CUDA); ``why`` says why a slower path runs (``None`` when none does)."""
+    """Where a wrapped model's buckets live, and why a slower path runs:
+    ``buckets`` is ``"host"`` (the runtime's own memory, reduced by gloo) or
+    ``"device"`` (torch tensors on the parameters' device, reduced by the
+    device's engine: NCCL for CUDA); ``why`` says why a slower path runs
+    (``None`` when none does: CUDA gradients staged through host memory, or
+    Paddle's hooks and collectives reached from Python)."""
 
-    hooks: str
-    collectives: str
+    buckets: str
     why: Optional[str] = None
-    buckets: str = "host"
+
+
+class Membership(Protocol):
+    """What the core tells an elastic job's membership (``gradsync.torch.Elastic``)
+    about its wrapped model's steps, and asks of it when a step fails."""
+
+    def recover(self, error: Exception) -> Optional[Step]:
+        """A member was lost (``error``, a :class:`gradsync.StepFailedError`):
+        agree on who goes on and reconfigure the wrapper for them. Returns
+        the failed step reduced again among them, or ``None`` (skip it)."""
+
+    def step_ended(self, report: StepReport) -> None:
+        """A step ended on every member (applied or not)."""
+
+    def step_applied(self, report: StepReport) -> None:
+        """A step was applied on every member."""
 
 
 class Framework(Protocol):
@@ -191,9 +204,9 @@ class ModelSync:
         self.closed_why: Optional[str] = None
         #: The report of the last step that ended.
         self.last_report: Optional[StepReport] = None
-        #: An elastic job's membership (``gradsync.torch.Elastic``): a failed
-        #: step changes the members instead of raising.
-        self.elastic = None
+        #: An elastic job's :class:`Membership` (``gradsync.torch.Elastic``):
+        #: a failed step changes the members instead of raising.
+        self.elastic: Optional[Membership] = None
 
     def attach(self, framework):
         """Start recording steps with the framework's part (hooks in place)."""
@@ -251,12 +264,9 @@ class ModelSync:
         self.record.ask_for_sync()
 
     def end_of_backward(self):
-        """The outermost backward ended: end a synchronized step (unless it
-        is finalized by hand)."""
-        r = self.record
-        r.end_queued_for = None
-        r.task_seen = None
-        if r.sync_pending and self.closed_why is None and not self.manual_finalization:
+        """The last backward that reached the model ended: end a synchronized
+        step (unless it is finalized by hand)."""
+        if self.record.sync_pending and self.closed_why is None and not self.manual_finalization:
             self.finish()
 
     def finish(self):
@@ -271,7 +281,7 @@ class ModelSync:
             # A member was lost: the survivors agree on who goes on, move to
             # their group, and skip this step on every one of them (or,
             # under the partial policy, apply it reduced among them).
-            result = self.elastic._recover(self, error)
+            result = self.elastic.recover(error)
             if result is None:
                 self.framework.clear()
                 self.new_step()
@@ -319,11 +329,11 @@ class ModelSync:
         lent = False
         try:
             if self.elastic is not None:
-                self.elastic._ended(report)
+                self.elastic.step_ended(report)
             if result.applied:
                 lent = self.framework.write_back(result, self.record)
                 if self.elastic is not None:
-                    self.elastic._applied(report)
+                    self.elastic.step_applied(report)
             else:
                 self.framework.clear()
                 if report.outcome == "skipped":

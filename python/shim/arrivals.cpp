@@ -1,17 +1,16 @@
-// gradsync's gradient hooks in C++: each gradient reaches the runtime with
-// no Python on the way.
+// gradsync's torch hook, the only one: a gradient goes from its arrival to
+// its write-back with no Python on the way.
 //
-// A Python hook costs about a microsecond to enter and several more to run
-// its bookkeeping, once per parameter per backward; DDP's own hook is C++.
-// This module hooks each parameter's AccumulateGrad node as DDP's reducer
-// does (a post hook on the node, kept alive by the Ledger) and does the
-// per-gradient work there:
+// DDP's reducer is C++; so is this. It hooks each parameter's AccumulateGrad
+// node (a post hook on the node, kept alive by the Ledger) and owns the open
+// step's record:
 //
 //   AccumulateGrad(param) ─▶ ArrivalHook ─▶ Ledger::arrive(index)
 //       in a synchronized backward: take .grad out of the parameter (autograd
 //       starts a fresh one for any later contribution), count the firing (its
-//       token), keep the tensor that must receive the average, and hand it to
-//       the runtime, for the step the runtime has open:
+//       token), keep the tensor that must receive the average, stage it in
+//       host memory if the buckets are there and the gradient is not, and
+//       hand it to the runtime, for the step the runtime has open:
 //   ─▶ SinkTable.give(sink, index, token, data, Given handle, release)
 //       (Rust, python/src/arrivals.rs; no interpreter lock)
 //       in a backward under no_sync: leave .grad where it is (autograd sums
@@ -20,30 +19,55 @@
 //       first firing hands over the whole sum, and `give_held()` hands over
 //       a parameter that backward never reached.
 //
+// Where backward ends. Every autograd task (graph task) that reaches the
+// model is seen: at a gradient's arrival, at a model output's node (a pre
+// hook, `watch`), or at a forward recomputed inside backward (`reached`).
+// Each one seen gets a callback queued at its end (as DDP's reducer queues
+// its finalizer). A reentrant checkpoint runs a nested task inside the
+// outer one, so the tasks seen are open and closed like brackets: when the
+// last open one ends, no backward that reached the model is running any
+// more, and if one of them accumulated gradients (not `torch.autograd.grad`,
+// which accumulates none) the step ends: `on_end()`, the one call into
+// Python per step. No frame is inspected and no thread scanned: this holds
+// on the CUDA engine's worker threads as on the caller's.
+//
+// Write-back (`write_back`). A finished step's averages go into .grad from
+// its bucket tensors (host memory the runtime lends, or the device plane's
+// tensors): a view of the bucket where nothing holds the previous step's
+// views and the parameter allows one (float32/float64, contiguous, its .grad
+// did not exist when backward began), else a copy into the tensor that must
+// receive it (the caller's .grad, converted to its type and layout, across
+// devices when staged). The views share a base carrying the runtime's Step
+// (the loan) as a Python attribute: the loan lives as long as any view.
+//
 // Python is entered only on the rare paths, with the lock taken here:
-// * the autograd task changed (a new backward, or a nested one): `on_task`,
-//   the wrapper's own check for a new backward (it then sets `task_seen` and
-//   the `.grad` tensors that existed when backward began);
-// * a gradient the runtime cannot read (sparse, or on a device when the
-//   wrapper's buckets are in host memory): `on_odd(index)`, which raises the
-//   wrapper's error;
+// * the end of the step: `on_end()`;
+// * a second backward through the outputs of a synchronized forward after its
+//   step ended (`retain_graph=True`): `on_sync_asked()`, a step of its own;
+// * a gradient the runtime cannot read (sparse, or on another device):
+//   `on_odd(index)`, which raises the wrapper's error;
 // * the runtime refused the arrival: `sink.raise_refusal()`.
 // An exception raised there propagates out of backward unchanged.
 //
 // With buckets on the device (`device_plane`), a gradient on a device is
 // handed over with an event recorded on the stream autograd produced it on
 // (the current stream of this thread, at hook time; given.h): the device
-// plane orders its packing after that event.
+// plane orders its packing after that event. The plane's stream waits for
+// the caller's when a step's backward begins, and the caller's for the
+// plane's before the write-back (no host wait).
 //
 // The ledger takes no lock: one backward at a time runs through a wrapped
 // model (two threads backpropagating through the same replica at once race
-// here, where Python hooks were serialized by the interpreter lock).
+// here, as they would in DDP's reducer).
 //
-// The wrapper (gradsync/torch/ddp.py) owns the Ledger; `remove()` (or the
-// Ledger's end) takes the hooks off the nodes before the Ledger is freed.
+// The wrapper (gradsync/torch/ddp.py, _hooks.py) owns the Ledger; `remove()`
+// (or the Ledger's end) takes the hooks off the nodes before the Ledger is
+// freed; hooks left on output nodes and callbacks still queued find it gone.
 
+#include <ATen/ops/from_blob.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -52,6 +76,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -68,8 +93,8 @@ namespace {
 // (python/src/arrivals.rs, `TABLE_VERSION`).
 constexpr uint32_t kSinkVersion = 3;
 
-// No autograd task seen yet in this step.
-constexpr int kNoTask = -2;
+// Outside any autograd task (torch's id).
+constexpr int kNoTask = -1;
 
 // The runtime's entry points (python/src/arrivals.rs, `Table`).
 struct SinkTable {
@@ -118,35 +143,60 @@ void with_python(F&& call) {
   }
 }
 
+// How many real numbers a parameter's gradient holds in a bucket (a complex
+// element is its real and imaginary parts).
+int64_t reals(const at::Tensor& p) {
+  return p.is_complex() ? p.numel() * 2 : p.numel();
+}
+
+// `a` waits for everything queued on `b` so far (an event; the host does not block).
+void stream_waits(const c10::Stream& a, const c10::Stream& b) {
+  c10::Event event(b.device_type());
+  event.record(b);
+  event.block(a);
+}
+
+class Ledger;
+
+// What hooks and callbacks that may outlive the Ledger hold: the Ledger
+// while it lives, null after.
+using LedgerRef = std::shared_ptr<Ledger*>;
+
 class Ledger {
  public:
-  Ledger(std::vector<at::Tensor> params, std::vector<bool> viewable, uintptr_t table, py::object sink,
-         py::object on_task, py::object on_odd, bool device_plane)
-      : device_plane_(device_plane),
+  Ledger(std::vector<at::Tensor> params, uintptr_t table, py::object sink, py::object on_end, py::object on_sync_asked,
+         py::object on_odd, bool staging, bool device_plane, std::optional<c10::Stream> plane_stream)
+      : staging_(staging),
+        device_plane_(device_plane),
+        plane_stream_(plane_stream),
         params_(std::move(params)),
-        viewable_(std::move(viewable)),
         table_(reinterpret_cast<const SinkTable*>(table)),
         sink_(std::move(sink)),
-        on_task_(std::move(on_task)),
-        on_odd_(std::move(on_odd)) {
+        on_end_(std::move(on_end)),
+        on_sync_asked_(std::move(on_sync_asked)),
+        on_odd_(std::move(on_odd)),
+        self_(std::make_shared<Ledger*>(this)) {
     TORCH_CHECK(table_->version == kSinkVersion, "gradsync: the runtime's arrival table is version ",
                 table_->version, ", these hooks speak ", kSinkVersion, "; reinstall gradsync");
-    TORCH_CHECK(viewable_.size() == params_.size(), "one viewable flag per parameter");
     sink_address_ = reinterpret_cast<const void*>(sink_.attr("address").cast<uintptr_t>());
     refuse_ = sink_.attr("raise_refusal");
     fired_.assign(params_.size(), 0);
     held_.assign(params_.size(), false);
     out_.resize(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
-      auto node = torch::autograd::impl::grad_accumulator(params_[i]);
+      const at::Tensor& p = params_[i];
+      viewable_.push_back(!staging_ && (p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble) &&
+                          p.is_contiguous());
+      auto node = torch::autograd::impl::grad_accumulator(p);
       TORCH_CHECK(node, "gradsync: parameter ", i, " has no gradient accumulator (does it require grad?)");
-      keys_.push_back(node->add_post_hook(std::make_unique<ArrivalHook>(this, i)));
+      keys_.push_back(node->add_post_hook(std::make_unique<ArrivalHook>(self_, i)));
       accumulators_.push_back(std::move(node));
     }
   }
 
   ~Ledger() {
     remove();
+    *self_ = nullptr;
   }
 
   Ledger(const Ledger&) = delete;
@@ -163,7 +213,9 @@ class Ledger {
   }
 
   // A new step: no firings, no kept tensors, nothing held, backward not
-  // begun, not synchronized (a forward or prepare_for_backward asks for it).
+  // begun, no task open, not synchronized (a forward or prepare_for_backward
+  // asks for it). Callbacks still queued for tasks of the step that ended
+  // find their task forgotten and do nothing.
   void new_step() {
     std::fill(fired_.begin(), fired_.end(), 0);
     std::fill(held_.begin(), held_.end(), false);
@@ -174,8 +226,9 @@ class Ledger {
     began_ = false;
     arrivals_ = 0;
     task_seen_ = kNoTask;
+    open_.clear();
+    end_due_ = false;
     sync_ = false;
-    end_queued_for_.reset();
   }
 
   // Whether this step's backward passes hand gradients over (a synchronized
@@ -204,58 +257,211 @@ class Ledger {
     }
   }
 
-  // Backward begins for this step: the .grad tensors that exist now are held
-  // by the caller and must receive the average (as with DDP).
-  void begin_backward(const std::vector<std::optional<at::Tensor>>& grads) {
-    began_ = true;
-    for (const auto& g : grads) {
-      if (g.has_value() && g->defined()) {
-        existing_.insert(g->unsafeGetTensorImpl());
+  // Pre hooks on the nodes that produced `outputs` (a model's outputs):
+  // backward reaching them is seen before any of the model's gradients is
+  // final. `synced`: the forward asked for a synchronized step, so a second
+  // backward through them after that step ended asks for one of its own.
+  // Returns how many nodes were hooked.
+  size_t watch(const std::vector<at::Tensor>& outputs, bool synced) {
+    std::unordered_set<const Node*> seen;
+    for (const auto& t : outputs) {
+      const auto& node = t.grad_fn();
+      if (!node || !seen.insert(node.get()).second) {
+        continue;
       }
+      node->add_pre_hook(std::make_unique<ReachedHook>(self_, synced));
     }
+    return seen.size();
   }
 
-  // Per parameter, the tensor that receives the average (None: any will do).
-  std::vector<std::optional<at::Tensor>> outputs() const {
-    std::vector<std::optional<at::Tensor>> result;
-    result.reserve(out_.size());
-    for (const auto& t : out_) {
-      result.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+  // Backward reached the model (a forward recomputed inside it calls this).
+  void reached() {
+    see_task();
+  }
+
+  // A finished step's averages into .grad (see the file's docs). `buckets`:
+  // each bucket's tensor and its members (parameter indices, back to back in
+  // that order); `loan`: the runtime's Step, kept alive by views of it;
+  // `unused`: parameters no rank used (left as they are). Returns whether
+  // views were lent (then the loan must not be released).
+  bool write_back(const std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& buckets, const py::object& loan,
+                  const std::vector<int64_t>& unused_list) {
+    if (plane_stream_) {
+      c10::impl::VirtualGuardImpl impl(plane_stream_->device_type());
+      stream_waits(impl.getStream(plane_stream_->device()), *plane_stream_);
     }
-    return result;
+    std::vector<bool> unused(params_.size(), false);
+    for (int64_t i : unused_list) {
+      unused.at(static_cast<size_t>(i)) = true;
+    }
+    bool may_lend = !lent_.has_value() || (*lent_)().is_none();
+    bool lent = false;
+    for (const auto& [bucket, members] : buckets) {
+      at::Tensor base;
+      int64_t offset = 0;
+      for (int64_t index : members) {
+        size_t i = static_cast<size_t>(index);
+        TORCH_CHECK(i < params_.size(), "gradsync: bucket member ", index, " is not a parameter");
+        at::Tensor& p = params_[i];
+        int64_t size = reals(p);
+        TORCH_CHECK(offset + size <= bucket.numel(), "gradsync: a parameter's slice runs past its bucket's end");
+        int64_t at = offset;
+        offset += size;
+        if (unused[i]) {
+          continue;
+        }
+        if (may_lend && viewable_[i] && !out_[i].defined()) {
+          if (!base.defined()) {
+            // One base per bucket over its storage, carrying the loan.
+            base = at::empty({0}, bucket.options())
+                       .set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
+            py::cast(base).attr("_gradsync_step") = loan;
+          }
+          p.mutable_grad() = base.narrow(0, at, size).view(p.sizes());
+          lent = true;
+          continue;
+        }
+        at::Tensor grad = out_[i];
+        if (!grad.defined()) {
+          // Unused on this rank and used on another, or no hand-over kept a tensor.
+          grad = p.grad().defined() ? p.grad() : at::empty_like(p, at::MemoryFormat::Preserve);
+        }
+        p.mutable_grad() = grad;
+        at::Tensor target = grad.is_complex() ? at::view_as_real(grad) : grad;
+        target.copy_(bucket.narrow(0, at, size).view(target.sizes()));
+      }
+      if (base.defined() && !bucket.is_cpu()) {
+        // The caching allocator must not reuse the bucket's memory before
+        // what the caller queued on its stream has read the views.
+        c10::impl::VirtualGuardImpl impl(bucket.device().type());
+        base.record_stream(impl.getStream(bucket.device()));
+      }
+    }
+    if (lent) {
+      lent_ = py::weakref(loan);
+    }
+    return lent;
   }
 
   bool began() const {
     return began_;
   }
-  // The outermost autograd task whose end will end the step; None: none queued.
-  std::optional<int64_t> end_queued_for() const {
-    return end_queued_for_;
-  }
-  void set_end_queued_for(std::optional<int64_t> task) {
-    end_queued_for_ = task;
+  // An open task seen this step (None: no backward that reached the model is running).
+  std::optional<int64_t> open_task() const {
+    if (open_.empty()) {
+      return std::nullopt;
+    }
+    return open_.begin()->first;
   }
   int64_t arrivals() const {
     return arrivals_;
   }
-  // The autograd task last seen; None: none this step.
-  std::optional<int> task_seen() const {
-    return task_seen_ == kNoTask ? std::nullopt : std::optional<int>(task_seen_);
-  }
-  void set_task_seen(std::optional<int> task) {
-    task_seen_ = task.value_or(kNoTask);
-  }
 
  private:
   struct ArrivalHook : torch::autograd::FunctionPostHook {
-    ArrivalHook(Ledger* ledger, size_t index) : ledger(ledger), index(index) {}
+    ArrivalHook(LedgerRef ledger, size_t index) : ledger(std::move(ledger)), index(index) {}
     variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
-      ledger->arrive(index);
+      if (Ledger* l = *ledger) {
+        l->arrive(index);
+      }
       return outputs;
     }
-    Ledger* ledger;
+    LedgerRef ledger;
     size_t index;
   };
+
+  struct ReachedHook : torch::autograd::FunctionPreHook {
+    ReachedHook(LedgerRef ledger, bool synced) : ledger(std::move(ledger)), synced(synced) {}
+    variable_list operator()(const variable_list& grads) override {
+      if (Ledger* l = *ledger) {
+        l->reached_outputs(synced);
+      }
+      return grads;
+    }
+    LedgerRef ledger;
+    bool synced;
+  };
+
+  // Backward reached the outputs of a forward (`synced`: one that asked for
+  // a synchronized step).
+  void reached_outputs(bool synced) {
+    if (closed_) {
+      return;
+    }
+    if (synced && !sync_) {
+      // A second backward through them after their step ended: a step of its own.
+      with_python([&] { on_sync_asked_(); });
+    }
+    see_task();
+  }
+
+  // The autograd task running now reached the model: the first one of a
+  // synchronized step begins its backward; each gets its end watched.
+  void see_task() {
+    int task = torch::autograd::get_current_graph_task_id();
+    if (closed_ || task == kNoTask || task == task_seen_) {
+      return;
+    }
+    task_seen_ = task;
+    if (!began_) {
+      begin_backward();
+    }
+    if (open_.count(task) != 0) {
+      return;
+    }
+    // torch.autograd.grad (and backward(inputs=...)) runs only the nodes it
+    // needs: whether it accumulates is known once a gradient arrives in it.
+    const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+    open_[task] = exec == nullptr || exec->empty();
+    std::weak_ptr<Ledger*> ref = self_;
+    torch::autograd::Engine::get_default_engine().queue_callback([ref, task] {
+      if (auto held = ref.lock()) {
+        if (Ledger* l = *held) {
+          l->task_ended(task);
+        }
+      }
+    });
+  }
+
+  // Backward begins for this step: the .grad tensors that exist now are held
+  // by the caller and must receive the average (as with DDP); the device
+  // plane's stream starts after what the caller queued (the last optimizer
+  // step, which read the buckets).
+  void begin_backward() {
+    began_ = true;
+    for (const auto& p : params_) {
+      const at::Tensor& g = p.grad();
+      if (g.defined()) {
+        existing_.insert(g.unsafeGetTensorImpl());
+      }
+    }
+    if (plane_stream_) {
+      c10::impl::VirtualGuardImpl impl(plane_stream_->device_type());
+      stream_waits(*plane_stream_, impl.getStream(plane_stream_->device()));
+    }
+  }
+
+  // A task seen this step ended; the last one ends the step if any of them
+  // accumulated gradients.
+  void task_ended(int task) {
+    auto it = open_.find(task);
+    if (it == open_.end()) {
+      return;  // a task of a step that already ended
+    }
+    end_due_ = end_due_ || it->second;
+    open_.erase(it);
+    if (task_seen_ == task) {
+      task_seen_ = kNoTask;
+    }
+    if (!open_.empty() || !end_due_) {
+      return;
+    }
+    end_due_ = false;
+    task_seen_ = kNoTask;
+    if (sync_ && !closed_) {
+      with_python([&] { on_end_(); });
+    }
+  }
 
   // The hot path: one call per gradient (see the file's docs).
   void arrive(size_t index) {
@@ -268,12 +474,14 @@ class Ledger {
       // Something ran before this hook and took the gradient away.
       return;
     }
-    if (grad.layout() != at::kStrided || (!grad.is_cpu() && !device_plane_)) {
+    if (grad.layout() != at::kStrided || (!grad.is_cpu() && !device_plane_ && !staging_)) {
       with_python([&] { on_odd_(index); });
       return;
     }
-    if (torch::autograd::get_current_graph_task_id() != task_seen_) {
-      with_python([&] { on_task_(); });
+    see_task();
+    auto open = open_.find(torch::autograd::get_current_graph_task_id());
+    if (open != open_.end()) {
+      open->second = true;  // this task accumulates
     }
     if (!sync_) {
       // A micro-batch under no_sync: autograd keeps summing into .grad.
@@ -291,7 +499,7 @@ class Ledger {
       return;
     }
     params_[index].mutable_grad().reset();
-    at::Tensor given = grad.is_contiguous() ? grad : grad.contiguous();
+    at::Tensor given = staging_ ? grad.to(at::kCPU).contiguous() : grad.is_contiguous() ? grad : grad.contiguous();
     uint64_t token = fired_[index]++;
     if (token == 0 && (!viewable_[index] || existing_.count(grad.unsafeGetTensorImpl()) != 0)) {
       out_[index] = grad;
@@ -311,8 +519,14 @@ class Ledger {
     ++arrivals_;
   }
 
-  // Whether gradients on a device are handed over (else they are odd).
+  // Gradients on a device are copied to host memory before they are handed
+  // over (a CUDA model with buckets="host").
+  bool staging_;
+  // Whether gradients on a device are handed over as they are (else, unless
+  // staged, they are odd).
   bool device_plane_;
+  // The device plane's stream (none: host buckets, or the CPU).
+  std::optional<c10::Stream> plane_stream_;
   std::vector<at::Tensor> params_;
   // Whether a bucket view may stand in for the parameter's .grad.
   std::vector<bool> viewable_;
@@ -321,13 +535,16 @@ class Ledger {
   py::object sink_;
   const void* sink_address_ = nullptr;
   py::object refuse_;
-  py::object on_task_;
+  py::object on_end_;
+  py::object on_sync_asked_;
   py::object on_odd_;
   // Each parameter's AccumulateGrad node (held: a node nobody holds is
   // recreated at the next forward, without the hook) and the hook's key.
   std::vector<NodePtr> accumulators_;
   std::vector<uintptr_t> keys_;
   bool closed_ = false;
+  // Shared with hooks and callbacks that may outlive this Ledger.
+  LedgerRef self_;
   // The open step's record, as the Python hooks' `StepRecord` (gradsync/_record.py).
   std::vector<uint64_t> fired_;
   // Per parameter: a no_sync micro-batch left its gradient in .grad.
@@ -336,34 +553,49 @@ class Ledger {
   std::unordered_set<const c10::TensorImpl*> existing_;
   bool began_ = false;
   int64_t arrivals_ = 0;
+  // The task last seen (a cheap check before the map).
   int task_seen_ = kNoTask;
+  // The tasks seen and not ended, and whether each accumulated gradients.
+  std::unordered_map<int, bool> open_;
+  // A task that accumulated gradients ended while others were still open.
+  bool end_due_ = false;
   bool sync_ = false;
-  std::optional<int64_t> end_queued_for_;
+  // The last step lent as views (a weak reference: alive while a view is).
+  std::optional<py::weakref> lent_;
 };
 
-} // namespace
+}  // namespace
 
 PYBIND11_MODULE(_arrivals, m) {
-  m.doc() = "gradsync's gradient hooks in C++: gradients reach the runtime without the interpreter";
+  m.doc() = "gradsync's torch hook in C++: a gradient's way from its arrival to its write-back, without Python";
   m.attr("VERSION") = kSinkVersion;
-  py::class_<Ledger>(m, "Ledger", "The hooks on a wrapper's parameters and the open step's arrivals.")
-      .def(py::init<std::vector<at::Tensor>, std::vector<bool>, uintptr_t, py::object, py::object, py::object,
-                    bool>(),
-           py::arg("params"), py::arg("viewable"), py::arg("table"), py::arg("sink"), py::arg("on_task"),
-           py::arg("on_odd"), py::arg("device_plane") = false)
+  py::class_<Ledger>(m, "Ledger", "The hook on a wrapper's parameters, the open step's record, the write-back.")
+      .def(py::init<std::vector<at::Tensor>, uintptr_t, py::object, py::object, py::object, py::object, bool, bool,
+                    std::optional<c10::Stream>>(),
+           py::arg("params"), py::arg("table"), py::arg("sink"), py::arg("on_end"), py::arg("on_sync_asked"),
+           py::arg("on_odd"), py::arg("staging") = false, py::arg("device_plane") = false,
+           py::arg("plane_stream") = std::nullopt)
       .def("remove", &Ledger::remove, "Take the hooks off; later gradients stay in .grad.")
       .def("new_step", &Ledger::new_step, "Start recording the runtime's next step.")
       .def("give_held", &Ledger::give_held,
            "Hand over the .grad of parameters only no_sync micro-batches reached (before the step ends).")
       .def_property("sync", &Ledger::sync, &Ledger::set_sync,
                     "Whether backward hands gradients over (else they accumulate in .grad, as under no_sync).")
-      .def_property("end_queued_for", &Ledger::end_queued_for, &Ledger::set_end_queued_for,
-                    "The outermost autograd task whose end ends the step (None: none).")
-      .def("begin_backward", &Ledger::begin_backward, py::arg("grads"),
-           "Backward begins: these .grad tensors (None allowed) receive the average.")
-      .def("outputs", &Ledger::outputs, "Per parameter, the tensor that must receive the average, or None.")
-      .def_property_readonly("began", &Ledger::began, "Whether begin_backward was called this step.")
-      .def_property_readonly("arrivals", &Ledger::arrivals, "Gradients handed over this step.")
-      .def_property("task_seen", &Ledger::task_seen, &Ledger::set_task_seen,
-                    "The autograd task last seen (None: none this step).");
+      .def("watch", &Ledger::watch, py::arg("outputs"), py::arg("synced"),
+           "See backward reach these output tensors (synced: their forward asked for a synchronized step).")
+      .def("reached", &Ledger::reached, "Backward reached the model (a forward recomputed inside it).")
+      .def("write_back", &Ledger::write_back, py::arg("buckets"), py::arg("loan"), py::arg("unused"),
+           "Write a finished step's averages into .grad; returns whether views of the loan were lent.")
+      .def_property_readonly("open_task", &Ledger::open_task,
+                             "A backward task that reached the model and is still running (None: none).")
+      .def_property_readonly("began", &Ledger::began, "Whether this step's backward has begun.")
+      .def_property_readonly("arrivals", &Ledger::arrivals, "Gradients handed over this step.");
+  m.def(
+      "host_bucket",
+      [](uintptr_t address, int64_t numel, bool wide) {
+        return at::from_blob(reinterpret_cast<void*>(address), {numel},
+                             at::TensorOptions().dtype(wide ? at::kDouble : at::kFloat));
+      },
+      py::arg("address"), py::arg("numel"), py::arg("wide"),
+      "A host bucket the runtime lends (Step.buckets()) as a tensor over its memory, which it does not own.");
 }

@@ -25,19 +25,6 @@ Plane* new_plane(const c10::Device& device) {
 }
 
 
-// The current stream of the caller (the training thread) on the plane's device.
-c10::Stream caller_stream(const Plane& plane) {
-  c10::impl::VirtualGuardImpl impl(plane.device.type());
-  return impl.getStream(plane.device);
-}
-
-// `a` waits for everything queued on `b` so far (an event; the host does not block).
-void stream_waits(const c10::Stream& a, const c10::Stream& b) {
-  c10::Event event(b.device_type());
-  event.record(b);
-  event.block(a);
-}
-
 namespace {
 
 // A handed-over gradient as the flat float values the bucket holds, ready
@@ -105,7 +92,7 @@ void plane_free(void* bucket) {
 
 // bucket[offset..][..n] (=|+=) src * factor: a copy is staged (see `Bucket`),
 // an accumulation runs at once, after the staged packs.
-int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, double factor, char* err,
+int32_t plane_pack(void* plane, void* bucket, int64_t offset, void* src, int32_t add, double factor, char* err,
                     size_t err_len) {
   const auto& p = *static_cast<Plane*>(plane);
   Bucket& b = bucket_of(bucket);
@@ -210,30 +197,6 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, do
       *flight = f.release();
     });
   });
-}
-
-// Makes each `params[k].grad` a view of `bucket[offsets[k]..]` shaped as the
-// parameter, set in C++ as DDP's reducer sets its bucket views (Python's
-// `.grad` setter and a Python loop cost microseconds per parameter at the end
-// of every backward). The views share one base, a fresh tensor over the
-// bucket's storage that carries `loan` (the runtime's Step) as its Python
-// attribute `_gradsync_step`: a view keeps its base alive, so the loan lives
-// exactly as long as any of the views, and ends with the last one.
-void lend(const at::Tensor& bucket, const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
-          const py::object& loan) {
-  if (params.size() != offsets.size()) {
-    throw std::invalid_argument("lend: one offset per parameter");
-  }
-  at::Tensor base = at::empty({0}, bucket.options())
-                        .set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
-  py::cast(base).attr("_gradsync_step") = loan;
-  for (size_t k = 0; k < params.size(); ++k) {
-    at::Tensor param = params[k];
-    if (offsets[k] < 0 || offsets[k] + param.numel() > base.numel()) {
-      throw std::out_of_range("lend: a parameter's slice runs past the bucket's end");
-    }
-    param.mutable_grad() = base.narrow(0, offsets[k], param.numel()).view(param.sizes());
-  }
 }
 
 

@@ -5,9 +5,9 @@
 //!
 //! ```text
 //! hook (C++) ── Given {tensor, event on the producing stream} ──▶ PlaneGrad
-//! scheduler ── DevicePlane::write(bucket, offset, grad, …) ──▶ stream waits on the event; bucket slice = grad
+//! scheduler ── DevicePlane::pack(bucket, offset, grad, …) ──▶ stream waits on the event; bucket slice = grad
 //! communicator ── NativeGloo::start_tensor(plane, bucket) ──▶ c10d allreduce (NCCL on CUDA) on that stream
-//! Python, end of step ── Plane.leave() ──▶ the caller's stream waits on the plane's
+//! C++ hook, end of step ── Ledger::write_back ──▶ the caller's stream waits on the plane's; views or copies
 //! ```
 //!
 //! The actors decide what goes where, exactly as with host buckets
@@ -148,7 +148,7 @@ impl DevicePlane {
         // the range is inside the bucket (checked above); the error buffer
         // outlives the call.
         Self::queue("packing a gradient", |err, err_len| unsafe {
-            (self.table.write)(
+            (self.table.pack)(
                 self.ptr(),
                 bucket.handle,
                 offset as i64,

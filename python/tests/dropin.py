@@ -719,21 +719,14 @@ class EarlyBranch(nn.Module):
         return out + self.side(x) if self.use_side else out
 
 
-def accumulation_early_branch(rank, world, impl, hooks="native", micro=3, steps=2):
+def accumulation_early_branch(rank, world, impl, micro=3, steps=2):
     """A parameter that only a ``no_sync`` micro-batch reached is averaged
     with the step (its ``.grad`` holds the local sum; the synchronized
     backward never fires its hook). torch's DDP needs
-    ``find_unused_parameters=True`` for it. ``hooks="python"`` runs the
-    Python hooks (a build without the C++ module)."""
+    ``find_unused_parameters=True`` for it."""
     model = EarlyBranch()
     kwargs = {"find_unused_parameters": True} if impl == "ddp" else {}
-    if impl == "gradsync" and hooks == "python":
-        from features import wrap_without
-
-        wrapped = wrap_without("arrivals", copy.deepcopy(model))
-        assert wrapped.path.hooks == "python"
-    else:
-        wrapped = wrap(copy.deepcopy(model), impl, **kwargs)
+    wrapped = wrap(copy.deepcopy(model), impl, **kwargs)
     inner = wrapped.module
     with Outcome(impl, wrapped) as outcome:
         for step in range(steps):

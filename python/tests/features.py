@@ -58,22 +58,6 @@ def averaged_reference(model, world, step, micro=1, rows=6, scale=1.0, dtype=tor
     return [None if p.grad is None else p.grad / world for p in ref.parameters()]
 
 
-def wrap_without(module, model, **settings):
-    """``DDP(model)`` built as if the package had been built without its C++
-    module ``module`` (``"collectives"`` or ``"arrivals"``), or normally for
-    ``None``: how a test runs the Python path a build without the shim takes."""
-    if module is None:
-        return DDP(model, **settings)
-    from gradsync.torch import _shim
-
-    load = _shim.load
-    _shim.load = lambda name: (None, "left out by the test") if name == module else load(name)
-    try:
-        return DDP(model, **settings)
-    finally:
-        _shim.load = load
-
-
 def off_reference(wrapped, model, world, step):
     """How far ``wrapped``'s gradients of ``step`` are from the averaged reference."""
     want = averaged_reference(model, world, step)
@@ -202,15 +186,16 @@ class Segments(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def explicit_finish(rank, world):
-    """Where the wrapper cannot see backward's end (the wrapped model inside
-    a checkpoint nested in another checkpoint), the gradients stay local until
-    ``finish_step()``; forgetting it is an error at the next forward and at
-    ``optimizer.step()``."""
+def nested_checkpoints(rank, world):
+    """The wrapped model inside a reentrant checkpoint nested in another: no
+    backward pass reaches its outputs outside a nested one, and the step
+    still ends by itself when the outermost pass ends (every pass that
+    reached the model is watched to its end), exact; ``finish_step()`` after
+    it has nothing left to end. The model checkpointed whole at the top
+    level ends its step by itself too."""
     torch.manual_seed(37)
     base = Segments().double()
     wrapped = DDP(copy.deepcopy(base))
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
 
     def nested(x):
         inner = lambda t: checkpoint(wrapped, t, use_reentrant=True)  # noqa: E731
@@ -218,24 +203,17 @@ def explicit_finish(rank, world):
 
     x = batch(0, rank, 4, 6).requires_grad_()
     nested(x).sum().backward()
-    errors = []
-    for call in (lambda: wrapped(x), opt.step):
-        try:
-            call()
-        except gradsync.UnfinishedStepError as e:
-            errors.append(str(e))
-    report = wrapped.finish_step()
+    ended = wrapped.last_report.step if wrapped.last_report is not None else None
+    late_finish = wrapped.finish_step()
     ref = copy.deepcopy(base)
     for r in range(world):
         ref(batch(0, r, 4, 6)).sum().backward()
     diff = max((p.grad - q.grad / world).abs().max().item() for p, q in zip(wrapped.parameters(), ref.parameters()))
-    # A model checkpointed whole at the top level needs no explicit call.
     wrapped.zero_grad()
     checkpoint(wrapped, x, use_reentrant=True).sum().backward()
     auto = wrapped.last_report.step
-    again = wrapped.finish_step()  # nothing left to end: a no-op
     wrapped.close()
-    return {"errors": errors, "report_step": report.step, "max_diff": diff, "auto_step": auto, "again": again}
+    return {"ended": ended, "late_finish": late_finish, "max_diff": diff, "auto_step": auto}
 
 
 def observability(rank, world, trace_dir, metrics_port):
@@ -288,28 +266,20 @@ def training_converges(rank, world, steps=40):
     return {"first": sum(losses[:3]) / 3, "last": sum(losses[-3:]) / 3, "params": flat}
 
 
-def collective_paths(rank, world, steps=3):
-    """The same steps with collectives on the native path and on the Python
-    path, float32 and bfloat16 on the wire: both paths' gradients, bit for
-    bit, and their distance from the averaged reference."""
+def wire_types(rank, world, steps=3):
+    """The same steps with float32 and bfloat16 on the wire: each one's
+    distance from the averaged reference."""
     out = {}
     for wire in ("float32", "bfloat16"):
-        grads = {}
-        for path in ("native", "python"):
-            model = mlp()
-            wrapped = wrap_without(None if path == "native" else "collectives", copy.deepcopy(model), wire_dtype=wire)
-            worst, seen = 0.0, []
-            for step in range(steps):
-                wrapped.zero_grad()
-                wrapped(batch(step, rank)).sum().backward()
-                worst = max(worst, off_reference(wrapped, model, world, step))
-                seen.append([p.grad.clone() for p in wrapped.parameters()])
-            grads[path] = seen
-            out[f"{wire}/{path}"] = {"native": wrapped.path.collectives == "native", "max_diff": worst}
-            wrapped.close()
-        out[f"{wire}/identical"] = all(
-            torch.equal(a, b) for sa, sb in zip(grads["native"], grads["python"]) for a, b in zip(sa, sb)
-        )
+        model = mlp()
+        wrapped = DDP(copy.deepcopy(model), wire_dtype=wire)
+        worst = 0.0
+        for step in range(steps):
+            wrapped.zero_grad()
+            wrapped(batch(step, rank)).sum().backward()
+            worst = max(worst, off_reference(wrapped, model, world, step))
+        out[wire] = worst
+        wrapped.close()
     return out
 
 
@@ -329,36 +299,24 @@ class TiedCheckpointed(nn.Module):
         return self.head(torch.tanh(self.shared(h)))
 
 
-def hook_paths(rank, world, steps=3):
-    """The same float32 steps with the native (C++) hooks and the Python
-    hooks, over a parameter whose hook fires twice (once in a nested
-    backward), an unused one, and a step whose ``.grad`` tensors are held
-    (``zero_grad(set_to_none=False)``): both paths' gradients bit for bit,
-    their distance from the averaged reference, and whether the held tensors
-    received the average."""
-    out = {"identical": True}
-    seen = {}
-    for path in ("native", "python"):
-        model = TiedCheckpointed()
-        wrapped = wrap_without(None if path == "native" else "arrivals", copy.deepcopy(model))
-        worst, held_kept, grads = 0.0, True, []
-        for step in range(steps):
-            wrapped.zero_grad(set_to_none=step != 1)
-            held = [p.grad for p in wrapped.parameters()]
-            wrapped(batch(step, rank, dtype=torch.float32)).sum().backward()
-            if step == 1:
-                held_kept = all(h is p.grad for h, p in zip(held, wrapped.parameters()) if p.grad is not None)
-            for p, want in zip(wrapped.parameters(), averaged_reference(model, world, step, dtype=torch.float32)):
-                if want is None:
-                    assert p.grad is None or not p.grad.any(), "an unused parameter got a gradient"
-                    continue
-                worst = max(worst, (p.grad - want).abs().max().item())
-            grads.append([None if p.grad is None else p.grad.clone() for p in wrapped.parameters()])
-        out[path] = {"native": wrapped.path.hooks == "native", "max_diff": worst, "held_kept": held_kept}
-        seen[path] = grads
-        wrapped.close()
-    for a_step, b_step in zip(seen["native"], seen["python"]):
-        for a, b in zip(a_step, b_step):
-            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
-                out["identical"] = False
-    return out
+def held_gradients(rank, world, steps=3):
+    """float32 steps over a parameter whose hook fires twice (once in a
+    nested backward), an unused one, and a step whose ``.grad`` tensors are
+    held (``zero_grad(set_to_none=False)``): the distance from the averaged
+    reference, and whether the held tensors received the average."""
+    model = TiedCheckpointed()
+    wrapped = DDP(copy.deepcopy(model))
+    worst, held_kept = 0.0, True
+    for step in range(steps):
+        wrapped.zero_grad(set_to_none=step != 1)
+        held = [p.grad for p in wrapped.parameters()]
+        wrapped(batch(step, rank, dtype=torch.float32)).sum().backward()
+        if step == 1:
+            held_kept = all(h is p.grad for h, p in zip(held, wrapped.parameters()) if p.grad is not None)
+        for p, want in zip(wrapped.parameters(), averaged_reference(model, world, step, dtype=torch.float32)):
+            if want is None:
+                assert p.grad is None or not p.grad.any(), "an unused parameter got a gradient"
+                continue
+            worst = max(worst, (p.grad - want).abs().max().item())
+    wrapped.close()
+    return {"max_diff": worst, "held_kept": held_kept}

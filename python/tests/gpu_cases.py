@@ -61,7 +61,7 @@ def stream_order(rank, world, side_stream, steps=4):
     identical = all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
     path = wrapped.path
     wrapped.close()
-    return {"max_diff": diff, "identical": identical, "buckets": path.buckets, "hooks": path.hooks}
+    return {"max_diff": diff, "identical": identical, "buckets": path.buckets, "why": path.why}
 
 
 def peak_of(rank, world, policy, bucket_mb=25, steps=3):

@@ -36,6 +36,7 @@ def _run_backward(*args, **kwargs):
         _DEPTH.n = depth
     if depth == 0:
         for wrapper in list(_WAITING):
+            wrapper._sync.record.end_queued_for = None
             wrapper._sync.end_of_backward()
     return result
 

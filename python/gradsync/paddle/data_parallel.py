@@ -53,8 +53,7 @@ _BUILT = {}
 # Where a Paddle backward can end without gradsync seeing it.
 _UNSEEN_END = "paddle.grad"
 _PATH = DataPath(
-    hooks="python",
-    collectives="python",
+    buckets="host",
     why="Paddle's gradient hooks and gloo groups are reached from Python (gradsync has no C++ module for Paddle)",
 )
 

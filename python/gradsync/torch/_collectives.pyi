@@ -16,12 +16,21 @@ def table() -> int:
 
 class Endpoint:
     """One gloo group (``group``, a ``ProcessGroupGloo``: control words, plan
-    agreements, host buckets), the job's store (``store``) this rank's
-    position is counted in under ``key``, and the device plane's data group
+    agreements, host buckets), the job's store (``store``) where each rank
+    counts the collectives it started under ``positions`` + its rank (this
+    one is ``rank`` of ``world``), and the device plane's data group
     (``data``: a ``ProcessGroupNCCL`` for CUDA buckets; ``None``: ``group``)."""
 
     def __init__(
-        self, group: Any, store: Any, key: str, data: Any = None, cancel: Optional[Cancel] = None, epoch: int = 0
+        self,
+        group: Any,
+        store: Any,
+        positions: str,
+        rank: int,
+        world: int,
+        data: Any = None,
+        cancel: Optional[Cancel] = None,
+        epoch: int = 0,
     ) -> None:
         """``cancel`` and ``epoch``: an elastic job's cancellation, and the
         membership epoch whose break cancels this endpoint's waits."""
@@ -59,17 +68,11 @@ class Plane:
     @property
     def streamed(self) -> bool:
         """Whether the plane has a stream (a device, not the CPU)."""
-    def enter(self) -> None:
-        """A step begins: the plane's stream waits for what the caller's
-        current stream queued so far. No-op on the CPU."""
-    def leave(self) -> None:
-        """A step's reduction is queued: the caller's current stream waits
-        for the plane's (the host does not block). No-op on the CPU."""
+    @property
+    def stream(self) -> Optional[torch.Stream]:
+        """The plane's stream (``None`` on the CPU); the C++ hook orders it
+        against the caller's stream."""
 
 def bucket_tensor(address: int) -> torch.Tensor:
     """The device-plane bucket at ``address`` (``Step.buckets()``), as a
     tensor sharing its memory."""
-
-def lend(bucket: torch.Tensor, params: list[torch.Tensor], offsets: list[int], loan: Any) -> None:
-    """Make each of ``params``' ``.grad`` a view of ``bucket`` at its offset,
-    the views sharing one base that keeps ``loan`` alive while any view lives."""

@@ -1,12 +1,13 @@
-"""Seeing backward reach a model without touching its outputs.
+"""Finding the tensors in a model's outputs, without touching them.
 
-The wrapper must know when backward reaches the model's outputs (to find the
-outermost backward pass and end the step when it ends). It learns it from a
-pre-hook on the autograd node that produced each output tensor: the node runs
-in backward before any gradient of the model's parameters is final. The
-outputs themselves are returned as they are (same objects, same types, no
-view, no copy), so the caller may modify them in place, keep them in a
-``ModelOutput`` or a dataclass, or mix them with non-tensors.
+The wrapper must know when backward reaches the model's outputs (to watch
+that backward's end and end the step when it ends). The C++ hook learns it
+from a pre hook on the autograd node that produced each output tensor
+(``_hooks.Hooks.watch``): the node runs in backward before any gradient of
+the model's parameters is final. The outputs themselves are returned as
+they are (same objects, same types, no view, no copy), so the caller may
+modify them in place, keep them in a ``ModelOutput`` or a dataclass, or mix
+them with non-tensors.
 """
 
 import dataclasses
@@ -36,17 +37,3 @@ def tensors_in(output, depth=0):
         return
     for item in items:
         yield from tensors_in(item, depth + 1)
-
-
-def hook_backward_entry(output, prehook):
-    """Register ``prehook(grad_outputs)`` (returning ``None``: gradients pass
-    unchanged) on each node that produced a tensor of ``output``. Returns how
-    many nodes were hooked (0: nothing in the output requires grad)."""
-    seen = set()
-    for t in tensors_in(output):
-        node = t.grad_fn
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        node.register_prehook(prehook)
-    return len(seen)

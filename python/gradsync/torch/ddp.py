@@ -4,15 +4,17 @@ What happens in one step::
 
     forward          the wrapped module runs; its outputs pass through a sink
                      whose backward marks "backward reached this model"
-    backward         every parameter's hook (C++ on its AccumulateGrad node,
-                     or Python: ``_hooks``) hands its .grad (the contribution
-                     since the last firing) to the runtime, token = the
-                     hook's firing index in the step; buckets are all-reduced
-                     while backward goes on (under ``no_sync`` the gradients
-                     stay in .grad and sum up there, as under DDP)
-    end of backward  in the *outermost* backward pass, a callback ends the
-                     step: remaining buckets, control, corrections; then the
-                     averaged gradients are written into .grad
+    backward         every parameter's hook (C++, on its AccumulateGrad node:
+                     ``_hooks``) hands its .grad (the contribution since the
+                     last firing) to the runtime, token = the hook's firing
+                     index in the step; buckets are all-reduced while
+                     backward goes on (under ``no_sync`` the gradients stay
+                     in .grad and sum up there, as under DDP)
+    end of backward  when the last backward pass that reached the model ends
+                     (the outermost: a reentrant checkpoint's nested passes
+                     end inside it), a callback ends the step: remaining
+                     buckets, control, corrections; then the averaged
+                     gradients are written into .grad
 
 A second backward through the outputs of a synchronized forward
 (``retain_graph=True``) after its step ended is a step of its own: its
@@ -39,11 +41,11 @@ What ``.grad`` is after a step (DDP's rules, with DDP's default
   never makes gradsync keep more than one extra set of buckets (``_grads``).
 
 This module holds what is torch's own: building the wrapper over torch's
-process group, the forward, and finding the outermost backward. The step
-state and its rules are the framework-neutral core's (``gradsync._core``);
-hooks and records are in ``_hooks``, writing results in ``_grads``, the rest
-of torch's DDP surface in ``_surface`` (uneven inputs in ``_join``), what
-the model's outputs carry to see backward begin in ``_outputs``.
+process group and the forward. The step state and its rules are the
+framework-neutral core's (``gradsync._core``); the hook, the record and
+writing results are in ``_hooks`` (over the C++ ``Ledger``), the framework's
+part in ``_grads``, the rest of torch's DDP surface in ``_surface`` (uneven
+inputs in ``_join``), finding the tensors of the model's outputs in ``_outputs``.
 """
 
 import functools
@@ -60,9 +62,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradsync._controls import StepControls
 from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
 from gradsync._errors import ConfigError
-from gradsync.torch import _autograd, _outputs, _shim
+from gradsync._gloo import never_free
+from gradsync.torch import _shim
 from gradsync.torch._comm import TorchCommunicator
-from gradsync.torch._grads import GradWriter, TorchGrads, reals
+from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
@@ -88,8 +91,9 @@ _REFUSED = ("mixed_precision", "device_mesh", "delay_all_reduce_named_params", "
 # Wrappers alive and not closed in this process: for the optimizer check,
 # and to find the wrapper a new one takes a module over from.
 _LIVE = weakref.WeakSet()
-# Where a torch backward can end without gradsync seeing it.
-_UNSEEN_END = "torch.autograd.grad, or a backward nested in another"
+# Where a torch backward can end without gradsync seeing it: nowhere known
+# (the C++ hook watches every task that reaches the model to its end).
+_UNSEEN_END = "a backward whose end the C++ hook did not see; please report it"
 # Wrappers built per process group, in order: every rank builds them in the
 # same order (as with DDP), so the n-th wrapper has the same prefix everywhere.
 _BUILT = {}
@@ -103,83 +107,62 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
         ddp._raise_if_unaveraged(optimizer)
 
 
-def _backward_reached(ref, grad_outputs=None):
-    """Backward reached a wrapped model's outputs (an output node's pre-hook,
-    see ``_outputs``), or a hook saw a new autograd task: the gradients pass
-    unchanged."""
+def _end_of_backward(ref):
+    """The last backward that reached a wrapped model ended (the C++ hook
+    calls this once per step): end its step."""
     ddp = ref()
     if ddp is not None:
-        ddp._backward_activity()
+        ddp._sync.end_of_backward()
 
 
-def _synced_backward_reached(ref, grad_outputs=None):
-    """As :func:`_backward_reached`, at the outputs of a forward that asked
-    for a synchronized step. A second backward through them
-    (``retain_graph=True``) after that step ended is a step of its own: its
-    gradients are averaged and added to ``.grad``, as one backward of both
-    losses would have left them."""
+def _sync_asked(ref):
+    """A second backward runs through the outputs of a synchronized forward
+    (``retain_graph=True``) after that step ended: a step of its own, whose
+    average is added to ``.grad``, as one backward of both losses would have
+    left it."""
     ddp = ref()
     if ddp is not None:
         ddp._ask_for_sync()
-        ddp._backward_activity()
 
 
 def _data_path(device, buckets):
-    """The hooks, collectives and bucket memory a wrapper of parameters on
-    ``device`` runs (``buckets``: the user's ``buckets`` setting, or None).
-    Returns ``(path, ledger module, collectives module)``.
+    """Where a wrapper of parameters on ``device`` keeps its buckets
+    (``buckets``: the user's ``buckets`` setting, or None), and gradsync's
+    C++ modules. Returns ``(path, arrivals module, collectives module)``.
 
-    CPU parameters: native hooks and collectives over host buckets, unless
-    the build lacks the C++ modules (then Python, with a warning);
-    ``buckets="device"`` runs the device plane on CPU tensors (what CI
-    checks of it). CUDA parameters: the device plane (buckets on the GPU,
-    NCCL), or, with ``buckets="host"``, gradients staged through host memory
-    and gloo with hooks in Python (a warning says so)."""
+    CPU parameters: host buckets; ``buckets="device"`` runs the device
+    plane on CPU tensors (what CI checks of it). CUDA parameters: the device
+    plane (buckets on the GPU, NCCL), or, with ``buckets="host"``, gradients
+    staged through host memory and summed by gloo (a warning says so).
+    Without the C++ modules nothing runs: they are gradsync's hook and
+    collectives, as DDP's reducer is DDP's."""
     if buckets not in (None, "host", "device"):
         raise ConfigError(f"buckets={buckets!r}: use 'device' (on the parameters' device) or 'host' (host memory)")
     collectives, missing = _shim.load("collectives")
-    ledger, ledger_missing = _shim.load("arrivals")
-    why = missing or ledger_missing
-    on_device = device.type != "cpu"
-    if buckets is None:
-        # The default degrades where the device plane cannot run (a build
-        # without the C++ modules, a device other than CUDA): host buckets,
-        # with the warning below. Asking for "device" there is an error.
-        buckets = "device" if device.type == "cuda" and why is None else "host"
-    if buckets == "device":
-        if why is not None:
-            raise ConfigError(
-                f"buckets on {device} need gradsync's C++ modules, and {why}. Reinstall gradsync with torch "
-                "installed (pip install --no-build-isolation), or pass buckets='host' (slower on a GPU)"
-            )
-        if on_device and device.type != "cuda":
-            raise ConfigError(f"buckets on {device}: gradsync's device plane runs on CUDA; pass buckets='host'")
-        return DataPath(hooks="native", collectives="native", why=None, buckets="device"), ledger, collectives
-    if on_device:
-        why = (
-            f"gradients of parameters on {device} are staged through host memory and reduced by gloo, with hooks "
-            "in Python (two PCIe copies and a CPU sum per gradient), "
-            + (f"because {why}" if why is not None
-               else "because gradsync's device plane runs on CUDA only" if device.type != "cuda"
-               else "as buckets='host' asks")
-            + "; buckets='device' keeps CUDA gradients on the GPU and reduces them with NCCL"
-        )
-        warnings.warn(f"gradsync: {why}", RuntimeWarning, stacklevel=4)
-        return DataPath(hooks="python", collectives=("native" if collectives else "python"), why=why), None, collectives
+    arrivals, arrivals_missing = _shim.load("arrivals")
+    why = missing or arrivals_missing
     if why is not None:
-        which = " and ".join(w for w, m in (("hooks", ledger), ("collectives", collectives)) if m is None)
-        warnings.warn(
-            f"gradsync: {which} run in Python, slower: {why}. Reinstall gradsync with torch "
-            "installed (pip install --no-build-isolation) to build them.",
-            RuntimeWarning,
-            stacklevel=4,
+        raise ConfigError(
+            f"gradsync.torch cannot run: {why}. Its C++ modules are built when gradsync is installed with torch "
+            "present: install torch first, then reinstall gradsync (pip install --no-build-isolation "
+            "--force-reinstall gradsync)"
         )
-    path = DataPath(
-        hooks="native" if ledger is not None else "python",
-        collectives="native" if collectives is not None else "python",
-        why=why,
+    if buckets is None:
+        buckets = "device" if device.type == "cuda" else "host"
+    if buckets == "device":
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"buckets on {device}: gradsync's device plane runs on CUDA; pass buckets='host'")
+        return DataPath(buckets="device"), arrivals, collectives
+    if device.type == "cpu":
+        return DataPath(buckets="host"), arrivals, collectives
+    why = (
+        f"gradients of parameters on {device} are staged through host memory and reduced by gloo (two copies "
+        "across the bus and a CPU sum per gradient), "
+        + ("because gradsync's device plane runs on CUDA only" if device.type != "cuda" else "as buckets='host' asks")
+        + "; buckets='device' keeps CUDA gradients on the GPU and reduces them with NCCL"
     )
-    return path, ledger, collectives
+    warnings.warn(f"gradsync: {why}", RuntimeWarning, stacklevel=4)
+    return DataPath(buckets="host", why=why), arrivals, collectives
 
 
 class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
@@ -330,16 +313,14 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         # torch.compile's DDPOptimizer splits compiled graphs at this many
         # bytes of parameters; it refuses less than torch's first-bucket size.
         self.bucket_bytes_cap = max(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
-        path, ledger, collectives = _data_path(self._device, settings.get("buckets"))
+        path, arrivals, collectives = _data_path(self._device, settings.get("buckets"))
         if elastic is not None:
             # An elastic job: the groups live in the job's store, under its membership epoch.
             if process_group is not None:
                 raise ConfigError("elastic=...: the members are the elastic job's; leave process_group unset")
-            if collectives is None:
-                raise ConfigError("an elastic job needs gradsync's C++ collectives (reinstall with torch installed)")
             refuse_in_elastic_job([n for n, _ in self._sparse_named])
             self.process_group = None
-            store, prefix, self._rank, self._world = elastic._attach(self)
+            store, prefix, self._rank, self._world = elastic.attach(self)
         else:
             prefix, store = self._join_group(process_group)
         self._store, self._timeout_s = store, timeout_s
@@ -350,7 +331,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         )
         comm.membership_epoch = 0 if elastic is None else elastic.epoch
         self._comm = comm
-        self._abandon = None if elastic is None else elastic._abandon
+        self._abandon = None if elastic is None else elastic.abandoned
         self._retired_states = []
         self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s, self._abandon)
         if elastic is None:
@@ -366,7 +347,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             self._sync.elastic = elastic
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
-        self._attach_hooks(ledger, comm if path.buckets == "device" else None)
+        self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
         _LIVE.add(self)
@@ -374,14 +355,45 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         if _OPTIMIZER_HOOK is None:
             _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_before_optimizer_step)
 
-    def _move_to(self, prefix, rank, world, epoch, store):
-        """An elastic job changed its members: this wrapper's groups move to
-        ``prefix`` of ``store`` as ``rank`` of ``world`` (the runtime's reset opens them)."""
+    # ---- what an elastic job's membership calls (gradsync.torch.Elastic) ---------------------
+
+    def reconfigure(self, *, store, prefix, rank, world, epoch):
+        """The one seam of a membership change: this replica is now ``rank``
+        of ``world`` in membership epoch ``epoch``, its groups under
+        ``prefix`` of ``store``. The groups move there (the old ones are
+        kept until the process ends, ``_gloo.never_free``: a gloo group's
+        destructor waits out work abandoned on a silent peer), and the
+        runtime agrees with the new members on the step to go on at.
+        Returns the failed step reduced again among them (a ``Step``, under
+        the partial policy when every member could), or ``None``. Every
+        member calls it at the same point."""
         self._rank, self._world, self._store = rank, world, store
         self._comm.move(prefix, rank, world, epoch, store)
-        # Kept, not destroyed: a gloo group's destructor waits out work abandoned on a silent peer.
-        self._retired_states.append(self._states)
+        self._retired_states.append(never_free(self._states))
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
+        _, redone = self._sync.session.resume(rank, world)
+        return redone
+
+    @property
+    def state_group(self):
+        """The wrapper's state group of the current epoch (``_states.StateBroadcast``):
+        where parameters, buffers and an elastic job's state travel, on the
+        training thread (never the communicator's)."""
+        return self._states
+
+    def broadcast_module_states(self):
+        """Rank 0's parameters and buffers to every rank (what the
+        constructor does; an elastic job does it at its first boundary)."""
+        self._states.broadcast(self._model_states())
+
+    def broadcast_buffers(self, *, force=False):
+        """Rank 0's buffers to every rank, waiting for the receivers, under
+        DDP's rule (after a synchronized forward); ``force``: whatever each
+        rank's last forward was (after a membership change, every member
+        sends or receives them alike)."""
+        if force:
+            self.require_forward_param_sync = True
+        self._broadcast_buffers_now(wait=True)
 
     def _broadcast_buffers_now(self, wait=False, joined=False):
         """Rank 0's buffers to every rank, when DDP would send them: before a
@@ -460,24 +472,24 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         nth = _BUILT[key] = _BUILT.get(key, 0) + 1
         return f"gradsync/{key}/{nth}", dist.distributed_c10d._get_default_store()
 
-    def _attach_hooks(self, ledger, plane):
-        """Hooks on the parameters, after retiring any wrapper that holds one
-        of them (``ddp = DDP(model)`` run again: its hooks come off first).
-        ``plane``: the communicator, when the buckets are on the device plane."""
-        staging = plane is None and self._device.type != "cpu"
-        writer = GradWriter(self._params, staging, plane)
+    def _attach_hooks(self, arrivals, plane):
+        """The C++ hook on the parameters, after retiring any wrapper that
+        holds one of them (``ddp = DDP(model)`` run again: its hooks come off
+        first). ``plane``: the communicator, when the buckets are on the
+        device plane."""
         for earlier in [w for w in _LIVE if w is not self and w._holds_any(self._params)]:
             earlier._retire()
         ref = weakref.ref(self)
-        self._on_backward = functools.partial(_backward_reached, ref)
-        self._on_synced_backward = functools.partial(_synced_backward_reached, ref)
         hooks = Hooks(
-            weakref.ref(self._sync), self._names, self._params, writer.viewable, staging, self._device,
-            self._sync.session, ledger, self._on_backward, device_plane=plane is not None,
+            arrivals, self._names, self._params, self._device, self._sync.session,
+            functools.partial(_end_of_backward, ref), functools.partial(_sync_asked, ref),
+            staging=plane is None and self._device.type != "cpu", device_plane=plane is not None,
+            plane_stream=None if plane is None else plane.plane_stream(),
         )
         sparse = SparseGrads([n for n, _ in self._sparse_named], [p for _, p in self._sparse_named], self._states,
                              self._rank)
-        self._sync.attach(TorchGrads(self._params, hooks, writer, sparse))
+        self._hooks = hooks
+        self._sync.attach(TorchGrads(self._params, hooks, plane, sparse))
 
     # ---- forward and the end of backward --------------------------------------------------
 
@@ -497,10 +509,10 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
             Join.notify_join_context(self)
         if sync.elastic is None:
             self._broadcast_buffers_now()
-        if grad_enabled and _autograd.current_task() != -1:
+        if grad_enabled and torch._C._current_graph_task_id() != -1:
             # Recomputed inside backward (the model in a reentrant checkpoint):
-            # the backward running now may be the outermost one.
-            self._backward_activity()
+            # the backward running now reached the model.
+            self._hooks.reached()
         # As the active DDP module, torch.compile's DDPOptimizer splits a
         # compiled module at bucket boundaries, so its backward still
         # produces gradients bucket by bucket (overlap under compile).
@@ -516,7 +528,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         # next forward keeps each rank's buffers, as under DDP.
         self.require_forward_param_sync = grad_enabled and sync.require_sync
         if grad_enabled:
-            _outputs.hook_backward_entry(output, self._on_synced_backward if synced else self._on_backward)
+            self._hooks.watch(output, synced)
         return output
 
     def _ask_for_sync(self):
@@ -525,25 +537,6 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         if not self._sync.record.sync_pending:
             Join.notify_join_context(self)
             self._sync.ask_for_sync()
-
-    def _backward_activity(self):
-        """Backward (or a recomputed forward inside it) reached this model: if
-        this is the outermost pass, end the step when it ends."""
-        task = _autograd.current_task()
-        record = self._sync.record
-        if task == record.task_seen:
-            return
-        record.task_seen = task
-        if not record.began:
-            # Backward begins for this step: which .grad tensors exist already
-            # (their holders expect them to receive the average, as with DDP).
-            record.begin_backward([p.grad for p in self._params])
-            # The device plane's stream starts after what the caller queued
-            # (the last optimizer step, which read the buckets).
-            self._comm.enter()
-        if record.end_queued_for != task and _autograd.in_outermost_backward():
-            record.end_queued_for = task
-            _autograd.at_end_of_current_task(self._sync.end_of_backward)
 
     def _raise_if_unaveraged(self, optimizer):
         """Refuse an optimizer step over a gradient no rank averaged: a
