@@ -9,7 +9,7 @@ and steps involved::
     ├── RejectedError (ValueError)      a gradient the runtime refused (.reason)
     ├── GradientLayoutError (ValueError) a gradient gradsync cannot read (sparse)
     ├── StepOrderError                  a step ended out of order or twice
-    ├── UnfinishedStepError             backward ended where gradsync could not see it
+    ├── UnfinishedStepError             gradients handed over, the step never ended
     ├── ClosedError                     used after close()
     ├── MembershipError                 an elastic job could not change its members (.kind)
     └── StepFailedError                 the step is lost: reset() on every rank (.step)
@@ -46,9 +46,10 @@ class StepOrderError(GradsyncError):
 
 
 class UnfinishedStepError(GradsyncError):
-    """Gradients were handed over but the step never ended: backward ran where the
-    wrapper cannot see its end (``torch.autograd.grad``, a nested backward).
-    Call ``finish_step()`` after such a backward."""
+    """Gradients were handed over and the step never ended before a forward or
+    an optimizer step: ``require_manual_backward_finalization`` is on and
+    ``finalize_backward()`` was not called, or (Paddle) a ``paddle.grad``
+    backward needs ``finish_step()``."""
 
 
 class ClosedError(GradsyncError):
@@ -119,16 +120,3 @@ class CommunicationError(StepFailedError):
 
 class PoisonedError(StepFailedError):
     """An earlier step failed on this rank and ``reset()`` has not been called."""
-
-
-class _CollectiveFailed(Exception):
-    """Raised by a communicator to the runtime; never reaches user code.
-
-    ``kind`` is ``"timeout"``, ``"peer_gone"`` or ``"backend"``; ``missing``
-    lists the ranks behind this collective, ``peer`` a rank known to be gone."""
-
-    def __init__(self, kind, message, missing=(), peer=None):
-        super().__init__(message)
-        self.kind = kind
-        self.missing = list(missing)
-        self.peer = peer

@@ -1,19 +1,23 @@
 """What gradsync's communicators over gloo share, whichever framework runs
-them: positions in the job's store, epochs, the reading of gloo's errors,
-and views of the runtime's memory by address. Needs neither torch nor Paddle.
+them: positions in the job's store, epochs, and views of the runtime's
+memory by address. Needs neither torch nor Paddle.
 
 A communicator runs the runtime's collectives on a gloo group of gradsync's
 own. Before each collective, a rank counts it in the store (``add(key, 1)``
 under a key per rank and epoch): when a collective fails, the ranks whose
-count is lower never reached it, and the error names them. After a failure
-every rank calls ``reset``: a new epoch, on a fresh group (the old group's
-connections hold half-finished messages). The framework's communicator
-supplies the group (:meth:`GlooCommunicator._new_group`) and the collective.
+count is lower never reached it. After a failure every rank calls
+``reset``: a new epoch, on a fresh group (the old group's connections hold
+half-finished messages). The framework's communicator supplies the group
+(:meth:`GlooCommunicator._new_group`) and the collective.
+
+A failure is not classified here: the runtime does it, once, from facts
+(actors/src/failure.rs): the ranks behind, the time waited
+against the deadline. torch's C++ endpoint reads the ranks behind itself;
+Paddle's communicator (Python) reports them with :meth:`GlooCommunicator.failure`.
+Nobody reads gloo's wording.
 """
 
 import ctypes
-
-from gradsync._errors import _CollectiveFailed
 
 #: The ctypes element type of each dtype the runtime hands over by address
 #: (the half-width wire types as their raw 16 bits).
@@ -28,8 +32,17 @@ CTYPES = {
 #: The element types whose sums are scaled (gradients; control words are not).
 SCALED = ("float32", "float64")
 
-# Substrings of gloo's messages when a peer process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+def never_free(obj):
+    """Keep ``obj`` alive until the process ends, through interpreter
+    shutdown too. For gloo groups of a broken epoch: a group whose work
+    waits on a vanished peer cannot be destroyed without waiting out gloo's
+    timeout (its destructor joins its worker threads), so a program that
+    ends (or drops its wrapper) right after a membership change would hang
+    in a destructor. Holding them in a list is not enough: the interpreter
+    clears module globals and collects cycles at shutdown. An extra
+    reference nobody owns leaves them to the operating system."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    return obj
 
 
 class AddressArrays:
@@ -49,23 +62,6 @@ class AddressArrays:
         return array_type.from_address(addr)
 
 
-def collective_failure(error, tag, behind):
-    """``error`` from a gloo collective as the runtime's failure: a timeout
-    naming the ranks ``behind`` (those that never reached the collective), a
-    peer gone (exactly one behind), or a backend error."""
-    text = str(error).strip()
-    message = text.splitlines()[-1] if text else type(error).__name__
-    lowered = message.lower()
-    # gloo says "Timed out waiting ...", "Application timeout caused pair
-    # closure" (torch's) or "... TIMEOUT self_rank = ..." (Paddle's).
-    if "timed out" in lowered or "timeout" in lowered:
-        return _CollectiveFailed("timeout", f"{tag}: {message}", missing=behind)
-    if any(s in message for s in _PEER_GONE) and len(behind) == 1:
-        return _CollectiveFailed("peer_gone", f"{tag}: {message}", peer=behind[0])
-    detail = f"; ranks {behind} had not reached it" if behind else ""
-    return _CollectiveFailed("backend", f"{tag}: {message}{detail}")
-
-
 class GlooCommunicator:
     """One rank's end of a gloo group of gradsync's own (see the module
     docs). ``store`` is the job's store, ``prefix`` a key prefix unique to
@@ -79,9 +75,14 @@ class GlooCommunicator:
         self._epoch = 0
         self._arrays = AddressArrays()
 
+    def _positions(self):
+        """Where each rank counts the collectives it started in this epoch:
+        this prefix and its rank."""
+        return f"{self._prefix}/epoch{self._epoch}/position/"
+
     def _key(self, rank):
         """Where ``rank`` counts the collectives it started in this epoch."""
-        return f"{self._prefix}/epoch{self._epoch}/position/{rank}"
+        return f"{self._positions()}{rank}"
 
     def _mark(self):
         """Count one more collective of this rank; returns its position."""
@@ -94,12 +95,14 @@ class GlooCommunicator:
         except Exception:  # the store itself is unreachable: nothing to say
             return []
 
-    def failure(self, error, tag, position):
-        """A failed collective (gloo's ``error``; ``position`` the count it
-        was started at) as the runtime's failure, naming the ranks that had
-        not reached it. Judged against that collective, not the latest one
-        started: later ones may already be on their way."""
-        return collective_failure(error, tag, self._behind(position))
+    def failure(self, error, position):
+        """What the runtime classifies a failed collective by: the error's
+        message and the ranks that had not reached it (``position``: the
+        count it was started at; judged against that collective, not the
+        latest one started: later ones may already be on their way)."""
+        text = str(error).strip()
+        message = text.splitlines()[-1] if text else type(error).__name__
+        return message, self._behind(position)
 
     def _array(self, addr, numel, dtype):
         # The runtime guarantees `addr` holds `numel` elements for this call;

@@ -25,7 +25,7 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 6;
+constexpr uint32_t kVersion = 7;
 
 
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
@@ -38,7 +38,7 @@ struct Table {
   int32_t (*start_tensor)(void*, void*, void*, int32_t, double, int64_t, void**, int64_t*, char*, size_t);
   int32_t (*alloc)(void*, int64_t, int32_t, void**, char*, size_t);
   void (*free)(void*);
-  int32_t (*write)(void*, void*, int64_t, void*, int32_t, double, char*, size_t);
+  int32_t (*pack)(void*, void*, int64_t, void*, int32_t, double, char*, size_t);
   int32_t (*difference)(void*, void*, int64_t, void*, void*, char*, size_t);
   int32_t (*scale)(void*, void*, int64_t, int64_t, double, char*, size_t);
   int32_t (*add_from)(void*, void*, int64_t, void*, int64_t, int64_t, char*, size_t);
@@ -51,13 +51,15 @@ struct Table {
   int32_t (*store_compare_set)(void*, const char*, size_t, const uint8_t*, size_t, const uint8_t*, size_t, uint8_t*,
                                size_t, size_t*, char*, size_t);
   void (*cancel_epoch)(void*, int64_t);
+  // Which ranks never reached a failed collective.
+  int32_t (*behind)(void*, int64_t, int64_t*, size_t, size_t*);
 };
 
 const Table kTable{kVersion,    &start,          &finish,         &forget,     &start_tensor,
-                   &plane_alloc, &plane_free,     &plane_write,    &plane_difference,
+                   &plane_alloc, &plane_free,     &plane_pack,    &plane_difference,
                    &plane_scale, &plane_add_from, &plane_sum,      &release_given,
                    &store_add,   &store_set,      &store_get,      &store_compare_set,
-                   &cancel_epoch};
+                   &cancel_epoch, &behind};
 
 
 }  // namespace
@@ -71,21 +73,26 @@ PYBIND11_MODULE(_collectives, m) {
   m.def(
       "table", [] { return reinterpret_cast<uintptr_t>(&kTable); },
       "Address of the C function table the runtime's communicator thread calls.");
-  py::class_<Endpoint>(m, "Endpoint", "One gloo group and the store key its positions are counted under.")
-      .def(py::init([](py::object group, py::object store, std::string key, py::object data, py::object cancel,
-                       int64_t epoch) {
+  py::class_<Endpoint>(m, "Endpoint",
+                       "One gloo group and the store keys its positions are counted under (`positions` + rank).")
+      .def(py::init([](py::object group, py::object store, std::string positions, int64_t rank, int64_t world,
+                       py::object data, py::object cancel, int64_t epoch) {
              auto ep = std::make_unique<Endpoint>();
              ep->group = group.cast<c10::intrusive_ptr<c10d::Backend>>();
              ep->data = data.is_none() ? ep->group : data.cast<c10::intrusive_ptr<c10d::Backend>>();
              ep->store = store.cast<c10::intrusive_ptr<c10d::Store>>();
-             ep->key = std::move(key);
+             ep->positions = std::move(positions);
+             ep->key = ep->positions + std::to_string(rank);
+             ep->rank = rank;
+             ep->world = world;
              if (!cancel.is_none()) {
                ep->cancel = cancel.cast<std::shared_ptr<Cancel>>();
                ep->epoch = epoch;
              }
              return ep;
            }),
-           py::arg("group"), py::arg("store"), py::arg("key"), py::arg("data") = py::none(),
+           py::arg("group"), py::arg("store"), py::arg("positions"), py::arg("rank"), py::arg("world"),
+           py::arg("data") = py::none(),
            py::arg("cancel") = py::none(), py::arg("epoch") = 0)
       .def_property_readonly(
           "address", [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
@@ -120,27 +127,10 @@ PYBIND11_MODULE(_collectives, m) {
           "Where the runtime finds this plane (valid while the object lives).")
       .def_property_readonly(
           "streamed", [](Plane& p) { return p.comm.has_value(); }, "Whether the plane has a stream (a device).")
-      .def(
-          "enter",
-          [](Plane& p) {
-            if (p.comm) {
-              stream_waits(*p.comm, caller_stream(p));
-            }
-          },
-          "A step begins: the plane's stream waits for what the caller's current stream queued so far "
-          "(the previous optimizer step that read the buckets). No-op on the CPU.")
-      .def(
-          "leave",
-          [](Plane& p) {
-            if (p.comm) {
-              stream_waits(caller_stream(p), *p.comm);
-            }
-          },
-          "A step's reduction is queued: the caller's current stream waits for it, so what the caller queues "
-          "next (writing .grad, optimizer.step()) reads the averages. The host does not block. No-op on the CPU.");
-  m.def("lend", &lend, py::arg("bucket"), py::arg("params"), py::arg("offsets"), py::arg("loan"),
-        "Make each parameter's .grad a view of `bucket` at its offset, the views keeping `loan` alive "
-        "(see the C++ comment above `lend`).");
+      .def_property_readonly(
+          "stream", [](Plane& p) { return p.comm; },
+          "The plane's stream (None on the CPU): the C++ hook orders it after the caller's stream when a "
+          "backward begins, and the caller's after it before the write-back (the host does not block).");
   m.def(
       "bucket_tensor", [](uintptr_t bucket) { return reinterpret_cast<Bucket*>(bucket)->tensor; }, py::arg("address"),
       "The device-plane bucket at `address` (from the runtime's Step.buckets()), as a tensor sharing its memory.");

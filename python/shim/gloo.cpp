@@ -19,9 +19,11 @@
 //   the all-reduce. It returns a Flight and the position.
 // * `finish` waits for a Flight, scales a float sum, and frees the Flight.
 //   `forget` frees one without waiting (after a failure).
-// * Errors come back as text (the return value says there is one); the Python
-//   side turns the text and the failed collective's position into a typed
-//   failure (ranks whose position is lower never reached it).
+// * A failure comes back as an Outcome (failed, or cancelled by a broken
+//   membership epoch) and text; `behind` then reads, from the store, which
+//   ranks never reached the failed collective (their position is lower).
+//   The runtime classifies the failure from those facts and the time it
+//   waited (actors/src/failure.rs); nobody reads gloo's wording.
 //
 // Wire types: a host bucket that travels as bfloat16 or float16 was rounded
 // into a buffer of that type by the runtime's transport (python/src/transport.rs)
@@ -107,6 +109,18 @@ int32_t finish(void* flight, char* err, size_t err_len) {
 
 void forget(void* flight) {
   delete static_cast<Flight*>(flight);
+}
+
+int32_t behind(void* endpoint, int64_t seq, int64_t* ranks, size_t cap, size_t* n) {
+  *n = 0;
+  auto* ep = static_cast<Endpoint*>(endpoint);
+  return guarded(nullptr, 0, [&] {
+    for (int64_t r = 0; r < ep->world && *n < cap; ++r) {
+      if (r != ep->rank && ep->store->add(ep->positions + std::to_string(r), 0) < seq) {
+        ranks[(*n)++] = r;
+      }
+    }
+  });
 }
 
 

@@ -2,7 +2,7 @@
 // and its function table; gloo.cpp, host collectives; plane.cpp, the device
 // plane; store.cpp, the membership store): the element codes, the endpoint
 // and its started collectives, the device plane's state, the error
-// convention (`guarded`: a return code and a message, never an exception
+// convention (`guarded`: an `Outcome` and a message, never an exception
 // across the C boundary), and the functions the table points at.
 
 #pragma once
@@ -43,6 +43,16 @@ struct Cancel {
 // returns at once; a slice only bounds how late a cancellation is seen.
 constexpr auto kWaitSlice = std::chrono::milliseconds(20);
 
+// Thrown where a collective of a broken membership epoch gives up; `guarded`
+// returns kCancelled for it.
+struct CancelledError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// What the table's functions return: done, failed (the message says how),
+// or cut short by a broken membership epoch.
+enum Outcome : int32_t { kDone = 0, kFailed = 1, kCancelled = 2 };
+
 // One process group as the communicator thread sees it.
 struct Endpoint {
   // Control words, plan agreements, host buckets (gloo).
@@ -51,8 +61,12 @@ struct Endpoint {
   c10::intrusive_ptr<c10d::Backend> data;
   // The job's store, where positions are counted.
   c10::intrusive_ptr<c10d::Store> store;
-  // This rank's position key in `store` (one per group epoch).
+  // Where each rank counts the collectives it started in this group epoch:
+  // `positions` + its rank (`key`: this rank's).
+  std::string positions;
   std::string key;
+  int64_t rank = 0;
+  int64_t world = 1;
   // An elastic job's cancellation (shared with its Python owner, so no
   // Python reference is held here), and the membership epoch this group
   // belongs to; null: never cancelled.
@@ -61,8 +75,10 @@ struct Endpoint {
 
   bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
   void check_cancelled() const {
-    TORCH_CHECK(!cancelled(), "gradsync: collective cancelled: membership epoch ", epoch,
-                " lost a member (the liveness monitor broke it)");
+    if (cancelled()) {
+      throw CancelledError("gradsync: collective cancelled: membership epoch " + std::to_string(epoch) +
+                           " lost a member (the liveness monitor broke it)");
+    }
   }
 };
 
@@ -113,7 +129,10 @@ template <typename F>
 int32_t guarded(char* err, size_t len, F&& body) {
   try {
     body();
-    return 0;
+    return kDone;
+  } catch (const CancelledError& e) {
+    write_error(err, len, e.what());
+    return kCancelled;
   } catch (const c10::Error& e) {
     write_error(err, len, e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -121,7 +140,7 @@ int32_t guarded(char* err, size_t len, F&& body) {
   } catch (...) {
     write_error(err, len, "unknown C++ exception");
   }
-  return 1;
+  return kFailed;
 }
 
 
@@ -179,15 +198,14 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double fa
               void** flight, int64_t* seq, char* err, size_t err_len);
 int32_t finish(void* flight, char* err, size_t err_len);
 void forget(void* flight);
+int32_t behind(void* endpoint, int64_t seq, int64_t* ranks, size_t cap, size_t* n);
 
 // ---- plane.cpp: the device plane -----------------------------------------------------
 Plane* new_plane(const c10::Device& device);
-c10::Stream caller_stream(const Plane& plane);
-void stream_waits(const c10::Stream& a, const c10::Stream& b);
 void release_given(void* given);
 int32_t plane_alloc(void* plane, int64_t numel, int32_t elem, void** bucket, char* err, size_t err_len);
 void plane_free(void* bucket);
-int32_t plane_write(void* plane, void* bucket, int64_t offset, void* src, int32_t add, double factor, char* err,
+int32_t plane_pack(void* plane, void* bucket, int64_t offset, void* src, int32_t add, double factor, char* err,
                     size_t err_len);
 int32_t plane_difference(void* plane, void* bucket, int64_t offset, void* last, void* sent, char* err,
                          size_t err_len);
@@ -198,8 +216,6 @@ int32_t plane_add_from(void* plane, void* dst, int64_t dst_offset, void* src, in
 int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t err_len);
 int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t timeout_ms,
                      void** flight, int64_t* seq, char* err, size_t err_len);
-void lend(const at::Tensor& bucket, const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
-          const pybind11::object& loan);
 
 // ---- store.cpp: the membership store -------------------------------------------------
 int32_t store_add(void* client, const char* key, size_t key_len, int64_t delta, int64_t* out, char* err,

@@ -8,7 +8,8 @@
 //! threads are kept here and [`wait_for_closing`] (registered with `atexit`
 //! by the package) joins them before shutdown. A close still waiting for the
 //! interpreter when shutdown begins would be ended by Python mid-release,
-//! which aborts the process.
+//! which aborts the process. A session dropped once shutdown has begun is
+//! not stopped at all ([`interpreter_is_ending`]): the process is ending.
 
 use std::sync::Mutex;
 use std::thread::JoinHandle;
@@ -17,6 +18,16 @@ use pyo3::prelude::*;
 
 /// Closes running in the background, oldest first (finished ones are pruned).
 static CLOSING: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Whether the interpreter is shutting down (`sys.is_finalizing()`; the
+/// caller is attached to it).
+pub fn interpreter_is_ending() -> bool {
+    Python::attach(|py| {
+        py.import("sys")
+            .and_then(|sys| sys.getattr("is_finalizing")?.call0()?.extract::<bool>())
+            .unwrap_or(true)
+    })
+}
 
 /// Drop `what` on a thread of its own, remembered until [`wait_for_closing`].
 pub fn in_background<T: Send + 'static>(what: T) {

@@ -6,10 +6,11 @@
 //! communicator.native() ── (table address, endpoint address) ──▶ NativeGloo
 //! NativeGloo::start ─▶ table.start(endpoint, addr, …) ─▶ Flight   (c10d allreduce, no GIL)
 //! NativeGloo::finish ─▶ table.finish(flight)                       (wait, copy back, scale)
+//! a failure          ─▶ table.behind(endpoint, seq)                (who never reached it: the store's positions)
 //! ```
 //!
 //! The endpoint belongs to the Python communicator (it keeps the group and the
-//! store alive); [`crate::transport::PyTransport`] holds that communicator for
+//! store alive); [`crate::transport::NativeEngine`] holds that communicator for
 //! as long as it holds the address, and reads the address again after every
 //! reset (the only time Python replaces the endpoint).
 
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 6;
+pub const TABLE_VERSION: u32 = 7;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -68,7 +69,7 @@ pub struct Table {
     ) -> i32,
     pub(crate) alloc: unsafe extern "C" fn(*mut c_void, i64, i32, *mut *mut c_void, *mut c_char, usize) -> i32,
     pub(crate) free: unsafe extern "C" fn(*mut c_void),
-    pub(crate) write:
+    pub(crate) pack:
         unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, i32, f64, *mut c_char, usize) -> i32,
     pub(crate) difference:
         unsafe extern "C" fn(*mut c_void, *mut c_void, i64, *mut c_void, *mut c_void, *mut c_char, usize) -> i32,
@@ -109,7 +110,13 @@ pub struct Table {
         usize,
     ) -> i32,
     pub(crate) cancel_epoch: unsafe extern "C" fn(*mut c_void, i64),
+    // Which ranks never reached a failed collective (its `seq`).
+    behind: unsafe extern "C" fn(*mut c_void, i64, *mut i64, usize, *mut usize) -> i32,
 }
+
+/// What the shim's functions return (its `Outcome`): done, failed, or cut
+/// short by a broken membership epoch.
+const CANCELLED: i32 = 2;
 
 impl Table {
     /// The shim's table at `table` (an address from `_collectives.table()`,
@@ -164,25 +171,31 @@ impl Words {
 }
 
 /// One started collective: the shim's Flight, its tag, its place in the
-/// epoch and start time.
+/// epoch, start time and deadline.
 #[derive(Debug)]
 struct Flight {
     handle: *mut c_void,
     tag: CollectiveTag,
     seq: i64,
     started: Instant,
+    timeout: Duration,
 }
 
-/// A collective that failed in the shim: what gloo said, for the Python side
-/// to turn into a typed failure.
+/// A collective that failed in the shim, as facts (classified by
+/// `gradsync_runtime::backend::Failure`).
 #[derive(Debug)]
 pub struct ShimError {
     pub tag: CollectiveTag,
     /// The failed collective's place in its epoch (the `seq` of the position
     /// it wrote): the ranks whose position is before it never joined it.
     pub seq: i64,
+    /// What the shim said (torch's or gloo's message).
     pub message: String,
+    /// How long this rank waited, and the deadline it was given.
     pub waited: Duration,
+    pub timeout: Duration,
+    /// Cut short by a broken membership epoch (the shim's `kCancelled`).
+    pub cancelled: bool,
 }
 
 /// The communicator thread's native path (see the module docs).
@@ -312,10 +325,12 @@ impl NativeGloo {
         let mut handle = std::ptr::null_mut();
         let mut seq = 0i64;
         let mut err = error_text();
-        if start(timeout_ms, &mut handle, &mut seq, &mut err) != 0 {
-            return Err(ShimError { tag, seq, message: message(&err), waited: started.elapsed() });
+        let rc = start(timeout_ms, &mut handle, &mut seq, &mut err);
+        if rc != 0 {
+            let waited = started.elapsed();
+            return Err(ShimError { tag, seq, message: message(&err), waited, timeout, cancelled: rc == CANCELLED });
         }
-        self.flights.push_back(Flight { handle, tag, seq, started });
+        self.flights.push_back(Flight { handle, tag, seq, started, timeout });
         Ok(())
     }
 
@@ -332,9 +347,27 @@ impl NativeGloo {
                 seq: flight.seq,
                 message: message(&err),
                 waited: flight.started.elapsed(),
+                timeout: flight.timeout,
+                cancelled: rc == CANCELLED,
             });
         }
         Ok(())
+    }
+
+    /// The ranks whose position in the store is below `seq`: they never
+    /// reached the collective started there (empty if the store cannot say).
+    pub fn behind(&self, seq: i64) -> Vec<usize> {
+        const MOST: usize = 4096;
+        let mut ranks = vec![0i64; MOST];
+        let mut n = 0usize;
+        // SAFETY: the endpoint is alive (see `new`); `ranks` holds `MOST`
+        // entries and `n` outlives the call.
+        let rc = unsafe { (self.table.behind)(self.endpoint as *mut c_void, seq, ranks.as_mut_ptr(), MOST, &mut n) };
+        if rc != 0 {
+            return Vec::new();
+        }
+        ranks.truncate(n);
+        ranks.into_iter().filter_map(|r| usize::try_from(r).ok()).collect()
     }
 
     /// Forget every started collective without waiting (after a failure).

@@ -1,21 +1,34 @@
 //! Rust errors as the Python exceptions of `gradsync._errors`.
 //!
 //! The classes are defined in Python (so they can also derive from built-in
-//! exceptions such as `TimeoutError`); this module picks the class for each
-//! error, keeps the Rust message verbatim and sets the attributes that name
-//! ranks and steps.
+//! exceptions such as `TimeoutError`, and carry their docs there); each one
+//! the runtime raises is a Rust type here (`import_exception!`: imported
+//! once, checked by the compiler at every use). This module picks the class
+//! for each error, keeps the Rust message verbatim and sets the attributes
+//! that name ranks and steps.
 
 use gradsync_runtime::backend::{CollectiveTag, CommError};
 use gradsync_runtime::{BuildError, Rejection, SyncError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use pyo3::BoundObject;
+use pyo3::{BoundObject, PyTypeInfo};
 
-/// Make an instance of `gradsync._errors.<class>` with `message` and `attrs`.
-pub fn raise(py: Python<'_>, class: &str, message: String, attrs: &[(&str, Py<PyAny>)]) -> PyErr {
+pyo3::import_exception!(gradsync._errors, ConfigError);
+pyo3::import_exception!(gradsync._errors, RejectedError);
+pyo3::import_exception!(gradsync._errors, StepOrderError);
+pyo3::import_exception!(gradsync._errors, ClosedError);
+pyo3::import_exception!(gradsync._errors, MembershipError);
+pyo3::import_exception!(gradsync._errors, StepFailedError);
+pyo3::import_exception!(gradsync._errors, TimeoutError);
+pyo3::import_exception!(gradsync._errors, PeerGoneError);
+pyo3::import_exception!(gradsync._errors, DesyncError);
+pyo3::import_exception!(gradsync._errors, CommunicationError);
+pyo3::import_exception!(gradsync._errors, PoisonedError);
+
+/// An instance of the `gradsync._errors` class `E` with `message` and `attrs`.
+pub fn raise<E: PyTypeInfo>(py: Python<'_>, message: String, attrs: &[(&str, Py<PyAny>)]) -> PyErr {
     let built = (|| -> PyResult<PyErr> {
-        let cls = py.import("gradsync._errors")?.getattr(class)?;
-        let err = cls.call1((message.clone(),))?;
+        let err = E::type_object(py).call1((message.clone(),))?;
         for (name, value) in attrs {
             err.setattr(*name, value)?;
         }
@@ -36,9 +49,8 @@ pub fn sync_error(py: Python<'_>, e: &SyncError) -> PyErr {
     let message = e.to_string();
     match e {
         SyncError::Comm(c) => comm_error(py, c, message),
-        SyncError::Desync { step, ranks, groups, majority, .. } => raise(
+        SyncError::Desync { step, ranks, groups, majority, .. } => raise::<DesyncError>(
             py,
-            "DesyncError",
             message,
             &[
                 ("step", obj(py, *step)),
@@ -47,13 +59,13 @@ pub fn sync_error(py: Python<'_>, e: &SyncError) -> PyErr {
                 ("majority", obj(py, *majority)),
             ],
         ),
-        SyncError::Poisoned { step, .. } => raise(py, "PoisonedError", message, &[("step", obj(py, *step))]),
+        SyncError::Poisoned { step, .. } => raise::<PoisonedError>(py, message, &[("step", obj(py, *step))]),
         SyncError::NotCurrentStep { .. } | SyncError::FinishPending { .. } | SyncError::Undelivered { .. } => {
-            raise(py, "StepOrderError", message, &[])
+            raise::<StepOrderError>(py, message, &[])
         }
-        SyncError::Closed => raise(py, "ClosedError", message, &[]),
-        SyncError::Setting { .. } => raise(py, "ConfigError", message, &[]),
-        SyncError::Alloc(_) | SyncError::Unresponsive { .. } => raise(py, "StepFailedError", message, &[]),
+        SyncError::Closed => raise::<ClosedError>(py, message, &[]),
+        SyncError::Setting { .. } => raise::<ConfigError>(py, message, &[]),
+        SyncError::Alloc(_) | SyncError::Unresponsive { .. } => raise::<StepFailedError>(py, message, &[]),
     }
 }
 
@@ -71,36 +83,36 @@ fn comm_error(py: Python<'_>, e: &CommError, message: String) -> PyErr {
                 ("missing_ranks", obj(py, missing.clone())),
                 ("waited_s", obj(py, waited.as_secs_f64())),
             ];
-            raise(py, "TimeoutError", message, &attrs)
+            raise::<TimeoutError>(py, message, &attrs)
         }
         CommError::PeerGone { tag, peer, .. } => {
             let [step, collective] = tag_attrs(py, tag);
-            raise(py, "PeerGoneError", message, &[step, collective, ("peer", obj(py, *peer))])
+            raise::<PeerGoneError>(py, message, &[step, collective, ("peer", obj(py, *peer))])
         }
         CommError::Desync { tag, peer, .. } => {
             let [step, collective] = tag_attrs(py, tag);
             let attrs = [step, collective, ("ranks", obj(py, vec![*peer])), ("majority", obj(py, false))];
-            raise(py, "DesyncError", message, &attrs)
+            raise::<DesyncError>(py, message, &attrs)
         }
         CommError::Protocol { tag, .. }
         | CommError::Device { tag, .. }
         | CommError::Backend { tag, .. }
         | CommError::Panicked { tag, .. }
-        | CommError::Cancelled { tag, .. } => raise(py, "CommunicationError", message, &tag_attrs(py, tag)),
+        | CommError::Cancelled { tag, .. } => raise::<CommunicationError>(py, message, &tag_attrs(py, tag)),
     }
 }
 
 /// A registration or setting the runtime refuses.
 pub fn build_error(py: Python<'_>, e: &BuildError) -> PyErr {
-    raise(py, "ConfigError", e.to_string(), &[])
+    raise::<ConfigError>(py, e.to_string(), &[])
 }
 
 /// An arrival the hook refused.
 pub fn rejection(py: Python<'_>, e: &Rejection) -> PyErr {
     if matches!(e, Rejection::Closed) {
-        return raise(py, "ClosedError", e.to_string(), &[]);
+        return raise::<ClosedError>(py, e.to_string(), &[]);
     }
-    raise(py, "RejectedError", e.to_string(), &[("reason", obj(py, e.label()))])
+    raise::<RejectedError>(py, e.to_string(), &[("reason", obj(py, e.label()))])
 }
 
 /// A dictionary from `(key, value)` pairs, for reports.

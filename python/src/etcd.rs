@@ -28,7 +28,7 @@ pub struct EtcdClient {
 }
 
 fn store_error(py: Python<'_>, e: StoreError) -> PyErr {
-    errors::raise(py, "MembershipError", format!("etcd: {e}"), &[])
+    errors::raise::<errors::MembershipError>(py, format!("etcd: {e}"), &[])
 }
 
 #[pymethods]
@@ -37,7 +37,11 @@ impl EtcdClient {
     #[pyo3(signature = (endpoints, prefix = "", timeout_s = 30.0))]
     fn new(py: Python<'_>, endpoints: &str, prefix: &str, timeout_s: f64) -> PyResult<Self> {
         if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(errors::raise(py, "ConfigError", format!("timeout_s={timeout_s}: use a positive number"), &[]));
+            return Err(errors::raise::<errors::ConfigError>(
+                py,
+                format!("timeout_s={timeout_s}: use a positive number"),
+                &[],
+            ));
         }
         let timeout = Duration::from_secs_f64(timeout_s);
         let store = py.detach(|| EtcdKv::connect(endpoints, prefix, timeout)).map_err(|e| store_error(py, e))?;

@@ -3,13 +3,13 @@
 //! What flows through it, per rank:
 //!
 //! ```text
-//! gradsync.torch hook ── Session.give(None, param, token, tensor, addr) ──▶ ArrivalBatch ──▶ parameter actors
-//! C++ hook (_arrivals) ── ArrivalSink's C entry `give` (no interpreter) ──▶ the same ArrivalBatch
+//! torch's C++ hook (_arrivals) ── ArrivalSink's C entry `give` (no interpreter) ──▶ ArrivalBatch ──▶ parameter actors
+//! Paddle's Python hook ── Session.give(None, param, token, tensor, addr) ──▶ the same ArrivalBatch
 //! end of backward     ── Session.finish(step) (interpreter released) ──▶ GradSync::finish_step
-//!                     ◀── Step { report, gradients } ── Step.copy_into_ptr(param, addr) ──▶ .grad
-//!                                                       (device plane: Step.buckets() ──▶ tensors ──▶ .grad)
-//! comm thread         ── PyTransport (wire conversion) ──▶ the C++ shim's table (c10d gloo, no interpreter),
-//!                                                          or communicator.all_reduce(addr, …) (Python)
+//!                     ◀── Step { report, gradients } ── Step.buckets() ──▶ the C++ hook's write_back ──▶ .grad
+//!                                                       (Paddle: Step.copy_into_ptr(param, addr))
+//! comm thread         ── BucketTransport (wire conversion) ──▶ NativeEngine: the C++ shim's table (no interpreter)
+//!                                                          or PythonEngine: communicator.all_reduce(addr, …) (Paddle)
 //! ```
 //!
 //! Buckets live in host memory, or on the **device plane**: torch tensors
@@ -28,8 +28,10 @@
 //! `params` and `memory` (gradient memory by address), `tensor_grads`
 //! (the store: payloads that are tensors held in place, on either plane),
 //! `plane` (the device plane's operations), `given` (a gradient as the C++
-//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `membership` (an elastic job's membership protocol over torch's store), `transport` and `collectives` (the communicator thread's way
-//! to gloo), `errors`, `closing`.
+//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `membership` (an elastic
+//! job's membership protocol over torch's store), `transport` (the
+//! communicator thread's engines, and failures classified once) and
+//! `collectives` (the shim's table), `errors`, `closing`.
 
 mod arrivals;
 mod closing;
@@ -55,12 +57,12 @@ use pyo3::prelude::*;
 #[pyfunction]
 #[pyo3(signature = (addr, allow_remote = false))]
 fn install_prometheus(py: Python<'_>, addr: &str, allow_remote: bool) -> PyResult<()> {
-    let addr: std::net::SocketAddr = addr
-        .parse()
-        .map_err(|e| errors::raise(py, "ConfigError", format!("metrics address {addr:?}: {e}; use HOST:PORT"), &[]))?;
+    let addr: std::net::SocketAddr = addr.parse().map_err(|e| {
+        errors::raise::<errors::ConfigError>(py, format!("metrics address {addr:?}: {e}; use HOST:PORT"), &[])
+    })?;
     gradsync_runtime::metrics::install_prometheus(addr, allow_remote)
         .map(|_| ())
-        .map_err(|e| errors::raise(py, "ConfigError", e.to_string(), &[]))
+        .map_err(|e| errors::raise::<errors::ConfigError>(py, e.to_string(), &[]))
 }
 
 /// The runtime's version.

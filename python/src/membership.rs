@@ -224,14 +224,14 @@ fn membership_error(py: Python<'_>, e: &MembershipError) -> PyErr {
         MembershipError::Malformed { .. } => "malformed",
     };
     let kind = kind.into_pyobject(py).map(|k| k.into_any().unbind()).unwrap_or_else(|_| py.None());
-    errors::raise(py, "MembershipError", e.to_string(), &[("kind", kind)])
+    errors::raise::<errors::MembershipError>(py, e.to_string(), &[("kind", kind)])
 }
 
 /// The job's store through `client`, for a supervisor's one-off records
 /// (`table`: the shim's table, as for [`Membership::new`]).
 fn job_store(py: Python<'_>, table: usize, client: &Py<PyAny>) -> PyResult<JobStore> {
     // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
-    let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
+    let table = unsafe { Table::at(table) }.map_err(|why| errors::raise::<errors::ConfigError>(py, why, &[]))?;
     JobStore::of(py, table, client)
 }
 
@@ -274,7 +274,9 @@ impl Membership {
             cancel,
             std::sync::Arc::clone(&self.joiner_waiting),
         )
-        .map_err(|e| errors::raise(py, "MembershipError", format!("starting the liveness monitor: {e}"), &[]))?;
+        .map_err(|e| {
+            errors::raise::<errors::MembershipError>(py, format!("starting the liveness monitor: {e}"), &[])
+        })?;
         self.monitor = Some(monitor);
         Ok(())
     }
@@ -325,7 +327,11 @@ impl Membership {
             if v.is_finite() && v > 0.0 {
                 Ok(Duration::from_secs_f64(v))
             } else {
-                Err(errors::raise(py, "ConfigError", format!("{name}={v}: use a positive number of seconds"), &[]))
+                Err(errors::raise::<errors::ConfigError>(
+                    py,
+                    format!("{name}={v}: use a positive number of seconds"),
+                    &[],
+                ))
             }
         };
         let timing = Timing {
@@ -336,7 +342,7 @@ impl Membership {
         };
         let beat = positive("beat_s", beat_s)?;
         // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
-        let table = unsafe { Table::at(table) }.map_err(|why| errors::raise(py, "ConfigError", why, &[]))?;
+        let table = unsafe { Table::at(table) }.map_err(|why| errors::raise::<errors::ConfigError>(py, why, &[]))?;
         let store = JobStore::of(py, table, &client)?;
         Ok(Membership {
             monitor: None,

@@ -20,7 +20,7 @@ use crate::report::StepReport;
 use crate::settings;
 use crate::step::{Step, DETACH_BYTES};
 use crate::tensor_grads::{Grad, Owner, TensorGrads};
-use crate::transport::PyTransport;
+use crate::transport::{engine_for, BucketTransport};
 
 /// One rank's gradient synchronizer, its collectives run by `communicator`
 /// (see `gradsync.torch`). Most programs use `gradsync.torch.DistributedDataParallel`
@@ -39,7 +39,7 @@ pub struct Session {
 }
 
 fn closed(py: Python<'_>) -> PyErr {
-    errors::raise(py, "ClosedError", "this gradsync session is closed".into(), &[])
+    errors::raise::<errors::ClosedError>(py, "this gradsync session is closed".into(), &[])
 }
 
 impl Session {
@@ -83,7 +83,7 @@ impl Session {
             let why = "this session keeps its buckets on the device: gradients reach it through gradsync's C++ \
                        hooks (gradsync.torch._arrivals), not from host memory"
                 .to_string();
-            return Err(errors::raise(py, "ConfigError", why, &[]));
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
         }
         Ok(())
     }
@@ -139,10 +139,14 @@ impl Session {
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
-            return Err(errors::raise(py, "ConfigError", why, &[]));
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
         }
         if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(errors::raise(py, "ConfigError", format!("timeout_s {timeout_s}: must be positive"), &[]));
+            return Err(errors::raise::<errors::ConfigError>(
+                py,
+                format!("timeout_s {timeout_s}: must be positive"),
+                &[],
+            ));
         }
         let mut b = GradSync::builder();
         let mut ids = Vec::with_capacity(names.len());
@@ -153,7 +157,7 @@ impl Session {
                     "parameter {name:?} has dtype {dtype}: gradsync reduces float32 and float64 gradients, \
                      and float16 and bfloat16 ones in float32; other types cannot be averaged"
                 );
-                errors::raise(py, "ConfigError", why, &[])
+                errors::raise::<errors::ConfigError>(py, why, &[])
             })?;
             // Float64 gradients get float64 buckets; the half types are widened to float32.
             let reduced = if e == Elem::F64 { DType::F64 } else { DType::F32 };
@@ -175,11 +179,7 @@ impl Session {
         if let Some(membership) = &membership {
             b.joiner_waiting(membership.joiner_flag());
         }
-        // Collectives overlap only with a communicator that can start and wait separately.
-        let windowed =
-            ["start", "wait_oldest", "discard"].iter().all(|m| communicator.bind(py).hasattr(*m).unwrap_or(false));
-        let window = if windowed { in_flight } else { 1 };
-        let transport = PyTransport::new(py, rank, world, communicator, window)?;
+        let transport = BucketTransport::new(rank, world, engine_for(py, communicator, in_flight)?);
         let device_plane = transport.on_device_plane();
         let sync = b.build(transport).map_err(|e| errors::build_error(py, &e))?;
         let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
@@ -360,9 +360,8 @@ impl Session {
     /// needs `record_timeline=True`.
     fn write_timeline(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
         let Some(trace) = &self.trace else {
-            return Err(errors::raise(
+            return Err(errors::raise::<errors::ConfigError>(
                 py,
-                "ConfigError",
                 "no timeline: create the session with record_timeline=True".into(),
                 &[],
             ));
@@ -392,10 +391,17 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        if let Some(sync) = self.sync.take() {
-            // Dropped by the garbage collector with the interpreter held: the
-            // communicator thread may be waiting for it, so join elsewhere.
-            closing::in_background(sync);
+        let Some(sync) = self.sync.take() else { return };
+        if closing::interpreter_is_ending() {
+            // Left to the process: a collective forgotten after a failure may
+            // still be written into by gloo until its group is destroyed,
+            // and the groups go down in any order at shutdown; freeing the
+            // runtime's buckets under them corrupts the heap.
+            std::mem::forget(sync);
+            return;
         }
+        // Dropped by the garbage collector with the interpreter held: the
+        // communicator thread may be waiting for it, so join elsewhere.
+        closing::in_background(sync);
     }
 }

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use crate::errors;
 
 fn config_error(py: Python<'_>, why: String) -> PyErr {
-    errors::raise(py, "ConfigError", why, &[])
+    errors::raise::<errors::ConfigError>(py, why, &[])
 }
 
 /// `"skip"` or `"partial"`.

@@ -44,7 +44,7 @@ impl Step {
             Bucket::Host(_) | Bucket::Wide(_) => Err(not_contiguous()),
             Bucket::Plane(_) => Err(Python::attach(|py| {
                 let why = "this step's buckets are on the device: read them with buckets() (gradsync.torch does)";
-                errors::raise(py, "ConfigError", why.to_string(), &[])
+                errors::raise::<errors::ConfigError>(py, why.to_string(), &[])
             })),
         }
     }

@@ -14,7 +14,7 @@ the group sums in place.
   program's. After a failure, ``reset`` opens a fresh one under the next id
   on every rank (Paddle 3.3 lets a group be created and used from a thread
   other than the one that trains, and a fresh group works after the old one
-  timed out: docs/paddle.md). Positions and failures are
+  timed out: docs/paddle.md). Positions and the facts of a failure are
   :class:`gradsync._gloo.GlooCommunicator`'s.
 * Paddle's gloo runs a collective to the end inside the call (also with
   ``sync_op=False``) and gives up after gloo's fixed 30 s
@@ -64,10 +64,12 @@ class PaddleCommunicator(GlooCommunicator):
         # Created lazily, from the communicator thread, at the epoch's first collective.
         self._group = None
 
-    def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
+    def all_reduce(self, addr, numel, dtype, factor, timeout_s):
         """Sum ``numel`` elements of ``dtype`` at ``addr`` over every rank, in
         place, then multiply a float sum by ``factor``. The deadline is
-        gloo's (:data:`GLOO_TIMEOUT_S`); ``timeout_s`` is the runtime's, equal to it."""
+        gloo's (:data:`GLOO_TIMEOUT_S`); ``timeout_s`` is the runtime's, equal
+        to it. Returns ``None``, or for a failed collective what the runtime
+        classifies it by: ``(message, ranks behind)`` (:meth:`failure`)."""
         mine = self._mark()
         array = np.ctypeslib.as_array(self._array(addr, numel, dtype)).view(_NUMPY[dtype])
         tensor = paddle.from_dlpack(array)
@@ -80,6 +82,7 @@ class PaddleCommunicator(GlooCommunicator):
                 )
             self._group.all_reduce(tensor, core.ReduceOp.SUM, True).wait()
         except Exception as e:  # Paddle raises its own error types
-            raise self.failure(e, tag, mine) from None
+            return self.failure(e, mine)
         if dtype in SCALED and factor != 1.0:
             array *= array.dtype.type(factor)
+        return None
