@@ -308,10 +308,11 @@ class Elastic:
         """Leave the job (stops the liveness monitor)."""
         self.membership.close()
 
-    # ---- what the wrapper calls -------------------------------------------------------------
+    # ---- what the wrapper and its core call (gradsync._core.Membership) ---------------------
 
-    def _attach(self, ddp):
-        """A wrapper is built: ``(store, prefix, rank, world)`` for its groups."""
+    def attach(self, ddp):
+        """Called by the wrapper built with ``elastic=self``: ``(store,
+        prefix, rank, world)`` for its groups."""
         if self._ddp is not None:
             raise ConfigError("an Elastic handle synchronizes one wrapped model; build one wrapper per job")
         self._ddp = ddp
@@ -347,19 +348,20 @@ class Elastic:
         self._epoch_stores.append(store)
         return store
 
-    def _ended(self, report):
-        """A step ended on every member (applied or not)."""
+    def step_ended(self, report):
+        """Called by the wrapper's core: a step ended on every member (applied or not)."""
         self._unproven = False
 
-    def _applied(self, report):
-        """A step was applied on every member."""
+    def step_applied(self, report):
+        """Called by the wrapper's core: a step was applied on every member."""
         self.applied += 1
         world, ranks = self._redone_from or (self.world, list(range(self.world)))
         self._redone_from = None
         self.history.append((self.step, world, report.contributors, ranks))
 
-    def _recover(self, sync, error):
-        """The step in flight (or a boundary's transfer) failed (``error``):
+    def recover(self, error):
+        """Called by the wrapper's core (and at a boundary): the step in
+        flight (or a boundary's transfer) failed (``error``):
         agree on the new members and move to their group. Returns the failed
         step reduced again among them (partial policy, when every member
         could), or ``None``: the caller skips the step.
@@ -384,7 +386,7 @@ class Elastic:
         for _ in range(_RECOVERY_ATTEMPTS):
             roster = roster or self.membership.recover(suspects)
             try:
-                redone = self._move(roster, sync)
+                redone = self._move(roster)
                 break
             except (StepFailedError, RuntimeError, MembershipError) as again:  # another member lost during the change
                 log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
@@ -397,14 +399,14 @@ class Elastic:
             self._redone_from = (len(drawn), [drawn.index(m) for m in self._roster["members"]])
         return redone
 
-    def _move(self, roster, sync):
-        """Adopt ``roster``: the wrapper's communicator moves to the new
-        epoch's group, the runtime agrees on the step among the new members
-        (and returns the failed step if they reduced it again)."""
+    def _move(self, roster):
+        """Adopt ``roster``: the wrapper is reconfigured for the new epoch
+        (its one seam, ``reconfigure``), which returns the failed step if
+        the new members reduced it again."""
         self._roster = roster
-        self._ddp._move_to(self.prefix("model"), self.rank, self.world, roster["epoch"], self._groups_store())
         self._unproven = True
-        _, redone = sync.session.resume(self.rank, self.world)
+        redone = self._ddp.reconfigure(store=self._groups_store(), prefix=self.prefix("model"), rank=self.rank,
+                                       world=self.world, epoch=roster["epoch"])
         self._sync_pending = True
         return redone
 
@@ -453,17 +455,18 @@ class Elastic:
             return False
         self.joining = False
         try:
-            self._move(roster, self._ddp._sync)
+            self._move(roster)
         except (RuntimeError, StepFailedError) as error:  # a member lost while this process was admitted
             log.warning("gradsync elastic: a member was lost while member %d was admitted (%s)", self.member, error)
-            self._recover(self._ddp._sync, error)
+            self.recover(error)
         # Logged once the members' state (and step) arrived, at the first boundary.
         self._join_began = began
         return True
 
-    def _abandon(self):
-        """Why a state transfer of this epoch should stop waiting (the
-        liveness monitor broke the epoch), or ``None``."""
+    def abandoned(self):
+        """Called by the wrapper's state transfers while they wait: why one
+        of this epoch should stop waiting (the liveness monitor broke the
+        epoch), or ``None``."""
         broken = self.membership.broken
         if broken is not None and broken >= self.epoch:
             return f"membership epoch {self.epoch} broke (a member went silent)"
@@ -477,25 +480,24 @@ class Elastic:
         forward; here a member lost during them is recovered from, and every
         member redoes the boundary: one that failed in it makes the others
         fail in their next collective, and they meet in the equalization)."""
-        sync = self._ddp._sync
         for _ in range(_RECOVERY_ATTEMPTS):
             try:
-                self._admit(sync)
-                if self._sync_pending:
+                self._admit()
+                changed = self._sync_pending
+                if changed:
                     self._equalize()
                     self._sync_pending = False
-                    # Buffers follow DDP's rule (sent after a synchronized
-                    # forward); after a change every member sends or receives
-                    # them alike, whatever its last forward was (a joiner has had none).
-                    self._ddp.require_forward_param_sync = True
                 if self._send_parameters:
-                    self._ddp._states.broadcast(self._ddp._model_states())
+                    self._ddp.broadcast_module_states()
                     self._send_parameters = False
-                self._ddp._broadcast_buffers_now(wait=True)
+                # Buffers follow DDP's rule (sent after a synchronized forward);
+                # after a change every member sends or receives them alike,
+                # whatever its last forward was (a joiner has had none).
+                self._ddp.broadcast_buffers(force=changed)
                 break
             except (RuntimeError, StepFailedError) as error:  # a member lost during the admission or transfer
                 log.warning("gradsync elastic: a member was lost at the step %d boundary (%s)", self.step, error)
-                self._recover(sync, error)
+                self.recover(error)
         else:
             raise MembershipError.of(
                 "broken", f"the members could not settle at step {self.step} in {_RECOVERY_ATTEMPTS} attempts"
@@ -504,16 +506,16 @@ class Elastic:
             self._event("joined", [], [self.member], self._join_began)
             self._join_began = None
 
-    def _admit(self, sync):
+    def _admit(self):
         """Admit the processes the last step's vote said are waiting (once per step)."""
-        report = sync.last_report
+        report = self._ddp.last_report
         if report is None or not report.admit or self._admitted_after == report.step:
             return
         self._admitted_after = report.step
         began = time.perf_counter()
         roster = self.membership.admit(self.fingerprint())
         if roster["joined"]:
-            self._move(roster, sync)
+            self._move(roster)
             self._event("joined", [], roster["joined"], began)
 
     def _equalize(self):
@@ -525,7 +527,7 @@ class Elastic:
         boundary (the buffer broadcast) had not started the step the others
         then failed and skipped. On the wrapper's state group (the training
         thread's, never the communicator's)."""
-        states = self._ddp._states
+        states = self._ddp.state_group
         mine = (0, 0) if self._fresh else (self.applied + 1, self.step + 1)
         places = [tuple(row) for row in states.everyones(mine).tolist()]
         best = max(places)
