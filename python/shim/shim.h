@@ -73,12 +73,38 @@ struct Endpoint {
   std::shared_ptr<Cancel> cancel;
   int64_t epoch = 0;
 
+  Endpoint() = default;
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  // Python frees an Endpoint with the interpreter lock held, and the last
+  // reference to a group may be this one: its destructor joins gloo's
+  // worker threads, and one of them may be freeing a finished collective's
+  // tensor whose Python object needs the lock (a device-plane bucket Python
+  // has seen). The groups are let go with the lock released, as torch's own
+  // bindings release it to destroy a process group.
+  ~Endpoint() {
+    if (PyGILState_Check() != 0) {
+      pybind11::gil_scoped_release unlocked;
+      release_groups();
+    } else {
+      release_groups();
+    }
+  }
+
   bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
   void check_cancelled() const {
     if (cancelled()) {
       throw CancelledError("gradsync: collective cancelled: membership epoch " + std::to_string(epoch) +
                            " lost a member (the liveness monitor broke it)");
     }
+  }
+
+ private:
+  void release_groups() {
+    data.reset();
+    group.reset();
+    store.reset();
   }
 };
 

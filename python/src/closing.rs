@@ -23,9 +23,7 @@ static CLOSING: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
 /// caller is attached to it).
 pub fn interpreter_is_ending() -> bool {
     Python::attach(|py| {
-        py.import("sys")
-            .and_then(|sys| sys.getattr("is_finalizing")?.call0()?.extract::<bool>())
-            .unwrap_or(true)
+        py.import("sys").and_then(|sys| sys.getattr("is_finalizing")?.call0()?.extract::<bool>()).unwrap_or(true)
     })
 }
 
