@@ -296,28 +296,42 @@ class Ledger {
     }
     bool may_lend = !lent_.has_value() || (*lent_)().is_none();
     bool lent = false;
+    std::vector<int64_t> sizes;
     for (const auto& [bucket, members] : buckets) {
-      at::Tensor base;
-      int64_t offset = 0;
+      // Each member's slice, back to back; one split per bucket (a narrow per
+      // member costs a dispatch each, thousands per step on a model of many
+      // small parameters).
+      sizes.clear();
+      bool lends = false;
       for (int64_t index : members) {
         size_t i = static_cast<size_t>(index);
         TORCH_CHECK(i < params_.size(), "gradsync: bucket member ", index, " is not a parameter");
+        sizes.push_back(reals(params_[i]));
+        lends = lends || (may_lend && viewable_[i] && !out_[i].defined() && !unused[i]);
+      }
+      at::Tensor base = bucket;
+      if (lends) {
+        // One base per bucket over its storage, carrying the loan.
+        base = at::empty({0}, bucket.options()).set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
+        py::cast(base).attr("_gradsync_step") = loan;
+      }
+      int64_t total = 0;
+      for (int64_t size : sizes) {
+        total += size;
+      }
+      TORCH_CHECK(total <= bucket.numel(), "gradsync: a bucket's members run past its end");
+      if (total < bucket.numel()) {
+        sizes.push_back(bucket.numel() - total);  // padding after the last member
+      }
+      std::vector<at::Tensor> slices = base.split_with_sizes(sizes);
+      for (size_t k = 0; k < members.size(); ++k) {
+        size_t i = static_cast<size_t>(members[k]);
         at::Tensor& p = params_[i];
-        int64_t size = reals(p);
-        TORCH_CHECK(offset + size <= bucket.numel(), "gradsync: a parameter's slice runs past its bucket's end");
-        int64_t at = offset;
-        offset += size;
         if (unused[i]) {
           continue;
         }
-        if (may_lend && viewable_[i] && !out_[i].defined()) {
-          if (!base.defined()) {
-            // One base per bucket over its storage, carrying the loan.
-            base = at::empty({0}, bucket.options())
-                       .set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
-            py::cast(base).attr("_gradsync_step") = loan;
-          }
-          p.mutable_grad() = base.narrow(0, at, size).view(p.sizes());
+        if (lends && viewable_[i] && !out_[i].defined()) {
+          p.mutable_grad() = p.dim() == 1 ? slices[k] : slices[k].view(p.sizes());
           lent = true;
           continue;
         }
@@ -328,9 +342,9 @@ class Ledger {
         }
         p.mutable_grad() = grad;
         at::Tensor target = grad.is_complex() ? at::view_as_real(grad) : grad;
-        target.copy_(bucket.narrow(0, at, size).view(target.sizes()));
+        target.copy_(slices[k].view(target.sizes()));
       }
-      if (base.defined() && !bucket.is_cpu()) {
+      if (lends && !bucket.is_cpu()) {
         // The caching allocator must not reuse the bucket's memory before
         // what the caller queued on its stream has read the views.
         c10::impl::VirtualGuardImpl impl(bucket.device().type());
