@@ -8,6 +8,8 @@ Sources, never edited by hand:
   by ``benches/torch/record.py`` (which also records the command);
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
 * ``docs/data/elastic.json``: ``benches/torch/elastic_recovery.py --json``;
+* ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
+  (host time per step and per gradient, world 1);
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
   the GPU suite's and gpu-check's output, ``gpu_overhead.py --json`` per
   model, the suite's memory comparison).
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "docs" / "data" / "bench"
 SIM = ROOT / "docs" / "data" / "sim.json"
 ELASTIC = ROOT / "docs" / "data" / "elastic.json"
+HOST = ROOT / "docs" / "data" / "host"
 PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
@@ -277,6 +280,40 @@ def sim_table() -> str:
     return "\n".join(lines)
 
 
+def host_time() -> str:
+    """Host time per step and per gradient at world 1, no wrapper against
+    DDP (bucket view) and gradsync, one table per ``host_profile.py --json``
+    run: the mean of each policy's two runs' medians."""
+    runs = sorted(HOST.glob("*.json")) if HOST.is_dir() else []
+    if not runs:
+        raise Missing(f"no {HOST.relative_to(ROOT)}/*.json: run benches/torch/host_profile.py --json")
+    out = []
+    for path in runs:
+        run = json.loads(path.read_text())
+        by = {}
+        for row in run["runs"]:
+            by.setdefault(row["policy"], []).append(row)
+        mean = {p: {k: sum(r[k] for r in rows) / len(rows) for k in ("forward_s", "backward_s")}
+                for p, rows in by.items()}
+        grads = run["runs"][0]["gradients"]
+        what = f"{run['tiny_params']} parameters of 16 values" if run["model"] == "tiny" else (
+            f"{run['model']}, {run['tokens']} tokens")
+        base = mean["none"]["forward_s"] + mean["none"]["backward_s"]
+        out.append(f"**{what}** ({grads} gradients), {run['device']}, torch {run['torch']}, {run['steps']} steps "
+                   f"per run (medians), two runs per policy: `{run['command']}`\n")
+        out.append("| wrapper | forward, ms | backward, ms | over no wrapper, ms per step | over no wrapper, µs per gradient |")
+        out.append("|---|---|---|---|---|")
+        names = {"none": "no wrapper", "ddp_view": "torch DDP, `gradient_as_bucket_view=True`", "gradsync": "gradsync"}
+        for policy in ("none", "ddp_view", "gradsync"):
+            m = mean[policy]
+            extra = m["forward_s"] + m["backward_s"] - base
+            over = "" if policy == "none" else f"{extra * 1e3:+.2f}"
+            per = "" if policy == "none" else f"{extra / grads * 1e6:+.2f}"
+            out.append(f"| {names[policy]} | {m['forward_s'] * 1e3:.2f} | {m['backward_s'] * 1e3:.2f} | {over} | {per} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def _elastic() -> dict:
     if not ELASTIC.is_file():
         raise Missing(f"{ELASTIC} is missing: run benches/torch/elastic_recovery.py --json {ELASTIC.relative_to(ROOT)}")
@@ -353,6 +390,7 @@ GENERATORS = {
     "gpu-outputs": gpu_outputs,
     "elastic-recovery": lambda: elastic_cost() + "\n\n" + elastic_details(),
     "elastic-cost": elastic_cost,
+    "host-time": host_time,
 }
 
 

@@ -2,20 +2,25 @@
 DDP with ``gradient_as_bucket_view`` (the cheapest DDP) and no wrapper, world 1.
 
     python benches/torch/host_profile.py [--device cuda] [--model gpt2-small|tiny] [--steps 30] [--profile]
+                                         [--json docs/data/host/tiny.json]
 
 On a launch-bound model (GPT-2 small on one H100) host time is step time, so
 this is where a wrapper's overhead shows. Per policy it prints the host time
-of forward and of backward per step, the host microseconds per gradient
+of forward and of backward per step (medians), the host microseconds per gradient
 (backward over the parameters that get one) and, for gradsync, the part of
 backward spent ending the step (``ModelSync.finish``); ``--profile`` adds torch.profiler's busiest operations and
-CUDA calls (self CPU time over 5 steps). The policies run twice each,
-alternating, so a drifting machine shows as a spread.
+CUDA calls (self CPU time over 5 steps); ``--json`` writes the numbers
+(the docs' host-time table is drawn from them). The policies run twice
+each, alternating, so a drifting machine shows as a spread.
 """
 
 import argparse
 import collections
 import datetime
+import json
 import os
+import platform
+import statistics
 import sys
 import time
 
@@ -28,6 +33,8 @@ import bench_models  # noqa: E402
 from gradsync import _core  # noqa: E402
 from gradsync.torch import DistributedDataParallel as GradsyncDDP  # noqa: E402
 
+#: The repository (commands are recorded relative to it).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Host seconds spent in instrumented gradsync functions, by label.
 SPENT = collections.defaultdict(float)
 
@@ -83,11 +90,15 @@ def run(policy, args, device):
     times = [step(args.warmup + i) for i in range(args.steps)]
     n = len(times)
     parts = "  ".join(f"{k} {v / n * 1e3:.2f}" for k, v in SPENT.items())
-    backward = sum(t[1] for t in times) / n
+    # Medians: this is a shared machine, and a step that another process
+    # interrupted says nothing about the wrapper.
+    forward, backward = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
     grads = sum(1 for p in model.parameters() if p.requires_grad)
-    print(f"{policy:<9} forward {sum(t[0] for t in times) / n * 1e3:7.2f} ms  "
+    print(f"{policy:<9} forward {forward * 1e3:7.2f} ms  "
           f"backward {backward * 1e3:7.2f} ms  ({backward / grads * 1e6:5.2f} us per gradient, {grads})  {parts}",
           flush=True)
+    row = {"policy": policy, "forward_s": forward, "backward_s": backward, "gradients": grads,
+           **{k: v / n for k, v in SPENT.items()}}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -98,6 +109,7 @@ def run(policy, args, device):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     if policy == "gradsync":
         wrapped.close()
+    return row
 
 
 def main():
@@ -113,6 +125,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's busiest operations")
+    ap.add_argument("--json", help="write the numbers (and the command) to this file")
     args = ap.parse_args()
     args.reentrant = False
     if args.model != "tiny":
@@ -125,11 +138,17 @@ def main():
     dist.init_process_group(backend, init_method="tcp://127.0.0.1:29551", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120), **kwargs)
     instrument(_core.ModelSync, "finish", "end of step")
-    print(f"{args.model} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-          f"world 1, {args.steps} steps; host ms per step", flush=True)
-    for policy in ("none", "ddp_view", "gradsync", "none", "ddp_view", "gradsync"):
-        run(policy, args, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"{args.model} on {name}, world 1, {args.steps} steps; host ms per step (median)", flush=True)
+    rows = [run(policy, args, device) for policy in ("none", "ddp_view", "gradsync", "none", "ddp_view", "gradsync")]
     dist.destroy_process_group()
+    if args.json:
+        record = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT), *sys.argv[1:]]), "device": name,
+                  "model": args.model, "tiny_params": args.tiny_params, "tokens": args.tokens_per_rank,
+                  "steps": args.steps, "torch": torch.__version__, "python": platform.python_version(), "runs": rows}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
