@@ -227,6 +227,7 @@ class Ledger {
     arrivals_ = 0;
     task_seen_ = kNoTask;
     open_.clear();
+    seen_accumulates_ = nullptr;
     end_due_ = false;
     sync_ = false;
   }
@@ -357,9 +358,6 @@ class Ledger {
     return lent;
   }
 
-  bool began() const {
-    return began_;
-  }
   // An open task seen this step (None: no backward that reached the model is running).
   std::optional<int64_t> open_task() const {
     if (open_.empty()) {
@@ -420,13 +418,15 @@ class Ledger {
     if (!began_) {
       begin_backward();
     }
-    if (open_.count(task) != 0) {
+    auto open = open_.find(task);
+    if (open != open_.end()) {
+      seen_accumulates_ = &open->second;  // back in a task after a nested one ended
       return;
     }
     // torch.autograd.grad (and backward(inputs=...)) runs only the nodes it
     // needs: whether it accumulates is known once a gradient arrives in it.
     const auto* exec = torch::autograd::get_current_graph_task_exec_info();
-    open_[task] = exec == nullptr || exec->empty();
+    seen_accumulates_ = &(open_[task] = exec == nullptr || exec->empty());
     std::weak_ptr<Ledger*> ref = self_;
     torch::autograd::Engine::get_default_engine().queue_callback([ref, task] {
       if (auto held = ref.lock()) {
@@ -466,12 +466,14 @@ class Ledger {
     open_.erase(it);
     if (task_seen_ == task) {
       task_seen_ = kNoTask;
+      seen_accumulates_ = nullptr;
     }
     if (!open_.empty() || !end_due_) {
       return;
     }
     end_due_ = false;
     task_seen_ = kNoTask;
+    seen_accumulates_ = nullptr;
     if (sync_ && !closed_) {
       with_python([&] { on_end_(); });
     }
@@ -493,9 +495,8 @@ class Ledger {
       return;
     }
     see_task();
-    auto open = open_.find(torch::autograd::get_current_graph_task_id());
-    if (open != open_.end()) {
-      open->second = true;  // this task accumulates
+    if (seen_accumulates_ != nullptr) {
+      *seen_accumulates_ = true;  // this task accumulates (a plain backward's flag is set already)
     }
     if (!sync_) {
       // A micro-batch under no_sync: autograd keeps summing into .grad.
@@ -571,6 +572,9 @@ class Ledger {
   int task_seen_ = kNoTask;
   // The tasks seen and not ended, and whether each accumulated gradients.
   std::unordered_map<int, bool> open_;
+  // `task_seen_`'s flag in `open_` (a map's elements stay put until erased),
+  // so an arrival marks its task without a lookup.
+  bool* seen_accumulates_ = nullptr;
   // A task that accumulated gradients ended while others were still open.
   bool end_due_ = false;
   bool sync_ = false;
@@ -602,7 +606,6 @@ PYBIND11_MODULE(_arrivals, m) {
            "Write a finished step's averages into .grad; returns whether views of the loan were lent.")
       .def_property_readonly("open_task", &Ledger::open_task,
                              "A backward task that reached the model and is still running (None: none).")
-      .def_property_readonly("began", &Ledger::began, "Whether this step's backward has begun.")
       .def_property_readonly("arrivals", &Ledger::arrivals, "Gradients handed over this step.");
   m.def(
       "host_bucket",

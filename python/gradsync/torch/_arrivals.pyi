@@ -56,9 +56,6 @@ class Ledger:
     def open_task(self) -> Optional[int]:
         """A backward task that reached the model and still runs (None: none)."""
     @property
-    def began(self) -> bool:
-        """Whether this step's backward has begun."""
-    @property
     def arrivals(self) -> int:
         """Gradients handed over this step."""
 

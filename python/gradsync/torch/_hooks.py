@@ -52,10 +52,6 @@ class LedgerRecord:
     def arrivals(self):
         return self._ledger.arrivals
 
-    @property
-    def began(self):
-        return self._ledger.began
-
     def ask_for_sync(self):
         self._ledger.sync = True
 

@@ -336,7 +336,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s, self._abandon)
         if elastic is None:
             # (An elastic job sends them at its first step boundary, where a lost member is recovered from.)
-            self._states.broadcast(self._model_states())
+            self.broadcast_module_states()
         replica = Replica(self._rank, self._world, self._names, [reals(p) for p in self._params],
                           [_DTYPES[p.dtype] for p in self._params])
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}

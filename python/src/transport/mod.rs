@@ -65,6 +65,13 @@ pub(crate) trait Engine: Send + std::fmt::Debug {
     fn reset(&mut self) -> PyResult<(usize, usize)>;
 }
 
+/// Have `communicator` start a new epoch on a fresh group; returns its place
+/// in it, `(rank, world)` (an elastic job's membership may have changed).
+fn new_epoch(communicator: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    communicator.call_method0("reset")?;
+    Ok((communicator.getattr("rank")?.extract()?, communicator.getattr("world")?.extract()?))
+}
+
 /// The engine for `communicator`: torch's communicator offers the shim's
 /// table (`native()`), Paddle's runs collectives in Python. `window`: the
 /// collectives the runtime may keep in flight.
@@ -121,11 +128,6 @@ impl BucketTransport {
             self.staged.pop_back();
             return Err(f.classify(self.rank));
         }
-        // An engine that ran it whole has nothing in flight: widen now.
-        if self.engine.in_flight() == 0 {
-            self.unstage_newest();
-            return Ok(());
-        }
         while self.engine.in_flight() > 0 {
             self.finish_oldest()?;
         }
@@ -166,13 +168,6 @@ impl BucketTransport {
             if ok {
                 staged.finish();
             }
-        }
-    }
-
-    /// The collective just run whole finished: widen its staged sum.
-    fn unstage_newest(&mut self) {
-        if let Some(Some(staged)) = self.staged.pop_back() {
-            staged.finish();
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::errors;
 use crate::plane::DevicePlane;
 
 use super::collective::Collective;
-use super::Engine;
+use super::{new_epoch, Engine};
 use gradsync_runtime::backend::Failure;
 
 /// The shim's collectives over the endpoint of a `gradsync.torch._comm.TorchCommunicator`.
@@ -103,11 +103,11 @@ impl Engine for NativeEngine {
         self.gloo.forget_all();
         Python::attach(|py| {
             let communicator = self.communicator.bind(py);
-            communicator.call_method0("reset")?;
+            let place = new_epoch(communicator)?;
             // The new group has a new endpoint; the old one is gone with it.
             let (_, endpoint): (usize, usize) = communicator.call_method0("native")?.extract()?;
             self.gloo.set_endpoint(endpoint);
-            Ok((communicator.getattr("rank")?.extract()?, communicator.getattr("world")?.extract()?))
+            Ok(place)
         })
     }
 }

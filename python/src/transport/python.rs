@@ -1,7 +1,8 @@
 //! Paddle's engine: a Python communicator (`gradsync.paddle._comm`) runs
 //! each collective, called from the communicator thread with the
 //! interpreter attached. Paddle's gloo runs a collective to the end inside
-//! the call, so nothing is ever in flight (a window of one).
+//! the call: `start` runs it whole and `finish_oldest` only counts it done
+//! (a window of one).
 //!
 //! ```text
 //! comm thread ── attach ──▶ communicator.all_reduce(addr, numel, "float32", factor, timeout_s)
@@ -19,7 +20,7 @@ use pyo3::prelude::*;
 use crate::plane::DevicePlane;
 
 use super::collective::Collective;
-use super::Engine;
+use super::{new_epoch, Engine};
 use gradsync_runtime::backend::Failure;
 
 /// Collectives run by a Python communicator, one at a time.
@@ -28,11 +29,13 @@ pub(crate) struct PythonEngine {
     /// Has `all_reduce(addr, numel, dtype, factor, timeout_s)`, `reset()`,
     /// `rank` and `world`.
     communicator: Py<PyAny>,
+    /// Collectives run by `start` and not yet finished (at most one).
+    done: usize,
 }
 
 impl PythonEngine {
     pub fn new(communicator: Py<PyAny>) -> PythonEngine {
-        PythonEngine { communicator }
+        PythonEngine { communicator, done: 0 }
     }
 }
 
@@ -56,7 +59,10 @@ impl Engine for PythonEngine {
                 .and_then(|r| r.extract::<Option<(String, Vec<usize>)>>(py))
         });
         let (message, behind) = match outcome {
-            Ok(None) => return Ok(()),
+            Ok(None) => {
+                self.done += 1;
+                return Ok(());
+            }
             Ok(Some(facts)) => facts,
             // The communicator itself broke (a bug, not a collective's failure).
             Err(e) => (format!("the communicator raised {e}"), Vec::new()),
@@ -65,20 +71,20 @@ impl Engine for PythonEngine {
     }
 
     fn finish_oldest(&mut self) -> Result<(), Failure> {
+        self.done = self.done.saturating_sub(1);
         Ok(())
     }
 
     fn in_flight(&self) -> usize {
-        0
+        self.done
     }
 
-    fn forget_all(&mut self) {}
+    fn forget_all(&mut self) {
+        self.done = 0;
+    }
 
     fn reset(&mut self) -> PyResult<(usize, usize)> {
-        Python::attach(|py| {
-            let communicator = self.communicator.bind(py);
-            communicator.call_method0("reset")?;
-            Ok((communicator.getattr("rank")?.extract()?, communicator.getattr("world")?.extract()?))
-        })
+        self.done = 0;
+        Python::attach(|py| new_epoch(self.communicator.bind(py)))
     }
 }
