@@ -62,6 +62,16 @@ pub trait Transport: Send + 'static {
     fn scale_when_packing(&self) -> bool {
         false
     }
+    /// Whether data buckets ([`CollectiveKind::Bucket`]) are reduce-scattered
+    /// instead of all-reduced (sharded training): after a bucket's collective
+    /// only this rank's [`partition`](crate::plan::partition) of it holds the
+    /// sum (the rest holds whatever the transport left there). Corrections
+    /// still all-reduce, so every semantic that adds to or replaces part of
+    /// a bucket stays exact on the partition. Default `false`. It joins the
+    /// plan agreement, and a partitioned plan is never rebuilt.
+    fn partitioned(&self) -> bool {
+        false
+    }
     /// How many collectives may be in flight at once. With more than one, the
     /// communicator calls the `start_*` methods for every queued collective up
     /// to this many, then [`Transport::wait_oldest`] for each in turn, so

@@ -15,6 +15,12 @@
 //! rebuilds the plan in the order gradients were seen ([`Plan::reordered`],
 //! `scheduler/reorder.rs`), from positions summed over every rank, so the
 //! rebuilt plan is again the same everywhere.
+//!
+//! Sharded (ZeRO-2) training reduce-scatters each bucket instead: rank `r`
+//! keeps the sum of its *partition* of the bucket only ([`partition`]); the
+//! layout follows from the plan and the world size alone, so agreeing on the
+//! plan agrees on it. A partitioned plan is never rebuilt (the optimizer
+//! state of each partition lives with its rank).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +28,16 @@ use std::sync::Arc;
 
 use crate::arrival::{DType, ParamId};
 use crate::error::BuildError;
+
+/// Rank `rank`'s partition of a bucket of `numel` values reduce-scattered
+/// over `world` ranks: chunks of `numel.div_ceil(world)` values in rank
+/// order, the last ones shorter or empty. Every rank derives every rank's
+/// chunk from this one definition (the transports, the optimizer's pieces).
+pub fn partition(numel: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
+    let chunk = numel.div_ceil(world.max(1));
+    let start = (rank * chunk).min(numel);
+    start..(start + chunk).min(numel)
+}
 
 /// A registered parameter.
 #[derive(Debug, Clone, PartialEq)]
@@ -570,5 +586,21 @@ mod tests {
         r.expect_arrivals(a, 2).unwrap();
         assert_eq!(r.plan(64).expected_arrivals(a), Some(2));
         assert!(r.expect_arrivals(ParamId::from_index(5), 1).is_err());
+    }
+
+    #[test]
+    fn partitions_cover_a_bucket_once_in_rank_order() {
+        for (numel, world) in [(10, 3), (7, 2), (1, 4), (0, 3), (12, 4), (5, 1)] {
+            let parts: Vec<_> = (0..world).map(|r| partition(numel, r, world)).collect();
+            assert_eq!(parts[0].start, 0);
+            assert_eq!(parts[world - 1].end, numel, "{numel} over {world}");
+            for w in parts.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{numel} over {world}: contiguous");
+            }
+            let chunk = numel.div_ceil(world);
+            assert!(parts.iter().all(|p| p.len() <= chunk));
+        }
+        assert_eq!(partition(10, 2, 3), 8..10);
+        assert_eq!(partition(1, 3, 4), 1..1, "ranks past the end hold nothing");
     }
 }

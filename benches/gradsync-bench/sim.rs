@@ -165,6 +165,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
             // The simulated plan is the model's own layout, kept as is.
             reorder: false,
             wire: Wire::F32,
+            partitioned: false,
             joiner_waiting: None,
         },
         learning_window: 4,

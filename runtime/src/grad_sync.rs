@@ -135,8 +135,10 @@ impl<S: GradStore> GradSync<S> {
                 check_finite: b.check_finite,
                 record_timeline: b.record_timeline,
                 scale_when_packing: transport.scale_when_packing(),
-                reorder: b.reorder_buckets,
+                // A partitioned plan stays: its partitions' optimizer state lives with their ranks.
+                reorder: b.reorder_buckets && !transport.partitioned(),
                 wire: b.wire,
+                partitioned: transport.partitioned(),
                 joiner_waiting: b.joiner_waiting.clone(),
             },
             learning_window: b.learning_window,

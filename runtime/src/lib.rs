@@ -52,11 +52,14 @@ pub use trace::ChromeTrace;
 /// can. Buckets come from the transport's [`GradStore`](backend::GradStore):
 /// [`HostStore`](backend::HostStore) keeps them in host memory as
 /// [`BucketBuf`](backend::BucketBuf)s split into [`Transport::pieces`](backend::Transport::pieces)
-/// pieces.
+/// pieces. A transport that reduce-scatters data buckets instead
+/// ([`Transport::partitioned`](backend::Transport::partitioned), sharded
+/// training) leaves each rank the sum of its [`partition`](backend::partition).
 pub mod backend {
     pub use gradsync_actors::bucket_buf::{BucketBuf, PieceLengthError, WriteMode};
     pub use gradsync_actors::comm::{Interrupt, Transport};
     pub use gradsync_actors::error::{AllocError, CollectiveKind, CollectiveTag, CommError};
     pub use gradsync_actors::failure::Failure;
+    pub use gradsync_actors::plan::partition;
     pub use gradsync_actors::store::{GradStore, HostStore};
 }

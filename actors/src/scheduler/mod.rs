@@ -86,6 +86,9 @@ pub struct SchedulerConfig {
     pub reorder: bool,
     /// The type data buckets travel in (part of the plan agreement).
     pub wire: Wire,
+    /// Data buckets are reduce-scattered ([`crate::Transport::partitioned`];
+    /// part of the plan agreement).
+    pub partitioned: bool,
     /// Raised by an elastic job's liveness monitor while a process waits
     /// to join: this rank's control votes say so (`None`: not elastic).
     pub joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,

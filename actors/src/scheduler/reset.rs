@@ -14,6 +14,9 @@ use crate::messages::{Reply, Resumption};
 use crate::plan::Fnv;
 use crate::store::GradStore;
 
+/// Mixed into the plan digest of a rank whose buckets are reduce-scattered.
+const PARTITIONED: u64 = 0x7061_7274_6974_696f;
+
 impl<S: GradStore> Scheduler<S> {
     /// Submit this rank's plan digest (model, bucket layout, abort policy) in
     /// its own slot of a `W`-word vector: the first collective of every rank.
@@ -22,6 +25,10 @@ impl<S: GradStore> Scheduler<S> {
         h.write(self.plan.fingerprint());
         h.write(self.cfg.policy.code());
         h.write(self.cfg.wire.code());
+        if self.cfg.partitioned {
+            // A rank that reduce-scatters must not meet one that all-reduces.
+            h.write(PARTITIONED);
+        }
         self.plan_proposed = true;
         let mut words = vec![0u64; self.cfg.world];
         words[self.cfg.rank] = h.0;

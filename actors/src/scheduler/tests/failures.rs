@@ -81,3 +81,21 @@ fn a_plan_mismatch_fails_before_the_first_bucket() {
     let err = r.end(0, StepEnd::Finish).try_recv().unwrap().unwrap_err();
     assert!(matches!(&err, SyncError::Desync { ranks, majority: true, .. } if ranks == &vec![3]), "{err}");
 }
+
+/// Invariant: a rank that reduce-scatters its buckets (sharded) and one that
+/// all-reduces them propose different plan digests, so they fail together at
+/// the plan agreement instead of issuing mismatched collectives.
+#[test]
+fn a_partitioned_rank_disagrees_with_an_all_reducing_one() {
+    let digest = |partitioned: bool| {
+        let mut r = super::rank_configured(2, 0, &[2], 8, AbortPolicy::Skip, Divisor::Contributors, |c| {
+            c.partitioned = partitioned
+        });
+        r.inc(0, 0, 1.0);
+        let plan = r.job();
+        let CommPayload::Words(words) = &plan.payload else { panic!("plan words") };
+        words[0]
+    };
+    assert_ne!(digest(true), digest(false));
+    assert_eq!(digest(true), digest(true), "equal settings agree");
+}

@@ -53,7 +53,7 @@ mod membership;
 mod reorder;
 
 fn rank_with(world: usize, rank: usize, numels: &[usize], cap: usize, policy: AbortPolicy, divisor: Divisor) -> Rank {
-    rank_configured(world, rank, numels, cap, policy, divisor, false)
+    rank_configured(world, rank, numels, cap, policy, divisor, |_| {})
 }
 
 fn rank_configured(
@@ -63,7 +63,7 @@ fn rank_configured(
     cap: usize,
     policy: AbortPolicy,
     divisor: Divisor,
-    reorder: bool,
+    edit: impl FnOnce(&mut SchedulerConfig),
 ) -> Rank {
     let specs = numels
         .iter()
@@ -82,10 +82,13 @@ fn rank_configured(
         check_finite: false,
         record_timeline: false,
         scale_when_packing: false,
-        reorder,
+        reorder: false,
         wire: Wire::F32,
+        partitioned: false,
         joiner_waiting: None,
     };
+    let mut cfg = cfg;
+    edit(&mut cfg);
     let (jobs_tx, jobs) = crossbeam_channel::unbounded();
     let (home_tx, home) = unbounded_channel();
     let sched = Scheduler::new(cfg, HostStore, Arc::clone(&plan), jobs_tx, home_tx).expect("host memory");

@@ -6,7 +6,7 @@ use crate::scheduler::REORDER_AFTER;
 /// A rank of `world` that rebuilds its plan, buckets of at most two values
 /// (one at the end of the plan).
 fn reordering(world: usize, rank: usize, numels: &[usize]) -> Rank {
-    rank_configured(world, rank, numels, 8, AbortPolicy::Skip, Divisor::Contributors, true)
+    rank_configured(world, rank, numels, 8, AbortPolicy::Skip, Divisor::Contributors, |c| c.reorder = true)
 }
 
 /// Whether a control job's vote asks to rebuild the plan (its last word).
