@@ -80,11 +80,15 @@ class Session:
         reorder_buckets: bool = ...,
         wire_dtype: str = ...,
         membership: Optional[Membership] = ...,
+        partitioned: bool = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...
     @property
     def world(self) -> int: ...
+    def plan(self) -> list[tuple[int, list[int]]]:
+        """The bucket plan as registered, in launch order: per bucket its
+        element count and members (parameter indices, back to back)."""
     @property
     def current_step(self) -> int: ...
     @property
@@ -210,6 +214,9 @@ class ArrivalSink:
 
 def install_prometheus(addr: str, allow_remote: bool = False) -> None: ...
 def version() -> str: ...
+def partition(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s partition ``(start, end)`` of a bucket of ``numel``
+    values reduce-scattered over ``world`` ranks."""
 def wait_for_closing() -> None:
     """Wait until every session dropped without ``close`` has stopped its
     threads (registered with ``atexit`` by the package)."""

@@ -16,7 +16,8 @@
 // * `start` counts this rank's position in the store (`add(key, 1)`: the
 //   collectives this rank started in the group's epoch), wraps the runtime's
 //   memory as a tensor of the element type it is given (no copy) and launches
-//   the all-reduce. It returns a Flight and the position.
+//   the all-reduce (a reduce-scatter in place for a sharded model's buckets:
+//   `sum_in_place`). It returns a Flight and the position.
 // * `finish` waits for a Flight, scales a float sum, and frees the Flight.
 //   `forget` frees one without waiting (after a failure).
 // * A failure comes back as an Outcome (failed, or cancelled by a broken
@@ -37,8 +38,34 @@
 
 namespace gradsync::shim {
 
-int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t timeout_ms,
-              void** flight, int64_t* seq, char* err, size_t err_len) {
+c10::intrusive_ptr<c10d::Work> sum_in_place(c10d::Backend& group, at::Tensor& tensor, int64_t chunk, int64_t rank,
+                                            int64_t world, int64_t timeout_ms) {
+  if (chunk <= 0) {
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    std::vector<at::Tensor> tensors{tensor};
+    return group.allreduce(tensors, opts);
+  }
+  // Every rank's chunk, as views of the tensor: the output is this rank's own
+  // view of it, so the sum lands in place.
+  const int64_t numel = tensor.numel();
+  std::vector<at::Tensor> chunks;
+  chunks.reserve(static_cast<size_t>(world));
+  for (int64_t r = 0; r < world; ++r) {
+    int64_t begin = std::min(r * chunk, numel);
+    chunks.push_back(tensor.narrow(0, begin, std::min(begin + chunk, numel) - begin));
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = std::chrono::milliseconds(timeout_ms);
+  std::vector<at::Tensor> outputs{chunks[static_cast<size_t>(rank)]};
+  std::vector<std::vector<at::Tensor>> inputs{std::move(chunks)};
+  return group.reduce_scatter(outputs, inputs, opts);
+}
+
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t chunk,
+              int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
   *seq = 0;
   auto* ep = static_cast<Endpoint*>(endpoint);
@@ -46,11 +73,7 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double fa
     ep->check_cancelled();
     *seq = ep->store->add(ep->key, 1);
     auto tensor = at::from_blob(addr, {numel}, at::TensorOptions().dtype(scalar_type(elem)));
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    opts.timeout = std::chrono::milliseconds(timeout_ms);
-    std::vector<at::Tensor> tensors{tensor};
-    auto work = ep->group->allreduce(tensors, opts);
+    auto work = sum_in_place(*ep->group, tensor, chunk, ep->rank, ep->world, timeout_ms);
     *flight = new Flight{std::move(work), ep, tensor, elem == kF32 || elem == kF64 ? factor : 1.0};
   });
 }

@@ -170,11 +170,12 @@ int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t e
   });
 }
 
-// Start summing a device-plane bucket on the endpoint's data group, on the
+// Start summing a device-plane bucket on the endpoint's data group (a
+// reduce-scatter with `chunk` > 0: `sum_in_place`), on the
 // plane's stream, travelling as `elem` (the bucket's own type, or a half type
 // it is rounded to first); `finish` widens, scales and frees.
-int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t timeout_ms,
-                     void** flight, int64_t* seq, char* err, size_t err_len) {
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t chunk,
+                     int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
   *seq = 0;
   auto* ep = static_cast<Endpoint*>(endpoint);
@@ -189,11 +190,7 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, do
         f->tensor = t.to(scalar_type(elem));
         f->bucket = t;
       }
-      c10d::AllreduceOptions opts;
-      opts.reduceOp = c10d::ReduceOp::SUM;
-      opts.timeout = std::chrono::milliseconds(timeout_ms);
-      std::vector<at::Tensor> tensors{f->tensor};
-      f->work = ep->data->allreduce(tensors, opts);
+      f->work = sum_in_place(*ep->data, f->tensor, chunk, ep->rank, ep->world, timeout_ms);
       *flight = f.release();
     });
   });

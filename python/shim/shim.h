@@ -220,8 +220,14 @@ struct StoreClient {
 };
 
 // ---- gloo.cpp: collectives on host memory -------------------------------------------
-int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t timeout_ms,
-              void** flight, int64_t* seq, char* err, size_t err_len);
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t chunk,
+              int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len);
+// Sum `tensor` over `group`'s ranks in place: an all-reduce, or with `chunk`
+// > 0 a reduce-scatter that leaves rank `rank` the sum of its chunk only
+// (chunks of `chunk` values in rank order, the last ones shorter or empty:
+// the partition of actors/src/plan.rs).
+c10::intrusive_ptr<c10d::Work> sum_in_place(c10d::Backend& group, at::Tensor& tensor, int64_t chunk, int64_t rank,
+                                            int64_t world, int64_t timeout_ms);
 int32_t finish(void* flight, char* err, size_t err_len);
 void forget(void* flight);
 int32_t behind(void* endpoint, int64_t seq, int64_t* ranks, size_t cap, size_t* n);
@@ -240,8 +246,8 @@ int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, doub
 int32_t plane_add_from(void* plane, void* dst, int64_t dst_offset, void* src, int64_t src_offset, int64_t len,
                        char* err, size_t err_len);
 int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t err_len);
-int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t timeout_ms,
-                     void** flight, int64_t* seq, char* err, size_t err_len);
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t chunk,
+                     int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len);
 
 // ---- store.cpp: the membership store -------------------------------------------------
 int32_t store_add(void* client, const char* key, size_t key_len, int64_t delta, int64_t* out, char* err,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use gradsync_runtime::backend::CollectiveTag;
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 7;
+pub const TABLE_VERSION: u32 = 8;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -48,6 +48,7 @@ pub struct Table {
         i32,
         f64,
         i64,
+        i64,
         *mut *mut c_void,
         *mut i64,
         *mut c_char,
@@ -61,6 +62,7 @@ pub struct Table {
         *mut c_void,
         i32,
         f64,
+        i64,
         i64,
         *mut *mut c_void,
         *mut i64,
@@ -246,6 +248,9 @@ impl NativeGloo {
 
     /// Start summing `numel` `words` at `addr` over every rank, scaled by
     /// `factor` when finished (float buckets; control words are not scaled).
+    /// `chunk` > 0 reduce-scatters instead, in place: rank `r` gets the sum
+    /// of its chunk (`gradsync_actors::plan::partition`).
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         &mut self,
         tag: CollectiveTag,
@@ -253,6 +258,7 @@ impl NativeGloo {
         numel: usize,
         words: Words,
         factor: f64,
+        chunk: usize,
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
@@ -268,6 +274,7 @@ impl NativeGloo {
                     numel as i64,
                     words.code(),
                     factor,
+                    chunk as i64,
                     timeout_ms,
                     handle,
                     seq,
@@ -280,7 +287,8 @@ impl NativeGloo {
 
     /// Start summing the device-plane bucket `bucket` (the shim's `Bucket*` of
     /// the plane at `plane`) on the endpoint's data group, travelling as
-    /// `words`, scaled by `factor` when finished.
+    /// `words`, scaled by `factor` when finished; `chunk` as for [`Self::start`].
+    #[allow(clippy::too_many_arguments)]
     pub fn start_tensor(
         &mut self,
         tag: CollectiveTag,
@@ -288,6 +296,7 @@ impl NativeGloo {
         bucket: usize,
         words: Words,
         factor: f64,
+        chunk: usize,
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
@@ -303,6 +312,7 @@ impl NativeGloo {
                     bucket as *mut c_void,
                     words.code(),
                     factor,
+                    chunk as i64,
                     timeout_ms,
                     handle,
                     seq,

@@ -65,6 +65,15 @@ fn install_prometheus(py: Python<'_>, addr: &str, allow_remote: bool) -> PyResul
         .map_err(|e| errors::raise::<errors::ConfigError>(py, e.to_string(), &[]))
 }
 
+/// Rank `rank`'s partition `(start, end)` of a bucket of `numel` values
+/// reduce-scattered over `world` ranks (the one layout every rank and the
+/// runtime's collectives use).
+#[pyfunction]
+fn partition(numel: usize, rank: usize, world: usize) -> (usize, usize) {
+    let r = gradsync_runtime::backend::partition(numel, rank, world);
+    (r.start, r.end)
+}
+
 /// The runtime's version.
 #[pyfunction]
 fn version() -> &'static str {
@@ -81,6 +90,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<etcd::EtcdClient>()?;
     m.add_function(wrap_pyfunction!(install_prometheus, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(closing::wait_for_closing, m)?)?;
     Ok(())
 }

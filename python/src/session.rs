@@ -112,11 +112,14 @@ impl Session {
     /// (`"contributors"`, the default, `"world"`, `"sum"` or an integer).
     /// `membership` (an elastic job's `Membership`, started): its monitor's
     /// joiner flag goes into this rank's control votes (`StepReport.admit`).
+    /// `partitioned`: data buckets are reduce-scattered (sharded training):
+    /// after a step each rank's `partition` of every bucket holds the
+    /// average, the rest does not; the plan is then never rebuilt.
     #[new]
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
                         param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32",
-                        membership = None))]
+                        membership = None, partitioned = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -136,6 +139,7 @@ impl Session {
         reorder_buckets: bool,
         wire_dtype: &str,
         membership: Option<PyRef<'_, Membership>>,
+        partitioned: bool,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -179,7 +183,11 @@ impl Session {
         if let Some(membership) = &membership {
             b.joiner_waiting(membership.joiner_flag());
         }
-        let transport = BucketTransport::new(rank, world, engine_for(py, communicator, in_flight)?);
+        let transport = BucketTransport::new(rank, world, engine_for(py, communicator, in_flight)?, partitioned)
+            .ok_or_else(|| {
+                let why = "this communicator cannot reduce-scatter: sharded gradients need gradsync.torch".to_string();
+                errors::raise::<errors::ConfigError>(py, why, &[])
+            })?;
         let device_plane = transport.on_device_plane();
         let sync = b.build(transport).map_err(|e| errors::build_error(py, &e))?;
         let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
@@ -197,6 +205,17 @@ impl Session {
     #[getter]
     fn world(&mut self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.sync(py)?.world())
+    }
+
+    /// The bucket plan as registered, in launch order: per bucket its element
+    /// count and its members (parameter indices, back to back in that order).
+    /// A partitioned session keeps it for good; otherwise it may be rebuilt
+    /// in the order gradients arrive (`Step.buckets()` says which ran).
+    fn plan(&mut self, py: Python<'_>) -> PyResult<Vec<(usize, Vec<usize>)>> {
+        let plan = self.sync(py)?.plan();
+        Ok((0..plan.num_buckets())
+            .map(|b| (plan.bucket_numel(b), plan.bucket_params(b).iter().map(|p| p.index()).collect()))
+            .collect())
     }
 
     /// The open step (the one arrivals are for, and the next to end).

@@ -23,6 +23,10 @@ pub(crate) struct Collective {
     /// A device-plane bucket (the shim's `Bucket*`): summed on the data group,
     /// converted to the wire type by the shim; `addr` is unused.
     pub tensor: Option<usize>,
+    /// 0: an all-reduce. Otherwise a reduce-scatter in place over chunks of
+    /// this many values: each rank keeps the sum of its own
+    /// ([`gradsync_runtime::backend::partition`]; a sharded model's buckets).
+    pub chunk: usize,
 }
 
 impl Collective {
@@ -37,6 +41,7 @@ impl Collective {
             factor,
             deadline,
             tensor: None,
+            chunk: 0,
         };
         match bucket {
             Bucket::Host(bucket) => {
@@ -55,6 +60,7 @@ impl Collective {
                 factor,
                 deadline,
                 tensor: Some(bucket.address()),
+                chunk: 0,
             },
         }
     }
@@ -83,7 +89,13 @@ impl Collective {
             factor: 1.0,
             deadline,
             tensor: None,
+            chunk: 0,
         }
+    }
+
+    /// This bucket reduce-scattered over `world` ranks instead of all-reduced.
+    pub fn scattered(self, world: usize) -> Self {
+        Collective { chunk: gradsync_runtime::backend::partition(self.numel, 0, world).len().max(1), ..self }
     }
 }
 

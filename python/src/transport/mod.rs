@@ -53,6 +53,8 @@ pub(crate) trait Engine: Send + std::fmt::Debug {
     fn window(&self) -> usize;
     /// The device plane its buckets live on, if they do.
     fn plane(&self) -> Option<DevicePlane>;
+    /// Whether it runs a [`Collective`] with a `chunk` (a reduce-scatter).
+    fn reduce_scatters(&self) -> bool;
     /// Start `c` (its memory stays valid until it is finished or forgotten).
     fn start(&mut self, c: &Collective) -> Result<(), Failure>;
     /// Finish the oldest started collective (none: nothing to do).
@@ -94,12 +96,32 @@ pub struct BucketTransport {
     /// Per collective started and not finished, oldest first: its staged
     /// half-width copy, if it has one.
     staged: VecDeque<Option<Staged>>,
+    /// Data buckets are reduce-scattered (a sharded model, [`Transport::partitioned`]).
+    partitioned: bool,
 }
 
 impl BucketTransport {
-    /// Rank `rank` of `world`, its collectives run by `engine`.
-    pub(crate) fn new(rank: usize, world: usize, engine: Box<dyn Engine>) -> BucketTransport {
-        BucketTransport { rank, world, engine, wire: Wire::F32, staged: VecDeque::new() }
+    /// Rank `rank` of `world`, its collectives run by `engine`; `partitioned`:
+    /// data buckets are reduce-scattered (`None` when `engine` cannot).
+    pub(crate) fn new(
+        rank: usize,
+        world: usize,
+        engine: Box<dyn Engine>,
+        partitioned: bool,
+    ) -> Option<BucketTransport> {
+        if partitioned && !engine.reduce_scatters() {
+            return None;
+        }
+        Some(BucketTransport { rank, world, engine, wire: Wire::F32, staged: VecDeque::new(), partitioned })
+    }
+
+    /// A data bucket's collective: reduce-scattered when partitioned.
+    fn data(&self, c: Collective) -> Collective {
+        if self.partitioned {
+            c.scattered(self.world)
+        } else {
+            c
+        }
     }
 
     /// Whether buckets live on the device plane.
@@ -188,11 +210,16 @@ impl Transport for BucketTransport {
     }
 
     fn all_reduce_grads(&mut self, tag: CollectiveTag, bucket: &mut Bucket, factor: f64, deadline: Instant) -> Done {
-        self.whole(Collective::bucket(tag, bucket, factor, deadline))
+        let c = Collective::bucket(tag, bucket, factor, deadline);
+        self.whole(if matches!(tag.kind, CollectiveKind::Bucket { .. }) { self.data(c) } else { c })
     }
 
     fn all_reduce_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
         self.whole(Collective::words(tag, words, deadline))
+    }
+
+    fn partitioned(&self) -> bool {
+        self.partitioned
     }
 
     fn max_in_flight(&self) -> usize {
@@ -222,7 +249,8 @@ impl Transport for BucketTransport {
     }
 
     fn start_grads(&mut self, tag: CollectiveTag, bucket: &mut Bucket, factor: f64, deadline: Instant) -> Done {
-        self.start(Collective::bucket(tag, bucket, factor, deadline))
+        let c = Collective::bucket(tag, bucket, factor, deadline);
+        self.start(if matches!(tag.kind, CollectiveKind::Bucket { .. }) { self.data(c) } else { c })
     }
 
     fn start_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {

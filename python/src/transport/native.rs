@@ -76,13 +76,17 @@ impl Engine for NativeEngine {
         self.plane
     }
 
+    fn reduce_scatters(&self) -> bool {
+        true
+    }
+
     fn start(&mut self, c: &Collective) -> Result<(), Failure> {
         let timeout = c.time_left(Instant::now());
         let started = match (c.tensor, &self.plane) {
             (Some(bucket), Some(plane)) => {
-                self.gloo.start_tensor(c.tag, plane.address(), bucket, c.words, c.factor, timeout)
+                self.gloo.start_tensor(c.tag, plane.address(), bucket, c.words, c.factor, c.chunk, timeout)
             }
-            _ => self.gloo.start(c.tag, c.addr, c.numel, c.words, c.factor, timeout),
+            _ => self.gloo.start(c.tag, c.addr, c.numel, c.words, c.factor, c.chunk, timeout),
         };
         started.map_err(|e| self.failure(e))
     }

@@ -48,8 +48,14 @@ impl Engine for PythonEngine {
         None
     }
 
+    /// Paddle's communicator all-reduces only (sharding is torch's).
+    fn reduce_scatters(&self) -> bool {
+        false
+    }
+
     /// Runs the whole collective.
     fn start(&mut self, c: &Collective) -> Result<(), Failure> {
+        debug_assert_eq!(c.chunk, 0, "the session refuses to partition on an engine that cannot reduce-scatter");
         let started = Instant::now();
         let timeout = c.time_left(started);
         let outcome = Python::attach(|py| {
