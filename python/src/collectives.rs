@@ -331,7 +331,8 @@ impl NativeGloo {
         start: impl FnOnce(i64, *mut *mut c_void, *mut i64, &mut ErrorText) -> i32,
     ) -> Result<(), ShimError> {
         let started = Instant::now();
-        let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX).max(1);
+        // Whole milliseconds, rounded up: the library never gives up before the runtime's deadline.
+        let timeout_ms = i64::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i64::MAX).max(1);
         let mut handle = std::ptr::null_mut();
         let mut seq = 0i64;
         let mut err = error_text();
