@@ -383,6 +383,7 @@ GENERATORS = {
     "ddp-side-by-side": lambda: side_by_side("ddp-side-by-side"),
     "paddle-side-by-side": lambda: side_by_side("paddle-side-by-side"),
     "paddle-faults": lambda: side_by_side("paddle-faults"),
+    "sharded-side-by-side": lambda: side_by_side("sharded-side-by-side"),
     "gpu-device": gpu_device,
     "gpu-cost": gpu_cost_table,
     "gpu-bench-details": gpu_bench_details,

@@ -138,13 +138,15 @@ class Replica:
 class SyncSettings:
     """A wrapped model's runtime settings: the bucket cap in bytes, the
     collective deadline in seconds, the abort policy (``"skip"`` or
-    ``"partial"``), whether the timeline is kept, and the wire type."""
+    ``"partial"``), whether the timeline is kept, the wire type, and whether
+    buckets are reduce-scattered (``partitioned``: sharded gradients)."""
 
     bucket_cap_bytes: int
     timeout_s: float
     abort_policy: str = "skip"
     record_timeline: bool = False
     wire_dtype: str = "float32"
+    partitioned: bool = False
 
 
 def check_wire(wire, refused=None):
@@ -189,6 +191,7 @@ class ModelSync:
             record_timeline=settings.record_timeline,
             wire_dtype=settings.wire_dtype,
             membership=membership,
+            partitioned=settings.partitioned,
         )
         self.names = replica.names
         self.wire = settings.wire_dtype

@@ -14,6 +14,8 @@ TABLE_DIR = REPO / "target" / "pytest"
 
 # Rows of the side-by-side table, filled by the tests that run both DDP and gradsync.
 ROWS = []
+# Rows of the sharded (ZeRO-2) table: case -> gradsync's outcome.
+SHARDED_ROWS = []
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +58,16 @@ def side_by_side():
     return record
 
 
+@pytest.fixture
+def side_by_side_sharded():
+    """Record a row of the sharded table: ``record(case, gradsync_outcome)``."""
+
+    def record(case, gradsync):
+        SHARDED_ROWS.append({"case": case, "gradsync": gradsync})
+
+    return record
+
+
 def render_table(rows):
     lines = [
         "| case | torch DDP | gradsync (max abs diff from the single-process reference) |",
@@ -66,7 +78,20 @@ def render_table(rows):
     return "\n".join(lines) + "\n"
 
 
+def render_sharded(rows):
+    lines = [
+        "| case (2 ranks, AdamW, 4 steps) | gradsync, shard_gradients=True (max abs parameter diff from one process) |",
+        "|---|---|",
+    ]
+    lines += [f"| {row['case']} | {row['gradsync']} |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if SHARDED_ROWS:
+        TABLE_DIR.mkdir(parents=True, exist_ok=True)
+        rows = sorted(SHARDED_ROWS, key=lambda r: r["case"])
+        (TABLE_DIR / "sharded-side-by-side.md").write_text(render_sharded(rows))
     if not ROWS:
         return
     TABLE_DIR.mkdir(parents=True, exist_ok=True)

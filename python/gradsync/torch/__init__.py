@@ -17,13 +17,29 @@ Lightning's ``ddp`` strategy) gets gradsync after one line::
 (:func:`restore_ddp` undoes it; for Lightning there is also
 :class:`gradsync.torch.lightning.GradsyncDDPStrategy`.)
 
+Models whose gradients and optimizer state should not be whole on every
+rank shard them (ZeRO-2): ``DistributedDataParallel(model,
+shard_gradients=True)`` and ``model.shard_optimizer(torch.optim.AdamW, ...)``
+(:class:`ShardedOptimizer`; see ``gradsync.torch._sharding``).
+
 An elastic job (a lost rank does not end it; a replacement joins) is
 :class:`Elastic`, launched with ``python -m gradsync.launch`` (see
 :mod:`gradsync.torch.elastic`).
 """
 
 from gradsync.torch._replace import ddp_replaced, replace_ddp, restore_ddp
+from gradsync.torch._sharded_optim import ELEMENTWISE, ShardedOptimizer, elementwise
 from gradsync.torch.ddp import DistributedDataParallel
 from gradsync.torch.elastic import Elastic, MembershipEvent
 
-__all__ = ["DistributedDataParallel", "Elastic", "MembershipEvent", "ddp_replaced", "replace_ddp", "restore_ddp"]
+__all__ = [
+    "ELEMENTWISE",
+    "DistributedDataParallel",
+    "Elastic",
+    "MembershipEvent",
+    "ShardedOptimizer",
+    "ddp_replaced",
+    "elementwise",
+    "replace_ddp",
+    "restore_ddp",
+]

@@ -21,6 +21,9 @@ made to wait for the reduction; the host never waits for the device.
 """
 
 
+import torch
+
+
 def reals(p):
     """How many real numbers ``p``'s gradient holds in bucket memory (two
     per complex element: its real and imaginary parts, reduced alike)."""
@@ -29,13 +32,16 @@ def reals(p):
 
 class TorchGrads:
     """The torch side of a wrapped model's gradients (see the module docs).
-    ``plane``: the communicator when the buckets are on the device plane."""
+    ``plane``: the communicator when the buckets are on the device plane;
+    ``partition``: a sharded wrapper's ``_partition.Partition`` (the
+    averages go to its pieces, ``.grad`` stays ``None``)."""
 
-    def __init__(self, params, hooks, plane, sparse):
+    def __init__(self, params, hooks, plane, sparse, partition=None):
         self._params = params
         self.hooks = hooks
         self._plane = plane
         self._sparse = sparse
+        self._partition = partition
 
     def new_record(self):
         return self.hooks.record()
@@ -44,10 +50,26 @@ class TorchGrads:
         self.hooks.hand_over_held(record)
 
     def write_back(self, result, record):
+        if self._partition is not None:
+            return self._write_partition(result)
         lent = self.hooks.write_back(result, self._plane)
         if self._sparse:
             self._sparse.reduce(result.report)
         return lent
+
+    def _write_partition(self, result):
+        """A sharded step: this rank's partition into its pieces' ``.grad``."""
+        buckets = self.hooks.buckets(result, self._plane)
+        if self._plane is not None and self._plane.plane_stream() is not None:
+            # The caller's stream reads the buckets after the plane's reductions.
+            stream = self._plane.plane_stream()
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        layout = self._partition.buckets
+        if len(buckets) != len(layout) or any(tuple(m) != b.members for (_, m), b in zip(buckets, layout)):
+            raise RuntimeError("gradsync: a sharded step's buckets are not its plan's (a gradsync bug, please report it)")
+        for p in self._params:
+            p.grad = None
+        return self._partition.receive([t for t, _ in buckets], result, result.report.unused_everywhere)
 
     def joined_step(self, report):
         """This rank is out of data and shadowed ``report``'s step: it sends
@@ -59,6 +81,8 @@ class TorchGrads:
         """Skipped on every rank: no optimizer may apply this step."""
         for p in self._params:
             p.grad = None
+        if self._partition is not None:
+            self._partition.clear()
         self._sparse.clear()
 
     def remove_hooks(self):

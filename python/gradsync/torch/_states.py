@@ -15,6 +15,7 @@ message and its work until the receivers took it (:meth:`StateBroadcast.send`).
 """
 
 import datetime
+import pickle
 import time
 
 import torch
@@ -126,6 +127,38 @@ class StateBroadcast:
         if self._world > 1:
             self._wait(self._group.allreduce([slots]))
         return slots
+
+    def all_gather(self, mine):
+        """Every rank's ``mine`` (a flat CPU tensor of the same length and
+        dtype on every rank), back to back in rank order."""
+        if self._world == 1:
+            return mine.clone()
+        self._reap()
+        out = torch.empty(self._world * mine.numel(), dtype=mine.dtype)
+        self._wait(self._group._allgather_base(out, mine))
+        return out
+
+    def all_gather_objects(self, value):
+        """Every rank's picklable ``value``, as a list in rank order."""
+        if self._world == 1:
+            return [value]
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        lengths = self.everyones([data.numel()])[:, 0].tolist()
+        mine = torch.zeros(max(lengths), dtype=torch.uint8)
+        mine[: data.numel()] = data
+        everyone = self.all_gather(mine).view(self._world, -1)
+        return [pickle.loads(everyone[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
+    def reduce(self, tensor, op):
+        """``tensor`` (a CPU tensor) combined over every rank in place,
+        ``op`` ``"sum"`` or ``"max"``; returns it."""
+        if self._world == 1:
+            return tensor
+        self._reap()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        self._wait(self._group.allreduce([tensor], opts))
+        return tensor
 
     def highest(self, mine):
         """The highest rank for which ``mine`` is true on its side, or -1."""

@@ -69,6 +69,8 @@ from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
+from gradsync.torch._sharding import Sharding
+from gradsync.torch._sharding import refuse as refuse_sharded
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -105,6 +107,7 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
     for ddp in list(_LIVE):
         ddp._sync.raise_if_unfinished("optimizer.step()")
         ddp._raise_if_unaveraged(optimizer)
+        ddp._refuse_unsharded_step(optimizer)
 
 
 def _end_of_backward(ref):
@@ -165,7 +168,7 @@ def _data_path(device, buckets):
     return DataPath(buckets="host", why=why), arrivals, collectives
 
 
-class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
+class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
     """Data parallelism for ``module``, a drop-in for
     ``torch.nn.parallel.DistributedDataParallel`` (and a subclass of it, so
     libraries that check for DDP or unwrap ``.module`` treat it as DDP; see
@@ -221,6 +224,12 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
       without gradsync's C++ modules, an accelerator other than CUDA) the
       default is ``"host"``, with that warning; ``"device"`` there raises
       ``ConfigError``.
+    * ``shard_gradients``: ``True`` shards gradients and optimizer state
+      (ZeRO-2): every bucket is reduce-scattered, each rank keeps the
+      averages of its partition only, ``model.shard_optimizer(AdamW, ...)``
+      builds the optimizer that steps it and all-gathers the parameters
+      (``gradsync.torch._sharding``). ``.grad`` stays ``None``; clip with
+      ``model.clip_grad_norm_`` or ``torch.nn.utils.clip_grad_norm_``.
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
       rank does not end the job, a replacement joins it (see
@@ -238,7 +247,8 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
 
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
-    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic")
+    GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic",
+                         "shard_gradients")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -294,6 +304,9 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         wire = check_wire(settings.get("wire_dtype", "float32"))
         self.module = module
         self._select_parameters(module)
+        sharded = bool(settings.get("shard_gradients", False))
+        if sharded:
+            refuse_sharded(settings, [n for n, _ in self._sparse_named])
         # DDP's plain attributes, which libraries read (Lightning reads
         # static_graph). gradsync needs none of these declarations.
         self.device_ids = device_ids
@@ -341,12 +354,14 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
                           [_DTYPES[p.dtype] for p in self._params])
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
-                               SyncSettings(cap, timeout_s, wire_dtype=wire, **options),
+                               SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded, **options),
                                membership=None if elastic is None else elastic.membership)
         if elastic is not None:
             self._sync.elastic = elastic
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
+        if sharded:
+            self._start_sharding(reals)
         self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
@@ -489,7 +504,7 @@ class DistributedDataParallel(StepControls, DdpSurface, _TORCH_DDP):
         sparse = SparseGrads([n for n, _ in self._sparse_named], [p for _, p in self._sparse_named], self._states,
                              self._rank)
         self._hooks = hooks
-        self._sync.attach(TorchGrads(self._params, hooks, plane, sparse))
+        self._sync.attach(TorchGrads(self._params, hooks, plane, sparse, self._partition))
 
     # ---- forward and the end of backward --------------------------------------------------
 

@@ -1,0 +1,217 @@
+"""A sharded model's gradients: each rank's partition of every bucket.
+
+With ``shard_gradients=True`` the runtime reduce-scatters every bucket
+instead of all-reducing it: rank ``r`` receives the average of its
+*partition* of the bucket only (``gradsync._native.partition``: chunks of
+``ceil(numel / world)`` values in rank order). The plan is fixed (reverse
+registration order, never rebuilt), so the layout is known before the first
+step, on every rank alike::
+
+    bucket b:   | p7 | p6 ........ | p5 | p4 .... |      members back to back
+    rank 0:     [=========)                            its partition
+    rank 1:               [=========)
+    rank 2:                         [=========)
+    pieces:     p7, p6[0:k] | p6[k:], p5[..] | ...     where a partition meets a parameter
+
+A **piece** is the part of one parameter inside this rank's partition of
+one bucket: a flat view of the parameter's own memory (``piece.tensor``), so
+an optimizer that updates the piece updates the parameter in place. After a
+step :meth:`Partition.receive` hands each piece its averaged gradient as
+``piece.tensor.grad`` (a view of the step's bucket memory; the views keep it
+on loan until they are dropped, as ``zero_grad()`` does). ``.grad`` of the
+parameters stays ``None``: the full gradient exists only inside the buckets.
+
+:meth:`Partition.gather` sends every rank's updated pieces to every rank
+(an all-gather per bucket) after the optimizer stepped, and
+:meth:`Partition.clip` clips by the global norm of the gradients (a sum over
+every rank's pieces), never by a rank's local part.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradsync._errors import ConfigError
+from gradsync._native import partition as partition_of
+
+
+def _flat(p):
+    """``p``'s values as one flat tensor sharing its memory (a complex one as
+    its real and imaginary parts)."""
+    t = p.detach()
+    return (torch.view_as_real(t) if t.is_complex() else t).view(-1)
+
+
+@dataclass
+class Piece:
+    """The part of parameter ``param`` (an index of the wrapper's parameters)
+    in this rank's partition of bucket ``bucket``: ``length`` values at
+    ``start`` in the bucket, at ``offset`` in the parameter's flat values.
+    ``tensor`` views them in the parameter's memory."""
+
+    param: int
+    bucket: int
+    start: int
+    length: int
+    offset: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket of the plan: its element count, members (parameter
+    indices, back to back in that order) and their element counts, and the
+    chunk each rank receives (``chunk`` values; this rank's is ``mine``)."""
+
+    numel: int
+    members: tuple
+    sizes: tuple
+    chunk: int
+    mine: tuple
+
+
+class Partition:
+    """This rank's partition of every bucket of a sharded wrapper's plan
+    (see the module docs). ``plan``: the session's ``plan()``; ``params``:
+    the wrapper's parameters in registration order; ``reals(p)``: how many
+    values of the bucket ``p`` takes; ``states``: the wrapper's state group
+    (``_states.StateBroadcast``), where the all-gathers and norms travel;
+    ``names``: the parameters' names, for errors."""
+
+    def __init__(self, plan, params, names, rank, world, reals, states):
+        self.rank, self.world = rank, world
+        self.params = params
+        self.names = names
+        self._states = states
+        self.buckets = []
+        self.pieces = []
+        for b, (numel, members) in enumerate(plan):
+            sizes = tuple(reals(params[i]) for i in members)
+            mine = partition_of(numel, rank, world)
+            chunk = partition_of(numel, 0, world)[1]
+            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, mine))
+            offset = 0
+            for i, size in zip(members, sizes):
+                lo, hi = max(offset, mine[0]), min(offset + size, mine[1])
+                if lo < hi:
+                    p = params[i]
+                    if not p.is_contiguous():
+                        raise ConfigError(
+                            f"parameter {names[i]!r} is not contiguous: a sharded optimizer updates a flat view of "
+                            "each parameter's memory; make it contiguous before wrapping"
+                        )
+                    tensor = _flat(p)[lo - offset : hi - offset]
+                    self.pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor))
+                offset += size
+        #: Per parameter index, its pieces on this rank.
+        self.of_param = {}
+        for piece in self.pieces:
+            self.of_param.setdefault(piece.param, []).append(piece)
+
+    # ---- a step's averages ------------------------------------------------------------------
+
+    def receive(self, bucket_tensors, result, unused):
+        """A finished step's averages into the pieces' ``.grad``:
+        ``bucket_tensors`` are the step's buckets (tensors over its memory,
+        in launch order), ``result`` the runtime's step (the loan the views
+        keep alive), ``unused`` the parameters no rank used (their pieces
+        get no gradient, as the parameter would get none unsharded). A piece
+        whose gradient was not cleared since the last step accumulates, as
+        ``.grad`` does. Returns whether views of ``result`` were lent."""
+        unused = set(unused)
+        lent = False
+        bases = []
+        for tensor in bucket_tensors:
+            # One base per bucket over its memory (not a view: the pieces'
+            # views must have it as their base), carrying the loan.
+            base = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            base.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
+            base._gradsync_step = result
+            bases.append(base)
+        for piece in self.pieces:
+            if piece.param in unused:
+                continue
+            average = bases[piece.bucket][piece.start : piece.start + piece.length]
+            held = piece.tensor.grad
+            if held is not None:
+                # Not cleared since the last step: add, into a tensor of its own.
+                if getattr(held, "_base", None) is not None:
+                    held = held.clone()
+                held.add_(average.to(held.dtype))
+                piece.tensor.grad = held
+            elif average.dtype == piece.tensor.dtype:
+                piece.tensor.grad = average
+                lent = True
+            else:
+                piece.tensor.grad = average.to(piece.tensor.dtype)
+        return lent
+
+    def clear(self):
+        """No rank may apply this step: no piece keeps a gradient."""
+        for piece in self.pieces:
+            piece.tensor.grad = None
+
+    # ---- after the optimizer stepped ---------------------------------------------------------
+
+    @torch.no_grad()
+    def gather(self):
+        """Every rank's pieces, updated by its optimizer, into every rank's
+        parameters: per bucket, each rank's partition is gathered (bucket
+        precision: float32, or float64 for float64 parameters, so half
+        types travel exactly) and unpacked into the members."""
+        if self.world == 1:
+            return
+        flats = {}
+        by_bucket = {}
+        for piece in self.pieces:
+            by_bucket.setdefault(piece.bucket, []).append(piece)
+        for b, layout in enumerate(self.buckets):
+            members = [self.params[i] for i in layout.members]
+            wide = any(p.dtype in (torch.float64, torch.complex128) for p in members)
+            dtype = torch.float64 if wide else torch.float32
+            mine = torch.zeros(layout.chunk, dtype=dtype)
+            at = 0
+            for piece in by_bucket.get(b, ()):
+                mine[at : at + piece.length].copy_(piece.tensor)
+                at += piece.length
+            full = self._states.all_gather(mine)
+            values = full[: layout.numel].split(layout.sizes)
+            for i, v in zip(layout.members, values):
+                flat = flats.get(i)
+                if flat is None:
+                    flat = flats[i] = _flat(self.params[i])
+                flat.copy_(v)
+
+    # ---- the global norm ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip(self, params, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """``torch.nn.utils.clip_grad_norm_`` over the whole gradients of
+        ``params`` (of this wrapper), each rank holding its pieces: the norm
+        is a collective over every rank's pieces; the pieces' gradients are
+        scaled in place. Returns the total norm (a float64 tensor), the same
+        on every rank."""
+        norm_type = float(norm_type)
+        wanted = {id(p) for p in params}
+        grads = [
+            piece.tensor.grad
+            for piece in self.pieces
+            if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted
+        ]
+        if norm_type == math.inf:
+            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+            total = self._states.reduce(local.reshape(1).cpu(), "max")[0]
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+            total = self._states.reduce(local.reshape(1).cpu(), "sum")[0].pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
+                "set error_if_nonfinite=False to clip anyway"
+            )
+        coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total

@@ -1,0 +1,319 @@
+"""``ShardedOptimizer``: an optimizer that steps only this rank's partition.
+
+Built by ``model.shard_optimizer(torch.optim.AdamW, lr=...)`` on a wrapper
+made with ``shard_gradients=True``. Each rank's optimizer holds state for
+its pieces only (``_partition``: the parts of parameters inside its
+partition of each bucket), so optimizer memory per rank is about
+``1 / world`` of an unsharded one. :meth:`ShardedOptimizer.step`:
+
+1. steps the inner optimizer (the class you named) over this rank's pieces,
+   whose ``.grad`` hold the averaged gradients of its partition: the pieces
+   are views of the parameters, so the parameters change in place;
+2. all-gathers every rank's updated pieces into every rank's parameters,
+   so every replica holds the same parameters before the next forward.
+
+Pieces are slices of parameters, so the inner optimizer must update each
+element from that element's gradient and state alone (SGD, Adam, AdamW,
+Adagrad, RMSprop, ...: :data:`ELEMENTWISE`). An optimizer that looks at a
+whole tensor (a trust ratio, a factored second moment, LBFGS) would see a
+slice and is refused; register one that is elementwise with
+:func:`elementwise`.
+
+The object is a ``torch.optim.Optimizer``: ``param_groups`` (the inner
+optimizer's, whose ``params`` are pieces) take learning-rate schedulers
+unchanged; ``zero_grad()`` drops the pieces' gradients. ``state_dict()`` is
+the full, consolidated state in torch's format for the wrapped parameters
+(collect it with :meth:`ShardedOptimizer.consolidate_state_dict` first, as
+with torch's ``ZeroRedundancyOptimizer``), and ``load_state_dict`` takes
+such a full state on any world size.
+"""
+
+import hashlib
+
+import torch
+
+from gradsync._errors import ConfigError
+
+#: Optimizer classes that update each element from that element's own
+#: gradient and state (so a slice of a parameter steps exactly as the whole
+#: would). Extend it with :func:`elementwise`.
+ELEMENTWISE = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+}
+
+
+def elementwise(optimizer_class):
+    """Declare that ``optimizer_class`` updates each element of a parameter
+    from that element's gradient and state alone, so
+    ``model.shard_optimizer`` may step slices of parameters with it.
+    Returns the class (usable as a decorator)."""
+    ELEMENTWISE.add(optimizer_class)
+    return optimizer_class
+
+
+def _groups(params, wrapped, names):
+    """The caller's ``params`` (tensors, or dicts of them with options) as
+    groups of wrapper parameter indices, checked: each a parameter of the
+    wrapper, none twice."""
+    index = {id(p): i for i, p in enumerate(wrapped)}
+    if params is None:
+        params = list(wrapped)
+    params = list(params)
+    if not params:
+        raise ConfigError("shard_optimizer got an empty parameter list")
+    groups = params if isinstance(params[0], dict) else [{"params": params}]
+    seen = set()
+    out = []
+    for group in groups:
+        if not isinstance(group, dict) or "params" not in group:
+            raise ConfigError("shard_optimizer takes parameters, or dicts of them with options, as torch's optimizers do")
+        tensors = group["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        indices = []
+        for t in tensors:
+            i = index.get(id(t))
+            if i is None:
+                raise ConfigError(
+                    "shard_optimizer: a parameter given is not one the wrapper synchronizes (a parameter of another "
+                    "model, frozen when wrapped, or ignored): a sharded optimizer steps only the wrapper's parameters"
+                )
+            if i in seen:
+                raise ConfigError(f"shard_optimizer: parameter {names[i]!r} appears in more than one group")
+            seen.add(i)
+            indices.append(i)
+        out.append(({k: v for k, v in group.items() if k != "params"}, indices))
+    return out
+
+
+def _digest(optimizer_class, groups, defaults):
+    """What every rank must agree on, as 8 bytes: the class, each group's
+    parameters and options, the defaults."""
+    text = repr(
+        (
+            f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+            [(sorted((k, repr(v)) for k, v in options.items()), indices) for options, indices in groups],
+            sorted((k, repr(v)) for k, v in defaults.items()),
+        )
+    )
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """See the module docs. Build it with ``model.shard_optimizer(...)``:
+    ``partition`` is the wrapper's ``_partition.Partition``, ``names`` its
+    parameters' names, ``states`` its state group; the remaining arguments
+    are those of torch's optimizers (``params`` defaults to every parameter
+    the wrapper synchronizes)."""
+
+    def __init__(self, partition, names, states, optimizer_class, params=None, **defaults):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ConfigError(f"shard_optimizer needs a torch.optim.Optimizer class, not {optimizer_class!r}")
+        if optimizer_class not in ELEMENTWISE:
+            raise ConfigError(
+                f"{optimizer_class.__qualname__} is not known to update each element from that element's gradient "
+                "and state alone, and a sharded optimizer steps slices of parameters; if it does, declare it with "
+                "gradsync.torch.elementwise(cls); otherwise train it unsharded"
+            )
+        self._partition = partition
+        self._names = names
+        self._states = states
+        self._class = optimizer_class
+        groups = _groups(params, partition.params, names)
+        self._check_same_everywhere(optimizer_class, groups, defaults)
+        #: Per group: the wrapper parameter indices it was given with (full-state order).
+        self._group_params = [indices for _, indices in groups]
+        piece_groups = []
+        for options, indices in groups:
+            pieces = [piece.tensor for i in indices for piece in partition.of_param.get(i, ())]
+            piece_groups.append({**options, "params": pieces})
+        #: Per piece tensor (by id): its piece.
+        self._piece_of = {id(piece.tensor): piece for piece in partition.pieces}
+        self.inner = optimizer_class(piece_groups, **defaults)
+        super().__init__(piece_groups, self.inner.defaults)
+        # One set of groups and state: the inner optimizer's (schedulers change its groups).
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._consolidated = None
+
+    def _check_same_everywhere(self, optimizer_class, groups, defaults):
+        """Every rank must shard the same optimizer over the same groups
+        (each rank steps its part of one whole); else :class:`ConfigError`
+        naming the ranks that differ from rank 0."""
+        digest = _digest(optimizer_class, groups, defaults)
+        every = self._states.everyones([digest])[:, 0].tolist()
+        odd = [r for r, d in enumerate(every) if d != every[0]]
+        if odd:
+            raise ConfigError(
+                f"ranks {odd} built a sharded optimizer that differs from rank 0's (its class, parameter groups or "
+                "options): every rank steps its part of one optimizer, so every rank must build the same one"
+            )
+
+    def __getstate__(self):
+        raise TypeError("a ShardedOptimizer holds views of this process's parameters: save state_dict() instead")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step this rank's pieces, then gather every rank's into the
+        parameters (every rank must call it, as every rank steps under DDP).
+        A closure is refused: it would recompute a loss whose gradients
+        arrive on every rank, between one rank's step and the gather."""
+        if closure is not None:
+            raise ConfigError("a ShardedOptimizer takes no closure: run forward and backward before step()")
+        self.inner.step()
+        self._partition.gather()
+        return None
+
+    def zero_grad(self, set_to_none=True):
+        """Drop the pieces' gradients (``set_to_none``, the default, also
+        hands the step's bucket memory back to the runtime), or zero them."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clip the gradients of every parameter this optimizer steps by
+        their global norm (a collective); returns the norm."""
+        params = [self._partition.params[i] for indices in self._group_params for i in indices]
+        return self._partition.clip(params, max_norm, norm_type, error_if_nonfinite)
+
+    # ---- full state -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def consolidate_state_dict(self, to=0):
+        """Collect the full optimizer state on rank ``to`` (every rank calls
+        it; -1: on every rank), for :meth:`state_dict`."""
+        full = self._full_state()
+        self._consolidated = full if to in (-1, self._partition.rank) else None
+
+    def state_dict(self):
+        """The full optimizer state, as the unsharded optimizer's
+        ``state_dict()`` would be: per parameter (numbered across groups
+        in order) its state tensors whole. Call
+        :meth:`consolidate_state_dict` on every rank first."""
+        if self._consolidated is None:
+            raise ConfigError(
+                "a ShardedOptimizer's state is spread over the ranks: call optimizer.consolidate_state_dict(to=R) "
+                "on every rank, then state_dict() on rank R (as with torch's ZeroRedundancyOptimizer)"
+            )
+        return self._consolidated
+
+    def _full_state(self):
+        """Every rank's pieces of every state tensor, gathered per bucket
+        into whole parameters: ``{"state": {n: {key: value}}, "param_groups": [...]}``."""
+        part = self._partition
+        numbered = [i for indices in self._group_params for i in indices]
+        number = {i: n for n, i in enumerate(numbered)}
+        # Which keys the state has, and their types, from every rank (a rank may hold no piece).
+        keys = {}
+        for piece in part.pieces:
+            for key, value in self.inner.state.get(piece.tensor, {}).items():
+                keys[key] = value
+        spec = sorted((k, _kind(v)) for k, v in keys.items())
+        everyone = self._states.all_gather_objects(spec)
+        merged = {}
+        for rank_spec in everyone:
+            for key, kind in rank_spec:
+                merged[key] = kind
+        state = {}
+        by_bucket = {}
+        for piece in part.pieces:
+            by_bucket.setdefault(piece.bucket, []).append(piece)
+        for b, layout in enumerate(part.buckets):
+            for key, kind in sorted(merged.items()):
+                if kind == "scalar":
+                    continue
+                mine = torch.zeros(layout.chunk, dtype=torch.float64)
+                at = 0
+                for piece in by_bucket.get(b, ()):
+                    value = self.inner.state.get(piece.tensor, {}).get(key)
+                    if value is not None:
+                        mine[at : at + piece.length].copy_(value.reshape(-1))
+                    at += piece.length
+                full = self._states.all_gather(mine)[: layout.numel].split(layout.sizes)
+                for i, values in zip(layout.members, full):
+                    if i in number:
+                        p = part.params[i]
+                        like = torch.view_as_real(p.detach()) if p.is_complex() else p.detach()
+                        state.setdefault(number[i], {})[key] = values.to(like.dtype).reshape(like.shape).clone()
+        # Which parameters have state at all (stepped at least once), and their
+        # scalars (a step count): sent by the rank holding the parameter's first piece.
+        present, scalars = set(), {}
+        for i, pieces in part.of_param.items():
+            entry = self.inner.state.get(pieces[0].tensor, {})
+            if i not in number or not entry:
+                continue
+            present.add(number[i])
+            if pieces[0].offset == 0:
+                for key, value in entry.items():
+                    if _kind(value) == "scalar":
+                        scalars.setdefault(number[i], {})[key] = value.clone() if torch.is_tensor(value) else value
+        for rank_present, rank_scalars in self._states.all_gather_objects((present, scalars)):
+            present |= rank_present
+            for n, values in rank_scalars.items():
+                state.setdefault(n, {}).update(values)
+        state = {n: values for n, values in sorted(state.items()) if n in present}
+        groups = []
+        for group, indices in zip(self.inner.param_groups, self._group_params):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [number[i] for i in indices]})
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Load a full state (from :meth:`state_dict`, or the unsharded
+        optimizer's, over the same parameters in the same groups), on any
+        world size: each rank takes its pieces' slices."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(ix) for ix in self._group_params]:
+            raise ConfigError(
+                "this optimizer state has groups of other sizes than this optimizer's: it was saved for other "
+                "parameter groups"
+            )
+        numbered = [i for indices in self._group_params for i in indices]
+        saved = [n for g in groups for n in g["params"]]
+        index_of = dict(zip(saved, numbered))
+        inner_state = {}
+        for n, values in state_dict["state"].items():
+            i = index_of.get(int(n))
+            if i is None:
+                raise ConfigError(f"optimizer state for parameter {n}, which no group holds")
+            p = self._partition.params[i]
+            for piece in self._partition.of_param.get(i, ()):
+                entry = {}
+                for key, value in values.items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        if value.numel() != piece_total(p):
+                            raise ConfigError(
+                                f"optimizer state {key!r} of parameter {self._names[i]!r} has {value.numel()} values, "
+                                f"the parameter {piece_total(p)}: it was saved for another model"
+                            )
+                        flat = (torch.view_as_real(value) if value.is_complex() else value).reshape(-1)
+                        entry[key] = flat[piece.offset : piece.offset + piece.length].clone()
+                    else:
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+                inner_state[piece.tensor] = entry
+        for group, saved_group in zip(self.inner.param_groups, groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self.inner.state.clear()
+        for tensor, entry in inner_state.items():
+            device = tensor.device
+            self.inner.state[tensor] = {
+                k: (v.to(device) if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in entry.items()
+            }
+
+
+def piece_total(p):
+    """Values of ``p`` as the pieces count them (complex: twice)."""
+    return p.numel() * 2 if p.is_complex() else p.numel()
+
+
+def _kind(value):
+    """``"tensor"`` for per-element state, ``"scalar"`` for the rest (a step count)."""
+    return "tensor" if torch.is_tensor(value) and value.dim() > 0 else "scalar"

@@ -1,0 +1,154 @@
+"""Sharded gradients (ZeRO-2) on the torch wrapper: ``shard_gradients=True``.
+
+Two lines change in a DDP script::
+
+    model = DistributedDataParallel(model, shard_gradients=True)
+    optimizer = model.shard_optimizer(torch.optim.AdamW, lr=1e-4)
+
+The runtime reduce-scatters every bucket (the same actors and decisions as
+unsharded: recompute, late arrivals, unused parameters, aborts), each rank
+receives the averages of its partition (``_partition``), its optimizer
+steps that partition only (``_sharded_optim``) and the updated parameters
+are all-gathered. Parameters' ``.grad`` stay ``None``.
+
+Clipping by norm is a collective over every rank's partition:
+``model.clip_grad_norm_(max_norm)``. ``torch.nn.utils.clip_grad_norm_``
+called with a sharded wrapper's parameters (as Accelerate, Lightning and
+hand-written loops call it) gives the same answer: gradsync replaces that
+function with one that sends such parameters to their wrapper and every
+other call to torch's own. A reference to torch's function taken before the
+first sharded wrapper was built (``from torch.nn.utils import
+clip_grad_norm_`` at import) bypasses the replacement and finds no
+gradient (norm 0, nothing clipped); the docs say so.
+"""
+
+import weakref
+
+import torch
+
+from gradsync._errors import ConfigError
+from gradsync.torch._partition import Partition
+from gradsync.torch._sharded_optim import ShardedOptimizer
+
+# Sharded wrappers alive in this process (for clip_grad_norm_).
+_SHARDED = weakref.WeakSet()
+# torch's own clip_grad_norm_, once gradsync's replaced it.
+_TORCH_CLIP = None
+
+
+def refuse(settings, sparse_names):
+    """The settings a sharded wrapper cannot take (yet), refused before
+    anything is built."""
+    if settings.get("elastic") is not None:
+        raise ConfigError(
+            "shard_gradients=True with elastic=...: a lost rank would take its optimizer shard with it; sharded "
+            "elastic jobs need a buddy copy of each shard, which is not built yet: train elastic jobs unsharded"
+        )
+    if sparse_names:
+        raise ConfigError(
+            f"shard_gradients=True and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
+            "build the embeddings with sparse=False"
+        )
+
+
+class Sharding:
+    """The sharded part of ``DistributedDataParallel`` (see the module docs)."""
+
+    _partition = None
+
+    def _start_sharding(self, reals):
+        """Lay this rank's partition over the runtime's plan (after the
+        session started); ``reals(p)``: values of ``p`` in a bucket."""
+        self._partition = Partition(
+            self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states
+        )
+        _SHARDED.add(self)
+        _replace_clip()
+
+    @property
+    def sharded(self):
+        """Whether gradients are sharded (``shard_gradients=True``)."""
+        return self._partition is not None
+
+    def shard_optimizer(self, optimizer_class, params=None, **defaults):
+        """The optimizer for a sharded wrapper: ``optimizer_class`` (an
+        elementwise torch optimizer, e.g. ``torch.optim.AdamW``) over this
+        rank's partition of ``params`` (default: every parameter the wrapper
+        synchronizes; tensors or groups of them with options, as torch's
+        optimizers take), built with ``defaults``. Every rank must build
+        the same one (checked: :class:`gradsync.ConfigError` names the
+        ranks that differ). See ``gradsync.torch.ShardedOptimizer``."""
+        if self._partition is None:
+            raise ConfigError(
+                "shard_optimizer() needs a wrapper built with shard_gradients=True; this one all-reduces whole "
+                "gradients: build torch's optimizer over model.parameters() as usual"
+            )
+        self._sync.refuse_if_closed()
+        return ShardedOptimizer(self._partition, self._names, self._states, optimizer_class, params, **defaults)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, params=None):
+        """Clip the averaged gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does on
+        an unsharded model: a sharded wrapper sums every rank's partition
+        (a collective: every rank calls it), an unsharded one clips ``.grad``.
+        Returns the total norm."""
+        params = list(self._params if params is None else params)
+        if self._partition is None:
+            return (_TORCH_CLIP or torch.nn.utils.clip_grad_norm_)(params, max_norm, norm_type, error_if_nonfinite)
+        return self._partition.clip(params, max_norm, norm_type, error_if_nonfinite)
+
+    def _refuse_join(self):
+        """Uneven inputs are not sharded yet: a rank that ran out of data
+        would have to step and gather its partition for the others."""
+        if self._partition is not None:
+            raise ConfigError(
+                "join (uneven inputs) with shard_gradients=True: a rank out of data still owns its partition of "
+                "every bucket and would have to step it for the others; this is not built yet: give every rank "
+                "the same number of batches (drop_last=True, or a DistributedSampler with even shards)"
+            )
+
+    def _refuse_unsharded_step(self, optimizer):
+        """A plain optimizer over a sharded wrapper's parameters would find
+        no gradient and silently do nothing."""
+        if self._partition is None or isinstance(optimizer, ShardedOptimizer):
+            return
+        mine = {id(p) for p in self._params}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            raise ConfigError(
+                f"{type(optimizer).__name__} steps parameters of a wrapper built with shard_gradients=True, whose "
+                "gradients live in each rank's partition (.grad stays None): build the optimizer with "
+                "model.shard_optimizer(torch.optim.AdamW, lr=...) instead"
+            )
+
+
+def _replace_clip():
+    """Put gradsync's ``clip_grad_norm_`` in torch's place (once)."""
+    global _TORCH_CLIP
+    if _TORCH_CLIP is not None:
+        return
+    _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``torch.nn.utils.clip_grad_norm_``, right for sharded gradients too:
+    parameters of a sharded gradsync wrapper are clipped by the global norm
+    of their whole averaged gradients (a collective: every rank calls it);
+    every other call is torch's own."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    mine = {id(p) for p in params}
+    owners = [w for w in list(_SHARDED) if not w._sync.closed and any(id(p) in mine for p in w._params)]
+    if not owners:
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if len(owners) > 1:
+        raise ConfigError("clip_grad_norm_ got parameters of several sharded wrappers: clip each model by itself")
+    wrapper = owners[0]
+    theirs = {id(p) for p in wrapper._params}
+    others = [p for p in params if id(p) not in theirs and p.grad is not None]
+    if others:
+        raise ConfigError(
+            "clip_grad_norm_ got parameters of a sharded wrapper together with others that have gradients: one "
+            "norm over both is not computed; clip the wrapper's with model.clip_grad_norm_ and the others by themselves"
+        )
+    return wrapper._partition.clip(params, max_norm, norm_type, error_if_nonfinite)

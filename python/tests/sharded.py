@@ -1,0 +1,276 @@
+"""Sharded (ZeRO-2) training cases that run on every rank of a test world.
+
+Each case trains a model wrapped with ``shard_gradients=True`` and stepped by
+``model.shard_optimizer(AdamW)`` on this rank's batch, next to a reference:
+the same model in this process, each rank's batch run through it in turn
+(its loss divided by the world size, as DDP averages), stepped by a plain
+``AdamW`` over the whole model. After every step the parameters must agree:
+that checks the reduce-scatter, the partition's gradients (including the
+``None`` of a parameter no rank used, which AdamW then skips), the sharded
+step and the all-gather together. Float64 throughout, so the reference is
+exact up to rounding.
+
+``impl`` may also be ``"fsdp2"`` (torch's ``fully_shard`` on gloo) or
+``"zero1"`` (torch's ``ZeroRedundancyOptimizer`` over DDP), for the
+side-by-side table: their failures are results (``Outcome``), gradsync's
+propagate.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from cases import MODELS, ControlFlowModel, Outcome, SharedBetweenSegments, UnusedModel, first_line
+from gradsync.torch import DistributedDataParallel as GradsyncDDP
+
+LR = 1e-2
+#: Parameters after AdamW steps agree this closely (float64; Adam divides by
+#: sqrt(v), which magnifies rounding of tiny gradients a little).
+ATOL = 1e-9
+
+
+def _raw(model):
+    return getattr(model, "module", model)
+
+
+def _diff(reference, wrapped):
+    """Largest |reference - wrapped| over the parameters (full tensors)."""
+    worst = 0.0
+    for a, b in zip(reference.parameters(), _raw(wrapped).parameters()):
+        b = b.full_tensor() if hasattr(b, "full_tensor") else b
+        worst = max(worst, (a.detach() - b.detach()).abs().max().item())
+    return worst
+
+
+def _build(impl, model, world, **kwargs):
+    """``model`` under ``impl`` and its optimizer."""
+    if impl == "gradsync":
+        wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.001), **kwargs)
+        return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    if impl == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        group = dist.new_group(backend="gloo")
+        wrapped = nn.parallel.DistributedDataParallel(model, process_group=group, **kwargs)
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+                                                process_group=group)
+    raise ValueError(impl)
+
+
+def train(rank, world, impl, make, forward, batch, steps=4, aborts=(), policy="skip", micro=1, clip=None,
+          **wrap_kwargs):
+    """Train ``make()`` for ``steps`` steps under ``impl`` on this rank's
+    slice of a seeded batch and the reference on every rank's; returns an
+    outcome with the largest parameter difference seen.
+
+    ``forward(model, rank, step, x)`` is the loss of rank ``rank``'s batch
+    ``x`` (``model`` is the raw module for the reference, the wrapper for
+    the run); ``aborts``: ``(rank, step)`` pairs where that rank aborts its
+    step (an out-of-memory error) under ``policy``; ``micro``: micro-batches
+    per step (all but the last under ``no_sync``); ``clip``: a max norm for
+    ``torch.nn.utils.clip_grad_norm_`` (both sides clip by it)."""
+    torch.manual_seed(1234)
+    base = make().double()
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    if impl == "gradsync" and policy != "skip":
+        wrap_kwargs["abort_policy"] = policy
+    wrapped, opt = _build(impl, copy.deepcopy(base), world, **wrap_kwargs)
+    data = torch.randn(steps, micro, world * batch, *make.shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(99))
+    with Outcome(impl if impl == "gradsync" else "ddp", wrapped) as outcome:
+        for step in range(steps):
+            aborting = {r for r, s in aborts if s == step}
+            counted = [r for r in range(world) if r not in aborting]
+            # The reference: every rank's loss on its batch, averaged as the wrapper averages.
+            ref_opt.zero_grad()
+            if not (aborting and policy == "skip"):
+                for r in counted:
+                    for m in range(micro):
+                        # Reentrant checkpoints need an input that requires grad.
+                        x = data[step, m, r * batch : (r + 1) * batch].clone().requires_grad_()
+                        (forward(reference, r, step, x) / len(counted)).backward()
+                if clip is not None:
+                    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+                ref_opt.step()
+            # The run.
+            opt.zero_grad()
+            mine = [data[step, m, rank * batch : (rank + 1) * batch].clone().requires_grad_() for m in range(micro)]
+            for m, x in enumerate(mine):
+                if rank in aborting and m == micro - 1:
+                    wrapped.abort_step("out_of_memory")
+                    break
+                last = m == micro - 1
+                with (wrapped.no_sync() if not last and hasattr(wrapped, "no_sync") else _nothing()):
+                    forward(wrapped, rank, step, x).backward()
+            if clip is not None and not (aborting and policy == "skip"):
+                norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
+                assert abs(float(norm) - float(ref_norm)) <= 1e-9 * max(1.0, float(ref_norm)), (norm, ref_norm)
+            opt.step()
+            outcome.record(_diff(reference, wrapped))
+    return outcome.result
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _plain(model, rank, step, x):
+    return nn.functional.mse_loss(model(x), torch.zeros_like(x))
+
+
+def _with_rank(model, rank, step, x):
+    """A model whose forward depends on its rank (``ControlFlowModel``, ``UnusedModel``)."""
+    _raw(model).rank = rank
+    return model(x).pow(2).sum()
+
+
+def _dynamic(model, rank, step, x):
+    """``DynamicCheckpointTwiceModule``: which layer is checkpointed follows the step."""
+    _raw(model).count = step
+    return _plain(model, rank, step, x)
+
+
+def _control(model, rank, step, x):
+    """Control flow: the second layer runs on all-ones input (odd steps)."""
+    return _with_rank(model, rank, step, torch.ones_like(x) if step % 2 else x)
+
+
+def _factory(make, shape):
+    make.shape = shape
+    return make
+
+
+#: name -> (model factory with .shape, forward)
+CASES = {
+    "checkpoint_twice_reentrant": (_factory(lambda: MODELS["twice"](True), (20,)), _plain),
+    "checkpoint_twice_weight_sharing": (_factory(lambda: MODELS["twice_weight_sharing"](True), (20,)), _plain),
+    "dynamic_checkpoint": (_factory(lambda: MODELS["dynamic"](True), (20,)), _dynamic),
+    "shared_weight_between_segments": (_factory(SharedBetweenSegments, (12,)), _plain),
+    "unused_parameters": (_factory(lambda: UnusedModel(0), (8,)), _with_rank),
+    "rank_dependent_control_flow": (_factory(lambda: ControlFlowModel(0, True), (10,)), _control),
+}
+
+
+def case(rank, world, impl, name, **kwargs):
+    """Run case ``name`` (see :data:`CASES`)."""
+    make, forward = CASES[name]
+    return train(rank, world, impl, make, forward, batch=4, **kwargs)
+
+
+def check(outcomes):
+    """Every rank of a gradsync run is ok and within :data:`ATOL`."""
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["status"] == "ok", outcome
+        assert outcome["max_diff"] <= ATOL, f"rank {rank}: parameters off by {outcome['max_diff']}"
+
+
+def describe(outcome):
+    """An outcome as a table cell."""
+    if outcome["status"] == "ok":
+        d = outcome["max_diff"]
+        return f"ok, {d:.0e}" if d <= ATOL else f"**wrong**: off by {d:.2g}"
+    return f"raises `{outcome['error']}`"
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def bad_input(rank, world):
+    """The sharded wrapper's refusals, each a ConfigError that says what to do."""
+    import gradsync
+
+    torch.manual_seed(0)
+    errors = {}
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))
+    wrapped = GradsyncDDP(model, shard_gradients=True)
+    try:
+        for name, call in {
+            "not_elementwise": lambda: wrapped.shard_optimizer(torch.optim.LBFGS, lr=1.0),
+            "foreign_param": lambda: wrapped.shard_optimizer(torch.optim.AdamW, params=[nn.Parameter(torch.ones(2))]),
+            "groups_differ": lambda: wrapped.shard_optimizer(
+                torch.optim.AdamW, params=[{"params": list(model.parameters()), "lr": 0.1 * (rank + 1)}]
+            ),
+            "join": lambda: wrapped.join_now(),
+        }.items():
+            try:
+                call()
+                errors[name] = None
+            except gradsync.ConfigError as e:
+                errors[name] = str(e)
+        plain = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        wrapped(torch.randn(3, 6)).sum().backward()
+        try:
+            plain.step()
+            errors["plain_optimizer"] = None
+        except gradsync.ConfigError as e:
+            errors["plain_optimizer"] = str(e)
+        assert all(p.grad is None for p in wrapped.parameters()), ".grad stays None when sharded"
+    finally:
+        wrapped.close()
+    unsharded = GradsyncDDP(nn.Linear(3, 3))
+    try:
+        unsharded.shard_optimizer(torch.optim.AdamW)
+        errors["unsharded"] = None
+    except gradsync.ConfigError as e:
+        errors["unsharded"] = str(e)
+    finally:
+        unsharded.close()
+    return errors
+
+
+def full_state(rank, world, steps=3):
+    """The consolidated optimizer state equals the unsharded optimizer's, and
+    an unsharded state loads into a sharded optimizer on this world size."""
+    make, forward = CASES["checkpoint_twice_reentrant"]
+    torch.manual_seed(5)
+    base = make().double()
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(base), shard_gradients=True, bucket_cap_mb=0.001)
+    opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+    try:
+        x = torch.randn(world * 4, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        x.requires_grad_()
+        for _ in range(steps):
+            ref_opt.zero_grad()
+            for r in range(world):
+                (forward(reference, r, 0, x[4 * r : 4 * r + 4]) / world).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            forward(wrapped, rank, 0, x[4 * rank : 4 * rank + 4]).backward()
+            opt.step()
+        opt.consolidate_state_dict(to=-1)
+        got, want = opt.state_dict(), ref_opt.state_dict()
+        assert sorted(got["state"]) == sorted(want["state"]), (sorted(got["state"]), sorted(want["state"]))
+        worst = 0.0
+        for n, values in want["state"].items():
+            for key, value in values.items():
+                worst = max(worst, (got["state"][n][key].double() - value.double()).abs().max().item())
+        assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+        # A full state (the unsharded optimizer's) into a fresh sharded optimizer: the next step agrees.
+        fresh = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+        fresh.load_state_dict(ref_opt.state_dict())
+        ref_opt.zero_grad()
+        for r in range(world):
+            (forward(reference, r, 0, x[4 * r : 4 * r + 4]) / world).backward()
+        ref_opt.step()
+        fresh.zero_grad()
+        forward(wrapped, rank, 0, x[4 * rank : 4 * rank + 4]).backward()
+        fresh.step()
+        return {"state_diff": worst, "param_diff": _diff(reference, wrapped)}
+    finally:
+        wrapped.close()
