@@ -54,6 +54,9 @@ pub struct Gradients<S: GradStore = HostStore> {
     home: Option<LoanHome<S::Bucket>>,
     /// Lets the caller-side handle see whether the loan is still alive.
     alive: Arc<()>,
+    /// A partitioned step's: per bucket, where in the bucket this rank's
+    /// partition (its buffer) starts. `None`: the buffers are whole buckets.
+    starts: Option<Vec<usize>>,
 }
 
 impl<S: GradStore> Gradients<S> {
@@ -64,7 +67,14 @@ impl<S: GradStore> Gradients<S> {
         unused_everywhere: Vec<bool>,
         home: LoanHome<S::Bucket>,
     ) -> Self {
-        Gradients { step, plan, buffers, unused_everywhere, home: Some(home), alive: Arc::new(()) }
+        Gradients { step, plan, buffers, unused_everywhere, home: Some(home), alive: Arc::new(()), starts: None }
+    }
+
+    /// A partitioned step's gradients: buffer `b` holds bucket `b` from
+    /// `starts[b]` on (this rank's partition).
+    pub(crate) fn starting_at(mut self, starts: Option<Vec<usize>>) -> Self {
+        self.starts = starts;
+        self
     }
 
     /// A weak handle that dies with this loan (the runtime uses it to refuse
@@ -87,8 +97,10 @@ impl<S: GradStore> Gradients<S> {
     /// Where the averaged gradient of `param` lies: its bucket buffer and the
     /// element range in it; `None` if it has none. Store-specific views (a
     /// device slice) are built on this.
+    /// A partitioned step answers `None`: its buffers hold parts of buckets
+    /// ([`Gradients::buckets`] says which).
     pub fn locate(&self, param: ParamId) -> Option<(&S::Bucket, std::ops::Range<usize>)> {
-        if !self.has(param) {
+        if !self.has(param) || self.starts.is_some() {
             return None;
         }
         let slot = self.plan.slot(param);
@@ -99,11 +111,16 @@ impl<S: GradStore> Gradients<S> {
 
 impl<S: GradStore> Gradients<S> {
     /// Every bucket buffer with its members in slot order (members sit back
-    /// to back from offset 0), for callers that hand out views of whole
-    /// buckets. Members unused everywhere are listed too ([`Gradients::has`]
-    /// says which have a gradient).
-    pub fn buckets(&self) -> impl Iterator<Item = (&S::Bucket, &[ParamId])> + '_ {
-        self.buffers.iter().enumerate().map(|(b, buf)| (buf, self.plan.bucket_params(b)))
+    /// to back from offset 0 of the bucket) and where in the bucket the
+    /// buffer starts (0, except for a partitioned step, whose buffers hold
+    /// this rank's partition of each bucket), for callers that hand out
+    /// views of whole buckets. Members unused everywhere are listed too
+    /// ([`Gradients::has`] says which have a gradient).
+    pub fn buckets(&self) -> impl Iterator<Item = (&S::Bucket, &[ParamId], usize)> + '_ {
+        self.buffers
+            .iter()
+            .enumerate()
+            .map(|(b, buf)| (buf, self.plan.bucket_params(b), self.starts.as_ref().map_or(0, |s| s[b])))
     }
 }
 

@@ -118,10 +118,12 @@ impl Step {
         Ok(Some(piece.address() + range.start * piece.width()))
     }
 
-    /// Every bucket as `(address, numel, members, dtype)`: `numel` values of
-    /// `dtype` (`"float32"` or `"float64"`) at `address` holding the averaged
-    /// gradients of the parameter indices `members`, back to back in that
-    /// order. Same lifetime as [`Step::address`].
+    /// Every bucket as `(address, numel, members, dtype, start)`: `numel`
+    /// values of `dtype` (`"float32"` or `"float64"`) at `address` holding
+    /// the averaged gradients of the parameter indices `members`, back to
+    /// back in that order from the bucket's offset 0, the buffer holding the
+    /// bucket from offset `start` on (0; a partitioned session's buffers hold
+    /// this rank's partition). Same lifetime as [`Step::address`].
     /// On the device plane `address` is the shim's `Bucket*` instead,
     /// for `gradsync.torch._collectives.bucket_tensor` (the tensor it makes
     /// shares the bucket's memory, whose lifetime is the same).
@@ -129,15 +131,15 @@ impl Step {
         let guard = self.lent()?;
         let Some(g) = guard.as_ref() else { return Ok(Vec::new()) };
         g.buckets()
-            .map(|(bucket, members)| {
+            .map(|(bucket, members, start)| {
                 let members = members.iter().map(|p| p.index()).collect();
                 Ok(match bucket {
                     Bucket::Plane(b) => {
-                        (b.address(), b.numel(), members, if b.is_wide() { "float64" } else { "float32" })
+                        (b.address(), b.numel(), members, if b.is_wide() { "float64" } else { "float32" }, start)
                     }
                     host => {
                         let piece = Self::host(host)?;
-                        (piece.address(), piece.len(), members, piece.dtype())
+                        (piece.address(), piece.len(), members, piece.dtype(), start)
                     }
                 })
             })
@@ -151,8 +153,9 @@ impl Step {
     }
 }
 
-/// A bucket as [`Step::buckets`] lists it: address, element count, members, element type.
-type BucketEntry = (usize, usize, Vec<usize>, &'static str);
+/// A bucket as [`Step::buckets`] lists it: address, element count, members,
+/// element type, where in the bucket the buffer starts.
+type BucketEntry = (usize, usize, Vec<usize>, &'static str, usize);
 
 /// A host bucket's one contiguous piece, of either element type.
 #[derive(Clone, Copy)]

@@ -186,6 +186,60 @@ def describe(outcome):
     return f"raises `{outcome['error']}`"
 
 
+def same_as_unsharded(rank, world, steps=3, **settings):
+    """The partition's gradients equal the same slices of an unsharded
+    wrapper's ``.grad``, bit for bit, under ``settings`` (a wire type
+    rounds both alike): returns the largest difference seen. A model
+    without recompute, so that no gradient arrives late (whether one does
+    depends on timing, and a correction travels exactly, not rounded)."""
+    forward = _plain
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(20, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 20)).double()
+    whole = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=0.001, **settings)
+    parted = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=0.001, shard_gradients=True, **settings)
+    opt = parted.shard_optimizer(torch.optim.SGD, lr=0.1)
+    worst = 0.0
+    try:
+        for step in range(steps):
+            x = torch.randn(4, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+            whole.zero_grad()
+            opt.zero_grad()
+            forward(whole, rank, step, x.clone().requires_grad_()).backward()
+            forward(parted, rank, step, x.clone().requires_grad_()).backward()
+            for piece in parted._partition.pieces:
+                want = whole._params[piece.param].grad.reshape(-1)[piece.offset : piece.offset + piece.length]
+                worst = max(worst, (piece.tensor.grad - want).abs().max().item())
+    finally:
+        whole.close()
+        parted.close()
+    return worst
+
+
+def runtime_memory(rank, world, steps=3, cap_mb=0.01):
+    """Bytes of bucket memory the runtime holds after ``steps`` steps of a
+    16-layer model in many small buckets, sharded and not, with the plan's
+    bytes and its largest bucket's: ``{"sharded", "whole", "plan", "bucket"}``."""
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(16)]).double()
+    out = {}
+    for name, settings in (("whole", {}), ("sharded", {"shard_gradients": True})):
+        model = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=cap_mb, **settings)
+        opt = model.shard_optimizer(torch.optim.SGD, lr=0.1) if settings else torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            for step in range(steps):
+                opt.zero_grad()
+                x = torch.randn(4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+                model(x).pow(2).sum().backward()
+                opt.step()
+            out[name] = model._sync.session.memory_bytes
+            plan = model._sync.session.plan()
+            out["plan"] = sum(numel for numel, _ in plan) * 8
+            out["bucket"] = max(numel for numel, _ in plan) * 8
+        finally:
+            model.close()
+    return out
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 

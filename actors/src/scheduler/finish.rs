@@ -291,6 +291,13 @@ impl<S: GradStore> Scheduler<S> {
         for &(p, offset) in &correction.targets {
             let slot = self.plan.slot(p);
             let n = self.plan.param_numel(p);
+            if let Some(parts) = self.partitions.as_mut() {
+                // Only the part of the parameter inside this rank's partition.
+                let Some((at, skip, len)) = parts.in_partition(slot.bucket, slot.offset, n) else { continue };
+                let dst = parts.parts[slot.bucket].as_mut().expect("every bucket is reduced before corrections");
+                self.store.add_from(dst, at, buf, offset + skip, len);
+                continue;
+            }
             let dst = self.buffers.current[slot.bucket].as_mut().expect("data buckets are home after draining");
             self.store.add_from(dst, slot.offset, buf, offset, n);
         }
@@ -364,16 +371,25 @@ impl<S: GradStore> Scheduler<S> {
                 self.recycle(id, v);
             }
         }
+        let starts = self.partitions.as_ref().map(|p| p.ranges.iter().map(|r| r.start).collect());
+        if !outcome.is_applied() {
+            if let Some(parts) = self.partitions.as_mut() {
+                parts.clear();
+            }
+        }
         let gradients = outcome.is_applied().then(|| {
-            let buffers = std::mem::take(&mut self.buffers.current)
-                .into_iter()
-                .map(|b| b.expect("buffers are home at completion"))
-                .collect();
+            let buffers = match self.partitions.as_mut() {
+                Some(parts) => parts.take(),
+                None => std::mem::take(&mut self.buffers.current)
+                    .into_iter()
+                    .map(|b| b.expect("buffers are home at completion"))
+                    .collect(),
+            };
             let home = self.home.clone();
             let give_back = LoanHome::new(move |buffers| {
                 let _ = home.send(SchedMsg::LoanReturned { buffers });
             });
-            Gradients::new(st.step, Arc::clone(&self.plan), buffers, unused_everywhere, give_back)
+            Gradients::new(st.step, Arc::clone(&self.plan), buffers, unused_everywhere, give_back).starting_at(starts)
         });
         req.reply.send(Ok(StepResult { report, gradients }));
         match order {
@@ -399,6 +415,13 @@ impl<S: GradStore> Scheduler<S> {
             return;
         }
         let factor = assumed as f64 / actual as f64;
+        if let Some(parts) = self.partitions.as_mut() {
+            for (part, range) in parts.parts.iter_mut().zip(&parts.ranges) {
+                let part = part.as_mut().expect("every bucket is reduced at completion");
+                self.store.scale(part, 0, range.len(), factor);
+            }
+            return;
+        }
         for b in 0..self.plan.num_buckets() {
             let buf = self.buffers.current[b].as_mut().expect("buffers are home at completion");
             self.store.scale(buf, 0, self.plan.bucket_numel(b), factor);

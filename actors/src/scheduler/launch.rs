@@ -58,6 +58,13 @@ impl<S: GradStore> Scheduler<S> {
         let factor = self.launch_factor();
         self.step.seq += 1;
         let seq = self.step.seq;
+        if !launched && self.partitions.is_some() {
+            // A partitioned step's bucket gets its whole buffer at its first gradient.
+            if let Err(e) = self.ensure_full(slot.bucket) {
+                self.recycle(param, values);
+                return self.fail(e.into());
+            }
+        }
         let ps = &mut self.step.params[param.index()];
         ps.seen = seq;
         ps.seen_at = Some(at);
@@ -151,6 +158,11 @@ impl<S: GradStore> Scheduler<S> {
 
     /// Zero the slots nobody wrote, and hand the bucket to the communicator.
     fn launch_bucket(&mut self, b: usize, since: Option<Instant>) {
+        if self.partitions.is_some() {
+            if let Err(e) = self.ensure_full(b) {
+                return self.fail(e.into());
+            }
+        }
         let mut buf = self.buffers.current[b].take().expect("bucket buffer is home at launch");
         for &p in self.plan.bucket_params(b) {
             if !self.step.params[p.index()].written {
@@ -219,7 +231,13 @@ impl<S: GradStore> Scheduler<S> {
     }
 
     fn on_bucket_reduced(&mut self, b: usize, buf: S::Bucket, finished: Instant) {
-        self.buffers.current[b] = Some(buf);
+        if self.partitions.is_some() {
+            if let Err(e) = self.keep_partition(b, buf) {
+                return self.fail(e.into());
+            }
+        } else {
+            self.buffers.current[b] = Some(buf);
+        }
         self.step.buckets[b] = BucketState::Reduced;
         self.step.reduced += 1;
         if self.step.finish_at.is_none_or(|at| finished < at) {

@@ -25,6 +25,7 @@
 pub mod control;
 mod finish;
 mod launch;
+mod partition;
 mod reorder;
 mod reset;
 mod salvage;
@@ -49,6 +50,7 @@ use crate::plan::{BucketEnds, Plan};
 use crate::policy::{AbortPolicy, Divisor, Wire};
 use crate::report::Progress;
 use crate::store::{GradStore, HostStore};
+use partition::Partitions;
 use reorder::OrderWatch;
 pub use reorder::{REORDER_AFTER, REORDER_MIN_GAIN, REORDER_MIN_SHARE};
 use salvage::Salvage;
@@ -147,6 +149,9 @@ pub struct Scheduler<S: GradStore = HostStore> {
     redo: Option<Salvage<S::Values>>,
     /// A membership reset waiting for the failed step's last flush.
     deferred_reset: Option<DeferredReset>,
+    /// Partitioned (reduce-scattered) buckets: the partitions a step keeps
+    /// and the whole buffers between uses (`partition.rs`); `None` otherwise.
+    partitions: Option<Partitions<S::Bucket>>,
 }
 
 /// A reset held back: its proposal, membership and reply.
@@ -154,7 +159,7 @@ type DeferredReset = (Step, Option<(usize, usize)>, Reply<Result<Resumption, Syn
 
 impl<S: GradStore> Scheduler<S> {
     /// A scheduler for `plan` packing with `store`. Allocates one set of bucket
-    /// buffers; the plan agreement, the first collective of every rank, is
+    /// buffers (partitioned: none, they are allocated as buckets fill); the plan agreement, the first collective of every rank, is
     /// submitted when the first step begins (its first gradient or its end),
     /// after every setting chosen before it.
     pub fn new(
@@ -196,7 +201,14 @@ impl<S: GradStore> Scheduler<S> {
             redo: None,
             deferred_reset: None,
             bucket_ends,
+            partitions: None,
         };
+        if sched.cfg.partitioned {
+            // Whole buffers are allocated as buckets fill (partition.rs).
+            sched.partitions = Some(Partitions::new(&sched.plan, sched.cfg.rank, sched.cfg.world));
+            sched.buffers.current = (0..sched.plan.num_buckets()).map(|_| None).collect();
+            return Ok(sched);
+        }
         let set = sched.allocate_set()?;
         sched.buffers.current = set.into_iter().map(Some).collect();
         Ok(sched)

@@ -192,6 +192,9 @@ impl<S: GradStore> Scheduler<S> {
     /// a spare if its bucket sizes are those of the plan in force, freed
     /// otherwise (a plan rebuilt since it was allocated).
     pub(super) fn take_home(&mut self, set: Vec<S::Bucket>) {
+        if let Some(parts) = self.partitions.as_mut() {
+            return parts.take_home(set);
+        }
         let fits = set.len() == self.plan.num_buckets()
             && set.iter().enumerate().all(|(b, buf)| self.store.bucket_numel(buf) == self.plan.bucket_numel(b));
         if fits {

@@ -95,14 +95,18 @@ impl<S: GradStore> Scheduler<S> {
         }
         // A plan rebuild cut short by the failure: keep the plan in force.
         self.order.pending = false;
-        // Buffers lost in a failed collective (pieces held by peers) are replaced.
-        if self.buffers.current.is_empty() {
+        if let Some(parts) = self.partitions.as_mut() {
+            // Whole buffers are allocated as buckets fill; the failed step's partitions are void.
+            parts.clear();
+            self.buffers.current.iter_mut().for_each(|b| *b = None);
+        } else if self.buffers.current.is_empty() {
+            // Buffers lost in a failed collective (pieces held by peers) are replaced.
             if let Err(e) = self.ensure_buffers() {
                 return reply.send(Err(e.into()));
             }
         }
         for b in 0..self.plan.num_buckets() {
-            if self.buffers.current[b].is_none() {
+            if self.partitions.is_none() && self.buffers.current[b].is_none() {
                 match self.store.alloc_bucket(self.plan.bucket_numel(b), self.cfg.pieces, self.plan.bucket_dtype(b)) {
                     Ok(fresh) => self.buffers.current[b] = Some(fresh),
                     Err(e) => return reply.send(Err(e.into())),

@@ -65,11 +65,13 @@ class TorchGrads:
             stream = self._plane.plane_stream()
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         layout = self._partition.buckets
-        if len(buckets) != len(layout) or any(tuple(m) != b.members for (_, m), b in zip(buckets, layout)):
+        if len(buckets) != len(layout) or any(
+            tuple(m) != b.members or start != b.mine[0] for (_, m, start), b in zip(buckets, layout)
+        ):
             raise RuntimeError("gradsync: a sharded step's buckets are not its plan's (a gradsync bug, please report it)")
         for p in self._params:
             p.grad = None
-        return self._partition.receive([t for t, _ in buckets], result, result.report.unused_everywhere)
+        return self._partition.receive([t for t, _, _ in buckets], result, result.report.unused_everywhere)
 
     def joined_step(self, report):
         """This rank is out of data and shadowed ``report``'s step: it sends

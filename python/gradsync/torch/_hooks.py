@@ -104,15 +104,18 @@ class Hooks:
         communicator whose device plane holds the buckets, else ``None``.
         Returns whether views were lent (then ``result`` must not be
         released: the views release it when they die)."""
-        return self._ledger.write_back(self.buckets(result, plane), result, list(result.report.unused_everywhere))
+        buckets = [(tensor, members) for tensor, members, _start in self.buckets(result, plane)]
+        return self._ledger.write_back(buckets, result, list(result.report.unused_everywhere))
 
     def buckets(self, result, plane):
-        """``result``'s buckets as ``(tensor over its memory, members)``, in
-        launch order. ``plane``: as for :meth:`write_back`."""
+        """``result``'s buckets as ``(tensor over its memory, members, start)``,
+        in launch order: the tensor holds the bucket from offset ``start`` on
+        (a sharded step's: this rank's partition). ``plane``: as for
+        :meth:`write_back`."""
         if plane is None:
-            return [(self._host_bucket(addr, numel, dtype == "float64"), members)
-                    for addr, numel, members, dtype in result.buckets()]
-        return [(plane.bucket_tensor(addr), members) for addr, _numel, members, _dtype in result.buckets()]
+            return [(self._host_bucket(addr, numel, dtype == "float64"), members, start)
+                    for addr, numel, members, dtype, start in result.buckets()]
+        return [(plane.bucket_tensor(addr), members, start) for addr, _numel, members, _dtype, start in result.buckets()]
 
     def remove(self):
         """Take the hooks off; later gradients stay in ``.grad``."""

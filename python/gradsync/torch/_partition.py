@@ -15,11 +15,13 @@ step, on every rank alike::
 
 A **piece** is the part of one parameter inside this rank's partition of
 one bucket: a flat view of the parameter's own memory (``piece.tensor``), so
-an optimizer that updates the piece updates the parameter in place. After a
-step :meth:`Partition.receive` hands each piece its averaged gradient as
-``piece.tensor.grad`` (a view of the step's bucket memory; the views keep it
-on loan until they are dropped, as ``zero_grad()`` does). ``.grad`` of the
-parameters stays ``None``: the full gradient exists only inside the buckets.
+an optimizer that updates the piece updates the parameter in place. The
+runtime keeps only this rank's partition of each bucket once it is
+reduce-scattered (``actors/src/scheduler/partition.rs``); after a step
+:meth:`Partition.receive` hands each piece its averaged gradient as
+``piece.tensor.grad`` (a view of the step's partition memory; the views keep
+it on loan until they are dropped, as ``zero_grad()`` does). ``.grad`` of
+the parameters stays ``None``: no rank holds a whole gradient after backward.
 
 :meth:`Partition.gather` sends every rank's updated pieces to every rank
 (an all-gather per bucket) after the optimizer stepped, and
@@ -113,8 +115,8 @@ class Partition:
 
     def receive(self, bucket_tensors, result, unused):
         """A finished step's averages into the pieces' ``.grad``:
-        ``bucket_tensors`` are the step's buckets (tensors over its memory,
-        in launch order), ``result`` the runtime's step (the loan the views
+        ``bucket_tensors`` are the step's partitions of the buckets (tensors
+        over its memory, in launch order), ``result`` the runtime's step (the loan the views
         keep alive), ``unused`` the parameters no rank used (their pieces
         get no gradient, as the parameter would get none unsharded). A piece
         whose gradient was not cleared since the last step accumulates, as
@@ -132,7 +134,9 @@ class Partition:
         for piece in self.pieces:
             if piece.param in unused:
                 continue
-            average = bases[piece.bucket][piece.start : piece.start + piece.length]
+            # The step holds this rank's partition of each bucket, from its start on.
+            at = piece.start - self.buckets[piece.bucket].mine[0]
+            average = bases[piece.bucket][at : at + piece.length]
             held = piece.tensor.grad
             if held is not None:
                 # Not cleared since the last step: add, into a tensor of its own.

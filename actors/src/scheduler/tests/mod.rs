@@ -50,6 +50,7 @@ mod failures;
 mod late;
 mod lifecycle;
 mod membership;
+mod partition;
 mod reorder;
 
 fn rank_with(world: usize, rank: usize, numels: &[usize], cap: usize, policy: AbortPolicy, divisor: Divisor) -> Rank {

@@ -1,0 +1,131 @@
+//! A partitioned scheduler's memory (sharded training): whole bucket buffers
+//! live only while a bucket fills or is in its reduce-scatter; what a step
+//! keeps is this rank's *partition* of each bucket.
+//!
+//! ```text
+//! first arrival ──▶ full buffer (an idle one, or allocated) ──▶ packed ──▶ reduce-scatter
+//!                                                                              │
+//!     partition (range of the bucket) ◀── copied out ◀─────────────────────────┘
+//!     full buffer ──▶ idle (IDLE kept for the next bucket, the rest freed)
+//! ```
+//!
+//! Corrections and the divisor's rescale then act on the partitions (only
+//! the part of a corrected parameter inside this rank's range), and the step
+//! lends the partitions instead of the buckets. So a rank holds its
+//! partitions (the plan's bytes / world) plus the buckets filling or in
+//! flight, never a whole set.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+
+use super::Scheduler;
+use crate::arrival::DType;
+use crate::error::AllocError;
+use crate::plan::{partition, Plan};
+use crate::store::GradStore;
+
+/// Whole bucket buffers kept between uses (more are freed): the next bucket
+/// to fill takes the one the last reduced bucket left, so a steady backward
+/// allocates nothing, and a rank holds one whole bucket between steps.
+pub(crate) const IDLE: usize = 1;
+
+/// A partitioned scheduler's partitions and idle buffers (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Partitions<B> {
+    /// Per bucket: this rank's range of it.
+    pub(crate) ranges: Vec<Range<usize>>,
+    /// This step's reduced partitions, by bucket (`None` until reduced).
+    pub(crate) parts: Vec<Option<B>>,
+    /// Per bucket: its partition buffers back from loans, for later steps.
+    spare: Vec<Vec<B>>,
+    /// Whole buffers between uses: element count, type, buffer.
+    idle: Vec<(usize, DType, B)>,
+}
+
+impl<B> Partitions<B> {
+    /// The partitions of `plan`'s buckets for `rank` of `world`.
+    pub(crate) fn new(plan: &Plan, rank: usize, world: usize) -> Self {
+        let ranges = (0..plan.num_buckets()).map(|b| partition(plan.bucket_numel(b), rank, world)).collect();
+        let none = || (0..plan.num_buckets()).map(|_| None).collect();
+        let spare = (0..plan.num_buckets()).map(|_| Vec::new()).collect();
+        Partitions { ranges, parts: none(), spare, idle: Vec::new() }
+    }
+
+    /// A step's partitions, lent to the caller, came home: keep them for later steps.
+    pub(crate) fn take_home(&mut self, set: Vec<B>) {
+        for (b, part) in set.into_iter().enumerate() {
+            if let Some(spare) = self.spare.get_mut(b) {
+                spare.push(part);
+            }
+        }
+    }
+
+    /// Where a correction of `len` values at bucket `b`'s offset `offset`
+    /// lands in this rank's partition: `(offset in the partition, values to
+    /// skip in the correction, values)`, or `None` when it misses it.
+    pub(crate) fn in_partition(&self, b: usize, offset: usize, len: usize) -> Option<(usize, usize, usize)> {
+        let range = &self.ranges[b];
+        let (lo, hi) = (offset.max(range.start), (offset + len).min(range.end));
+        (lo < hi).then(|| (lo - range.start, lo - offset, hi - lo))
+    }
+
+    /// This step's partitions, every bucket reduced (to lend them).
+    pub(crate) fn take(&mut self) -> Vec<B> {
+        self.parts.iter_mut().map(|p| p.take().expect("every bucket is reduced at completion")).collect()
+    }
+
+    /// Forget this step's partitions (a step that does not apply, or a reset).
+    pub(crate) fn clear(&mut self) {
+        self.parts.iter_mut().for_each(|p| *p = None);
+    }
+}
+
+impl<S: GradStore> Scheduler<S> {
+    /// Give bucket `b` a whole buffer to pack into if it has none yet (a
+    /// partitioned step allocates them on first use).
+    pub(super) fn ensure_full(&mut self, b: usize) -> Result<(), AllocError> {
+        if self.buffers.current[b].is_some() {
+            return Ok(());
+        }
+        let (numel, dtype) = (self.plan.bucket_numel(b), self.plan.bucket_dtype(b));
+        let parts = self.partitions.as_mut().expect("only a partitioned step lacks a buffer before launch");
+        let reuse = parts.idle.iter().position(|&(n, d, _)| n == numel && d == dtype);
+        let buf = match reuse {
+            Some(i) => parts.idle.swap_remove(i).2,
+            None => {
+                let buf = self.store.alloc_bucket(numel, self.cfg.pieces, dtype)?;
+                self.allocated.fetch_add(numel * dtype.size(), Ordering::Relaxed);
+                buf
+            }
+        };
+        self.buffers.current[b] = Some(buf);
+        Ok(())
+    }
+
+    /// Bucket `b` was reduce-scattered into `full`: keep this rank's
+    /// partition of it, and let the whole buffer go idle (or free it).
+    pub(super) fn keep_partition(&mut self, b: usize, full: S::Bucket) -> Result<(), AllocError> {
+        let (numel, dtype) = (self.plan.bucket_numel(b), self.plan.bucket_dtype(b));
+        let parts = self.partitions.as_mut().expect("partitioned");
+        let range = parts.ranges[b].clone();
+        let mut part = match parts.spare[b].pop() {
+            Some(mut reused) => {
+                self.store.zero(&mut reused, 0, range.len());
+                reused
+            }
+            None => {
+                self.allocated.fetch_add(range.len() * dtype.size(), Ordering::Relaxed);
+                self.store.alloc_bucket(range.len(), 1, dtype)?
+            }
+        };
+        self.store.add_from(&mut part, 0, &full, range.start, range.len());
+        parts.parts[b] = Some(part);
+        if parts.idle.len() < IDLE {
+            parts.idle.push((numel, dtype, full));
+        } else {
+            drop(full);
+            self.allocated.fetch_sub(numel * dtype.size(), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,72 @@
+//! Partitioned (reduce-scattered) buckets: whole buffers only while a bucket
+//! fills or is in flight, the step keeps and lends this rank's partition,
+//! and corrections land in it.
+
+use super::*;
+
+/// Rank 1 of 2, two parameters of two values in one bucket `[p1, p0]`:
+/// rank 1's partition is `[2, 4)`, p0's values.
+fn partitioned_rank() -> Rank {
+    rank_configured(2, 1, &[2, 2], 1 << 20, AbortPolicy::Skip, Divisor::Contributors, |c| c.partitioned = true)
+}
+
+#[test]
+fn no_whole_buffer_exists_before_a_bucket_fills() {
+    let r = partitioned_rank();
+    assert!(r.sched.buffers.current.iter().all(Option::is_none), "nothing allocated up front");
+    assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_partitioned_step_lends_its_partition_with_the_late_correction_added() {
+    let mut r = partitioned_rank();
+    r.agree_plan();
+    r.inc(0, 0, 1.0);
+    r.inc(0, 1, 2.0);
+    let bucket = r.job();
+    assert_eq!(kind(&bucket), CollectiveKind::Bucket { index: 0, numel: 4 });
+    r.ready(0, 0, 1, PayloadKind::Increment, 4.0, Readiness::Extra); // after launch: late
+    r.done(bucket); // the peer sent zeros: the sum is this rank's own
+    let (answer, control) = r.finish_to_control(0, &[0, 1]);
+    r.control(control, &[peer(0, RankStatus::Finished, &[false, false], &[true, true])]);
+    let correction = r.job();
+    assert_eq!(kind(&correction), CollectiveKind::Correction { numel: 2 });
+    r.done(correction);
+    let result = answer.try_recv().unwrap().unwrap();
+    let gradients = result.gradients.as_ref().expect("applied");
+    let buckets: Vec<_> = gradients.buckets().collect();
+    assert_eq!(buckets.len(), 1);
+    let (part, members, start) = buckets[0];
+    assert_eq!((members, start), (&[r.p(1), r.p(0)][..], 2), "the partition starts at p0");
+    let mut got = [0.0; 2];
+    part.read(0, &mut got);
+    assert_eq!(got, [5.0, 5.0], "p0's sum (1) plus its late increment (4); p1 is not this rank's");
+    assert_eq!(part.numel(), 2, "only the partition is kept");
+    assert!(gradients.locate(r.p(0)).is_none(), "a partition is read through buckets()");
+    // The whole buffer went idle; the lent partition and it are all that was allocated.
+    assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), (4 + 2) * 4);
+}
+
+#[test]
+fn the_next_step_reuses_the_idle_buffer_and_the_returned_partition() {
+    let mut r = partitioned_rank();
+    r.agree_plan();
+    for step in 0..3 {
+        r.inc(step, 0, 1.0);
+        r.inc(step, 1, 2.0);
+        let bucket = r.job();
+        r.done(bucket);
+        let (answer, control) = r.finish_to_control(step, &[0, 1]);
+        r.control(control, &[peer(0, RankStatus::Finished, &[false, false], &[true, true])]);
+        let result = answer.try_recv().unwrap().unwrap();
+        let (part, ..) = result.gradients.as_ref().unwrap().buckets().next().unwrap();
+        let mut got = [0.0; 2];
+        part.read(0, &mut got);
+        assert_eq!(got, [1.0, 1.0], "step {step}: a reused buffer holds this step's values only");
+        drop(result); // the loan comes home
+        while let Ok(msg) = r.home.try_recv() {
+            r.send(msg);
+        }
+    }
+    assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), (4 + 2) * 4, "nothing more allocated");
+}
