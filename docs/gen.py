@@ -37,6 +37,7 @@ BENCH = ROOT / "docs" / "data" / "bench"
 SIM = ROOT / "docs" / "data" / "sim.json"
 ELASTIC = ROOT / "docs" / "data" / "elastic.json"
 HOST = ROOT / "docs" / "data" / "host"
+SHARDED_MEMORY = ROOT / "docs" / "data" / "sharded" / "memory.json"
 PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
@@ -314,6 +315,36 @@ def host_time() -> str:
     return "\n".join(out)
 
 
+def sharded_memory() -> str:
+    """Memory per rank and step time, sharded against its peers, from
+    ``benches/torch/sharded_memory.py --json``."""
+    if not SHARDED_MEMORY.is_file():
+        raise Missing(f"{SHARDED_MEMORY.relative_to(ROOT)} is missing: run benches/torch/sharded_memory.py --json")
+    run = json.loads(SHARDED_MEMORY.read_text())
+    meta = run["meta"]
+    names = {
+        "gradsync-sharded": "gradsync, `shard_gradients=True`",
+        "gradsync": "gradsync",
+        "ddp": "torch DDP (`gradient_as_bucket_view`)",
+        "zero1": "torch DDP + `ZeroRedundancyOptimizer`",
+        "fsdp2": "torch FSDP2 (`fully_shard` per block)",
+    }
+    mb = 1 << 20
+    out = [f"{meta['model']}; {meta['machine']}, torch {meta['torch']}: `{meta['command']}`. Largest over the "
+           "ranks, MB; the goal is (gradients + optimizer state of the whole model) / world + one bucket.\n",
+           "| world | wrapper | parameters | gradients | optimizer state | gradients + optimizer (goal) | step, ms |",
+           "|---|---|---|---|---|---|---|"]
+    for row in run["rows"]:
+        name = names.get(row["impl"], row["impl"])
+        if "error" in row:
+            out.append(f"| {row['world']} | {name} | | | | raises `{row['error']}` | |")
+            continue
+        both = (row["grads"] + row["optimizer"]) / mb
+        out.append(f"| {row['world']} | {name} | {row['params'] / mb:.1f} | {row['grads'] / mb:.1f} | "
+                   f"{row['optimizer'] / mb:.1f} | {both:.1f} ({row['goal'] / mb:.1f}) | {row['step_s'] * 1e3:.0f} |")
+    return "\n".join(out)
+
+
 def _elastic() -> dict:
     if not ELASTIC.is_file():
         raise Missing(f"{ELASTIC} is missing: run benches/torch/elastic_recovery.py --json {ELASTIC.relative_to(ROOT)}")
@@ -392,6 +423,7 @@ GENERATORS = {
     "elastic-recovery": lambda: elastic_cost() + "\n\n" + elastic_details(),
     "elastic-cost": elastic_cost,
     "host-time": host_time,
+    "sharded-memory": sharded_memory,
 }
 
 

@@ -38,12 +38,7 @@ class StepControls:
         """This rank has run out of data: contribute zeros to the other ranks'
         steps until every rank has joined (each of those steps is averaged
         over the ranks that contributed). Returns ``{"first_step", "steps"}``."""
-        self._refuse_join()
         return self._sync.join()
-
-    def _refuse_join(self):
-        """Whether this wrapper can shadow the other ranks' steps (a
-        framework wrapper refuses what it cannot)."""
 
     def reset(self):
         """After a failed step (``gradsync.StepFailedError``), on every rank:

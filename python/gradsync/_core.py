@@ -84,10 +84,10 @@ class Framework(Protocol):
         """Put an applied step's averages into the gradients; return whether
         views of ``result``'s memory were lent (then it must not be released)."""
 
-    def joined_step(self, report: StepReport) -> None:
-        """This rank, out of data, took part in ``report``'s step with zeros
+    def joined_step(self, result: Step) -> bool:
+        """This rank, out of data, took part in ``result``'s step with zeros
         (``shadow_step``): whatever the framework reduces outside the runtime
-        it takes part in too."""
+        it takes part in too. Returns whether views of ``result`` were lent."""
 
     def clear(self) -> None:
         """A step no rank may apply: leave no gradient an optimizer would step on."""
@@ -138,8 +138,10 @@ class Replica:
 class SyncSettings:
     """A wrapped model's runtime settings: the bucket cap in bytes, the
     collective deadline in seconds, the abort policy (``"skip"`` or
-    ``"partial"``), whether the timeline is kept, the wire type, and whether
-    buckets are reduce-scattered (``partitioned``: sharded gradients)."""
+    ``"partial"``), whether the timeline is kept, the wire type, whether
+    each rank keeps only its partition of the buckets (``partitioned``:
+    sharded gradients) and whether their collective is then a
+    reduce-scatter (``reduce_scatter``; else an all-reduce)."""
 
     bucket_cap_bytes: int
     timeout_s: float
@@ -147,6 +149,7 @@ class SyncSettings:
     record_timeline: bool = False
     wire_dtype: str = "float32"
     partitioned: bool = False
+    reduce_scatter: bool = True
 
 
 def check_wire(wire, refused=None):
@@ -192,6 +195,7 @@ class ModelSync:
             wire_dtype=settings.wire_dtype,
             membership=membership,
             partitioned=settings.partitioned,
+            reduce_scatter=settings.reduce_scatter,
         )
         self.names = replica.names
         self.wire = settings.wire_dtype
@@ -311,11 +315,18 @@ class ModelSync:
         return {"first_step": first, "steps": steps}
 
     def shadow_step(self):
-        """One step of a rank out of data: zeros for the others' open step."""
+        """One step of a rank out of data: zeros for the others' open step.
+        The framework sees the step (``joined_step``): a sharded rank steps
+        its partition with the others' averages."""
         self.raise_if_unfinished("join")
-        self.last_report = self.session.shadow_step()
-        self.framework.joined_step(self.last_report)
-        self.new_step()
+        result = self.session.shadow_step()
+        self.last_report = result.report
+        try:
+            lent = self.framework.joined_step(result)
+        finally:
+            self.new_step()
+        if not lent:
+            result.release()
         return self.last_report
 
     def reset(self):

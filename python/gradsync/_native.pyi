@@ -84,6 +84,7 @@ class Session:
         wire_dtype: str = ...,
         membership: Optional[Membership] = ...,
         partitioned: bool = ...,
+        reduce_scatter: bool = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -109,8 +110,9 @@ class Session:
     def finish(self, step: int) -> Step: ...
     def abort(self, step: int, reason: Union[str, int]) -> Step: ...
     def join(self) -> tuple[int, int]: ...
-    def shadow_step(self) -> StepReport:
-        """Contribute zeros to the other ranks' open step (one step of ``join``)."""
+    def shadow_step(self) -> Step:
+        """Contribute zeros to the other ranks' open step (one step of
+        ``join``); the step lends the averages the others got."""
     def reset(self) -> int:
         """After a failed step, on every rank: agree on the step to continue at."""
     def resume(self, rank: int, world: int) -> tuple[int, Optional[Step]]:

@@ -112,14 +112,16 @@ impl Session {
     /// (`"contributors"`, the default, `"world"`, `"sum"` or an integer).
     /// `membership` (an elastic job's `Membership`, started): its monitor's
     /// joiner flag goes into this rank's control votes (`StepReport.admit`).
-    /// `partitioned`: data buckets are reduce-scattered (sharded training):
-    /// after a step each rank's `partition` of every bucket holds the
-    /// average, the rest does not; the plan is then never rebuilt.
+    /// `partitioned` (sharded training): after a step each rank holds only
+    /// its `partition` of every bucket (`Step.buckets()`), the plan is never
+    /// rebuilt; `reduce_scatter`: the buckets' collective is a reduce-scatter
+    /// (the default), else an all-reduce of which each rank keeps its
+    /// partition (faster where the engine's reduce-scatter is not: gloo's).
     #[new]
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
                         param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32",
-                        membership = None, partitioned = false))]
+                        membership = None, partitioned = false, reduce_scatter = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -140,6 +142,7 @@ impl Session {
         wire_dtype: &str,
         membership: Option<PyRef<'_, Membership>>,
         partitioned: bool,
+        reduce_scatter: bool,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -183,11 +186,13 @@ impl Session {
         if let Some(membership) = &membership {
             b.joiner_waiting(membership.joiner_flag());
         }
-        let transport = BucketTransport::new(rank, world, engine_for(py, communicator, in_flight)?, partitioned)
-            .ok_or_else(|| {
-                let why = "this communicator cannot reduce-scatter: sharded gradients need gradsync.torch".to_string();
-                errors::raise::<errors::ConfigError>(py, why, &[])
-            })?;
+        let transport =
+            BucketTransport::new(rank, world, engine_for(py, communicator, in_flight)?, partitioned, reduce_scatter)
+                .ok_or_else(|| {
+                    let why =
+                        "this communicator cannot reduce-scatter: sharded gradients need gradsync.torch".to_string();
+                    errors::raise::<errors::ConfigError>(py, why, &[])
+                })?;
         let device_plane = transport.on_device_plane();
         let sync = b.build(transport).map_err(|e| errors::build_error(py, &e))?;
         let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
@@ -309,15 +314,15 @@ impl Session {
     }
 
     /// One step of `join`: this rank is out of data and contributes zeros
-    /// to the other ranks' open step; returns that step's report (outcome
-    /// `"all_joined"` once every rank shadowed it). For torch's `Join`
-    /// context manager, which counts the ranks still training itself.
-    fn shadow_step(&mut self, py: Python<'_>) -> PyResult<Py<StepReport>> {
+    /// to the other ranks' open step; returns that step (its report's outcome
+    /// is `"all_joined"` once every rank shadowed it; when it applies, it
+    /// lends the averages the others got). For torch's `Join` context
+    /// manager, which counts the ranks still training itself.
+    fn shadow_step(&mut self, py: Python<'_>) -> PyResult<Step> {
         self.deliver(py)?;
         let sync = self.sync(py)?;
-        let report = py.detach(|| sync.shadow_step()).map_err(|e| errors::sync_error(py, &e))?;
-        self.record(&report);
-        Py::new(py, StepReport::new(&report))
+        let result = py.detach(|| sync.shadow_step()).map_err(|e| errors::sync_error(py, &e))?;
+        self.wrap(py, result)
     }
 
     /// After a failed step, on every rank: agree on the step to continue at.

@@ -44,6 +44,27 @@ def _diff(reference, wrapped):
     return worst
 
 
+class scatter_on_gloo:
+    """Within the block, sharded wrappers reduce-scatter on gloo too (by
+    default they all-reduce there and keep their partition: faster on
+    gloo), so that the tests cover both collectives."""
+
+    def __init__(self, on=True):
+        self.on = on
+
+    def __enter__(self):
+        from gradsync.torch import _sharding
+
+        self.before, _sharding.GLOO_REDUCE_SCATTER = _sharding.GLOO_REDUCE_SCATTER, self.on
+        return self
+
+    def __exit__(self, *exc):
+        from gradsync.torch import _sharding
+
+        _sharding.GLOO_REDUCE_SCATTER = self.before
+        return False
+
+
 def _build(impl, model, world, **kwargs):
     """``model`` under ``impl`` and its optimizer."""
     if impl == "gradsync":
@@ -165,10 +186,11 @@ CASES = {
 }
 
 
-def case(rank, world, impl, name, **kwargs):
-    """Run case ``name`` (see :data:`CASES`)."""
+def case(rank, world, impl, name, scatter=False, **kwargs):
+    """Run case ``name`` (see :data:`CASES`); ``scatter``: reduce-scatter on gloo too."""
     make, forward = CASES[name]
-    return train(rank, world, impl, make, forward, batch=4, **kwargs)
+    with scatter_on_gloo(scatter):
+        return train(rank, world, impl, make, forward, batch=4, **kwargs)
 
 
 def check(outcomes):
@@ -186,7 +208,7 @@ def describe(outcome):
     return f"raises `{outcome['error']}`"
 
 
-def same_as_unsharded(rank, world, steps=3, **settings):
+def same_as_unsharded(rank, world, steps=3, scatter=False, **settings):
     """The partition's gradients equal the same slices of an unsharded
     wrapper's ``.grad``, bit for bit, under ``settings`` (a wire type
     rounds both alike): returns the largest difference seen. A model
@@ -196,7 +218,8 @@ def same_as_unsharded(rank, world, steps=3, **settings):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(20, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 20)).double()
     whole = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=0.001, **settings)
-    parted = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=0.001, shard_gradients=True, **settings)
+    with scatter_on_gloo(scatter):
+        parted = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=0.001, shard_gradients=True, **settings)
     opt = parted.shard_optimizer(torch.optim.SGD, lr=0.1)
     worst = 0.0
     try:
@@ -240,6 +263,45 @@ def runtime_memory(rank, world, steps=3, cap_mb=0.01):
     return out
 
 
+def uneven_inputs(rank, world, immediate=False):
+    """Rank ``r`` has ``2 + 2 * (world - 1 - r)`` batches (rank 0 the most).
+    Under ``with model.join()`` (DDP's divisor: the world size) or with
+    ``model.join_now()`` at the end of each rank's data (divisor: the ranks
+    that contributed), a rank out of data keeps stepping its partition for
+    the others. Returns the largest parameter difference from the reference."""
+    torch.manual_seed(21)
+    base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 12)).double()
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(base), shard_gradients=True, bucket_cap_mb=0.001)
+    opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+    counts = [2 + 2 * (world - 1 - r) for r in range(world)]
+    data = torch.randn(max(counts), world, 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    try:
+        def train(batches):
+            for x in batches:
+                opt.zero_grad()
+                _plain(wrapped, rank, 0, x).backward()
+                opt.step()
+
+        mine = [data[s, rank] for s in range(counts[rank])]
+        if immediate:
+            train(mine)
+            wrapped.join_now()
+        else:
+            with wrapped.join():
+                train(mine)
+        for s in range(max(counts)):
+            training = [r for r in range(world) if s < counts[r]]
+            ref_opt.zero_grad()
+            for r in training:
+                (_plain(reference, r, 0, data[s, r]) / (len(training) if immediate else world)).backward()
+            ref_opt.step()
+        return _diff(reference, wrapped)
+    finally:
+        wrapped.close()
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 
@@ -258,7 +320,6 @@ def bad_input(rank, world):
             "groups_differ": lambda: wrapped.shard_optimizer(
                 torch.optim.AdamW, params=[{"params": list(model.parameters()), "lr": 0.1 * (rank + 1)}]
             ),
-            "join": lambda: wrapped.join_now(),
         }.items():
             try:
                 call()

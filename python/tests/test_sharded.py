@@ -1,8 +1,9 @@
 """Sharded gradients (ZeRO-2, ``shard_gradients=True``): every side-by-side
 pattern trains to the same parameters as one process on the whole batch,
-with the optimizer stepping only each rank's partition; the full optimizer
-state consolidates to the unsharded optimizer's and loads back on another
-world size; misuse is refused with a clear error."""
+with the optimizer stepping only each rank's partition (uneven inputs too);
+the runtime keeps partitions, not whole buckets; the full optimizer state
+consolidates to the unsharded optimizer's and loads back on another world
+size; misuse is refused with a clear error."""
 
 import pytest
 
@@ -17,9 +18,17 @@ def test_sharded_training_matches_one_process(world2, side_by_side_sharded, name
     side_by_side_sharded(name.replace("_", " ") + " (world 2)", sharded.describe(ours[0]))
 
 
-def test_unused_parameters_on_three_ranks(world3):
+@pytest.mark.parametrize("name", ["checkpoint_twice_reentrant", "rank_dependent_control_flow"])
+def test_reduce_scattered_on_gloo_too(world2, name):
+    # Sharded wrappers all-reduce on gloo by default (cheaper there) and
+    # keep their partition; the reduce-scatter path must be as exact.
+    check(world2.run(case, "gradsync", name, scatter=True))
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
+def test_unused_parameters_on_three_ranks(world3, scatter):
     # `never` is unused everywhere (AdamW must skip it), `odd` only on rank 1.
-    check(world3.run(case, "gradsync", "unused_parameters"))
+    check(world3.run(case, "gradsync", "unused_parameters", scatter=scatter))
 
 
 @pytest.mark.parametrize("policy", ["skip", "partial"])
@@ -39,10 +48,17 @@ def test_clip_grad_norm_is_the_global_norm(world2):
     check(world2.run(case, "gradsync", "checkpoint_twice_reentrant", clip=0.05))
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
-def test_partitions_equal_unsharded_gradients_bit_for_bit(world2, wire):
+def test_partitions_equal_unsharded_gradients_bit_for_bit(world2, wire, scatter):
     # A half wire type rounds the sum; the partition holds the same rounding.
-    assert world2.run(sharded.same_as_unsharded, wire_dtype=wire) == [0.0, 0.0]
+    assert world2.run(sharded.same_as_unsharded, wire_dtype=wire, scatter=scatter) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("immediate", [False, True], ids=["join-context", "join_now"])
+def test_uneven_inputs_a_rank_out_of_data_steps_its_partition_for_the_others(world3, immediate):
+    for rank, diff in enumerate(world3.run(sharded.uneven_inputs, immediate=immediate)):
+        assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
 
 
 def test_the_runtime_keeps_partitions_not_whole_buckets(world2):

@@ -28,7 +28,7 @@ use gradsync_actors::scheduler::SchedulerConfig;
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
     AbortReason, BuildError, Divisor, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step,
-    StepReport, StepResult, SyncError, Transport, Wire,
+    StepResult, SyncError, Transport, Wire,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
@@ -290,7 +290,7 @@ impl<S: GradStore> GradSync<S> {
         let first_step = self.hook.open_step();
         let mut steps = 0;
         loop {
-            let report = self.shadow_step()?;
+            let report = self.shadow_step()?.report;
             steps += 1;
             if report.outcome == Outcome::AllJoined {
                 return Ok(JoinReport { first_step, steps });
@@ -303,10 +303,12 @@ impl<S: GradStore> GradSync<S> {
     /// returns that step's report (`Outcome::AllJoined` once every rank
     /// shadowed the same step). For callers that count the ranks still
     /// training themselves, as torch's `Join` context manager does: call it
-    /// once per step the others run, on every joined rank.
-    pub fn shadow_step(&mut self) -> Result<StepReport, SyncError> {
+    /// once per step the others run, on every joined rank. The result lends
+    /// that step's averages, as the others got them (a sharded rank steps
+    /// its partition with them: it still owns it).
+    pub fn shadow_step(&mut self) -> Result<StepResult<S>, SyncError> {
         let step = self.hook.open_step();
-        Ok(self.end_step(step, StepEnd::Join)?.report)
+        self.end_step(step, StepEnd::Join)
     }
 
     fn end_step(&mut self, step: Step, end: StepEnd) -> Result<StepResult<S>, SyncError> {

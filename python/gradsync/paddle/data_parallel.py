@@ -108,8 +108,9 @@ class PaddleGrads:
             result.copy_into_ptr(i, p.grad.data_ptr())
         return False
 
-    def joined_step(self, report):
-        """Nothing is reduced outside the runtime for Paddle."""
+    def joined_step(self, result):
+        """Nothing is reduced outside the runtime for Paddle; nothing is lent."""
+        return False
 
     def clear(self):
         """Skipped on every rank: no optimizer may apply this step."""

@@ -71,13 +71,27 @@ class TorchGrads:
             raise RuntimeError("gradsync: a sharded step's buckets are not its plan's (a gradsync bug, please report it)")
         for p in self._params:
             p.grad = None
+        self._partition.joined = list(result.report.joined)
         return self._partition.receive([t for t, _, _ in buckets], result, result.report.unused_everywhere)
 
-    def joined_step(self, report):
-        """This rank is out of data and shadowed ``report``'s step: it sends
-        empty sparse gradients where the others reduce theirs."""
-        if self._sparse and report.outcome in ("applied", "partial"):
+    def joined_step(self, result):
+        """This rank is out of data and shadowed ``result``'s step: it sends
+        empty sparse gradients where the others reduce theirs, and a sharded
+        rank receives its partition's averages and steps them with its
+        optimizer, as the others step theirs (it still owns that partition).
+        Returns whether views of ``result`` were lent."""
+        report = result.report
+        applies = report.outcome in ("applied", "partial")
+        if self._sparse and applies:
             self._sparse.reduce(report)
+        if self._partition is None or not applies:
+            return False
+        # What its last own step left in the pieces was applied then; the
+        # others zeroed theirs before this step: hold their average only.
+        self._partition.clear()
+        lent = self._write_partition(result)
+        self._partition.step_joined()
+        return lent
 
     def clear(self):
         """Skipped on every rank: no optimizer may apply this step."""

@@ -38,6 +38,10 @@ from gradsync._errors import ConfigError
 from gradsync._native import partition as partition_of
 
 
+#: Buckets whose parameters are gathered at once after an optimizer step.
+GATHERS_IN_FLIGHT = 4
+
+
 def _flat(p):
     """``p``'s values as one flat tensor sharing its memory (a complex one as
     its real and imaginary parts)."""
@@ -106,6 +110,11 @@ class Partition:
                     tensor = _flat(p)[lo - offset : hi - offset]
                     self.pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor))
                 offset += size
+        #: The sharded optimizer built last over this partition (a weak
+        #: reference): a rank out of data steps it for the others (``join``).
+        self.optimizer = None
+        #: Ranks that had joined (run out of data) in the last step.
+        self.joined = []
         #: Per parameter index, its pieces on this rank.
         self.of_param = {}
         for piece in self.pieces:
@@ -151,6 +160,19 @@ class Partition:
                 piece.tensor.grad = average.to(piece.tensor.dtype)
         return lent
 
+    def step_joined(self):
+        """This rank ran out of data and shadowed the others' step: step its
+        partition with that step's averages and take part in the gather, as
+        the others do in their ``optimizer.step()``."""
+        optimizer = self.optimizer() if self.optimizer is not None else None
+        if optimizer is None:
+            raise ConfigError(
+                "a rank out of data (join) must step its partition for the others, and no sharded optimizer was "
+                "built: build it with model.shard_optimizer(...) before training"
+            )
+        optimizer.step()
+        optimizer.zero_grad()
+
     def clear(self):
         """No rank may apply this step: no piece keeps a gradient."""
         for piece in self.pieces:
@@ -163,29 +185,38 @@ class Partition:
         """Every rank's pieces, updated by its optimizer, into every rank's
         parameters: per bucket, each rank's partition is gathered (bucket
         precision: float32, or float64 for float64 parameters, so half
-        types travel exactly) and unpacked into the members."""
+        types travel exactly) and unpacked into the members. Up to
+        :data:`GATHERS_IN_FLIGHT` buckets travel at once: packing the next
+        and unpacking the last overlap the collective."""
         if self.world == 1:
             return
-        flats = {}
         by_bucket = {}
         for piece in self.pieces:
             by_bucket.setdefault(piece.bucket, []).append(piece)
+        flats = {}
+        flight = []
         for b, layout in enumerate(self.buckets):
             members = [self.params[i] for i in layout.members]
             wide = any(p.dtype in (torch.float64, torch.complex128) for p in members)
-            dtype = torch.float64 if wide else torch.float32
-            mine = torch.zeros(layout.chunk, dtype=dtype)
+            mine = torch.zeros(layout.chunk, dtype=torch.float64 if wide else torch.float32)
             at = 0
             for piece in by_bucket.get(b, ()):
                 mine[at : at + piece.length].copy_(piece.tensor)
                 at += piece.length
-            full = self._states.all_gather(mine)
-            values = full[: layout.numel].split(layout.sizes)
-            for i, v in zip(layout.members, values):
-                flat = flats.get(i)
-                if flat is None:
-                    flat = flats[i] = _flat(self.params[i])
-                flat.copy_(v)
+            flight.append((layout, self._states.start_all_gather(mine)))
+            if len(flight) >= GATHERS_IN_FLIGHT:
+                self._unpack(*flight.pop(0), flats)
+        for layout, gathering in flight:
+            self._unpack(layout, gathering, flats)
+
+    def _unpack(self, layout, gathering, flats):
+        """A bucket's gathered partitions into its members' values."""
+        full = gathering.wait()
+        for i, v in zip(layout.members, full[: layout.numel].split(layout.sizes)):
+            flat = flats.get(i)
+            if flat is None:
+                flat = flats[i] = _flat(self.params[i])
+            flat.copy_(v)
 
     # ---- the global norm ---------------------------------------------------------------------
 
@@ -196,6 +227,11 @@ class Partition:
         is a collective over every rank's pieces; the pieces' gradients are
         scaled in place. Returns the total norm (a float64 tensor), the same
         on every rank."""
+        if self.joined:
+            raise ConfigError(
+                f"clip_grad_norm_ while ranks {self.joined} are out of data (join): the norm is a collective those "
+                "ranks do not make; clip only while every rank trains, or train unsharded"
+            )
         norm_type = float(norm_type)
         wanted = {id(p) for p in params}
         grads = [

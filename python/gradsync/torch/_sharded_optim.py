@@ -29,6 +29,7 @@ such a full state on any world size.
 """
 
 import hashlib
+import weakref
 
 import torch
 
@@ -144,6 +145,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._consolidated = None
+        # A rank out of data (join) steps the last optimizer built, for the others.
+        partition.optimizer = weakref.ref(self)
 
     def _check_same_everywhere(self, optimizer_class, groups, defaults):
         """Every rank must shard the same optimizer over the same groups

@@ -71,6 +71,7 @@ from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch._sharding import Sharding
 from gradsync.torch._sharding import refuse as refuse_sharded
+from gradsync.torch._sharding import scatters
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -354,7 +355,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
                           [_DTYPES[p.dtype] for p in self._params])
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
-                               SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded, **options),
+                               SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded,
+                                            reduce_scatter=scatters(path, self._device), **options),
                                membership=None if elastic is None else elastic.membership)
         if elastic is not None:
             self._sync.elastic = elastic

@@ -96,28 +96,36 @@ pub struct BucketTransport {
     /// Per collective started and not finished, oldest first: its staged
     /// half-width copy, if it has one.
     staged: VecDeque<Option<Staged>>,
-    /// Data buckets are reduce-scattered (a sharded model, [`Transport::partitioned`]).
+    /// A sharded model's buckets ([`Transport::partitioned`]): only this
+    /// rank's partition of each must hold the sum after its collective.
     partitioned: bool,
+    /// ...and that collective is a reduce-scatter (else an all-reduce, which
+    /// delivers the partition too: gloo's reduce-scatter costs more than its
+    /// all-reduce; NCCL's half).
+    scatter: bool,
 }
 
 impl BucketTransport {
     /// Rank `rank` of `world`, its collectives run by `engine`; `partitioned`:
-    /// data buckets are reduce-scattered (`None` when `engine` cannot).
+    /// only each rank's partition of a data bucket must hold the sum, and
+    /// `scatter`: it is reduce-scattered (`None` when `engine` cannot).
     pub(crate) fn new(
         rank: usize,
         world: usize,
         engine: Box<dyn Engine>,
         partitioned: bool,
+        scatter: bool,
     ) -> Option<BucketTransport> {
-        if partitioned && !engine.reduce_scatters() {
+        let scatter = partitioned && scatter;
+        if scatter && !engine.reduce_scatters() {
             return None;
         }
-        Some(BucketTransport { rank, world, engine, wire: Wire::F32, staged: VecDeque::new(), partitioned })
+        Some(BucketTransport { rank, world, engine, wire: Wire::F32, staged: VecDeque::new(), partitioned, scatter })
     }
 
-    /// A data bucket's collective: reduce-scattered when partitioned.
+    /// A data bucket's collective: reduce-scattered when partitioned and asked to.
     fn data(&self, c: Collective) -> Collective {
-        if self.partitioned {
+        if self.scatter {
             c.scattered(self.world)
         } else {
             c

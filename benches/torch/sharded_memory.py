@@ -1,0 +1,226 @@
+"""Memory per rank and step time of sharded training (ZeRO-2), gradsync
+against torch's DDP, DDP with torch's ZeroRedundancyOptimizer (ZeRO-1) and
+FSDP2 (``fully_shard`` per block), on CPU ranks (gloo, loopback).
+
+    python benches/torch/sharded_memory.py [--worlds 2 4 8] [--layers 8] [--width 256] [--steps 4]
+                                           [--json docs/data/sharded/memory.json]
+
+Each configuration runs in its own processes. A GPT-2-shaped stack
+(``--layers`` blocks of attention-sized and MLP-sized linear layers of
+``--width``, tied embedding and head) trains with AdamW; after the last step
+every rank counts, in bytes:
+
+* ``params``: the parameters it holds (FSDP2: its shards),
+* ``grads``: gradient memory: ``.grad`` tensors (FSDP2: its shards; DDP's
+  are views of its buckets) plus gradsync's runtime buckets and partitions
+  (``Session.memory_bytes``),
+* ``optimizer``: the optimizer state it holds;
+
+and the median step time (forward, backward, optimizer step) over the
+steps after the first. The goal line is ``(grads + optimizer) / world + one
+bucket`` of the whole model's float32 bytes. Every number is the largest
+over the ranks. Storages are counted once (a view and its base are one).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+IMPLS = ("gradsync-sharded", "gradsync", "ddp", "zero1", "fsdp2")
+CAP_MB = 4
+
+
+class Block(nn.Module):
+    """A transformer block's parameters (attention projections, MLP), as linear layers."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+        x = x + self.proj(attn)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class Stack(nn.Module):
+    """A GPT-2-shaped model: tied embedding and head, ``layers`` blocks."""
+
+    def __init__(self, layers, width, vocab=1024):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.embed.weight.t()
+
+
+def _bytes(tensors):
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _state_tensors(optimizer):
+    inner = getattr(optimizer, "optim", None) or getattr(optimizer, "inner", None) or optimizer
+    return [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def _build(impl, model, world):
+    from gradsync.torch import DistributedDataParallel as GradsyncDDP
+
+    if impl == "gradsync-sharded":
+        wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=CAP_MB)
+        return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=1e-4)
+    if impl == "gradsync":
+        wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    if impl == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    if impl == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    raise ValueError(impl)
+
+
+def _rank(rank, world, port, impl, args, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = Stack(args.layers, args.width)
+    whole = sum(p.numel() for p in model.parameters()) * 4
+    wrapped, optimizer = _build(impl, model, world)
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, 1024, (args.batch, args.tokens), generator=g)
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        logits = wrapped(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - began)
+    params = list(model.parameters())
+    runtime = wrapped._sync.session.memory_bytes if impl.startswith("gradsync") else 0
+    # gradsync's .grad may be views of its buckets (counted in `runtime`).
+    grads = [p.grad for p in params if p.grad is not None and getattr(p.grad._base, "_gradsync_step", None) is None]
+    out = {
+        "params": _bytes(params),
+        "grads": _bytes(grads) + runtime,
+        "optimizer": _bytes(_state_tensors(optimizer)),
+        "step_s": statistics.median(times[1:]),
+        "whole": whole,
+    }
+    if hasattr(wrapped, "close"):
+        wrapped.close()
+    results.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(impl, world, args):
+    """One configuration in its own processes; the largest of each number over the ranks."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, impl, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=900) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=60)
+    per_rank = [o for _, o in sorted(got, key=lambda x: x[0])]
+    return {k: max(o[k] for o in per_rank) for k in per_rank[0]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--json", help="write the numbers here (docs/data/sharded/memory.json)")
+    args = parser.parse_args()
+    rows = []
+    for world in args.worlds:
+        for impl in args.impls:
+            print(f"world {world}, {impl} ...", flush=True)
+            try:
+                r = run(impl, world, args)
+            except Exception as e:  # a peer that cannot run here is a result, not a crash
+                print(f"  failed: {e}", flush=True)
+                rows.append({"world": world, "impl": impl, "error": str(e).splitlines()[0] if str(e) else type(e).__name__})
+                continue
+            goal = (r["whole"] + 2 * r["whole"]) / world + CAP_MB * (1 << 20)
+            row = {"world": world, "impl": impl, **r, "goal": goal}
+            rows.append(row)
+            mb = 1 << 20
+            print(f"  params {r['params'] / mb:.1f} MB, grads {r['grads'] / mb:.1f} MB, optimizer "
+                  f"{r['optimizer'] / mb:.1f} MB, grads + optimizer {(r['grads'] + r['optimizer']) / mb:.1f} MB "
+                  f"(goal {goal / mb:.1f}), step {r['step_s'] * 1e3:.0f} ms", flush=True)
+    if args.json:
+        meta = {
+            "command": "python benches/torch/sharded_memory.py " + " ".join(sys.argv[1:]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU ranks over gloo (loopback)",
+            "torch": torch.__version__,
+            "model": f"{args.layers} blocks of width {args.width}, tied embedding (vocab 1024); "
+                     f"{args.batch} x {args.tokens} tokens per rank, AdamW, bucket cap {CAP_MB} MB",
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
