@@ -38,6 +38,7 @@ SIM = ROOT / "docs" / "data" / "sim.json"
 ELASTIC = ROOT / "docs" / "data" / "elastic.json"
 HOST = ROOT / "docs" / "data" / "host"
 SHARDED_MEMORY = ROOT / "docs" / "data" / "sharded" / "memory.json"
+SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
 PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
@@ -315,6 +316,28 @@ def host_time() -> str:
     return "\n".join(out)
 
 
+def sharded_side_by_side() -> str:
+    """gradsync's sharded column (the tests write it) next to FSDP2's and
+    ZeRO-1's (``benches/torch/sharded_side_by_side.py --json``), per case."""
+    ours = PYTEST / "sharded-side-by-side.json"
+    if not ours.is_file():
+        raise Missing(f"{ours} is missing: the tests write it (scripts/test)")
+    rows = json.loads(ours.read_text())
+    peers = {}
+    if SHARDED_PEERS.is_file():
+        peers = {r["case"]: r for r in json.loads(SHARDED_PEERS.read_text())["rows"]}
+    out = ["| case (2 ranks, AdamW, 4 steps) | torch FSDP2 | torch DDP + ZeroRedundancyOptimizer | gradsync, "
+           "`shard_gradients=True` (max abs parameter diff from one process) |", "|---|---|---|---|"]
+    for row in rows:
+        peer = peers.get(row["case"], {})
+        out.append(f"| {row['case']} | {peer.get('fsdp2', 'not run')} | {peer.get('zero1', 'not run')} | "
+                   f"{row['gradsync']} |")
+    if SHARDED_PEERS.is_file():
+        meta = json.loads(SHARDED_PEERS.read_text())["meta"]
+        out.append(f"\nThe peers' columns: {meta['machine']}, torch {meta['torch']}, `{meta['command']}`.")
+    return "\n".join(out)
+
+
 def sharded_memory() -> str:
     """Memory per rank and step time, sharded against its peers, from
     ``benches/torch/sharded_memory.py --json``."""
@@ -414,7 +437,7 @@ GENERATORS = {
     "ddp-side-by-side": lambda: side_by_side("ddp-side-by-side"),
     "paddle-side-by-side": lambda: side_by_side("paddle-side-by-side"),
     "paddle-faults": lambda: side_by_side("paddle-faults"),
-    "sharded-side-by-side": lambda: side_by_side("sharded-side-by-side"),
+    "sharded-side-by-side": sharded_side_by_side,
     "gpu-device": gpu_device,
     "gpu-cost": gpu_cost_table,
     "gpu-bench-details": gpu_bench_details,

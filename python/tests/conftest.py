@@ -92,6 +92,7 @@ def pytest_sessionfinish(session, exitstatus):
         TABLE_DIR.mkdir(parents=True, exist_ok=True)
         rows = sorted(SHARDED_ROWS, key=lambda r: r["case"])
         (TABLE_DIR / "sharded-side-by-side.md").write_text(render_sharded(rows))
+        (TABLE_DIR / "sharded-side-by-side.json").write_text(json.dumps(rows, indent=1))
     if not ROWS:
         return
     TABLE_DIR.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,10 @@ def _build(impl, model, world, **kwargs):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
+        # Per block, as models are sharded: every child with parameters, then the root.
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
     if impl == "zero1":
@@ -300,6 +304,78 @@ def uneven_inputs(rank, world, immediate=False):
         return _diff(reference, wrapped)
     finally:
         wrapped.close()
+
+
+def dcp_save(rank, world, path, steps=3):
+    """Train the twice-checkpointed model ``steps`` steps sharded, save it
+    with ``gradsync.torch.checkpoint`` to ``path``, and return (rank 0) the
+    consolidated optimizer state and the parameters it saved."""
+    from gradsync.torch import checkpoint
+
+    make, forward = CASES["checkpoint_twice_reentrant"]
+    torch.manual_seed(5)
+    wrapped = GradsyncDDP(make().double(), shard_gradients=True, bucket_cap_mb=0.001)
+    opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+    try:
+        for step in range(steps):
+            x = torch.randn(4, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+            opt.zero_grad()
+            forward(wrapped, rank, step, x.requires_grad_()).backward()
+            opt.step()
+        checkpoint.save(path, wrapped, opt)
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            return {"optimizer": opt.state_dict(), "params": [p.detach().clone() for p in wrapped.parameters()]}
+        return None
+    finally:
+        wrapped.close()
+
+
+def dcp_load(rank, world, path, saved):
+    """Load ``path`` into a fresh sharded wrapper on this world size and
+    compare with what was ``saved``: returns the largest difference of the
+    parameters and of the consolidated optimizer state, and whether the
+    step counts and groups match."""
+    from gradsync.torch import checkpoint
+
+    make, _ = CASES["checkpoint_twice_reentrant"]
+    torch.manual_seed(77)  # other initial values: the load must replace them
+    wrapped = GradsyncDDP(make().double(), shard_gradients=True, bucket_cap_mb=0.001)
+    opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=0.5)
+    try:
+        checkpoint.load(path, wrapped, opt)
+        opt.consolidate_state_dict(to=-1)
+        got, want = opt.state_dict(), saved["optimizer"]
+        params = max((a - b).abs().max().item() for a, b in zip(wrapped.parameters(), saved["params"]))
+        state = 0.0
+        same_keys = sorted(got["state"]) == sorted(want["state"])
+        steps_equal = True
+        for n, values in want["state"].items():
+            for key, value in values.items():
+                if value.dim() == 0:
+                    steps_equal = steps_equal and float(got["state"][n][key]) == float(value)
+                else:
+                    state = max(state, (got["state"][n][key] - value).abs().max().item())
+        lr = [g["lr"] for g in got["param_groups"]]
+        return {"params": params, "state": state, "keys": same_keys, "steps": steps_equal, "lr": lr}
+    finally:
+        wrapped.close()
+
+
+def dcp_load_other_model(rank, world, path):
+    """Load ``path`` into a sharded wrapper of another model: the error's text."""
+    from gradsync.torch import checkpoint
+
+    torch.manual_seed(0)
+    wrapped = GradsyncDDP(SharedBetweenSegments().double(), shard_gradients=True, bucket_cap_mb=0.001)
+    opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+    try:
+        checkpoint.load(path, wrapped, opt)
+    except Exception as e:  # what the user reads
+        return f"{type(e).__name__}: {e}"
+    finally:
+        wrapped.close()
+    return None
 
 
 # ---- bad input ------------------------------------------------------------------------------

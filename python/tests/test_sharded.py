@@ -77,6 +77,17 @@ def test_full_optimizer_state_consolidates_and_loads_on_any_world(world3):
         assert result["param_diff"] < sharded.ATOL, result
 
 
+def test_a_dcp_checkpoint_of_two_ranks_loads_on_three(world2, world3, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = world2.run(sharded.dcp_save, path)[0]
+    for rank, got in enumerate(world3.run(sharded.dcp_load, path, saved)):
+        assert got["keys"] and got["steps"], f"rank {rank}: {got}"
+        assert got["params"] == 0.0 and got["state"] == 0.0, f"rank {rank}: {got}"
+        assert got["lr"] == [sharded.LR], "the groups' options come from the checkpoint"
+    for message in world2.run(sharded.dcp_load_other_model, path):
+        assert message.startswith("ConfigError") and "another model" in message, message
+
+
 def test_misuse_is_refused_with_what_to_do(world2):
     errors = world2.run(sharded.bad_input)
     for rank, by_case in enumerate(errors):

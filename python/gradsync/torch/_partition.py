@@ -120,6 +120,23 @@ class Partition:
         for piece in self.pieces:
             self.of_param.setdefault(piece.param, []).append(piece)
 
+    def every_piece(self, i):
+        """Every rank's pieces of parameter ``i``: ``(rank, offset in the
+        parameter, length)``, by offset (the layout is the same on every rank)."""
+        out = []
+        for layout in self.buckets:
+            if i not in layout.members:
+                continue
+            at = layout.members.index(i)
+            start = sum(layout.sizes[:at])
+            size = layout.sizes[at]
+            for rank in range(self.world):
+                lo, hi = partition_of(layout.numel, rank, self.world)
+                lo, hi = max(lo, start), min(hi, start + size)
+                if lo < hi:
+                    out.append((rank, lo - start, hi - lo))
+        return sorted(out, key=lambda piece: piece[1])
+
     # ---- a step's averages ------------------------------------------------------------------
 
     def receive(self, bucket_tensors, result, unused):

@@ -212,8 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Every rank's pieces of every state tensor, gathered per bucket
         into whole parameters: ``{"state": {n: {key: value}}, "param_groups": [...]}``."""
         part = self._partition
-        numbered = [i for indices in self._group_params for i in indices]
-        number = {i: n for n, i in enumerate(numbered)}
+        _, number = self._numbering()
         # Which keys the state has, and their types, from every rank (a rank may hold no piece).
         keys = {}
         for piece in part.pieces:
@@ -246,10 +245,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         p = part.params[i]
                         like = torch.view_as_real(p.detach()) if p.is_complex() else p.detach()
                         state.setdefault(number[i], {})[key] = values.to(like.dtype).reshape(like.shape).clone()
-        # Which parameters have state at all (stepped at least once), and their
-        # scalars (a step count): sent by the rank holding the parameter's first piece.
+        present, scalars = self._present_and_scalars(number)
+        for n, values in scalars.items():
+            state.setdefault(n, {}).update(values)
+        state = {n: values for n, values in sorted(state.items()) if n in present}
+        return {"state": state, "param_groups": self._groups_by_number(number)}
+
+    def _numbering(self):
+        """Wrapper parameter indices in full-state order, and their numbers."""
+        numbered = [i for indices in self._group_params for i in indices]
+        return numbered, {i: n for n, i in enumerate(numbered)}
+
+    def _present_and_scalars(self, number):
+        """Which parameters (by number) have state on some rank (stepped at
+        least once), and their scalars (a step count), sent by the rank
+        holding each parameter's first piece: the same on every rank (a
+        collective)."""
         present, scalars = set(), {}
-        for i, pieces in part.of_param.items():
+        for i, pieces in self._partition.of_param.items():
             entry = self.inner.state.get(pieces[0].tensor, {})
             if i not in number or not entry:
                 continue
@@ -261,12 +274,96 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for rank_present, rank_scalars in self._states.all_gather_objects((present, scalars)):
             present |= rank_present
             for n, values in rank_scalars.items():
-                state.setdefault(n, {}).update(values)
-        state = {n: values for n, values in sorted(state.items()) if n in present}
-        groups = []
-        for group, indices in zip(self.inner.param_groups, self._group_params):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [number[i] for i in indices]})
-        return {"state": state, "param_groups": groups}
+                scalars.setdefault(n, {}).update(values)
+        return present, scalars
+
+    def _groups_by_number(self, number):
+        return [{**{k: v for k, v in group.items() if k != "params"}, "params": [number[i] for i in indices]}
+                for group, indices in zip(self.inner.param_groups, self._group_params)]
+
+    @torch.no_grad()
+    def sharded_state_dict(self, template=None):
+        """This rank's part of the optimizer state, for
+        ``torch.distributed.checkpoint`` (``gradsync.torch.checkpoint``): per
+        parameter number, each state tensor as one flat ``ShardedTensor`` of
+        the parameter's element count whose shards are every rank's pieces
+        (this rank's hold its values), scalars whole; and the parameter
+        groups. Every rank calls it (a collective). ``template``: the keys a
+        checkpoint holds (number -> key -> DCP metadata), to build an empty
+        state of this layout to load into."""
+        from gradsync.torch.checkpoint import flat_sharded
+
+        part = self._partition
+        numbered, number = self._numbering()
+        if template is None:
+            present, scalars = self._present_and_scalars(number)
+            kinds = {}
+            for piece in part.pieces:
+                for key, value in self.inner.state.get(piece.tensor, {}).items():
+                    kinds[key] = (_kind(value), value.dtype if torch.is_tensor(value) else None)
+            merged = {}
+            for rank_kinds in self._states.all_gather_objects(kinds):
+                merged.update(rank_kinds)
+            entries = {n: {key: kind for key, kind in merged.items() if key in scalars.get(n, {}) or kind[0] != "scalar"}
+                       for n in sorted(present)}
+        else:
+            entries = {}
+            for n, keys in template.items():
+                if n >= len(numbered):
+                    raise ConfigError(f"the checkpoint holds optimizer state for parameter {n}; this optimizer steps "
+                                      f"{len(numbered)}: it was saved for another model")
+                entries[n] = {key: ("scalar" if len(getattr(m, "size", ())) == 0 else "tensor",
+                                    getattr(getattr(m, "properties", None), "dtype", None), m)
+                              for key, m in keys.items()}
+        state = {}
+        for n, keys in entries.items():
+            i = numbered[n]
+            p = part.params[i]
+            mine = {piece.offset: piece for piece in part.of_param.get(i, ())}
+            out = state[str(n)] = {}
+            for key, how in keys.items():
+                kind, dtype = how[0], how[1]
+                if kind == "scalar":
+                    if template is None:
+                        out[key] = scalars[n][key]
+                    else:
+                        meta = how[2]
+                        out[key] = torch.zeros(meta.size, dtype=meta.properties.dtype) if hasattr(meta, "size") else 0
+                    continue
+                pieces = []
+                for owner, offset, length in part.every_piece(i):
+                    local = None
+                    if owner == part.rank:
+                        piece = mine[offset]
+                        held = self.inner.state.get(piece.tensor, {}).get(key) if template is None else None
+                        local = held.reshape(-1) if held is not None else torch.zeros(length, dtype=dtype)
+                    pieces.append((owner, offset, length, local))
+                out[key] = flat_sharded(pieces, piece_total(p), dtype, p.device)
+        return {"state": state, "param_groups": self._groups_by_number(number)}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state_dict):
+        """Load :meth:`sharded_state_dict`'s form (filled by
+        ``torch.distributed.checkpoint.load``): each piece takes its shard."""
+        from gradsync.torch.checkpoint import check_layout
+
+        check_layout(state_dict["param_groups"], [len(ix) for ix in self._group_params],
+                     [[self._names[i] for i in ix][:3] for ix in self._group_params])
+        numbered, _ = self._numbering()
+        self.inner.state.clear()
+        for n, values in state_dict["state"].items():
+            i = numbered[int(n)]
+            for piece in self._partition.of_param.get(i, ()):
+                entry = {}
+                for key, value in values.items():
+                    if hasattr(value, "local_shards"):
+                        (shard,) = [s for s in value.local_shards() if s.metadata.shard_offsets[0] == piece.offset]
+                        entry[key] = shard.tensor.clone().to(piece.tensor.device)
+                    else:
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+                self.inner.state[piece.tensor] = entry
+        for group, saved in zip(self.inner.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
@@ -279,7 +376,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "this optimizer state has groups of other sizes than this optimizer's: it was saved for other "
                 "parameter groups"
             )
-        numbered = [i for indices in self._group_params for i in indices]
+        numbered, _ = self._numbering()
         saved = [n for g in groups for n in g["params"]]
         index_of = dict(zip(saved, numbered))
         inner_state = {}

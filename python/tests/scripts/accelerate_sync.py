@@ -66,6 +66,9 @@ def main():
         return ref.parameters()
 
     report(f"{type(model).__module__}.{type(model).__name__}", net.parameters(), replay)
+    # A clean exit: gloo's threads aborted the process now and then when the
+    # interpreter tore the default group down unannounced (torch's DDP run).
+    dist.destroy_process_group()
 
 if __name__ == "__main__":
     main()

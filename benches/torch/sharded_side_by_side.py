@@ -1,0 +1,112 @@
+"""The sharded side-by-side cases under torch's own sharding: FSDP2
+(``fully_shard`` on every child module with parameters, then the root, as
+models are sharded per block) and DDP with ``ZeroRedundancyOptimizer``
+(ZeRO-1), each case in processes of its own on 2 CPU ranks (gloo).
+
+    python benches/torch/sharded_side_by_side.py [--json docs/data/sharded/peers.json] [--deadline 90]
+
+The cases and the reference are the test suite's (``python/tests/sharded.py``:
+AdamW, 4 steps, parameters compared with one process on every rank's batch).
+A peer may be exact, wrong, raise, hang (its processes are killed after
+``--deadline`` seconds; collectives time out after 20 s) or die; each is a
+result. The docs' sharded table puts these next to gradsync's column, which
+the tests write.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+
+
+def _rank(rank, world, port, impl, name, results):
+    import torch.distributed as dist
+
+    import sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        outcome = sharded.case(rank, world, impl, name)
+    except Exception as e:  # the peer's failure is the result
+        outcome = {"status": "error", "error": sharded.first_line(e)}
+    results.put((rank, outcome))
+
+
+def run(impl, name, world, deadline):
+    """One case under ``impl`` in fresh processes: rank 0's outcome, or what happened to them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, impl, name, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < world:
+            rank, outcome = results.get(timeout=deadline)
+            got[rank] = outcome
+    except Exception:
+        pass
+    for p in procs:
+        p.join(timeout=5)
+    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if 0 in got:
+        return got[0]
+    if dead:
+        r, code = dead[0]
+        why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        return {"status": "died", "detail": f"rank {r}'s process {why}"}
+    return {"status": "blocked", "detail": f"hangs (killed after {deadline} s)"}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the outcomes here (docs/data/sharded/peers.json)")
+    parser.add_argument("--deadline", type=int, default=90)
+    args = parser.parse_args()
+    import sharded
+
+    rows = []
+    for name in sharded.CASES:
+        row = {"case": name.replace("_", " ") + " (world 2)"}
+        for impl in ("fsdp2", "zero1"):
+            outcome = run(impl, name, 2, args.deadline)
+            if outcome["status"] == "error" and "Timed out waiting" in outcome["error"]:
+                # gloo's own words for a peer that never joined the collective.
+                row[impl] = "hangs until the group's timeout (20 s here, 30 min by default), then raises"
+            elif outcome["status"] in ("ok", "error"):
+                row[impl] = sharded.describe(outcome)
+            else:
+                row[impl] = outcome["detail"]
+            print(f"{name}, {impl}: {row[impl]}", flush=True)
+        rows.append(row)
+    if args.json:
+        meta = {
+            "command": "python benches/torch/sharded_side_by_side.py " + " ".join(sys.argv[1:]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU ranks over gloo (loopback)",
+            "torch": torch.__version__,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
