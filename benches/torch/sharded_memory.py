@@ -33,10 +33,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_world import spawn  # noqa: E402
 IMPLS = ("gradsync-sharded", "gradsync", "ddp", "zero1", "fsdp2")
 CAP_MB = 4
 
@@ -164,20 +165,10 @@ def _rank(rank, world, port, impl, args, results):
 
 def run(impl, world, args):
     """One configuration in its own processes; the largest of each number over the ranks."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, impl, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=900) for _ in range(world)]
-    for p in procs:
-        p.join(timeout=60)
-    per_rank = [o for _, o in sorted(got, key=lambda x: x[0])]
+    got, dead = spawn(_rank, world, (impl, args), deadline=900)
+    if len(got) < world:
+        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} did not finish (died: {dead})")
+    per_rank = [got[r] for r in range(world)]
     return {k: max(o[k] for o in per_rank) for k in per_rank[0]}
 
 
@@ -200,7 +191,8 @@ def main():
                 r = run(impl, world, args)
             except Exception as e:  # a peer that cannot run here is a result, not a crash
                 print(f"  failed: {e}", flush=True)
-                rows.append({"world": world, "impl": impl, "error": str(e).splitlines()[0] if str(e) else type(e).__name__})
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                rows.append({"world": world, "impl": impl, "error": why})
                 continue
             goal = (r["whole"] + 2 * r["whole"]) / world + CAP_MB * (1 << 20)
             row = {"world": world, "impl": impl, **r, "goal": goal}

@@ -18,14 +18,14 @@ import datetime
 import json
 import os
 import platform
-import socket
 import sys
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_world import spawn  # noqa: E402
 
 
 def _rank(rank, world, port, impl, name, results):
@@ -44,29 +44,13 @@ def _rank(rank, world, port, impl, name, results):
 
 
 def run(impl, name, world, deadline):
-    """One case under ``impl`` in fresh processes: rank 0's outcome, or what happened to them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, impl, name, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < world:
-            rank, outcome = results.get(timeout=deadline)
-            got[rank] = outcome
-    except Exception:
-        pass
-    for p in procs:
-        p.join(timeout=5)
-    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    """One case under ``impl`` in fresh processes: a hang if any rank's
+    collective timed out (the others may have seen their peer leave
+    first), else rank 0's outcome, or what happened to the processes."""
+    got, dead = spawn(_rank, world, (impl, name), deadline)
+    timed_out = [o for o in got.values() if o["status"] == "error" and "Timed out waiting" in o["error"]]
+    if timed_out:
+        return timed_out[0]
     if 0 in got:
         return got[0]
     if dead:

@@ -26,6 +26,13 @@ def test_reduce_scattered_on_gloo_too(world2, name):
 
 
 @pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
+def test_device_plane_buckets_on_cpu_tensors(world2, scatter):
+    # The device plane's code (buckets as torch tensors, partitions copied
+    # out by the shim) on CPU tensors: what runs on a GPU, less NCCL.
+    check(world2.run(case, "gradsync", "rank_dependent_control_flow", buckets="device", scatter=scatter))
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
 def test_unused_parameters_on_three_ranks(world3, scatter):
     # `never` is unused everywhere (AdamW must skip it), `odd` only on rank 1.
     check(world3.run(case, "gradsync", "unused_parameters", scatter=scatter))

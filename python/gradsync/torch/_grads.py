@@ -68,7 +68,9 @@ class TorchGrads:
         if len(buckets) != len(layout) or any(
             tuple(m) != b.members or start != b.mine[0] for (_, m, start), b in zip(buckets, layout)
         ):
-            raise RuntimeError("gradsync: a sharded step's buckets are not its plan's (a gradsync bug, please report it)")
+            raise RuntimeError(
+                "gradsync: a sharded step's buckets are not its plan's (a gradsync bug, please report it)"
+            )
         for p in self._params:
             p.grad = None
         self._partition.joined = list(result.report.joined)

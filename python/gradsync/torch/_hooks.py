@@ -115,7 +115,8 @@ class Hooks:
         if plane is None:
             return [(self._host_bucket(addr, numel, dtype == "float64"), members, start)
                     for addr, numel, members, dtype, start in result.buckets()]
-        return [(plane.bucket_tensor(addr), members, start) for addr, _numel, members, _dtype, start in result.buckets()]
+        return [(plane.bucket_tensor(addr), members, start)
+                for addr, _numel, members, _dtype, start in result.buckets()]
 
     def remove(self):
         """Take the hooks off; later gradients stay in ``.grad``."""

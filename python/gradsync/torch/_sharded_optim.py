@@ -77,7 +77,9 @@ def _groups(params, wrapped, names):
     out = []
     for group in groups:
         if not isinstance(group, dict) or "params" not in group:
-            raise ConfigError("shard_optimizer takes parameters, or dicts of them with options, as torch's optimizers do")
+            raise ConfigError(
+                "shard_optimizer takes parameters, or dicts of them with options, as torch's optimizers do"
+            )
         tensors = group["params"]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         indices = []
@@ -304,8 +306,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             merged = {}
             for rank_kinds in self._states.all_gather_objects(kinds):
                 merged.update(rank_kinds)
-            entries = {n: {key: kind for key, kind in merged.items() if key in scalars.get(n, {}) or kind[0] != "scalar"}
-                       for n in sorted(present)}
+            entries = {
+                n: {key: kind for key, kind in merged.items() if key in scalars.get(n, {}) or kind[0] != "scalar"}
+                for n in sorted(present)
+            }
         else:
             entries = {}
             for n, keys in template.items():

@@ -1,0 +1,36 @@
+"""CPU worlds for the torch benchmarks: ``world`` fresh processes on
+loopback (gloo), each running ``target(rank, world, port, *args, results)``
+and putting ``(rank, value)`` on ``results``."""
+
+import socket
+
+import torch.multiprocessing as mp
+
+
+def spawn(target, world, args, deadline):
+    """Run ``target`` on ``world`` fresh processes. Returns ``(got, dead)``:
+    the values by rank that came back within ``deadline`` seconds, and
+    ``(rank, exit status)`` of processes that died; the others are killed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < world:
+            rank, value = results.get(timeout=deadline)
+            got[rank] = value
+    except Exception:  # the queue's Empty: some rank never answered
+        pass
+    for p in procs:
+        p.join(timeout=5)
+    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return got, dead
