@@ -384,6 +384,39 @@ def dcp_load_other_model(rank, world, path):
     return None
 
 
+def take_over(rank, world, steps=3):
+    """An AdamW built the usual way before wrapping (two groups with their
+    own options), taken over by ``model.shard_optimizer(optimizer)``:
+    trains as the reference does with the same optimizer. Returns the
+    largest parameter difference."""
+    torch.manual_seed(4)
+    base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 12)).double()
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+
+    def adamw(m):
+        return torch.optim.AdamW([{"params": m[0].parameters(), "lr": 0.02}, {"params": m[2].parameters()}],
+                                 lr=LR, weight_decay=0.05, betas=(0.8, 0.95))
+
+    ref_opt = adamw(reference)
+    optimizer = adamw(model)
+    wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=0.001)
+    optimizer = wrapped.shard_optimizer(optimizer)
+    data = torch.randn(steps, world, 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    try:
+        for s in range(steps):
+            ref_opt.zero_grad()
+            for r in range(world):
+                (_plain(reference, r, s, data[s, r]) / world).backward()
+            ref_opt.step()
+            optimizer.zero_grad()
+            _plain(wrapped, rank, s, data[s, rank]).backward()
+            optimizer.step()
+        return _diff(reference, wrapped)
+    finally:
+        wrapped.close()
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 

@@ -68,6 +68,11 @@ def test_uneven_inputs_a_rank_out_of_data_steps_its_partition_for_the_others(wor
         assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
 
 
+def test_an_optimizer_built_before_wrapping_is_taken_over(world2):
+    for rank, diff in enumerate(world2.run(sharded.take_over)):
+        assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
+
+
 def test_the_runtime_keeps_partitions_not_whole_buckets(world2):
     # Unsharded, a whole set of buckets (two while a step's gradients are on
     # loan); sharded, the partitions (the plan's bytes / world) and one

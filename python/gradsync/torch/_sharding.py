@@ -92,7 +92,14 @@ class Sharding:
         synchronizes; tensors or groups of them with options, as torch's
         optimizers take), built with ``defaults``. Every rank must build
         the same one (checked: :class:`gradsync.ConfigError` names the
-        ranks that differ). See ``gradsync.torch.ShardedOptimizer``."""
+        ranks that differ). See ``gradsync.torch.ShardedOptimizer``.
+
+        ``optimizer_class`` may also be an optimizer already built over the
+        model's parameters (``optimizer = model.shard_optimizer(optimizer)``
+        in a script that builds it before wrapping): its class, groups,
+        options and any state it has are taken over; step the returned one."""
+        if isinstance(optimizer_class, torch.optim.Optimizer):
+            return self._take_over(optimizer_class)
         if self._partition is None:
             raise ConfigError(
                 "shard_optimizer() needs a wrapper built with shard_gradients=True; this one all-reduces whole "
@@ -100,6 +107,21 @@ class Sharding:
             )
         self._sync.refuse_if_closed()
         return ShardedOptimizer(self._partition, self._names, self._states, optimizer_class, params, **defaults)
+
+    def _take_over(self, optimizer):
+        """A sharded optimizer of ``optimizer``'s class, groups and options
+        (its state loaded, whole), for :meth:`shard_optimizer`."""
+        import inspect
+
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in optimizer.param_groups]
+        sharded = self.shard_optimizer(cls, groups, **defaults)
+        if optimizer.state:
+            sharded.load_state_dict(optimizer.state_dict())
+        return sharded
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, params=None):
         """Clip the averaged gradients by their global norm, as
