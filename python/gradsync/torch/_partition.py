@@ -115,10 +115,11 @@ class Partition:
         self.optimizer = None
         #: Ranks that had joined (run out of data) in the last step.
         self.joined = []
-        #: Per parameter index, its pieces on this rank.
-        self.of_param = {}
+        #: Per parameter index, and per bucket, its pieces on this rank.
+        self.of_param, self.of_bucket = {}, {}
         for piece in self.pieces:
             self.of_param.setdefault(piece.param, []).append(piece)
+            self.of_bucket.setdefault(piece.bucket, []).append(piece)
 
     def every_piece(self, i):
         """Every rank's pieces of parameter ``i``: ``(rank, offset in the
@@ -207,24 +208,30 @@ class Partition:
         and unpacking the last overlap the collective."""
         if self.world == 1:
             return
-        by_bucket = {}
-        for piece in self.pieces:
-            by_bucket.setdefault(piece.bucket, []).append(piece)
         flats = {}
         flight = []
         for b, layout in enumerate(self.buckets):
             members = [self.params[i] for i in layout.members]
             wide = any(p.dtype in (torch.float64, torch.complex128) for p in members)
-            mine = torch.zeros(layout.chunk, dtype=torch.float64 if wide else torch.float32)
-            at = 0
-            for piece in by_bucket.get(b, ()):
-                mine[at : at + piece.length].copy_(piece.tensor)
-                at += piece.length
+            mine = self.chunk(b, lambda piece: piece.tensor, torch.float64 if wide else torch.float32)
             flight.append((layout, self._states.start_all_gather(mine)))
             if len(flight) >= GATHERS_IN_FLIGHT:
                 self._unpack(*flight.pop(0), flats)
         for layout, gathering in flight:
             self._unpack(layout, gathering, flats)
+
+    def chunk(self, b, value_of, dtype):
+        """This rank's chunk of bucket ``b`` (the all-gathers' unit, zeros
+        past its partition): each piece's ``value_of(piece)`` (a tensor of
+        the piece's length, or ``None`` for zeros) at its place, as ``dtype``."""
+        mine = torch.zeros(self.buckets[b].chunk, dtype=dtype)
+        start = self.buckets[b].mine[0]
+        for piece in self.of_bucket.get(b, ()):
+            value = value_of(piece)
+            if value is not None:
+                at = piece.start - start
+                mine[at : at + piece.length].copy_(value.reshape(-1))
+        return mine
 
     def _unpack(self, layout, gathering, flats):
         """A bucket's gathered partitions into its members' values."""

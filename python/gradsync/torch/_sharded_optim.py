@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from gradsync._errors import ConfigError
+from gradsync.torch._grads import reals
 
 #: Optimizer classes that update each element from that element's own
 #: gradient and state (so a slice of a parameter steps exactly as the whole
@@ -227,20 +228,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for key, kind in rank_spec:
                 merged[key] = kind
         state = {}
-        by_bucket = {}
-        for piece in part.pieces:
-            by_bucket.setdefault(piece.bucket, []).append(piece)
         for b, layout in enumerate(part.buckets):
             for key, kind in sorted(merged.items()):
                 if kind == "scalar":
                     continue
-                mine = torch.zeros(layout.chunk, dtype=torch.float64)
-                at = 0
-                for piece in by_bucket.get(b, ()):
-                    value = self.inner.state.get(piece.tensor, {}).get(key)
-                    if value is not None:
-                        mine[at : at + piece.length].copy_(value.reshape(-1))
-                    at += piece.length
+                mine = part.chunk(b, lambda piece: self.inner.state.get(piece.tensor, {}).get(key), torch.float64)
                 full = self._states.all_gather(mine)[: layout.numel].split(layout.sizes)
                 for i, values in zip(layout.members, full):
                     if i in number:
@@ -342,7 +334,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         held = self.inner.state.get(piece.tensor, {}).get(key) if template is None else None
                         local = held.reshape(-1) if held is not None else torch.zeros(length, dtype=dtype)
                     pieces.append((owner, offset, length, local))
-                out[key] = flat_sharded(pieces, piece_total(p), dtype, p.device)
+                out[key] = flat_sharded(pieces, reals(p), dtype, p.device)
         return {"state": state, "param_groups": self._groups_by_number(number)}
 
     @torch.no_grad()
@@ -393,10 +385,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 entry = {}
                 for key, value in values.items():
                     if torch.is_tensor(value) and value.dim() > 0:
-                        if value.numel() != piece_total(p):
+                        if value.numel() != reals(p):
                             raise ConfigError(
                                 f"optimizer state {key!r} of parameter {self._names[i]!r} has {value.numel()} values, "
-                                f"the parameter {piece_total(p)}: it was saved for another model"
+                                f"the parameter {reals(p)}: it was saved for another model"
                             )
                         flat = (torch.view_as_real(value) if value.is_complex() else value).reshape(-1)
                         entry[key] = flat[piece.offset : piece.offset + piece.length].clone()
@@ -411,11 +403,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.inner.state[tensor] = {
                 k: (v.to(device) if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in entry.items()
             }
-
-
-def piece_total(p):
-    """Values of ``p`` as the pieces count them (complex: twice)."""
-    return p.numel() * 2 if p.is_complex() else p.numel()
 
 
 def _kind(value):
