@@ -72,6 +72,14 @@ pub trait Transport: Send + 'static {
     fn partitioned(&self) -> bool {
         false
     }
+    /// Whether a partitioned rank also keeps the next rank's partition of
+    /// each bucket (its *buddy* copy, for an elastic sharded job: a lost
+    /// rank's partition lives on at the rank before it). The buckets must
+    /// then be all-reduced (both partitions hold the sum). Default `false`;
+    /// part of the plan agreement.
+    fn buddies(&self) -> bool {
+        false
+    }
     /// How many collectives may be in flight at once. With more than one, the
     /// communicator calls the `start_*` methods for every queued collective up
     /// to this many, then [`Transport::wait_oldest`] for each in turn, so

@@ -140,8 +140,10 @@ class SyncSettings:
     collective deadline in seconds, the abort policy (``"skip"`` or
     ``"partial"``), whether the timeline is kept, the wire type, whether
     each rank keeps only its partition of the buckets (``partitioned``:
-    sharded gradients) and whether their collective is then a
-    reduce-scatter (``reduce_scatter``; else an all-reduce)."""
+    sharded gradients), whether their collective is then a
+    reduce-scatter (``reduce_scatter``; else an all-reduce) and whether each
+    rank also keeps the next rank's partition (``buddies``: an elastic
+    sharded job)."""
 
     bucket_cap_bytes: int
     timeout_s: float
@@ -150,6 +152,7 @@ class SyncSettings:
     wire_dtype: str = "float32"
     partitioned: bool = False
     reduce_scatter: bool = True
+    buddies: bool = False
 
 
 def check_wire(wire, refused=None):
@@ -196,6 +199,7 @@ class ModelSync:
             membership=membership,
             partitioned=settings.partitioned,
             reduce_scatter=settings.reduce_scatter,
+            buddies=settings.buddies,
         )
         self.names = replica.names
         self.wire = settings.wire_dtype

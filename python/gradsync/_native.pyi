@@ -85,6 +85,7 @@ class Session:
         membership: Optional[Membership] = ...,
         partitioned: bool = ...,
         reduce_scatter: bool = ...,
+        buddies: bool = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

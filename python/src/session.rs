@@ -116,12 +116,15 @@ impl Session {
     /// its `partition` of every bucket (`Step.buckets()`), the plan is never
     /// rebuilt; `reduce_scatter`: the buckets' collective is a reduce-scatter
     /// (the default), else an all-reduce of which each rank keeps its
-    /// partition (faster where the engine's reduce-scatter is not: gloo's).
+    /// partition (faster where the engine's reduce-scatter is not: gloo's);
+    /// `buddies` (an elastic sharded job): each rank also keeps the next
+    /// rank's partition (after its own in `Step.buckets()`' buffers), and the
+    /// buckets are all-reduced.
     #[new]
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
                         param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32",
-                        membership = None, partitioned = false, reduce_scatter = true))]
+                        membership = None, partitioned = false, reduce_scatter = true, buddies = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -143,6 +146,7 @@ impl Session {
         membership: Option<PyRef<'_, Membership>>,
         partitioned: bool,
         reduce_scatter: bool,
+        buddies: bool,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -186,13 +190,18 @@ impl Session {
         if let Some(membership) = &membership {
             b.joiner_waiting(membership.joiner_flag());
         }
-        let transport =
-            BucketTransport::new(rank, world, engine_for(py, communicator, in_flight)?, partitioned, reduce_scatter)
-                .ok_or_else(|| {
-                    let why =
-                        "this communicator cannot reduce-scatter: sharded gradients need gradsync.torch".to_string();
-                    errors::raise::<errors::ConfigError>(py, why, &[])
-                })?;
+        let transport = BucketTransport::new(
+            rank,
+            world,
+            engine_for(py, communicator, in_flight)?,
+            partitioned,
+            reduce_scatter,
+            buddies,
+        )
+        .ok_or_else(|| {
+            let why = "this communicator cannot reduce-scatter: sharded gradients need gradsync.torch".to_string();
+            errors::raise::<errors::ConfigError>(py, why, &[])
+        })?;
         let device_plane = transport.on_device_plane();
         let sync = b.build(transport).map_err(|e| errors::build_error(py, &e))?;
         let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));

@@ -139,6 +139,7 @@ impl<S: GradStore> GradSync<S> {
                 reorder: b.reorder_buckets && !transport.partitioned(),
                 wire: b.wire,
                 partitioned: transport.partitioned(),
+                buddies: transport.partitioned() && transport.buddies(),
                 joiner_waiting: b.joiner_waiting.clone(),
             },
             learning_window: b.learning_window,

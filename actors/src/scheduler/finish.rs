@@ -292,10 +292,11 @@ impl<S: GradStore> Scheduler<S> {
             let slot = self.plan.slot(p);
             let n = self.plan.param_numel(p);
             if let Some(parts) = self.partitions.as_mut() {
-                // Only the part of the parameter inside this rank's partition.
-                let Some((at, skip, len)) = parts.in_partition(slot.bucket, slot.offset, n) else { continue };
-                let dst = parts.parts[slot.bucket].as_mut().expect("every bucket is reduced before corrections");
-                self.store.add_from(dst, at, buf, offset + skip, len);
+                // Only the parts of the parameter inside what this rank keeps.
+                for (at, skip, len) in parts.in_partition(slot.bucket, slot.offset, n) {
+                    let dst = parts.parts[slot.bucket].as_mut().expect("every bucket is reduced before corrections");
+                    self.store.add_from(dst, at, buf, offset + skip, len);
+                }
                 continue;
             }
             let dst = self.buffers.current[slot.bucket].as_mut().expect("data buckets are home after draining");
@@ -416,9 +417,9 @@ impl<S: GradStore> Scheduler<S> {
         }
         let factor = assumed as f64 / actual as f64;
         if let Some(parts) = self.partitions.as_mut() {
-            for (part, range) in parts.parts.iter_mut().zip(&parts.ranges) {
+            for (part, held) in parts.parts.iter_mut().zip(&parts.held) {
                 let part = part.as_mut().expect("every bucket is reduced at completion");
-                self.store.scale(part, 0, range.len(), factor);
+                self.store.scale(part, 0, held.iter().map(|r| r.len()).sum(), factor);
             }
             return;
         }

@@ -91,6 +91,9 @@ pub struct SchedulerConfig {
     /// Data buckets are reduce-scattered ([`crate::Transport::partitioned`];
     /// part of the plan agreement).
     pub partitioned: bool,
+    /// ...and each rank also keeps the next rank's partition
+    /// ([`crate::Transport::buddies`]; part of the plan agreement).
+    pub buddies: bool,
     /// Raised by an elastic job's liveness monitor while a process waits
     /// to join: this rank's control votes say so (`None`: not elastic).
     pub joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -205,7 +208,8 @@ impl<S: GradStore> Scheduler<S> {
         };
         if sched.cfg.partitioned {
             // Whole buffers are allocated as buckets fill (partition.rs).
-            sched.partitions = Some(Partitions::new(&sched.plan, sched.cfg.rank, sched.cfg.world));
+            let (rank, world, buddies) = (sched.cfg.rank, sched.cfg.world, sched.cfg.buddies);
+            sched.partitions = Some(Partitions::new(&sched.plan, rank, world, buddies));
             sched.buffers.current = (0..sched.plan.num_buckets()).map(|_| None).collect();
             return Ok(sched);
         }

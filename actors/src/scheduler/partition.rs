@@ -14,6 +14,15 @@
 //! lends the partitions instead of the buckets. So a rank holds its
 //! partitions (the plan's bytes / world) plus the buckets filling or in
 //! flight, never a whole set.
+//!
+//! With a *buddy* (an elastic sharded job, [`crate::Transport::buddies`]) a
+//! rank also keeps the partition of the next rank (`rank + 1`, the last
+//! rank's is rank 0's), laid after its own in the same buffer: the bucket is
+//! all-reduced, so both are there, and the rank steps a copy of that
+//! partition's optimizer state every step. A lost rank's partition then
+//! lives on at its buddy; the price is a second partition (2 / world of the
+//! plan's bytes). After a change of members the partitions follow the new
+//! ranks ([`Partitions::new`] again).
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -34,6 +43,9 @@ pub(crate) const IDLE: usize = 1;
 pub(crate) struct Partitions<B> {
     /// Per bucket: this rank's range of it.
     pub(crate) ranges: Vec<Range<usize>>,
+    /// Per bucket: the ranges a step keeps, back to back in its partition
+    /// buffer: this rank's, then its buddy's (when it keeps one).
+    pub(crate) held: Vec<Vec<Range<usize>>>,
     /// This step's reduced partitions, by bucket (`None` until reduced).
     pub(crate) parts: Vec<Option<B>>,
     /// Per bucket: its partition buffers back from loans, for later steps.
@@ -43,12 +55,43 @@ pub(crate) struct Partitions<B> {
 }
 
 impl<B> Partitions<B> {
-    /// The partitions of `plan`'s buckets for `rank` of `world`.
-    pub(crate) fn new(plan: &Plan, rank: usize, world: usize) -> Self {
-        let ranges = (0..plan.num_buckets()).map(|b| partition(plan.bucket_numel(b), rank, world)).collect();
+    /// The partitions of `plan`'s buckets for `rank` of `world`, and with
+    /// `buddy` those of the next rank too.
+    pub(crate) fn new(plan: &Plan, rank: usize, world: usize, buddy: bool) -> Self {
+        let ranges: Vec<_> = (0..plan.num_buckets()).map(|b| partition(plan.bucket_numel(b), rank, world)).collect();
+        let held = (0..plan.num_buckets())
+            .map(|b| {
+                let mut held = vec![ranges[b].clone()];
+                let next = (rank + 1) % world;
+                if buddy && next != rank {
+                    held.push(partition(plan.bucket_numel(b), next, world));
+                }
+                held
+            })
+            .collect();
         let none = || (0..plan.num_buckets()).map(|_| None).collect();
         let spare = (0..plan.num_buckets()).map(|_| Vec::new()).collect();
-        Partitions { ranges, parts: none(), spare, idle: Vec::new() }
+        Partitions { ranges, held, parts: none(), spare, idle: Vec::new() }
+    }
+
+    /// Values a step keeps of bucket `b` (its partition, and its buddy's).
+    pub(crate) fn kept(&self, b: usize) -> usize {
+        self.held[b].iter().map(|r| r.len()).sum()
+    }
+
+    /// The same partitions for `rank` of `world` (a change of members):
+    /// whole buffers stay idle for reuse; partition buffers, whose sizes
+    /// change, are dropped. Returns the bytes the dropped ones held.
+    pub(crate) fn moved(self, plan: &Plan, rank: usize, world: usize, buddy: bool) -> (Self, usize) {
+        let freed = self
+            .spare
+            .iter()
+            .enumerate()
+            .map(|(b, spare)| spare.len() * self.kept(b) * plan.bucket_dtype(b).size())
+            .sum();
+        let mut fresh = Partitions::new(plan, rank, world, buddy);
+        fresh.idle = self.idle;
+        (fresh, freed)
     }
 
     /// A step's partitions, lent to the caller, came home: keep them for later steps.
@@ -61,12 +104,19 @@ impl<B> Partitions<B> {
     }
 
     /// Where a correction of `len` values at bucket `b`'s offset `offset`
-    /// lands in this rank's partition: `(offset in the partition, values to
-    /// skip in the correction, values)`, or `None` when it misses it.
-    pub(crate) fn in_partition(&self, b: usize, offset: usize, len: usize) -> Option<(usize, usize, usize)> {
-        let range = &self.ranges[b];
-        let (lo, hi) = (offset.max(range.start), (offset + len).min(range.end));
-        (lo < hi).then(|| (lo - range.start, lo - offset, hi - lo))
+    /// lands in what this rank keeps: per kept range it meets, `(offset in
+    /// the partition buffer, values to skip in the correction, values)`.
+    pub(crate) fn in_partition(&self, b: usize, offset: usize, len: usize) -> Vec<(usize, usize, usize)> {
+        let mut at = 0;
+        let mut hits = Vec::new();
+        for range in &self.held[b] {
+            let (lo, hi) = (offset.max(range.start), (offset + len).min(range.end));
+            if lo < hi {
+                hits.push((at + lo - range.start, lo - offset, hi - lo));
+            }
+            at += range.len();
+        }
+        hits
     }
 
     /// This step's partitions, every bucket reduced (to lend them).
@@ -107,18 +157,22 @@ impl<S: GradStore> Scheduler<S> {
     pub(super) fn keep_partition(&mut self, b: usize, full: S::Bucket) -> Result<(), AllocError> {
         let (numel, dtype) = (self.plan.bucket_numel(b), self.plan.bucket_dtype(b));
         let parts = self.partitions.as_mut().expect("partitioned");
-        let range = parts.ranges[b].clone();
+        let kept = parts.kept(b);
         let mut part = match parts.spare[b].pop() {
             Some(mut reused) => {
-                self.store.zero(&mut reused, 0, range.len());
+                self.store.zero(&mut reused, 0, kept);
                 reused
             }
             None => {
-                self.allocated.fetch_add(range.len() * dtype.size(), Ordering::Relaxed);
-                self.store.alloc_bucket(range.len(), 1, dtype)?
+                self.allocated.fetch_add(kept * dtype.size(), Ordering::Relaxed);
+                self.store.alloc_bucket(kept, 1, dtype)?
             }
         };
-        self.store.add_from(&mut part, 0, &full, range.start, range.len());
+        let mut at = 0;
+        for range in &parts.held[b] {
+            self.store.add_from(&mut part, at, &full, range.start, range.len());
+            at += range.len();
+        }
         parts.parts[b] = Some(part);
         if parts.idle.len() < IDLE {
             parts.idle.push((numel, dtype, full));

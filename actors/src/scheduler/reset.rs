@@ -16,6 +16,8 @@ use crate::store::GradStore;
 
 /// Mixed into the plan digest of a rank whose buckets are reduce-scattered.
 const PARTITIONED: u64 = 0x7061_7274_6974_696f;
+/// ...and of one that keeps its buddy's partition too.
+const BUDDIES: u64 = 0x6275_6464_6965_7321;
 
 impl<S: GradStore> Scheduler<S> {
     /// Submit this rank's plan digest (model, bucket layout, abort policy) in
@@ -28,6 +30,9 @@ impl<S: GradStore> Scheduler<S> {
         if self.cfg.partitioned {
             // A rank that reduce-scatters must not meet one that all-reduces.
             h.write(PARTITIONED);
+        }
+        if self.cfg.buddies {
+            h.write(BUDDIES);
         }
         self.plan_proposed = true;
         let mut words = vec![0u64; self.cfg.world];
@@ -95,6 +100,12 @@ impl<S: GradStore> Scheduler<S> {
         }
         // A plan rebuild cut short by the failure: keep the plan in force.
         self.order.pending = false;
+        if let (Some(parts), Some((rank, world))) = (self.partitions.take(), membership) {
+            // The partitions follow the new ranks.
+            let (moved, freed) = parts.moved(&self.plan, rank, world, self.cfg.buddies);
+            self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
+            self.partitions = Some(moved);
+        }
         if let Some(parts) = self.partitions.as_mut() {
             // Whole buffers are allocated as buckets fill; the failed step's partitions are void.
             parts.clear();

@@ -103,24 +103,32 @@ pub struct BucketTransport {
     /// delivers the partition too: gloo's reduce-scatter costs more than its
     /// all-reduce; NCCL's half).
     scatter: bool,
+    /// ...and each rank keeps the next rank's partition too (an elastic
+    /// sharded job, [`Transport::buddies`]): the buckets are all-reduced.
+    buddies: bool,
 }
 
 impl BucketTransport {
     /// Rank `rank` of `world`, its collectives run by `engine`; `partitioned`:
     /// only each rank's partition of a data bucket must hold the sum, and
-    /// `scatter`: it is reduce-scattered (`None` when `engine` cannot).
+    /// `scatter`: it is reduce-scattered (`None` when `engine` cannot);
+    /// `buddies`: each rank keeps its buddy's partition too (then the buckets
+    /// are all-reduced whatever `scatter` says).
     pub(crate) fn new(
         rank: usize,
         world: usize,
         engine: Box<dyn Engine>,
         partitioned: bool,
         scatter: bool,
+        buddies: bool,
     ) -> Option<BucketTransport> {
-        let scatter = partitioned && scatter;
+        let buddies = partitioned && buddies;
+        let scatter = partitioned && scatter && !buddies;
         if scatter && !engine.reduce_scatters() {
             return None;
         }
-        Some(BucketTransport { rank, world, engine, wire: Wire::F32, staged: VecDeque::new(), partitioned, scatter })
+        let staged = VecDeque::new();
+        Some(BucketTransport { rank, world, engine, wire: Wire::F32, staged, partitioned, scatter, buddies })
     }
 
     /// A data bucket's collective: reduce-scattered when partitioned and asked to.
@@ -228,6 +236,10 @@ impl Transport for BucketTransport {
 
     fn partitioned(&self) -> bool {
         self.partitioned
+    }
+
+    fn buddies(&self) -> bool {
+        self.buddies
     }
 
     fn max_in_flight(&self) -> usize {

@@ -98,4 +98,15 @@ fn a_partitioned_rank_disagrees_with_an_all_reducing_one() {
     };
     assert_ne!(digest(true), digest(false));
     assert_eq!(digest(true), digest(true), "equal settings agree");
+    let with_buddies = {
+        let mut r = super::rank_configured(2, 0, &[2], 8, AbortPolicy::Skip, Divisor::Contributors, |c| {
+            c.partitioned = true;
+            c.buddies = true;
+        });
+        r.inc(0, 0, 1.0);
+        let plan = r.job();
+        let CommPayload::Words(words) = &plan.payload else { panic!("plan words") };
+        words[0]
+    };
+    assert_ne!(with_buddies, digest(true), "a rank keeping buddy copies meets one that does not at the plan");
 }

@@ -86,6 +86,7 @@ fn rank_configured(
         reorder: false,
         wire: Wire::F32,
         partitioned: false,
+        buddies: false,
         joiner_waiting: None,
     };
     let mut cfg = cfg;

@@ -70,3 +70,44 @@ fn the_next_step_reuses_the_idle_buffer_and_the_returned_partition() {
     }
     assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), (4 + 2) * 4, "nothing more allocated");
 }
+
+/// Rank 1 of 2 with a buddy copy: it keeps its partition `[2, 4)` (p0) and
+/// then rank 0's `[0, 2)` (p1), in one buffer; a late increment of p1 lands
+/// in the buddy part.
+#[test]
+fn a_buddy_rank_keeps_the_next_ranks_partition_after_its_own() {
+    let mut r = rank_configured(2, 1, &[2, 2], 1 << 20, AbortPolicy::Skip, Divisor::Contributors, |c| {
+        c.partitioned = true;
+        c.buddies = true;
+    });
+    r.agree_plan();
+    r.inc(0, 0, 1.0);
+    r.inc(0, 1, 2.0);
+    let bucket = r.job();
+    r.ready(0, 1, 1, PayloadKind::Increment, 4.0, Readiness::Extra); // p1, late
+    r.done(bucket);
+    let (answer, control) = r.finish_to_control(0, &[0, 1]);
+    r.control(control, &[peer(0, RankStatus::Finished, &[false, false], &[true, true])]);
+    let correction = r.job();
+    r.done(correction);
+    let result = answer.try_recv().unwrap().unwrap();
+    let (part, _, start) = result.gradients.as_ref().expect("applied").buckets().next().unwrap();
+    assert_eq!(start, 2, "its own partition first");
+    let mut got = [0.0; 4];
+    part.read(0, &mut got);
+    assert_eq!(got, [1.0, 1.0, 6.0, 6.0], "p0 (its own), then p1 (its buddy's) with the late increment");
+}
+
+/// World 1 keeps one partition, its own: no rank is its own buddy.
+#[test]
+fn a_single_rank_keeps_one_partition_with_buddies_on() {
+    let r = rank_configured(1, 0, &[2, 2], 1 << 20, AbortPolicy::Skip, Divisor::Contributors, |c| {
+        c.partitioned = true;
+        c.buddies = true;
+    });
+    let parts = r.sched.partitions.as_ref().unwrap();
+    assert_eq!(parts.held[0], vec![0..4]);
+    let (moved, _) =
+        crate::scheduler::partition::Partitions::<()>::new(&r.sched.plan, 0, 1, true).moved(&r.sched.plan, 1, 3, true);
+    assert_eq!(moved.held[0], vec![2..4, 4..4], "rank 1 of 3: its own chunk, then rank 2's (empty)");
+}
