@@ -10,7 +10,11 @@ step 10 kill itself with SIGKILL in the middle of backward (phases:
 ``forward``, ``backward``, ``collective`` (a few milliseconds into the end
 of backward, while the runtime waits in its collectives), ``optimizer``
 (before the optimizer step), ``between`` (after it: between two steps),
-``boundary``; ``freeze`` stops it with SIGSTOP instead: a host gone silent,
+``boundary``; ``gather`` (``--shard``: inside the optimizer step, after
+this rank stepped its partition and before the parameters' all-gather);
+``raise``: an exception in forward (a bug on one rank: the process
+prints its traceback and exits, its heartbeat beating until it is gone);
+``freeze`` stops it with SIGSTOP instead: a host gone silent,
 its sockets open, found by the liveness monitor; ``stall`` the same after its
 optimizer step, so the others wait for it at the next boundary); the
 survivors skip that step (``--abort-policy partial``: average it over
@@ -24,6 +28,9 @@ gradient norm is compared with the replay's (a step summed from batches of
 two different steps, or divided by the wrong count, shows there at once).
 ``--kill-after-join RANK:PHASE``: the process holding RANK dies in PHASE of
 the first step after a replacement joined (a loss racing the admission).
+``--shard``: sharded gradients and optimizer state (``shard_gradients=True``,
+``model.shard_optimizer``): each rank also keeps its buddy's partition, and a
+lost rank's moves to the survivors.
 """
 
 import argparse
@@ -52,7 +59,8 @@ from gradsync.torch.elastic import exit_status  # noqa: E402
 # amplifies the rounding differences between the all-reduce's sum order and
 # the replay's past the tolerance (a 3-rank run with no failure drifts too).
 LR = 0.05
-PHASES = ("forward", "backward", "collective", "optimizer", "between", "boundary", "freeze", "stall")
+PHASES = ("forward", "backward", "collective", "optimizer", "gather", "between", "boundary", "freeze", "stall",
+          "raise")
 # Each applied step's gradient norm may differ from the replay's by rounding only.
 NORM_RTOL = 1e-4
 STARTED = time.time()  # before importing gradsync (a replacement's start, for the benchmark)
@@ -75,9 +83,10 @@ def die(report=None, freeze=False):
     """SIGKILL this process (as a crash or an OOM-killer would), or stop it
     (``freeze``: a host gone silent); ``report`` gets the time first."""
     if report:
-        with open(f"{report}.killed.tmp", "w") as f:
+        tmp = f"{report}.killed.{os.getpid()}.tmp"  # (two ranks may die at once)
+        with open(tmp, "w") as f:
             json.dump({"pid": os.getpid(), "time": time.time()}, f)
-        os.replace(f"{report}.killed.tmp", f"{report}.killed")
+        os.replace(tmp, f"{report}.killed")
     os.kill(os.getpid(), signal.SIGSTOP if freeze else signal.SIGKILL)
 
 
@@ -103,7 +112,15 @@ def grad_norm(model):
     return torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
 
 
-def replay(base, data, history, batch, first_world, fixed):
+def optimizer_of(args, params, shard_with=None):
+    """The run's optimizer over ``params`` (SGD with momentum, or AdamW with
+    ``--adamw``); ``shard_with``: the sharded wrapper to build it with."""
+    cls, options = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}) if args.adamw else \
+        (torch.optim.SGD, {"lr": LR, "momentum": 0.9})
+    return shard_with.shard_optimizer(cls, **options) if shard_with is not None else cls(params, **options)
+
+
+def replay(args, base, data, history, batch, first_world, fixed):
     """One process, the same history: each applied step's gradient is the sum
     of the per-rank mean gradients of the ranks in its sum (their shards, in
     rank order, as the all-reduce adds them) divided by how many they are
@@ -111,7 +128,7 @@ def replay(base, data, history, batch, first_world, fixed):
     gradient norm."""
     model = copy.deepcopy(base)
     model.recompute = False
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    opt = optimizer_of(args, model.parameters())
     norms = {}
     for step, _world, _contributors, ranks in history:
         opt.zero_grad()
@@ -122,6 +139,8 @@ def replay(base, data, history, batch, first_world, fixed):
             if p.grad is not None:
                 p.grad.div_(divisor)
         norms[step] = grad_norm(model)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
     return model, norms
 
@@ -150,6 +169,11 @@ def main():
                         help="give the model a buffer (tokens seen), which DDP's broadcast_buffers sends from rank 0")
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP's broadcast_buffers=False: each rank keeps its own buffers")
+    parser.add_argument("--adamw", action="store_true", help="AdamW instead of SGD with momentum")
+    parser.add_argument("--clip", type=float, default=0.0, metavar="MAX_NORM",
+                        help="clip the gradients by their global norm (model.clip_grad_norm_)")
+    parser.add_argument("--shard", action="store_true",
+                        help="shard gradients and optimizer state (each partition also kept by a buddy rank)")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     args = parser.parse_args()
 
@@ -164,8 +188,8 @@ def main():
     data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy,
-                                       broadcast_buffers=not args.no_broadcast_buffers)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+                                       broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard)
+    opt = optimizer_of(args, model.parameters(), shard_with=model if args.shard else None)
     elastic.track(model=model, optimizer=opt)
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
@@ -195,8 +219,10 @@ def train(args, elastic, model, opt, data):
         return kills.get((elastic.rank, step)) == phase
 
     # Mid-backward: a gradient hook of the first block (backward reaches it late).
-    killing = {"backward": False}
+    killing = {"backward": False, "gather": False}
     model.module.blocks[0].mlp[0].weight.register_hook(lambda g: die(args.report) if killing["backward"] else g)
+    if args.shard:  # after this rank stepped its partition, before the parameters' all-gather
+        opt.inner.register_step_post_hook(lambda *_: die(args.report) if killing["gather"] else None)
     began = time.perf_counter()
     applied_at = {}
     norms = {}
@@ -212,6 +238,8 @@ def train(args, elastic, model, opt, data):
         batch = shard(data, step, elastic.rank, args.batch)
         if at("forward", step):
             die(args.report)
+        if at("raise", step):
+            raise RuntimeError(f"member {elastic.member}: a bug in this rank's forward at step {step}")
         loss = loss_of(model, batch)
         killing["backward"] = at("backward", step)
         if at("collective", step):
@@ -219,9 +247,18 @@ def train(args, elastic, model, opt, data):
         loss.backward()
         if elastic.history and elastic.history[-1][0] == step:
             applied_at[step] = time.time()
-            norms[step] = grad_norm(model)
+            # Sharded: the global norm is a collective (a loss during it may drop the step).
+            if args.clip:
+                norm = model.clip_grad_norm_(args.clip).item()
+            else:
+                norm = model.clip_grad_norm_(math.inf).item() if args.shard else grad_norm(model)
+            if elastic.history and elastic.history[-1][0] == step:
+                norms[step] = norm
+            else:
+                del applied_at[step]
         if at("optimizer", step):
             die(args.report)
+        killing["gather"] = at("gather", step)
         opt.step()
         opt.zero_grad()
         if at("stall", step):  # silent after its step: the others wait for it at the next boundary
@@ -249,7 +286,7 @@ def check(args, elastic, model, base, data, loss, applied_at, norms):
         elastic.store.wait(keys)
         digests = [elastic.store.get(k).decode() for k in keys]
         identical = len(set(digests)) == 1
-        reference, replayed = replay(base, data, elastic.history, args.batch, elastic.first_world,
+        reference, replayed = replay(args, base, data, elastic.history, args.batch, elastic.first_world,
                                      args.fixed_global_batch)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()

@@ -67,7 +67,9 @@ class MembershipError(GradsyncError):
     joiner was admitted), ``"no_members"`` (every member of the job is gone:
     nothing to join), ``"broken"`` (this process's membership broke where it
     could not agree on a new one: a member lost again and again, or while
-    building the wrapper), ``"deadline"``, ``"malformed"``.
+    building the wrapper), ``"shard_lost"`` (a sharded job lost a rank
+    together with the rank holding its buddy copy: restart from a
+    checkpoint), ``"deadline"``, ``"malformed"``.
     ``gradsync.torch.elastic.exit_status(error)`` is the exit status the
     supervisor reads."""
 

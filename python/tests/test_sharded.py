@@ -111,11 +111,9 @@ def test_misuse_is_refused_with_what_to_do(world2):
     assert "ranks [1]" in errors[0]["groups_differ"]
 
 
-def test_elastic_sharding_is_refused_before_anything_starts():
+def test_sparse_sharding_is_refused_before_anything_starts():
     import gradsync
     from gradsync.torch._sharding import refuse
 
-    with pytest.raises(gradsync.ConfigError, match="buddy"):
-        refuse({"elastic": object()}, [])
     with pytest.raises(gradsync.ConfigError, match="sparse=False"):
         refuse({}, ["emb.weight"])

@@ -34,8 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync._errors import ConfigError
+from gradsync._errors import ConfigError, StepFailedError
 from gradsync._native import partition as partition_of
+
+#: What a collective on the state group raises when a member is lost (an
+#: elastic job recovers from it).
+LOST = (RuntimeError, StepFailedError)
 
 
 #: Buckets whose parameters are gathered at once after an optimizer step.
@@ -54,7 +58,9 @@ class Piece:
     """The part of parameter ``param`` (an index of the wrapper's parameters)
     in this rank's partition of bucket ``bucket``: ``length`` values at
     ``start`` in the bucket, at ``offset`` in the parameter's flat values.
-    ``tensor`` views them in the parameter's memory."""
+    ``tensor`` views them in the parameter's memory; a step's averages of
+    them lie at ``held_at`` in the buffer the runtime lends for the bucket
+    (its partition, then its buddy's)."""
 
     param: int
     bucket: int
@@ -62,19 +68,22 @@ class Piece:
     length: int
     offset: int
     tensor: torch.Tensor
+    held_at: int
 
 
 @dataclass(frozen=True)
 class BucketLayout:
     """One bucket of the plan: its element count, members (parameter
     indices, back to back in that order) and their element counts, and the
-    chunk each rank receives (``chunk`` values; this rank's is ``mine``)."""
+    chunk each rank receives (``chunk`` values; this rank's is ``mine``, its
+    buddy's ``theirs``: empty without a buddy)."""
 
     numel: int
     members: tuple
     sizes: tuple
     chunk: int
     mine: tuple
+    theirs: tuple
 
 
 class Partition:
@@ -85,41 +94,88 @@ class Partition:
     (``_states.StateBroadcast``), where the all-gathers and norms travel;
     ``names``: the parameters' names, for errors."""
 
-    def __init__(self, plan, params, names, rank, world, reals, states):
-        self.rank, self.world = rank, world
+    def __init__(self, plan, params, names, rank, world, reals, states, buddy=False):
         self.params = params
         self.names = names
-        self._states = states
-        self.buckets = []
-        self.pieces = []
-        for b, (numel, members) in enumerate(plan):
-            sizes = tuple(reals(params[i]) for i in members)
-            mine = partition_of(numel, rank, world)
-            chunk = partition_of(numel, 0, world)[1]
-            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, mine))
-            offset = 0
-            for i, size in zip(members, sizes):
-                lo, hi = max(offset, mine[0]), min(offset + size, mine[1])
-                if lo < hi:
-                    p = params[i]
-                    if not p.is_contiguous():
-                        raise ConfigError(
-                            f"parameter {names[i]!r} is not contiguous: a sharded optimizer updates a flat view of "
-                            "each parameter's memory; make it contiguous before wrapping"
-                        )
-                    tensor = _flat(p)[lo - offset : hi - offset]
-                    self.pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor))
-                offset += size
+        self.plan = plan
+        self.reals = reals
+        #: Whether this rank also keeps the next rank's partition (an elastic
+        #: job: a lost rank's partition lives on at the rank before it).
+        self.buddy = buddy
+        #: The state group of the current membership (``_states.StateBroadcast``).
+        self.states = states
+        self.lay_out(rank, world)
         #: The sharded optimizer built last over this partition (a weak
         #: reference): a rank out of data steps it for the others (``join``).
         self.optimizer = None
         #: Ranks that had joined (run out of data) in the last step.
         self.joined = []
-        #: Per parameter index, and per bucket, its pieces on this rank.
+        #: Whether the pieces hold a step's averages not stepped yet.
+        self.pending = False
+        #: Optimizer steps taken with averages (an elastic job compares them after a change of members).
+        self.taken = 0
+        #: This step's clipping: ``(max_norm, norm_type)`` asked for, and
+        #: ``(norm, coef)`` once applied (an elastic job settles a change of
+        #: members from them, ``_reshard``).
+        self.clip_asked, self.clipped = None, None
+        #: A change of members was settled during this step (``_reshard``): the
+        #: step's remaining collectives (clip, step, gather) are not made.
+        self.settled = False
+        #: Whether this rank's pieces hold data (a replacement's hold none
+        #: until its first settlement).
+        self.holds = True
+        #: An elastic job's recovery (``Elastic.recover``), called with a
+        #: failure of a collective outside backward (clip, step); ``None``:
+        #: not elastic, the failure is raised.
+        self.recover = None
+
+    def lay_out(self, rank, world):
+        """This rank's pieces for ``rank`` of ``world`` (and its buddy's)."""
+        self.rank, self.world = rank, world
+        self.buckets = []
+        self.pieces = []
+        self.buddy_pieces = []
+        next_rank = (rank + 1) % world
+        for b, (numel, members) in enumerate(self.plan):
+            sizes = tuple(self.reals(self.params[i]) for i in members)
+            mine = partition_of(numel, rank, world)
+            theirs = partition_of(numel, next_rank, world) if self.buddy and next_rank != rank else (0, 0)
+            chunk = partition_of(numel, 0, world)[1]
+            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, mine, theirs))
+            self.pieces += self._pieces_of(b, members, sizes, mine, 0)
+            self.buddy_pieces += self._pieces_of(b, members, sizes, theirs, mine[1] - mine[0])
+        #: Per parameter index, and per bucket, its pieces on this rank (its own partition's).
         self.of_param, self.of_bucket = {}, {}
         for piece in self.pieces:
             self.of_param.setdefault(piece.param, []).append(piece)
             self.of_bucket.setdefault(piece.bucket, []).append(piece)
+        #: Per parameter index: its pieces in the buddy partition this rank keeps.
+        self.buddy_of_param = {}
+        for piece in self.buddy_pieces:
+            self.buddy_of_param.setdefault(piece.param, []).append(piece)
+
+    def _pieces_of(self, b, members, sizes, span, held_at):
+        """The pieces of bucket ``b`` inside ``span`` (a range of it), whose
+        averages lie at ``held_at`` on in the step's buffer."""
+        pieces = []
+        offset = 0
+        for i, size in zip(members, sizes):
+            lo, hi = max(offset, span[0]), min(offset + size, span[1])
+            if lo < hi:
+                p = self.params[i]
+                if not p.is_contiguous():
+                    raise ConfigError(
+                        f"parameter {self.names[i]!r} is not contiguous: a sharded optimizer updates a flat view of "
+                        "each parameter's memory; make it contiguous before wrapping"
+                    )
+                tensor = _flat(p)[lo - offset : hi - offset]
+                pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor, held_at + lo - span[0]))
+            offset += size
+        return pieces
+
+    def every_held_piece(self):
+        """This rank's pieces and then its buddy's (what its optimizer steps)."""
+        return self.pieces + self.buddy_pieces
 
     def every_piece(self, i):
         """Every rank's pieces of parameter ``i``: ``(rank, offset in the
@@ -158,12 +214,10 @@ class Partition:
             base.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
             base._gradsync_step = result
             bases.append(base)
-        for piece in self.pieces:
+        for piece in self.every_held_piece():
             if piece.param in unused:
                 continue
-            # The step holds this rank's partition of each bucket, from its start on.
-            at = piece.start - self.buckets[piece.bucket].mine[0]
-            average = bases[piece.bucket][at : at + piece.length]
+            average = bases[piece.bucket][piece.held_at : piece.held_at + piece.length]
             held = piece.tensor.grad
             if held is not None:
                 # Not cleared since the last step: add, into a tensor of its own.
@@ -176,6 +230,8 @@ class Partition:
                 lent = True
             else:
                 piece.tensor.grad = average.to(piece.tensor.dtype)
+        self.pending = True
+        self.clip_asked = self.clipped = None
         return lent
 
     def step_joined(self):
@@ -193,8 +249,9 @@ class Partition:
 
     def clear(self):
         """No rank may apply this step: no piece keeps a gradient."""
-        for piece in self.pieces:
+        for piece in self.every_held_piece():
             piece.tensor.grad = None
+        self.pending = False
 
     # ---- after the optimizer stepped ---------------------------------------------------------
 
@@ -214,7 +271,7 @@ class Partition:
             members = [self.params[i] for i in layout.members]
             wide = any(p.dtype in (torch.float64, torch.complex128) for p in members)
             mine = self.chunk(b, lambda piece: piece.tensor, torch.float64 if wide else torch.float32)
-            flight.append((layout, self._states.start_all_gather(mine)))
+            flight.append((layout, self.states.start_all_gather(mine)))
             if len(flight) >= GATHERS_IN_FLIGHT:
                 self._unpack(*flight.pop(0), flats)
         for layout, gathering in flight:
@@ -248,9 +305,14 @@ class Partition:
     def clip(self, params, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """``torch.nn.utils.clip_grad_norm_`` over the whole gradients of
         ``params`` (of this wrapper), each rank holding its pieces: the norm
-        is a collective over every rank's pieces; the pieces' gradients are
-        scaled in place. Returns the total norm (a float64 tensor), the same
-        on every rank."""
+        is a collective over every rank's pieces; the pieces' gradients (and
+        its buddy's copies) are scaled in place. Returns the total norm (a
+        float64 tensor), the same on every rank.
+
+        In an elastic job a member lost during the norm's collective is
+        recovered from here (``recover``), and once a change of members was
+        settled in this step no collective is made: the norm returned is the
+        one the settlement clipped with (0 if it clipped nothing)."""
         if self.joined:
             raise ConfigError(
                 f"clip_grad_norm_ while ranks {self.joined} are out of data (join): the norm is a collective those "
@@ -258,24 +320,43 @@ class Partition:
             )
         norm_type = float(norm_type)
         wanted = {id(p) for p in params}
-        grads = [
-            piece.tensor.grad
-            for piece in self.pieces
-            if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted
-        ]
-        if norm_type == math.inf:
-            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-            total = self._states.reduce(local.reshape(1).cpu(), "max")[0]
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-            total = self._states.reduce(local.reshape(1).cpu(), "sum")[0].pow(1.0 / norm_type)
+        if not self.settled:
+            self.clip_asked = (float(max_norm), norm_type,
+                               tuple(i for i, p in enumerate(self.params) if id(p) in wanted))
+            grads = [piece.tensor.grad for piece in self.pieces
+                     if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted]
+            try:
+                total = norm_of(grads, norm_type, self.states)
+            except LOST as error:
+                if self.recover is None:
+                    raise
+                self.recover(error)
+        if self.settled:
+            return torch.tensor(self.clipped[0] if self.clipped else 0.0, dtype=torch.float64)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
                 "set error_if_nonfinite=False to clip anyway"
             )
         coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+        self.scale(wanted, coef)
+        self.clipped = (float(total), coef)
         return total
+
+    def scale(self, wanted, coef):
+        """Clip: the gradients of the pieces (and buddy copies) of the
+        parameters ``wanted`` (ids) times ``coef`` (when below 1)."""
+        if coef < 1.0:
+            for piece in self.every_held_piece():
+                if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted:
+                    piece.tensor.grad.mul_(coef)
+
+
+def norm_of(grads, norm_type, states):
+    """The norm of order ``norm_type`` of every rank's ``grads`` (tensors; a
+    collective over ``states``), as a float64 tensor."""
+    if norm_type == math.inf:
+        local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+        return states.reduce(local.reshape(1).cpu(), "max")[0]
+    local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+    return states.reduce(local.reshape(1).cpu(), "sum")[0].pow(1.0 / norm_type)

@@ -35,6 +35,7 @@ import torch
 
 from gradsync._errors import ConfigError
 from gradsync.torch._grads import reals
+from gradsync.torch._partition import LOST
 
 #: Optimizer classes that update each element from that element's own
 #: gradient and state (so a slice of a parameter steps exactly as the whole
@@ -136,12 +137,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_same_everywhere(optimizer_class, groups, defaults)
         #: Per group: the wrapper parameter indices it was given with (full-state order).
         self._group_params = [indices for _, indices in groups]
-        piece_groups = []
-        for options, indices in groups:
-            pieces = [piece.tensor for i in indices for piece in partition.of_param.get(i, ())]
-            piece_groups.append({**options, "params": pieces})
+        piece_groups = [{**options, "params": self._held(indices)} for options, indices in groups]
         #: Per piece tensor (by id): its piece.
-        self._piece_of = {id(piece.tensor): piece for piece in partition.pieces}
+        self._piece_of = {id(piece.tensor): piece for piece in partition.every_held_piece()}
         self.inner = optimizer_class(piece_groups, **defaults)
         super().__init__(piece_groups, self.inner.defaults)
         # One set of groups and state: the inner optimizer's (schedulers change its groups).
@@ -150,6 +148,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
         # A rank out of data (join) steps the last optimizer built, for the others.
         partition.optimizer = weakref.ref(self)
+
+    def _held(self, indices):
+        """The piece tensors of parameters ``indices`` this rank steps: its
+        own, then its buddy copies."""
+        part = self._partition
+        return ([piece.tensor for i in indices for piece in part.of_param.get(i, ())]
+                + [piece.tensor for i in indices for piece in part.buddy_of_param.get(i, ())])
+
+    def rebind(self, state):
+        """The partition was laid out anew (a change of members, ``_reshard``):
+        step its pieces from now on, with ``state`` (piece tensor -> its
+        state entry)."""
+        for group, indices in zip(self.inner.param_groups, self._group_params):
+            group["params"] = self._held(indices)
+        self._piece_of = {id(piece.tensor): piece for piece in self._partition.every_held_piece()}
+        self.inner.state.clear()
+        self.inner.state.update(state)
+        self._states = self._partition.states
 
     def _check_same_everywhere(self, optimizer_class, groups, defaults):
         """Every rank must shard the same optimizer over the same groups
@@ -175,8 +191,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         arrive on every rank, between one rank's step and the gather."""
         if closure is not None:
             raise ConfigError("a ShardedOptimizer takes no closure: run forward and backward before step()")
-        self.inner.step()
-        self._partition.gather()
+        part = self._partition
+        if part.settled:
+            return None  # a change of members was settled in this step: it stepped (or dropped) there
+        try:
+            if part.recover is not None:
+                # Every member has this step's averages before any steps them:
+                # a member lost now leaves no survivor a step ahead that the
+                # others could not follow (``_reshard``).
+                self._states.everyones([1])
+            stepped = part.pending
+            self.inner.step()
+            if stepped:
+                part.taken += 1
+                part.pending = False
+            part.gather()
+        except LOST as error:
+            if part.recover is None:
+                raise
+            part.recover(error)
         return None
 
     def zero_grad(self, set_to_none=True):
@@ -360,6 +393,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.inner.state[piece.tensor] = entry
         for group, saved in zip(self.inner.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        if self._partition.buddy:
+            # The buddy copies (an elastic job) from their owners, who loaded them.
+            from gradsync.torch._reshard import settle
+
+            part = self._partition
+            settle(part, self._states, part.rank, part.world, mark=False)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
@@ -381,7 +420,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if i is None:
                 raise ConfigError(f"optimizer state for parameter {n}, which no group holds")
             p = self._partition.params[i]
-            for piece in self._partition.of_param.get(i, ()):
+            for piece in self._partition.of_param.get(i, []) + self._partition.buddy_of_param.get(i, []):
                 entry = {}
                 for key, value in values.items():
                     if torch.is_tensor(value) and value.dim() > 0:

@@ -28,6 +28,7 @@ import torch
 
 from gradsync._errors import ConfigError
 from gradsync.torch._partition import Partition
+from gradsync.torch._reshard import settle
 from gradsync.torch._sharded_optim import ShardedOptimizer
 
 #: Whether a sharded wrapper's buckets are reduce-scattered on gloo too. Off:
@@ -54,11 +55,6 @@ def scatters(path, device):
 def refuse(settings, sparse_names):
     """The settings a sharded wrapper cannot take (yet), refused before
     anything is built."""
-    if settings.get("elastic") is not None:
-        raise ConfigError(
-            "shard_gradients=True with elastic=...: a lost rank would take its optimizer shard with it; sharded "
-            "elastic jobs need a buddy copy of each shard, which is not built yet: train elastic jobs unsharded"
-        )
     if sparse_names:
         raise ConfigError(
             f"shard_gradients=True and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
@@ -71,14 +67,35 @@ class Sharding:
 
     _partition = None
 
-    def _start_sharding(self, reals):
+    def _start_sharding(self, reals, elastic):
         """Lay this rank's partition over the runtime's plan (after the
-        session started); ``reals(p)``: values of ``p`` in a bucket."""
+        session started); ``reals(p)``: values of ``p`` in a bucket. In an
+        ``elastic`` job each rank keeps its buddy's partition too
+        (``_reshard``)."""
         self._partition = Partition(
-            self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states
+            self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
+            buddy=elastic is not None,
         )
+        if elastic is not None:
+            self._partition.recover = elastic.recover
+            # A replacement holds nothing until its first settlement.
+            self._partition.holds = not elastic.joining
         _SHARDED.add(self)
         _replace_clip()
+
+    def _settle_members(self, rank, world):
+        """A change of members (``reconfigure``): the partitions move to the
+        new layout, losing nothing (``_reshard.settle``). Returns whether
+        this rank dropped a step it had applied."""
+        if self._partition is None:
+            return False
+        return settle(self._partition, self._states, rank, world)
+
+    def boundary_passed(self):
+        """An elastic job's step boundary passed: the next step makes its
+        collectives again."""
+        if self._partition is not None:
+            self._partition.settled = False
 
     @property
     def sharded(self):

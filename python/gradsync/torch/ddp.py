@@ -356,14 +356,15 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
                                SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded,
-                                            reduce_scatter=scatters(path, self._device), **options),
+                                            reduce_scatter=scatters(path, self._device),
+                                            buddies=sharded and elastic is not None, **options),
                                membership=None if elastic is None else elastic.membership)
         if elastic is not None:
             self._sync.elastic = elastic
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
         if sharded:
-            self._start_sharding(reals)
+            self._start_sharding(reals, elastic)
         self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
@@ -388,7 +389,12 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         self._comm.move(prefix, rank, world, epoch, store)
         self._retired_states.append(never_free(self._states))
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
+        dropped = self._settle_members(rank, world)
         _, redone = self._sync.session.resume(rank, world)
+        if dropped:
+            self._sync.elastic.step_dropped()
+        if redone is not None and self._partition is not None:
+            self._partition.settled = False  # the failed step goes on, reduced again: clip and step it as usual
         return redone
 
     @property

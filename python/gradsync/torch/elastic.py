@@ -138,6 +138,14 @@ class MembershipEvent:
     time: float
 
 
+def _sharded(obj):
+    """Whether ``obj`` is a sharded optimizer (its state moves with the
+    members, not in a joiner's transfer)."""
+    from gradsync.torch._sharded_optim import ShardedOptimizer
+
+    return isinstance(obj, ShardedOptimizer)
+
+
 def _env(name, convert=str):
     value = os.environ.get(name)
     if value is None:
@@ -352,6 +360,13 @@ class Elastic:
         """Called by the wrapper's core: a step ended on every member (applied or not)."""
         self._unproven = False
 
+    def step_dropped(self):
+        """Called by a sharded wrapper settling a change of members: the
+        step this process counted applied is dropped on every member (some
+        survivors never received its averages, and none had stepped it)."""
+        self.applied -= 1
+        self.history.pop()
+
     def step_applied(self, report):
         """Called by the wrapper's core: a step was applied on every member."""
         self.applied += 1
@@ -389,6 +404,8 @@ class Elastic:
                 redone = self._move(roster)
                 break
             except (StepFailedError, RuntimeError, MembershipError) as again:  # another member lost during the change
+                if getattr(again, "kind", None) == "shard_lost":
+                    raise
                 log.warning("gradsync elastic: epoch %d failed while forming (%s); agreeing again", roster["epoch"], again)
                 roster, suspects = None, []
         else:
@@ -432,6 +449,10 @@ class Elastic:
                 digest.update(repr(shapes).encode())
                 elements = sum(t.numel() for t in state.values())
                 parts.append(f"{name}: {kind} with {len(shapes)} tensors, {elements} elements")
+            elif _sharded(obj):
+                groups = [len(ix) for ix in obj._group_params]
+                digest.update(repr((kind, obj._class.__qualname__, groups)).encode())
+                parts.append(f"{name}: {kind} of {obj._class.__qualname__} over {sum(groups)} parameters")
             elif isinstance(obj, torch.optim.Optimizer):
                 groups = [len(g["params"]) for g in obj.param_groups]
                 digest.update(repr((kind, groups)).encode())
@@ -494,6 +515,7 @@ class Elastic:
                 # after a change every member sends or receives them alike,
                 # whatever its last forward was (a joiner has had none).
                 self._ddp.broadcast_buffers(force=changed)
+                self._ddp.boundary_passed()
                 break
             except (RuntimeError, StepFailedError) as error:  # a member lost during the admission or transfer
                 log.warning("gradsync elastic: a member was lost at the step %d boundary (%s)", self.step, error)
@@ -546,13 +568,16 @@ class Elastic:
 
     def _pack(self):
         buf = io.BytesIO()
-        torch.save({"objects": {n: o.state_dict() for n, o in self._tracked.items()},
+        # A sharded optimizer's state moved with the change of members (``_reshard``).
+        torch.save({"objects": {n: o.state_dict() for n, o in self._tracked.items() if not _sharded(o)},
                     "step": self.step, "applied": self.applied, "history": self.history}, buf)
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
     def _unpack(self, data):
         state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
         for name, obj in self._tracked.items():
+            if _sharded(obj):
+                continue
             if name not in state["objects"]:
                 raise MembershipError.of(
                     "refused", f"the members sent no state for {name!r}: track the same objects on every process"

@@ -1,0 +1,240 @@
+"""A sharded model through a change of members (an elastic job with
+``shard_gradients=True``): nothing of the optimizer is lost, and every
+survivor ends on the same step.
+
+Each rank keeps its own partition of every bucket and its *buddy's* (the
+next rank's; ``_partition``), and steps both every step, so every partition
+lives on two ranks. When the members change (a rank lost, a replacement
+admitted), :func:`settle` runs on every member of the new group, inside the
+wrapper's ``reconfigure`` (before the runtime agrees on the step to go on
+at), on the new group's state group:
+
+1. **Where each stands**: every member says which layout it holds (its old
+   rank and world; a replacement holds none), how many optimizer steps it
+   took, whether it holds this step's averages not stepped yet, and the
+   step's clipping. The step's optimizer update starts only after every
+   member confirmed it holds the step's averages (``ShardedOptimizer.step``),
+   so either nobody stepped, or every member not yet stepped holds what it
+   needs to:
+
+   * some stepped: the others step now (clipped by the same coefficient);
+   * nobody stepped, every member holds the averages: every one steps now
+     (the clipping norm, if it was not known yet, computed here);
+   * nobody stepped and some never got the averages (their backward failed
+     and skipped the step): the step is dropped where it was pending (the
+     elastic job counts it unapplied), so every survivor skips it.
+
+2. **The move**: every element of every bucket has a *source*, a member that
+   holds it (its owner first, else the owner's buddy); each source sends
+   its runs of parameters and optimizer state (bit for bit, a broadcast per
+   run), every member writes the parameters (repairing an all-gather the
+   loss cut short) and keeps the state of its new partition and new buddy
+   partition. An element no member holds (a rank and its buddy lost
+   together) is a :class:`gradsync.MembershipError`: the shard is lost.
+
+After a settlement the step's remaining collectives (clip, optimizer step,
+gather) are not made (``Partition.settled``), unless the runtime reduces the
+failed step again among the survivors (partial policy): then the step goes
+on as usual, in the new layout.
+"""
+
+import torch
+
+from gradsync._errors import MembershipError
+from gradsync._native import partition as partition_of
+from gradsync.torch._partition import _flat, norm_of
+
+
+def held_ranges(numel, rank, world, buddy):
+    """The ranges of a bucket of ``numel`` values that ``rank`` of
+    ``world`` holds: ``(own, buddy's)`` (the buddy's empty without one)."""
+    own = tuple(partition_of(numel, rank, world))
+    nxt = (rank + 1) % world
+    return own, (tuple(partition_of(numel, nxt, world)) if buddy and nxt != rank else (0, 0))
+
+
+def runs(numel, everyone, buddy):
+    """Bucket of ``numel`` values: ``[(lo, hi, source)]`` covering it, each
+    source a member (index into ``everyone``) holding ``[lo, hi)``: an
+    owner first, else a buddy; ``None`` where no member holds it."""
+    owns, buddies = [], []
+    for member, e in enumerate(everyone):
+        if e["holds"]:
+            own, theirs = held_ranges(numel, e["rank"], e["world"], buddy)
+            owns.append((own, member))
+            buddies.append((theirs, member))
+    cuts = sorted({0, numel, *(x for (lo, hi), _ in owns + buddies for x in (lo, hi) if 0 <= x <= numel)})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        if lo >= hi:
+            continue
+        source = next((m for (a, b), m in owns + buddies if a <= lo and hi <= b), None)
+        if out and out[-1][2] == source and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi, source)
+        else:
+            out.append((lo, hi, source))
+    return out
+
+
+def _values(pieces, lo, hi, value_of):
+    """Values ``[lo, hi)`` of a bucket from ``pieces`` of it (which cover
+    that range), each ``value_of(piece)`` or zeros, as float64."""
+    out = torch.zeros(hi - lo, dtype=torch.float64)
+    for piece in pieces:
+        a, b = max(lo, piece.start), min(hi, piece.start + piece.length)
+        if a < b:
+            value = value_of(piece)
+            if value is not None:
+                out[a - lo : b - lo].copy_(value.reshape(-1)[a - piece.start : b - piece.start])
+    return out
+
+
+def _entry_kinds(entry):
+    """A state entry's keys: ``("tensor", dtype)`` or ``("scalar", value)``."""
+    out = {}
+    for key, value in entry.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            out[key] = ("tensor", str(value.dtype).removeprefix("torch."))
+        else:
+            out[key] = ("scalar", value.clone() if torch.is_tensor(value) else value)
+    return out
+
+
+@torch.no_grad()
+def settle(part, states, rank, world, mark=True):
+    """Settle a change of members for ``part`` (a ``_partition.Partition``,
+    its optimizer built): this process is now ``rank`` of ``world`` on
+    ``states`` (the new state group). Every member calls it (collectives).
+    Returns whether this rank dropped a step it had applied (its elastic
+    job counts it unapplied). ``mark``: the step's remaining collectives are
+    not made (a change of members; not for a refresh of the buddy copies
+    after a load)."""
+    optimizer = part.optimizer() if part.optimizer is not None else None
+    if optimizer is None:
+        raise MembershipError.of(
+            "broken", "a sharded elastic job changed members before its optimizer was built: build it with "
+            "model.shard_optimizer(...) right after wrapping"
+        )
+    me = {"holds": part.holds, "rank": part.rank, "world": part.world, "taken": part.taken, "ready": part.pending,
+          "clipped": part.clipped, "asked": part.clip_asked}
+    everyone = states.all_gather_objects(me)
+    plan = part.plan
+    layout = [runs(numel, everyone, part.buddy) for numel, _ in plan]
+    lost = [(b, lo, hi) for b, bucket in enumerate(layout) for lo, hi, source in bucket if source is None]
+    if lost:
+        b, lo, hi = lost[0]
+        world_then = next(e["world"] for e in everyone if e["holds"])
+        owner = next(r for r in range(world_then) if partition_of(plan[b][0], r, world_then)[0] <= lo
+                     < partition_of(plan[b][0], r, world_then)[1])
+        raise MembershipError.of(
+            "shard_lost",
+            f"ranks {sorted({owner, (owner - 1) % world_then})} of the last membership (of {world_then}) were lost "
+            f"together, and with them both copies of partition {owner} of the optimizer state (each partition "
+            "lives on its rank and on the rank before it): the job cannot go on from memory; restart it from the last sharded "
+            "checkpoint (gradsync.torch.checkpoint.save/load)",
+        )
+    dropped = _settle_step(part, optimizer, states, rank, everyone, layout)
+    _move(part, optimizer, states, rank, world, everyone, layout)
+    part.settled = mark
+    part.holds = True
+    return dropped
+
+
+def _settle_step(part, optimizer, states, rank, everyone, layout):
+    """Step 1 of the module docs: every holder ends on the same optimizer
+    step. Returns whether this rank dropped its pending step."""
+    holders = [e for e in everyone if e["holds"]]
+    top = max(e["taken"] for e in holders)
+    behind = [e for e in holders if e["taken"] < top]
+    if any(e["taken"] < top - 1 or not e["ready"] for e in behind):
+        raise MembershipError.of(
+            "broken", "the survivors stand more than one optimizer step apart, or one stepped while another never "
+            "received the step's averages: this should not happen; report it, with the log of every rank"
+        )
+    if not behind and not all(e["ready"] for e in holders):
+        # Nobody stepped, and some never got the averages: nobody steps.
+        dropped = part.holds and part.pending
+        if dropped:
+            part.clear()
+        return dropped
+    # Some stepped, or every holder can: the step is taken everywhere, clipped alike.
+    clipped = [(e["clipped"], e["asked"]) for e in holders if e["clipped"]]
+    asked = [e["asked"] for e in holders if e["asked"]]
+    mine_clipped = part.clipped is not None
+    wanted, coef = None, None
+    if clipped:
+        (total, coef), (_, _, indices) = clipped[0]
+        part.clipped, wanted = (total, coef), set(indices)
+    elif asked:
+        max_norm, norm_type, indices = asked[0]
+        wanted = set(indices)
+        grads = []
+        for b, bucket in enumerate(layout):
+            pieces = [p for p in part.every_held_piece() if p.bucket == b]
+            for lo, hi, source in bucket:
+                if source == rank:
+                    grads.append(_values(pieces, lo, hi, lambda p: p.tensor.grad if p.param in wanted else None))
+        total = float(norm_of(grads, norm_type, states))
+        coef = min(max_norm / (total + 1e-6), 1.0)
+        part.clipped = (total, coef)
+    if part.holds and part.pending:
+        if coef is not None and not mine_clipped:
+            part.scale({id(part.params[i]) for i in wanted}, coef)
+        optimizer.inner.step()
+        part.taken += 1
+        part.pending = False
+    return False
+
+
+def _move(part, optimizer, states, rank, world, everyone, layout):
+    """Step 2 of the module docs: parameters to every member, optimizer
+    state to its new holders (``part`` laid out for ``rank`` of ``world``)."""
+    old = {b: [p for p in part.every_held_piece() if p.bucket == b] for b in range(len(part.plan))}
+    state = optimizer.inner.state
+    # Which parameters have optimizer state, of which kinds (the same on every holder after step 1).
+    kinds = {}
+    for piece in part.every_held_piece():
+        entry = state.get(piece.tensor)
+        if part.holds and entry and piece.param not in kinds:
+            kinds[piece.param] = _entry_kinds(entry)
+    merged = {}
+    for theirs in states.all_gather_objects(kinds):
+        for i, entry in theirs.items():
+            merged.setdefault(i, entry)
+    keys = sorted({k for entry in merged.values() for k, (kind, _) in entry.items() if kind == "tensor"})
+    dtypes = {k: kind_dtype for entry in merged.values() for k, (kind, kind_dtype) in entry.items() if kind == "tensor"}
+    taken = max(e["taken"] for e in states.all_gather_objects({"taken": part.taken}))
+    part.lay_out(rank, world)
+    fresh = {}
+    for b, (numel, members) in enumerate(part.plan):
+        rows = 1 + len(keys)
+        full = torch.zeros(rows, numel, dtype=torch.float64)
+        for lo, hi, source in layout[b]:
+            if source == rank:
+                data = torch.stack(
+                    [_values(old[b], lo, hi, lambda p: p.tensor)]
+                    + [_values(old[b], lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k)) for k in keys]
+                )
+            else:
+                data = torch.empty(rows, hi - lo, dtype=torch.float64)
+            if world > 1:
+                states.broadcast([data], source)
+            full[:, lo:hi] = data
+        sizes = [part.reals(part.params[i]) for i in members]
+        for i, values in zip(members, full[0].split(sizes)):
+            _flat(part.params[i]).copy_(values)
+        for piece in part.every_held_piece():
+            if piece.bucket != b or piece.param not in merged:
+                continue
+            entry = {}
+            for key, (kind, value) in merged[piece.param].items():
+                if kind == "tensor":
+                    row = full[1 + keys.index(key), piece.start : piece.start + piece.length]
+                    entry[key] = row.to(getattr(torch, dtypes[key])).to(piece.tensor.device).clone()
+                else:
+                    entry[key] = value.clone() if torch.is_tensor(value) else value
+            fresh[piece.tensor] = entry
+    part.states = states
+    optimizer.rebind(fresh)
+    part.taken = taken
+    part.pending = False

@@ -1,0 +1,96 @@
+"""Elastic jobs with sharded gradients and optimizer state (``--shard``):
+each partition lives on its rank and on the rank before it (its buddy), so a
+lost rank loses nothing. The same example and checks as ``test_elastic``:
+the survivors bitwise identical, equal to one process replaying the applied
+steps, and (partial policy) no step skipped that the survivors could finish.
+"""
+
+import pytest
+from test_elastic import exact, explain, launch, rejoined
+from test_elastic import test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves as _silent
+
+
+def skipped(first, steps):
+    return steps - len(first["history"])
+
+
+# (rank, phase, policy, steps the survivors may skip). Under the partial
+# policy nothing is skipped: a loss mid-backward is reduced again among the
+# survivors (in the new layout); a loss after backward (before the
+# optimizer step, or inside it: after some ranks stepped their partitions,
+# before the parameters' all-gather) is stepped by every survivor, from the
+# buddy copies where the lost rank's partition is concerned.
+KILLS = [
+    (1, "backward", "partial", 0, ()),
+    (2, "optimizer", "skip", 0, ()),
+    # AdamW (its step count is per-parameter state that moves too), clipped by the global norm.
+    (0, "gather", "partial", 0, ("--adamw", "--clip", "0.5")),
+]
+# The rest of the matrix: -m slow.
+SLOW_KILLS = [
+    (0, "forward", "skip", 1),
+    (1, "backward", "skip", 1),
+    (0, "collective", "skip", 1),
+    (2, "collective", "partial", 1),  # one survivor may apply the step first: dropped then
+    (1, "optimizer", "partial", 0),  # (--buffer for all of these)
+    (2, "gather", "skip", 0),
+    (1, "between", "skip", 1),
+    (0, "boundary", "partial", 1),
+]
+
+
+def _killed(tmp_path, rank, phase, policy, allowed, *extra):
+    proc, found = launch(tmp_path, 3, "--steps", "10", "--shard", "--kill", f"{rank}@4:{phase}",
+                         "--abort-policy", policy, *extra)
+    first = exact(proc, found, {0, 1, 2} - {rank})
+    assert skipped(first, 10) <= allowed, f"{skipped(first, 10)} steps skipped\n{explain(proc)}"
+    assert [w for _, w, *_ in first["history"]][-1] == 2
+
+
+@pytest.mark.parametrize("rank,phase,policy,allowed,extra", KILLS)
+def test_a_sharded_job_loses_nothing_when_a_rank_is_killed(tmp_path, rank, phase, policy, allowed, extra):
+    _killed(tmp_path, rank, phase, policy, allowed, *extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,phase,policy,allowed", SLOW_KILLS)
+def test_every_phase_of_a_sharded_job_keeps_the_survivors_exact(tmp_path, rank, phase, policy, allowed):
+    _killed(tmp_path, rank, phase, policy, allowed, "--buffer")
+
+
+def test_a_rank_and_its_buddy_lost_together_end_the_job_saying_the_shard_is_lost(tmp_path):
+    """Ranks 1 and 2 of 4 die at once: partition 2 lived on both (its own
+    rank and its buddy, rank 1): the survivors stop with a ``shard_lost``
+    error that says which ranks and what to do, instead of training on
+    with state missing."""
+    proc, _ = launch(tmp_path, 4, "--steps", "10", "--shard", "--kill", "1@4:forward", "--kill", "2@4:forward")
+    assert proc.returncode == 1, explain(proc)
+    assert "(shard_lost)" in proc.stderr and "ranks [1, 2] of the last membership" in proc.stderr, explain(proc)
+    assert "restart it from the last sharded checkpoint" in proc.stderr, explain(proc)
+
+
+@pytest.mark.slow
+def test_two_ranks_lost_that_are_not_buddies_lose_nothing(tmp_path):
+    """Ranks 1 and 3 of 4 die at once: each one's partition lives on at the
+    rank before it (0 and 2), and the two survivors go on exactly."""
+    proc, found = launch(tmp_path, 4, "--steps", "10", "--shard", "--kill", "1@4:forward", "--kill", "3@4:forward")
+    first = exact(proc, found, {0, 2})
+    assert [w for _, w, *_ in first["history"]][-1] == 2
+
+
+@pytest.mark.slow
+def test_a_replacement_of_a_sharded_rank_receives_its_partitions(tmp_path):
+    """Rank 1 of 3 killed; its replacement is admitted, receives its new
+    partition and its buddy's (state moved from the members), and the job
+    ends with three bitwise identical members equal to the replay."""
+    proc, found = launch(tmp_path, 3, "--steps", "700", "--shard", "--kill", "1@3:backward", rejoin=True)
+    rejoined(proc, found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,phase", [(1, "freeze"), (0, "stall")])
+def test_a_silent_sharded_rank_is_found_and_its_partition_moves(tmp_path, rank, phase):
+    """``test_elastic``'s silent rank (SIGSTOP: its sockets stay open), sharded:
+    the liveness monitor breaks the epoch, the survivors settle from the
+    buddy copies and go on; the frozen process leaves when it wakes."""
+    _silent(tmp_path, rank, phase, ("--shard",))

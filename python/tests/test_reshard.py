@@ -1,0 +1,135 @@
+"""The settlement of a change of members in a sharded elastic job
+(``gradsync.torch._reshard``), driven directly: who sends which values, and
+what each survivor does with a step in flight, from what every member said.
+
+The other members are described by hand (``everyone``); this process holds a
+real partition and sharded optimizer over a small model on a one-rank state
+group, so each decision's local effect (a step taken, dropped or clipped) is
+observed on real tensors. The end-to-end runs are in
+``test_elastic_sharded.py``.
+"""
+
+import pytest
+import torch
+
+import gradsync
+from gradsync.torch._partition import Partition
+from gradsync.torch._reshard import _settle_step, runs, settle
+from gradsync.torch._sharded_optim import ShardedOptimizer
+
+
+class OneRank:
+    """A state group of one rank: every collective is the identity."""
+
+    def everyones(self, values):
+        return torch.tensor([list(values)], dtype=torch.int64)
+
+    def all_gather_objects(self, value):
+        return [value]
+
+    def reduce(self, tensor, op):
+        return tensor
+
+    def broadcast(self, tensors, root=0):
+        pass
+
+
+def member(rank, world, taken=3, ready=False, clipped=None, asked=None, holds=True):
+    return {"holds": holds, "rank": rank, "world": world, "taken": taken, "ready": ready, "clipped": clipped,
+            "asked": asked}
+
+
+def test_every_value_comes_from_its_owner_while_the_owner_lives():
+    everyone = [member(r, 3) for r in range(3)]
+    assert runs(9, everyone, buddy=True) == [(0, 3, 0), (3, 6, 1), (6, 9, 2)]
+
+
+def test_a_lost_ranks_values_come_from_its_buddy_the_rank_before_it():
+    # Rank 1 of 3 lost: the survivors are old ranks 0 and 2 (new members 0, 1).
+    everyone = [member(0, 3), member(2, 3)]
+    assert runs(9, everyone, buddy=True) == [(0, 6, 0), (6, 9, 1)]
+
+
+def test_values_nobody_holds_have_no_source():
+    # Ranks 1 and 2 of 4 lost: partition 2 lived on both.
+    everyone = [member(0, 4), member(3, 4)]
+    assert runs(8, everyone, buddy=True) == [(0, 4, 0), (4, 6, None), (6, 8, 1)]
+    assert runs(8, everyone, buddy=False)[1] == (2, 6, None), "without buddies a lost rank's partition is gone"
+
+
+def test_a_replacement_sends_nothing_and_mixed_layouts_are_read_as_held():
+    # A member that moved to the 2-rank layout already, one still in the 3-rank one, and a replacement.
+    everyone = [member(0, 2), member(2, 3), member(0, 1, holds=False)]
+    # Rank 0 of 2 holds both halves; rank 2 of 3 owns [8, 12): owners first.
+    assert runs(12, everyone, buddy=True) == [(0, 8, 0), (8, 12, 1)]
+    everyone = [member(1, 2), member(2, 3), member(0, 1, holds=False)]
+    assert runs(12, everyone, buddy=True) == [(0, 12, 0)]  # rank 1 of 2 holds its half and rank 0's
+
+
+@pytest.fixture
+def sharded():
+    """A partition of one rank over a 2-parameter model, its SGD optimizer,
+    and this step's averages in its pieces (pending, not stepped)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.float64)) for n in (3, 2)]
+    part = Partition([(5, [1, 0])], params, ["a", "b"], 0, 1, lambda p: p.numel(), OneRank(), buddy=True)
+    optimizer = ShardedOptimizer(part, ["a", "b"], OneRank(), torch.optim.SGD, None, lr=0.5)
+    for piece in part.pieces:
+        piece.tensor.grad = torch.full((piece.length,), 2.0, dtype=torch.float64)
+    part.pending, part.taken = True, 3
+    return part, optimizer, [p.detach().clone() for p in params]
+
+
+def _settle(part, optimizer, others):
+    me = member(0, 1, taken=part.taken, ready=part.pending, clipped=part.clipped, asked=part.clip_asked)
+    everyone = [me, *others]
+    return _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me], True)])
+
+
+def test_a_survivor_behind_one_that_stepped_steps_now_with_its_clipping(sharded):
+    part, optimizer, before = sharded
+    dropped = _settle(part, optimizer, [member(1, 2, taken=4, clipped=(8.0, 0.25), asked=(1.0, 2.0, (0, 1)))])
+    assert not dropped and part.taken == 4 and not part.pending
+    for p, b in zip(part.params, before):
+        assert torch.equal(p.detach(), b - 0.5 * 2.0 * 0.25), "stepped with the other's coefficient"
+    assert part.clipped == (8.0, 0.25)
+
+
+def test_a_step_nobody_stepped_is_dropped_where_some_never_got_the_averages(sharded):
+    part, optimizer, before = sharded
+    dropped = _settle(part, optimizer, [member(1, 2, taken=3, ready=False)])
+    assert dropped and part.taken == 3 and not part.pending
+    assert all(piece.tensor.grad is None for piece in part.pieces)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(part.params, before))
+
+
+def test_a_step_every_survivor_holds_is_taken_with_the_norm_computed_among_them(sharded):
+    part, optimizer, before = sharded
+    part.clip_asked = (1.0, 2.0, (0, 1))  # this rank was in clip_grad_norm_ when the member was lost
+    dropped = _settle(part, optimizer, [member(1, 2, taken=3, ready=True)])
+    assert not dropped and part.taken == 4
+    norm = (5 * 2.0**2) ** 0.5  # one rank: its pieces are the whole gradient
+    coef = 1.0 / (norm + 1e-6)
+    assert part.clipped == pytest.approx((norm, coef))
+    for p, b in zip(part.params, before):
+        assert torch.allclose(p.detach(), b - 0.5 * 2.0 * coef, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("other", [member(1, 2, taken=5), member(1, 2, taken=2, ready=False)])
+def test_survivors_that_cannot_meet_on_one_step_are_an_error_not_a_guess(sharded, other):
+    part, optimizer, _ = sharded
+    part.pending = False
+    if other["taken"] == 2:
+        part.taken = 3  # this one stepped; the other never received the averages
+    with pytest.raises(gradsync.MembershipError, match="should not happen"):
+        _settle(part, optimizer, [other])
+
+
+def test_a_lost_shard_names_the_two_ranks_and_says_what_to_do(sharded, monkeypatch):
+    part, optimizer, _ = sharded
+    part.rank, part.world = 0, 4  # as if this process were rank 0 of 4, rank 3 the other survivor
+    monkeypatch.setattr(OneRank, "all_gather_objects", lambda self, v: [v, member(3, 4)])
+    with pytest.raises(gradsync.MembershipError) as caught:
+        settle(part, OneRank(), 0, 2)
+    assert caught.value.kind == "shard_lost"
+    assert "ranks [1, 2]" in str(caught.value) and "checkpoint" in str(caught.value)
