@@ -182,6 +182,17 @@ class Supervisor:
                 proc.terminate()
 
 
+def _port(text):
+    """A TCP port number (argparse type)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+    return port
+
+
 def main(argv=None):
     """The supervisor's command line (``argv``: the arguments, default
     ``sys.argv[1:]``); returns the job's exit status."""
@@ -196,7 +207,7 @@ def main(argv=None):
     parser.add_argument("--host", default="127.0.0.1",
                         help="this machine's address: the store is hosted there, and (etcd) the rendezvous of an "
                         "epoch whose first member runs here (default loopback)")
-    parser.add_argument("--port", type=int, default=29510, help="port of the hosted store (default 29510)")
+    parser.add_argument("--port", type=_port, default=29510, help="port of the hosted store (default 29510)")
     parser.add_argument("--store", metavar="HOST:PORT",
                         help="use the store another supervisor hosts, or etcd://HOST:PORT[,HOST:PORT...] (an etcd cluster)")
     parser.add_argument("--store-only", action="store_true", help="only host the store (several machines)")

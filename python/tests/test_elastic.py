@@ -172,6 +172,18 @@ def test_every_phase_and_position_keeps_the_survivors_exact(tmp_path, phase, ran
     exact(proc, found, {0, 1, 2} - {rank})
 
 
+def test_a_rank_that_raises_while_another_dies_does_not_hang_the_survivors(tmp_path):
+    """Rank 1 is killed while rank 2 raises in the same forward: rank 2's
+    heartbeat still beats while its interpreter shuts down, so the
+    survivors' agreement may count it in and then wait for it in the new
+    group's rendezvous. They give up on it there once it is gone and agree
+    again, instead of waiting out gloo's timeout."""
+    proc, found = launch(tmp_path, 4, "--steps", "10", "--kill", "1@4:forward", "--kill", "2@4:raise")
+    first = exact(proc, found, {0, 3})
+    assert [w for _, w, *_ in first["history"]][-1] == 2
+    assert "a bug in this rank's forward" in proc.stderr, explain(proc)
+
+
 def rejoined(proc, found):
     """Rank 1 of 3 was killed and replaced by member 3: the job ended well,
     the three members bitwise identical, the world 3, then 2, then 3 again.

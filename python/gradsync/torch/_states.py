@@ -39,9 +39,10 @@ class StateBroadcast:
         self._rank = rank
         self._world = world
         self._abandon = abandon
-        self._group = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"{prefix}/states", store), rank, world, datetime.timedelta(seconds=timeout_s)
-        )
+        states = dist.PrefixStore(f"{prefix}/states", store)
+        if abandon is not None and world > 1:
+            _meet(states, rank, world, timeout_s, abandon)
+        self._group = dist.ProcessGroupGloo(states, rank, world, datetime.timedelta(seconds=timeout_s))
         # Broadcasts this rank sent as root and did not wait for: (work, message),
         # oldest first; the message must live until the receivers took it.
         self._sent = []
@@ -201,6 +202,23 @@ class _Done:
 
     def wait(self):
         return self._out
+
+
+def _meet(store, rank, world, timeout_s, abandon):
+    """Wait until every rank of a new group says it is there, giving up
+    when ``abandon()`` says why (a member agreed into an elastic job's new
+    epoch that died before it got here: gloo's rendezvous would wait for it
+    until its timeout)."""
+    store.set(f"present/{rank}", "1")
+    keys = [f"present/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        why = abandon()
+        if why:
+            raise Abandoned(why)
+        if time.monotonic() > deadline:
+            raise Abandoned(f"the group's members did not all arrive within {timeout_s:.0f} s")
+        time.sleep(0.005)
 
 
 class Abandoned(MembershipError, RuntimeError):
