@@ -212,6 +212,7 @@ def test_a_replacement_rejoins_bitwise_equal_and_trains_exactly(tmp_path):
     assert joined["step"] > 3 and joiner["history"] == first["history"]
 
 
+@pytest.mark.slow  # (etcd's default coverage: test_between_steps_kills_with_etcd)
 def test_the_job_can_keep_its_membership_in_etcd(tmp_path, etcd_server):
     """--store etcd://...: the membership, the heartbeats and the obituaries
     live in etcd, and each epoch's rank 0 hosts its groups' rendezvous (no

@@ -21,18 +21,18 @@ def skipped(first, steps):
 # before the parameters' all-gather) is stepped by every survivor, from the
 # buddy copies where the lost rank's partition is concerned.
 KILLS = [
-    (1, "backward", "partial", 0, ()),
-    (2, "optimizer", "skip", 0, ()),
     # AdamW (its step count is per-parameter state that moves too), clipped by the global norm.
     (0, "gather", "partial", 0, ("--adamw", "--clip", "0.5")),
 ]
-# The rest of the matrix: -m slow.
+# The rest of the matrix: -m slow (every one with --buffer).
 SLOW_KILLS = [
+    (1, "backward", "partial", 0),  # reduced again among the survivors, in the new layout
+    (2, "optimizer", "skip", 0),  # every survivor holds the averages: all step in the settlement
     (0, "forward", "skip", 1),
     (1, "backward", "skip", 1),
     (0, "collective", "skip", 1),
     (2, "collective", "partial", 1),  # one survivor may apply the step first: dropped then
-    (1, "optimizer", "partial", 0),  # (--buffer for all of these)
+    (1, "optimizer", "partial", 0),
     (2, "gather", "skip", 0),
     (1, "between", "skip", 1),
     (0, "boundary", "partial", 1),
