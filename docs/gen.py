@@ -326,7 +326,7 @@ def sharded_side_by_side() -> str:
     peers = {}
     if SHARDED_PEERS.is_file():
         peers = {r["case"]: r for r in json.loads(SHARDED_PEERS.read_text())["rows"]}
-    out = ["| case (2 ranks, AdamW, 4 steps) | torch FSDP2 | torch DDP + ZeroRedundancyOptimizer | gradsync, "
+    out = ["| case (2 ranks) | torch FSDP2 | torch DDP + ZeroRedundancyOptimizer | gradsync, "
            "`shard_gradients=True` (max abs parameter diff from one process) |", "|---|---|---|---|"]
     for row in rows:
         peer = peers.get(row["case"], {})

@@ -69,7 +69,7 @@ def main():
 
     rows = []
     for name in sharded.CASES:
-        row = {"case": name.replace("_", " ") + " (world 2)"}
+        row = {"case": sharded.label(name)}
         for impl in ("fsdp2", "zero1"):
             outcome = run(impl, name, 2, args.deadline)
             if outcome["status"] == "error" and "Timed out waiting" in outcome["error"]:

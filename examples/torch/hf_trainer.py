@@ -15,7 +15,8 @@ checkpointed blocks are invisible to DDP's graph traversal) and
 of "Expected to mark a variable ready only once". The training script is the
 one a Trainer user writes; the only gradsync line is
 ``gradsync.torch.replace_ddp()``, after which the ``DistributedDataParallel``
-that Accelerate builds inside the Trainer is gradsync's.
+that Accelerate builds inside the Trainer is gradsync's (``--shard``:
+``replace_ddp(shard_gradients=True)``, gradients and optimizer state sharded).
 
 At the end, rank 0 replays the run in one process: the same model, every
 rank's batch of every step (recorded by the data collator), the same
@@ -44,6 +45,12 @@ def parse():
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (constant)")
     parser.add_argument("--checkpointing", choices=["reentrant", "non-reentrant", "none"], default="reentrant",
                         help="gradient checkpointing of the GPT-2 blocks (torch's DDP runs only 'none' here)")
+    parser.add_argument("--adamw", action="store_true", help="AdamW (lr 1e-3) instead of SGD")
+    parser.add_argument("--save", action="store_true",
+                        help="save a checkpoint at the last step (rank 0 compares its optimizer state with the "
+                        "replay's)")
+    parser.add_argument("--shard", action="store_true",
+                        help="gradsync sharded (ZeRO-2): replace_ddp(shard_gradients=True); nothing else changes")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per rank, NCCL (gradsync's buckets on the GPU)")
     return parser.parse_args()
@@ -87,11 +94,18 @@ class Recorder:
         return out
 
 
-def replay(model, batches_by_rank, args, lr, max_grad_norm, device):
-    """One process, every rank's batch of every step at once."""
+def replay(model, batches_by_rank, args, lr, max_grad_norm, device, decay=()):
+    """One process, every rank's batch of every step at once (``decay``:
+    the names the Trainer puts in its first parameter group, so the
+    optimizer state is numbered as the Trainer's is)."""
     reference = copy.deepcopy(model).to(device)
     reference.train()
-    opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    if args.adamw:
+        named = list(reference.named_parameters())
+        groups = [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=0.0)
+    else:
+        opt = torch.optim.SGD(reference.parameters(), lr=lr)
     losses = []
     for step in range(args.steps):
         ids = torch.cat([batches[step] for batches in batches_by_rank]).to(device)
@@ -101,7 +115,7 @@ def replay(model, batches_by_rank, args, lr, max_grad_norm, device):
         torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
         opt.step()
         losses.append(loss.item())
-    return reference, losses
+    return reference, losses, opt
 
 
 def main():
@@ -113,14 +127,21 @@ def main():
     if args.impl == "gradsync":
         import gradsync.torch
 
-        gradsync.torch.replace_ddp()  # the one line: Accelerate's DDP becomes gradsync's
+        # The one line: Accelerate's DDP becomes gradsync's (sharded: the Trainer's optimizer then steps this
+        # rank's partition, converted at its first step).
+        gradsync.torch.replace_ddp(shard_gradients=args.shard)
 
     model = tiny_gpt2()
     initial = copy.deepcopy(model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = Tokens(args.steps * args.batch * world, args.seq)
     recorder = Recorder()
-    lr, max_grad_norm = args.lr, 1.0
+    lr, max_grad_norm = (1e-3 if args.adamw else args.lr), 1.0
+    callbacks = []
+    if args.shard and args.save:
+        from gradsync.torch.hf import ShardedCheckpoints
+
+        callbacks.append(ShardedCheckpoints())  # checkpoints hold the whole optimizer state
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
             output_dir=out,
@@ -131,19 +152,20 @@ def main():
             ddp_find_unused_parameters=True,
             ddp_backend="gloo" if args.device == "cpu" else "nccl",
             use_cpu=args.device == "cpu",
-            optim="sgd",
+            optim="adamw_torch" if args.adamw else "sgd",
             learning_rate=lr,
             lr_scheduler_type="constant",
             weight_decay=0.0,
             max_grad_norm=max_grad_norm,
             logging_steps=args.log_every,
-            save_strategy="no",
+            save_strategy="steps" if args.save else "no",
+            save_steps=args.steps,
             report_to=[],
             disable_tqdm=True,
             dataloader_num_workers=0,
             seed=0,
         )
-        trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=recorder)
+        trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=recorder, callbacks=callbacks)
         rank = dist.get_rank() if dist.is_initialized() else 0
         try:
             result = trainer.train()
@@ -151,6 +173,9 @@ def main():
             first = (str(e).strip().splitlines() or [""])[0]
             print(f"rank {rank}: {args.impl} failed: {type(e).__name__}: {first}", flush=True)
             sys.exit(1)
+        saved = None
+        if args.save and rank == 0:
+            saved = torch.load(os.path.join(out, f"checkpoint-{args.steps}", "optimizer.pt"), weights_only=False)
     wrapped = trainer.model_wrapped
     kind = f"{type(wrapped).__module__}.{type(wrapped).__name__}"
     if rank == 0:
@@ -168,11 +193,21 @@ def main():
     if rank == 0:
         spread = max((g - gathered[0]).abs().max().item() for g in gathered)
         print(f"replicas: max |param_r - param_0| = {spread:.1e}", flush=True)
-        reference, losses = replay(initial, batches, args, lr, max_grad_norm, flat.device)
+        decay = set(trainer.get_decay_parameter_names(model))
+        reference, losses, reference_opt = replay(initial, batches, args, lr, max_grad_norm, flat.device, decay)
         diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
         print(f"reference (one process, every rank's batches): loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         print("reference losses:", " ".join(f"{x:.4f}" for x in losses), flush=True)
-        verdict = "OK" if diff <= TOLERANCE and spread == 0.0 else "MISMATCH"
+        state_ok = True
+        if saved is not None:
+            # The checkpoint's optimizer state, whole (torch's format), against the replay's.
+            want = reference_opt.state_dict()["state"]
+            off = max(((saved["state"][n][k] - v).abs().max().item() for n in want for k, v in want[n].items()
+                       if torch.is_tensor(v) and v.dim() > 0), default=0.0)
+            state_ok = sorted(saved["state"]) == sorted(want) and off <= TOLERANCE
+            print(f"checkpointed optimizer state: {len(saved['state'])} parameters, max |state - reference| = "
+                  f"{off:.2e}", flush=True)
+        verdict = "OK" if diff <= TOLERANCE and spread == 0.0 and state_ok else "MISMATCH"
         print(f"equivalence: max |param - reference| = {diff:.2e} (tolerance {TOLERANCE:.0e}) {verdict}", flush=True)
         if verdict != "OK":
             sys.exit(2)

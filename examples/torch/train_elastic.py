@@ -28,9 +28,11 @@ gradient norm is compared with the replay's (a step summed from batches of
 two different steps, or divided by the wrong count, shows there at once).
 ``--kill-after-join RANK:PHASE``: the process holding RANK dies in PHASE of
 the first step after a replacement joined (a loss racing the admission).
-``--shard``: sharded gradients and optimizer state (``shard_gradients=True``,
-``model.shard_optimizer``): each rank also keeps its buddy's partition, and a
-lost rank's moves to the survivors.
+``--shard``: sharded gradients and optimizer state (``shard_gradients=True``;
+the optimizer, built as usual, steps this rank's partitions once the job
+tracks it): each rank also keeps its buddy's partition, and a lost rank's
+moves to the survivors. ``--adamw``, ``--clip MAX_NORM``: AdamW, and
+clipping by the global norm (the replay does the same).
 """
 
 import argparse
@@ -112,12 +114,11 @@ def grad_norm(model):
     return torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
 
 
-def optimizer_of(args, params, shard_with=None):
-    """The run's optimizer over ``params`` (SGD with momentum, or AdamW with
-    ``--adamw``); ``shard_with``: the sharded wrapper to build it with."""
-    cls, options = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}) if args.adamw else \
-        (torch.optim.SGD, {"lr": LR, "momentum": 0.9})
-    return shard_with.shard_optimizer(cls, **options) if shard_with is not None else cls(params, **options)
+def optimizer_of(args, params):
+    """The run's optimizer over ``params``: SGD with momentum, or AdamW with ``--adamw``."""
+    if args.adamw:
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
 def replay(args, base, data, history, batch, first_world, fixed):
@@ -189,7 +190,8 @@ def main():
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy,
                                        broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard)
-    opt = optimizer_of(args, model.parameters(), shard_with=model if args.shard else None)
+    # (Sharded, the same optimizer steps this rank's partitions once the job tracks it.)
+    opt = optimizer_of(args, model.parameters())
     elastic.track(model=model, optimizer=opt)
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
@@ -222,7 +224,7 @@ def train(args, elastic, model, opt, data):
     killing = {"backward": False, "gather": False}
     model.module.blocks[0].mlp[0].weight.register_hook(lambda g: die(args.report) if killing["backward"] else g)
     if args.shard:  # after this rank stepped its partition, before the parameters' all-gather
-        opt.inner.register_step_post_hook(lambda *_: die(args.report) if killing["gather"] else None)
+        opt.register_step_post_hook(lambda *_: die(args.report) if killing["gather"] else None)
     began = time.perf_counter()
     applied_at = {}
     norms = {}

@@ -80,7 +80,7 @@ def render_table(rows):
 
 def render_sharded(rows):
     lines = [
-        "| case (2 ranks, AdamW, 4 steps) | gradsync, shard_gradients=True (max abs parameter diff from one process) |",
+        "| case (2 ranks) | gradsync, shard_gradients=True (max abs parameter diff from one process) |",
         "|---|---|",
     ]
     lines += [f"| {row['case']} | {row['gradsync']} |" for row in rows]

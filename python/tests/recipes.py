@@ -36,15 +36,16 @@ def images(step, micro, rank):
     return torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
-def timm_loop(rank, world, impl, reentrant=False, steps=4, accumulate=3, decay=0.9):
+def timm_loop(rank, world, impl, reentrant=False, steps=4, accumulate=3, decay=0.9, sharded=False):
     """timm's train script in small: micro-batches under ``no_sync`` but the
     last, SGD with momentum, an EMA of the model (parameters and buffers,
     ``timm.utils.ModelEmaV2``'s update) after each step, and an eval forward
     through the wrapper every other step. Returns the model's and the EMA's
-    state after every step."""
+    state after every step. ``sharded``: gradsync with ``shard_gradients=True``."""
     model = SmallNet(reentrant)
     ema = copy.deepcopy(model).eval()
-    wrapped = wrap(model, impl)
+    wrapped = wrap(model, impl, **({"shard_gradients": True} if sharded else {}))
+    # (Sharded, the optimizer is converted at its first step: the script is unchanged.)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     states = []
@@ -77,13 +78,14 @@ def timm_loop(rank, world, impl, reentrant=False, steps=4, accumulate=3, decay=0
     return outcome.result
 
 
-def uneven_with_buffers(rank, world, impl, first_out=0):
+def uneven_with_buffers(rank, world, impl, first_out=0, sharded=False):
     """DDP's uneven-inputs loop (``with model.join():``) on a BatchNorm model,
     rank ``first_out`` running out of data first: buffers before each forward
     come from the highest rank still training, and the joined rank takes part
-    in those broadcasts. Returns the model's state after the loop."""
+    in those broadcasts. Returns the model's state after the loop.
+    ``sharded``: gradsync with ``shard_gradients=True``."""
     model = SmallNet()
-    wrapped = wrap(model, impl)
+    wrapped = wrap(model, impl, **({"shard_gradients": True} if sharded else {}))
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
     steps = 2 if rank == first_out else 4

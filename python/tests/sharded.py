@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cases import FLOAT64_ROUNDING, MODELS, ControlFlowModel, Outcome, SharedBetweenSegments, UnusedModel
+from cases import FLOAT64_ROUNDING, MODELS, ControlFlowModel, Outcome, SharedBetweenSegments, SkipsOddSteps, UnusedModel
 from cases import first_line  # noqa: F401  (the side-by-side bench reports peers' errors with it)
 from gradsync.torch import DistributedDataParallel as GradsyncDDP
 
@@ -180,6 +180,34 @@ def _factory(make, shape):
     return make
 
 
+def _skips_odd_steps(model, rank, step, x):
+    """``SkipsOddSteps``: its middle block runs on even steps only."""
+    _raw(model).count = step
+    return model(x).pow(2).sum()
+
+
+#: GPT-2's vocabulary in the real-code case (small, so tokens repeat).
+VOCAB = 64
+
+
+def _gpt2():
+    """HF ``transformers``' GPT-2 (2 layers, tied head) with reentrant
+    gradient checkpointing and no dropout, as a fine-tuning script builds it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model.train()
+
+
+def _lm(model, rank, step, x):
+    """A language-model loss on tokens drawn from the batch ``x``."""
+    tokens = (x.detach().abs() * 1000).long() % VOCAB
+    return model(input_ids=tokens, labels=tokens).loss
+
+
 #: name -> (model factory with .shape, forward)
 CASES = {
     "checkpoint_twice_reentrant": (_factory(lambda: MODELS["twice"](True), (20,)), _plain),
@@ -188,7 +216,24 @@ CASES = {
     "shared_weight_between_segments": (_factory(SharedBetweenSegments, (12,)), _plain),
     "unused_parameters": (_factory(lambda: UnusedModel(0), (8,)), _with_rank),
     "rank_dependent_control_flow": (_factory(lambda: ControlFlowModel(0, True), (10,)), _control),
+    "checkpoint_once": (_factory(lambda: MODELS["once"](True), (20,)), _plain),
+    "checkpoint_twice_non_reentrant": (_factory(lambda: MODELS["twice"](False), (20,)), _plain),
+    "dynamic_checkpoint_weight_sharing": (_factory(lambda: MODELS["dynamic_weight_sharing"](True), (20,)), _dynamic),
+    "weight_sharing_sequential": (_factory(lambda: MODELS["weight_sharing_sequential"](True), (20,)), _plain),
+    "control_flow_across_steps": (_factory(lambda: ControlFlowModel(0, False), (10,)), _control),
+    "a_block_skipped_on_odd_steps": (_factory(SkipsOddSteps, (8,)), _skips_odd_steps),
+    "hf_gpt2_reentrant_checkpointing_tied_head": (_factory(_gpt2, (12,)), _lm),
 }
+
+
+#: Row labels of the side-by-side table, where the case's name does not read well.
+LABELS = {"hf_gpt2_reentrant_checkpointing_tied_head": "HF GPT-2 (transformers), reentrant gradient checkpointing, "
+                                                       "tied head"}
+
+
+def label(name):
+    """Case ``name``'s row in the side-by-side table."""
+    return LABELS.get(name, name.replace("_", " ")) + " (world 2)"
 
 
 def case(rank, world, impl, name, scatter=False, **kwargs):
@@ -384,24 +429,29 @@ def dcp_load_other_model(rank, world, path):
     return None
 
 
-def take_over(rank, world, steps=3):
+def take_over(rank, world, how, steps=4):
     """An AdamW built the usual way before wrapping (two groups with their
-    own options), taken over by ``model.shard_optimizer(optimizer)``:
-    trains as the reference does with the same optimizer. Returns the
-    largest parameter difference."""
+    own options) and an LR scheduler over it, then stepped sharded:
+    ``how="explicit"``: ``optimizer = model.shard_optimizer(optimizer)``;
+    ``"automatic"``: no second line (the optimizer is converted at its first
+    step, as under HF ``Trainer`` or Lightning). Trains as the reference
+    does with the same optimizer and schedule. Returns the largest
+    parameter difference."""
     torch.manual_seed(4)
     base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 12)).double()
     reference = copy.deepcopy(base)
     model = copy.deepcopy(base)
 
     def adamw(m):
-        return torch.optim.AdamW([{"params": m[0].parameters(), "lr": 0.02}, {"params": m[2].parameters()}],
-                                 lr=LR, weight_decay=0.05, betas=(0.8, 0.95))
+        opt = torch.optim.AdamW([{"params": m[0].parameters(), "lr": 0.02}, {"params": m[2].parameters()}],
+                                lr=LR, weight_decay=0.05, betas=(0.8, 0.95))
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
-    ref_opt = adamw(reference)
-    optimizer = adamw(model)
+    ref_opt, ref_schedule = adamw(reference)
+    optimizer, schedule = adamw(model)
     wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=0.001)
-    optimizer = wrapped.shard_optimizer(optimizer)
+    if how == "explicit":
+        optimizer = wrapped.shard_optimizer(optimizer)
     data = torch.randn(steps, world, 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     try:
         for s in range(steps):
@@ -409,9 +459,12 @@ def take_over(rank, world, steps=3):
             for r in range(world):
                 (_plain(reference, r, s, data[s, r]) / world).backward()
             ref_opt.step()
+            ref_schedule.step()
             optimizer.zero_grad()
             _plain(wrapped, rank, s, data[s, rank]).backward()
             optimizer.step()
+            schedule.step()
+        assert all(p.grad is None for p in wrapped.parameters()), ".grad stays None when sharded"
         return _diff(reference, wrapped)
     finally:
         wrapped.close()
@@ -441,13 +494,14 @@ def bad_input(rank, world):
                 errors[name] = None
             except gradsync.ConfigError as e:
                 errors[name] = str(e)
-        plain = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        other = nn.Parameter(torch.ones(2))
+        mixed = torch.optim.SGD([*wrapped.parameters(), other], lr=0.1)
         wrapped(torch.randn(3, 6)).sum().backward()
         try:
-            plain.step()
-            errors["plain_optimizer"] = None
+            mixed.step()
+            errors["mixed_optimizer"] = None
         except gradsync.ConfigError as e:
-            errors["plain_optimizer"] = str(e)
+            errors["mixed_optimizer"] = str(e)
         assert all(p.grad is None for p in wrapped.parameters()), ".grad stays None when sharded"
     finally:
         wrapped.close()

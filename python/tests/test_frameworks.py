@@ -66,6 +66,46 @@ def test_hf_trainer_with_reentrant_checkpointing(side_by_side):
     )
 
 
+def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
+    """``replace_ddp(shard_gradients=True)``: the Trainer's own AdamW (built
+    before Accelerate wraps the model) is converted at its first step,
+    Accelerate's clipping takes the global norm, the Trainer's
+    ``model.zero_grad()`` clears the partitions; with the
+    ``ShardedCheckpoints`` callback its checkpoint holds the whole optimizer
+    state. Parameters and saved state equal the one-process replay's."""
+    pytest.importorskip("transformers")
+    code, out = torchrun(REPO / "examples" / "torch" / "hf_trainer.py", "--steps", "8", "--shard", "--adamw", "--save")
+    assert code == 0, out[-4000:]
+    assert "replicas: max |param_r - param_0| = 0.0e+00" in out, out[-3000:]
+    diff = float(re.search(r"equivalence: max \|param - reference\| = (\S+)", out).group(1))
+    state = float(re.search(r"checkpointed optimizer state: \d+ parameters, max \|state - reference\| = (\S+)",
+                            out).group(1))
+    assert diff <= 1e-4 and state <= 1e-4 and "MISMATCH" not in out, out[-3000:]
+    side_by_side_sharded("HF Trainer, GPT-2, reentrant gradient checkpointing, clipping, AdamW, a checkpoint, "
+                         "replace_ddp(shard_gradients=True)",
+                         f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")
+
+
+@pytest.mark.parametrize("impl", [pytest.param("replace", marks=pytest.mark.slow), "strategy"])
+def test_lightning_sharded_with_a_checkpoint(side_by_side_sharded, impl):
+    """Lightning, gradsync sharded (``replace_ddp(shard_gradients=True)``
+    or ``GradsyncDDPStrategy(shard_gradients=True)``): the optimizer
+    ``configure_optimizers`` returns is stepped with Lightning's closure,
+    sharded; ``trainer.save_checkpoint`` writes the whole optimizer state
+    (Lightning consolidates optimizers that can), equal to the replay's."""
+    pytest.importorskip("lightning")
+    code, out = torchrun(REPO / "python" / "tests" / "scripts" / "lightning_ddp.py", "--impl", impl, "--shard")
+    assert code == 0, out[-4000:]
+    assert "replicas: 0.0e+00" in out, out[-3000:]
+    diff = float(re.search(r"reference: (\S+)", out).group(1))
+    state = float(re.search(r"checkpointed optimizer state: (\S+)", out).group(1))
+    assert diff <= 1e-5 and state <= 1e-5, out[-3000:]
+    if impl == "strategy":
+        side_by_side_sharded("Lightning, GradsyncDDPStrategy(shard_gradients=True), a block checkpointed twice "
+                             "(reentrant), save_checkpoint", f"ok, {diff:.1e} (one-process replay), "
+                             f"checkpointed state {state:.1e}")
+
+
 @pytest.mark.parametrize("impl", ["replace", "strategy"])
 def test_lightning_ddp_strategy(side_by_side, impl):
     pytest.importorskip("lightning")

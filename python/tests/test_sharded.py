@@ -15,7 +15,7 @@ from sharded import CASES, case, check
 def test_sharded_training_matches_one_process(world2, side_by_side_sharded, name):
     ours = world2.run(case, "gradsync", name)
     check(ours)
-    side_by_side_sharded(name.replace("_", " ") + " (world 2)", sharded.describe(ours[0]))
+    side_by_side_sharded(sharded.label(name), sharded.describe(ours[0]))
 
 
 @pytest.mark.parametrize("name", ["checkpoint_twice_reentrant", "rank_dependent_control_flow"])
@@ -68,8 +68,12 @@ def test_uneven_inputs_a_rank_out_of_data_steps_its_partition_for_the_others(wor
         assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
 
 
-def test_an_optimizer_built_before_wrapping_is_taken_over(world2):
-    for rank, diff in enumerate(world2.run(sharded.take_over)):
+@pytest.mark.parametrize("how", ["explicit", "automatic"])
+def test_an_optimizer_built_before_wrapping_is_taken_over_with_its_schedule(world2, how):
+    # "automatic": the script is torch's DDP script with one changed line
+    # (shard_gradients=True); the LR scheduler built over the optimizer
+    # keeps scheduling it once it steps sharded.
+    for rank, diff in enumerate(world2.run(sharded.take_over, how)):
         assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
 
 
@@ -106,7 +110,7 @@ def test_misuse_is_refused_with_what_to_do(world2):
         missing = [name for name, message in by_case.items() if message is None]
         assert not missing, f"rank {rank}: not refused: {missing}"
         assert "gradsync.torch.elementwise" in by_case["not_elementwise"]
-        assert "model.shard_optimizer" in by_case["plain_optimizer"]
+        assert "not one the wrapper synchronizes" in by_case["mixed_optimizer"]
         assert "shard_gradients=True" in by_case["unsharded"]
     assert "ranks [1]" in errors[0]["groups_differ"]
 

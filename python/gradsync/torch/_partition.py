@@ -247,6 +247,14 @@ class Partition:
         optimizer.step()
         optimizer.zero_grad()
 
+    def zero_grad(self, set_to_none=True):
+        """The pieces' gradients dropped (``set_to_none``) or zeroed."""
+        for piece in self.every_held_piece():
+            if set_to_none:
+                piece.tensor.grad = None
+            elif piece.tensor.grad is not None:
+                piece.tensor.grad.zero_()
+
     def clear(self):
         """No rank may apply this step: no piece keeps a gradient."""
         for piece in self.every_held_piece():

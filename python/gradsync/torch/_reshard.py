@@ -130,8 +130,8 @@ def settle(part, states, rank, world, mark=True):
             "shard_lost",
             f"ranks {sorted({owner, (owner - 1) % world_then})} of the last membership (of {world_then}) were lost "
             f"together, and with them both copies of partition {owner} of the optimizer state (each partition "
-            "lives on its rank and on the rank before it): the job cannot go on from memory; restart it from the last sharded "
-            "checkpoint (gradsync.torch.checkpoint.save/load)",
+            "lives on its rank and on the rank before it): the job cannot go on from memory; restart it from the "
+            "last sharded checkpoint (gradsync.torch.checkpoint.save/load)",
         )
     dropped = _settle_step(part, optimizer, states, rank, everyone, layout)
     _move(part, optimizer, states, rank, world, everyone, layout)
@@ -180,7 +180,11 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
     if part.holds and part.pending:
         if coef is not None and not mine_clipped:
             part.scale({id(part.params[i]) for i in wanted}, coef)
-        optimizer.inner.step()
+        optimizer._quiet = True  # (no commit, no gather: the settlement moves the parameters)
+        try:
+            optimizer.inner.step()
+        finally:
+            optimizer._quiet = False
         part.taken += 1
         part.pending = False
     return False

@@ -118,9 +118,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``partition`` is the wrapper's ``_partition.Partition``, ``names`` its
     parameters' names, ``states`` its state group; the remaining arguments
     are those of torch's optimizers (``params`` defaults to every parameter
-    the wrapper synchronizes)."""
+    the wrapper synchronizes). ``adopt``: an optimizer of ``optimizer_class``
+    built over the wrapper's parameters, converted in place to step the
+    pieces (its state sliced to them): it becomes :attr:`inner`, so what
+    holds it (an LR scheduler, a library's loop) goes on working with it."""
 
-    def __init__(self, partition, names, states, optimizer_class, params=None, **defaults):
+    def __init__(self, partition, names, states, optimizer_class, params=None, *, adopt=None, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ConfigError(f"shard_optimizer needs a torch.optim.Optimizer class, not {optimizer_class!r}")
         if optimizer_class not in ELEMENTWISE:
@@ -140,14 +143,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         piece_groups = [{**options, "params": self._held(indices)} for options, indices in groups]
         #: Per piece tensor (by id): its piece.
         self._piece_of = {id(piece.tensor): piece for piece in partition.every_held_piece()}
-        self.inner = optimizer_class(piece_groups, **defaults)
+        full = None
+        if adopt is None:
+            self.inner = optimizer_class(piece_groups, **defaults)
+        else:
+            full = adopt.state_dict() if adopt.state else None  # (whole, before its groups change)
+            for group, pieces in zip(adopt.param_groups, piece_groups):
+                group["params"] = pieces["params"]
+            adopt.state.clear()
+            self.inner = adopt
         super().__init__(piece_groups, self.inner.defaults)
         # One set of groups and state: the inner optimizer's (schedulers change its groups).
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._consolidated = None
+        # The global step hooks (gradsync.torch.ddp) make a step of the inner
+        # optimizer a sharded one, however it is called: commit, step, gather.
+        self.inner._gradsync_sharded = self
+        # While a change of members is settled, the inner optimizer steps without them.
+        self._quiet = False
         # A rank out of data (join) steps the last optimizer built, for the others.
         partition.optimizer = weakref.ref(self)
+        if adopt is not None:
+            # What saves and loads it (a library's checkpointing) gets the whole state, as here.
+            adopt.state_dict = self.state_dict
+            adopt.load_state_dict = self.load_state_dict
+            adopt.consolidate_state_dict = self.consolidate_state_dict
+            if full is not None:
+                self.load_state_dict(full)
+
+    #: (The global step hooks leave a ShardedOptimizer's own step to its inner optimizer's.)
+    _gradsync_facade = True
 
     def _held(self, indices):
         """The piece tensors of parameters ``indices`` this rank steps: its
@@ -183,34 +209,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("a ShardedOptimizer holds views of this process's parameters: save state_dict() instead")
 
-    @torch.no_grad()
     def step(self, closure=None):
         """Step this rank's pieces, then gather every rank's into the
         parameters (every rank must call it, as every rank steps under DDP).
-        A closure is refused: it would recompute a loss whose gradients
-        arrive on every rank, between one rank's step and the gather."""
-        if closure is not None:
-            raise ConfigError("a ShardedOptimizer takes no closure: run forward and backward before step()")
+        A ``closure`` (Lightning passes one: forward and backward run inside
+        the step) is taken, except in an elastic job: a member lost between
+        one rank's step and the others' would leave them apart."""
+        if closure is not None and self._partition.recover is not None:
+            raise ConfigError("in an elastic job a ShardedOptimizer takes no closure: run forward and backward "
+                              "before step()")
+        return self.inner.step() if closure is None else self.inner.step(closure)
+
+    def before_step(self):
+        """Called by the global step pre-hook before the inner optimizer
+        steps. In an elastic job: every member holds the step's averages
+        before any steps them (a member lost now leaves no survivor a step
+        ahead that the others could not follow, ``_reshard``); a member lost
+        here is recovered from, and the step then finds nothing to step."""
         part = self._partition
-        if part.settled:
-            return None  # a change of members was settled in this step: it stepped (or dropped) there
+        if self._quiet or part.settled or part.recover is None:
+            return
         try:
-            if part.recover is not None:
-                # Every member has this step's averages before any steps them:
-                # a member lost now leaves no survivor a step ahead that the
-                # others could not follow (``_reshard``).
-                self._states.everyones([1])
-            stepped = part.pending
-            self.inner.step()
-            if stepped:
-                part.taken += 1
-                part.pending = False
+            self._states.everyones([1])
+        except LOST as error:
+            part.recover(error)
+
+    @torch.no_grad()
+    def after_step(self):
+        """Called by the global step post-hook after the inner optimizer
+        stepped: count the step, and gather every rank's pieces into the
+        parameters (a member lost here is recovered from in an elastic job)."""
+        part = self._partition
+        if self._quiet or part.settled:
+            return
+        if part.pending:
+            part.taken += 1
+            part.pending = False
+        try:
             part.gather()
         except LOST as error:
             if part.recover is None:
                 raise
             part.recover(error)
-        return None
 
     def zero_grad(self, set_to_none=True):
         """Drop the pieces' gradients (``set_to_none``, the default, also
@@ -240,9 +280,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._consolidated is None:
             raise ConfigError(
                 "a ShardedOptimizer's state is spread over the ranks: call optimizer.consolidate_state_dict(to=R) "
-                "on every rank, then state_dict() on rank R (as with torch's ZeroRedundancyOptimizer)"
+                "on every rank, then state_dict() on rank R (as with torch's ZeroRedundancyOptimizer); HF Trainer: "
+                "Trainer(..., callbacks=[gradsync.torch.hf.ShardedCheckpoints()]) does it before each checkpoint"
             )
         return self._consolidated
+
+    def drop_consolidated(self):
+        """Free the state :meth:`consolidate_state_dict` collected."""
+        self._consolidated = None
 
     def _full_state(self):
         """Every rank's pieces of every state tensor, gathered per bucket

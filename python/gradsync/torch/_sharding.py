@@ -1,13 +1,17 @@
 """Sharded gradients (ZeRO-2) on the torch wrapper: ``shard_gradients=True``.
 
-Two lines change in a DDP script::
+One line changes in a DDP script::
 
     model = DistributedDataParallel(model, shard_gradients=True)
-    optimizer = model.shard_optimizer(torch.optim.AdamW, lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)   # as before
 
-The runtime reduce-scatters every bucket (the same actors and decisions as
-unsharded: recompute, late arrivals, unused parameters, aborts), each rank
-receives the averages of its partition (``_partition``), its optimizer
+An optimizer over a sharded wrapper's parameters is converted in place at
+its first step (the global step hooks in ``ddp``, :func:`sharded_optimizer_of`):
+its groups then step this rank's pieces (``_sharded_optim``); or build one
+with ``model.shard_optimizer(torch.optim.AdamW, lr=1e-4)``. The runtime
+reduce-scatters every bucket (the same actors and decisions as unsharded:
+recompute, late arrivals, unused parameters, aborts), each rank receives
+the averages of its partition (``_partition``), its optimizer
 steps that partition only (``_sharded_optim``) and the updated parameters
 are all-gathered. Parameters' ``.grad`` stay ``None``.
 
@@ -112,11 +116,15 @@ class Sharding:
         ranks that differ). See ``gradsync.torch.ShardedOptimizer``.
 
         ``optimizer_class`` may also be an optimizer already built over the
-        model's parameters (``optimizer = model.shard_optimizer(optimizer)``
-        in a script that builds it before wrapping): its class, groups,
-        options and any state it has are taken over; step the returned one."""
+        model's parameters: it is converted in place (its groups step this
+        rank's pieces, its state is sliced to them) and its
+        ``ShardedOptimizer`` returned; stepping either is the same. An
+        optimizer over a sharded wrapper's parameters that is never given
+        here is converted the same way at its first step (so a script, HF
+        ``Trainer`` or Lightning that builds its own optimizer needs no
+        change), or when an elastic job tracks it."""
         if isinstance(optimizer_class, torch.optim.Optimizer):
-            return self._take_over(optimizer_class)
+            return sharded_optimizer_of(optimizer_class, self) or self._take_over(optimizer_class)
         if self._partition is None:
             raise ConfigError(
                 "shard_optimizer() needs a wrapper built with shard_gradients=True; this one all-reduces whole "
@@ -126,19 +134,26 @@ class Sharding:
         return ShardedOptimizer(self._partition, self._names, self._states, optimizer_class, params, **defaults)
 
     def _take_over(self, optimizer):
-        """A sharded optimizer of ``optimizer``'s class, groups and options
-        (its state loaded, whole), for :meth:`shard_optimizer`."""
-        import inspect
-
-        cls = type(optimizer)
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        """``optimizer`` (built over this wrapper's parameters) converted in
+        place to step this rank's pieces, for :meth:`shard_optimizer` and
+        :func:`sharded_optimizer_of`: returns its ``ShardedOptimizer``."""
+        if self._partition is None:
+            raise ConfigError(
+                "shard_optimizer() needs a wrapper built with shard_gradients=True; this one all-reduces whole "
+                "gradients: step the optimizer as it is"
+            )
+        self._sync.refuse_if_closed()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
                   for g in optimizer.param_groups]
-        sharded = self.shard_optimizer(cls, groups, **defaults)
-        if optimizer.state:
-            sharded.load_state_dict(optimizer.state_dict())
-        return sharded
+        return ShardedOptimizer(self._partition, self._names, self._states, type(optimizer), groups, adopt=optimizer)
+
+    def zero_grad(self, set_to_none=True):
+        """``Module.zero_grad``; sharded, it also drops (or zeroes) the
+        gradients of this rank's pieces, where the averages live (HF
+        ``Trainer`` clears gradients through the model, not the optimizer)."""
+        super().zero_grad(set_to_none)
+        if self._partition is not None:
+            self._partition.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, params=None):
         """Clip the averaged gradients by their global norm, as
@@ -166,18 +181,25 @@ class Sharding:
             if report.outcome == "all_joined":
                 return {"first_step": first, "steps": steps}
 
-    def _refuse_unsharded_step(self, optimizer):
-        """A plain optimizer over a sharded wrapper's parameters would find
-        no gradient and silently do nothing."""
-        if self._partition is None or isinstance(optimizer, ShardedOptimizer):
-            return
-        mine = {id(p) for p in self._params}
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            raise ConfigError(
-                f"{type(optimizer).__name__} steps parameters of a wrapper built with shard_gradients=True, whose "
-                "gradients live in each rank's partition (.grad stays None): build the optimizer with "
-                "model.shard_optimizer(torch.optim.AdamW, lr=...) instead"
-            )
+
+def sharded_optimizer_of(optimizer, wrapper=None):
+    """The ``ShardedOptimizer`` that steps ``optimizer`` (a torch optimizer):
+    the one it was converted to, or, if it steps parameters of a sharded
+    wrapper (``wrapper``, or any live one), a new conversion; ``None`` for
+    an optimizer of no sharded wrapper."""
+    if getattr(optimizer, "_gradsync_facade", False):
+        return optimizer
+    converted = getattr(optimizer, "_gradsync_sharded", None)
+    if converted is not None:
+        return converted
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owners = [wrapper] if wrapper is not None else [w for w in list(_SHARDED) if not w._sync.closed]
+    owners = [w for w in owners if w._partition is not None and w._holds_any(params)]
+    if not owners:
+        return None
+    if len(owners) > 1:
+        raise ConfigError("one optimizer steps the parameters of several sharded wrappers: build one per model")
+    return owners[0]._take_over(optimizer)
 
 
 def _replace_clip():

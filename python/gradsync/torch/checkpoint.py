@@ -33,10 +33,22 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from gradsync._errors import ConfigError
 
 
+def _sharded(model, optimizer):
+    """``optimizer``'s ``ShardedOptimizer`` (converted now if it was not yet)."""
+    from gradsync.torch._sharding import sharded_optimizer_of
+
+    sharded = sharded_optimizer_of(optimizer, model)
+    if sharded is None:
+        raise ConfigError("gradsync.torch.checkpoint saves and loads sharded models: build the wrapper with "
+                          "shard_gradients=True (an unsharded optimizer saves with torch.save(optimizer.state_dict()))")
+    return sharded
+
+
 def save(checkpoint_id, model, optimizer):
     """Write ``model`` (a sharded ``DistributedDataParallel``) and its
-    ``optimizer`` (``model.shard_optimizer(...)``) to ``checkpoint_id`` (a
-    directory). Every rank calls it."""
+    ``optimizer`` (any optimizer over its parameters, converted) to
+    ``checkpoint_id`` (a directory). Every rank calls it."""
+    optimizer = _sharded(model, optimizer)
     dcp.save({"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict()},
              checkpoint_id=checkpoint_id)
 
@@ -44,6 +56,7 @@ def save(checkpoint_id, model, optimizer):
 def load(checkpoint_id, model, optimizer):
     """Read ``checkpoint_id`` (written by :func:`save`, on any world size)
     into ``model`` and ``optimizer``. Every rank calls it."""
+    optimizer = _sharded(model, optimizer)
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
     saved = {fqn[len("model."):] for fqn in metadata.state_dict_metadata if fqn.startswith("model.")}
     ours = set(model.module.state_dict())

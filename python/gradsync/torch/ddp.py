@@ -57,7 +57,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, _JoinConfig
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradsync._controls import StepControls
 from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
@@ -71,7 +71,7 @@ from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch._sharding import Sharding
 from gradsync.torch._sharding import refuse as refuse_sharded
-from gradsync.torch._sharding import scatters
+from gradsync.torch._sharding import scatters, sharded_optimizer_of
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -104,11 +104,24 @@ _OPTIMIZER_HOOK = None
 
 
 def _check_before_optimizer_step(optimizer, args, kwargs):
-    """An optimizer step must not apply gradients a wrapper never averaged."""
+    """An optimizer step must not apply gradients a wrapper never averaged;
+    an optimizer over a sharded wrapper's parameters steps sharded (it is
+    taken over at its first step, ``_sharding.sharded_optimizer_of``)."""
+    if getattr(optimizer, "_gradsync_facade", False):
+        return  # (its inner optimizer's step comes through here)
     for ddp in list(_LIVE):
         ddp._sync.raise_if_unfinished("optimizer.step()")
         ddp._raise_if_unaveraged(optimizer)
-        ddp._refuse_unsharded_step(optimizer)
+    sharded = sharded_optimizer_of(optimizer)
+    if sharded is not None:
+        sharded.before_step()
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    """A sharded optimizer's step ends with the parameters' gather."""
+    sharded = getattr(optimizer, "_gradsync_sharded", None)
+    if sharded is not None:
+        sharded.after_step()
 
 
 def _end_of_backward(ref):
@@ -371,7 +384,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         _LIVE.add(self)
         global _OPTIMIZER_HOOK
         if _OPTIMIZER_HOOK is None:
-            _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_before_optimizer_step)
+            _OPTIMIZER_HOOK = (register_optimizer_step_pre_hook(_check_before_optimizer_step),
+                               register_optimizer_step_post_hook(_after_optimizer_step))
 
     # ---- what an elastic job's membership calls (gradsync.torch.Elastic) ---------------------
 

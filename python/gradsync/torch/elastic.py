@@ -139,11 +139,12 @@ class MembershipEvent:
 
 
 def _sharded(obj):
-    """Whether ``obj`` is a sharded optimizer (its state moves with the
-    members, not in a joiner's transfer)."""
-    from gradsync.torch._sharded_optim import ShardedOptimizer
-
-    return isinstance(obj, ShardedOptimizer)
+    """``obj``'s ``ShardedOptimizer`` if it is one or was converted to one
+    (its state moves with the members, not in a joiner's transfer), else
+    ``None``."""
+    if getattr(obj, "_gradsync_facade", False):
+        return obj
+    return getattr(obj, "_gradsync_sharded", None)
 
 
 def _env(name, convert=str):
@@ -281,9 +282,15 @@ class Elastic:
     def track(self, **objects):
         """Objects whose ``state_dict()`` a joiner receives (the wrapped
         model, the optimizer, an LR scheduler, a grad scaler ...), by name."""
+        from gradsync.torch._sharding import sharded_optimizer_of
+
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
+            if isinstance(obj, torch.optim.Optimizer):
+                # An optimizer over a sharded wrapper's parameters steps sharded from now on
+                # (a change of members moves its state before its first step).
+                sharded_optimizer_of(obj)
             self._tracked[name] = obj
 
     def steps(self, total):
@@ -450,9 +457,11 @@ class Elastic:
                 elements = sum(t.numel() for t in state.values())
                 parts.append(f"{name}: {kind} with {len(shapes)} tensors, {elements} elements")
             elif _sharded(obj):
-                groups = [len(ix) for ix in obj._group_params]
-                digest.update(repr((kind, obj._class.__qualname__, groups)).encode())
-                parts.append(f"{name}: {kind} of {obj._class.__qualname__} over {sum(groups)} parameters")
+                sharded = _sharded(obj)
+                groups = [len(ix) for ix in sharded._group_params]
+                kind = f"sharded {sharded._class.__qualname__}"
+                digest.update(repr((kind, groups)).encode())
+                parts.append(f"{name}: {kind} over {sum(groups)} parameters")
             elif isinstance(obj, torch.optim.Optimizer):
                 groups = [len(g["params"]) for g in obj.param_groups]
                 digest.update(repr((kind, groups)).encode())

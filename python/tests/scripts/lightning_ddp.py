@@ -2,12 +2,17 @@
 devices=2)`` on a module that checkpoints one shared block twice (reentrant),
 which torch's DDP refuses. ``--impl`` picks the wrapper: ``ddp`` (torch's),
 ``replace`` (``gradsync.torch.replace_ddp()`` then Lightning's own "ddp"
-strategy) or ``strategy`` (``GradsyncDDPStrategy``). Rank 0 prints the wrapper's
-class, the spread between replicas, and the difference from a one-process
-replay of every rank's batches."""
+strategy) or ``strategy`` (``GradsyncDDPStrategy``); ``--shard``: gradsync
+with ``shard_gradients=True`` (nothing else changes: the optimizer
+``configure_optimizers`` returns steps this rank's partition), and a
+checkpoint saved through Lightning holds the whole optimizer state. Rank 0
+prints the wrapper's class, the spread between replicas, and the difference
+from a one-process replay of every rank's batches."""
 
 import argparse
 import copy
+import os
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -44,22 +49,24 @@ class Shared(L.LightningModule):
         return self(x).square().mean()
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=["ddp", "replace", "strategy"], required=True)
-    impl = parser.parse_args().impl
+    parser.add_argument("--shard", action="store_true", help="gradsync's shard_gradients=True")
+    args = parser.parse_args()
+    impl, sharded = args.impl, ({"shard_gradients": True} if args.shard else {})
     strategy = "ddp"
     if impl == "replace":
         import gradsync.torch
 
-        gradsync.torch.replace_ddp()
+        gradsync.torch.replace_ddp(**sharded)
     elif impl == "strategy":
         from gradsync.torch.lightning import GradsyncDDPStrategy
 
-        strategy = GradsyncDDPStrategy()
+        strategy = GradsyncDDPStrategy(**sharded)
     model = Shared()
     initial = copy.deepcopy(model)
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH * 2, 8, generator=torch.Generator().manual_seed(3)))
@@ -70,16 +77,33 @@ def main():
     with failures_reported(impl):
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=BATCH))
 
+    saved = None
+    if args.shard:
+        # Lightning's checkpoint (every rank calls it; rank 0 writes): the whole optimizer state.
+        path = os.path.join(tempfile.gettempdir(), f"gradsync-lightning-{os.environ.get('MASTER_PORT')}.ckpt")
+        trainer.save_checkpoint(path)
+        if trainer.global_rank == 0:
+            saved = torch.load(path, weights_only=False)["optimizer_states"][0]
+            os.remove(path)
+    replayed = {}
+
     def replay(seen):
         ref = copy.deepcopy(initial)
-        opt = torch.optim.SGD(ref.parameters(), lr=LR)
+        opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
         for step in range(STEPS):
             opt.zero_grad()
             ref(torch.cat([s[step] for s in seen])).square().mean().backward()
             opt.step()
+        replayed["state"] = opt.state_dict()
         return ref.parameters()
 
     report(model.wrapper, model.parameters(), replay, model.seen)
+    if saved is not None:
+        want = replayed["state"]["state"]
+        diff = max((saved["state"][n]["momentum_buffer"] - want[n]["momentum_buffer"]).abs().max().item()
+                   for n in want)
+        assert sorted(saved["state"]) == sorted(want), (sorted(saved["state"]), sorted(want))
+        print(f"checkpointed optimizer state: {diff:.1e} from the replay's", flush=True)
 
 if __name__ == "__main__":
     main()
