@@ -133,6 +133,18 @@ def reference_of(output):
     return float(re.search(r"reference: (\S+)", output).group(1))
 
 
+@pytest.mark.slow
+def test_lightning_manual_optimization_sharded(side_by_side_sharded):
+    """The GAN recipe sharded: two optimizers over one sharded wrapper (each
+    converted at its first step, each gathering after its step), two
+    ``manual_backward`` a step."""
+    pytest.importorskip("lightning")
+    diff = run_ok(LIGHTNING_MANUAL, "--impl", "strategy", "--shard")
+    assert diff <= 1e-5
+    side_by_side_sharded("Lightning manual optimization (GAN recipe: two optimizers), "
+                         "GradsyncDDPStrategy(shard_gradients=True)", f"ok, {diff:.1e} (one-process replay)")
+
+
 @pytest.mark.parametrize(
     "options",
     [("--impl", "replace"), ("--impl", "strategy", "--static-graph")],

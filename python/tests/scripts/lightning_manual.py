@@ -90,17 +90,19 @@ def main():
     parser.add_argument("--impl", choices=["ddp", "replace", "strategy"], required=True)
     parser.add_argument("--static-graph", action="store_true")
     parser.add_argument("--find-unused", action="store_true")
+    parser.add_argument("--shard", action="store_true", help="gradsync's shard_gradients=True (two optimizers)")
     args = parser.parse_args()
     options = {"static_graph": args.static_graph, "find_unused_parameters": args.find_unused}
+    sharded = {"shard_gradients": True} if args.shard else {}
     if args.impl == "replace":
         import gradsync.torch
 
-        gradsync.torch.replace_ddp()
+        gradsync.torch.replace_ddp(**sharded)
         strategy = DDPStrategy(**options)
     elif args.impl == "strategy":
         from gradsync.torch.lightning import GradsyncDDPStrategy
 
-        strategy = GradsyncDDPStrategy(**options)
+        strategy = GradsyncDDPStrategy(**options, **sharded)
     else:
         strategy = DDPStrategy(**options)
     model = Gan()
