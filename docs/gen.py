@@ -8,6 +8,8 @@ Sources, never edited by hand:
   by ``benches/torch/record.py`` (which also records the command);
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
 * ``docs/data/elastic.json``: ``benches/torch/elastic_recovery.py --json``;
+* ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
+  ``sharded_side_by_side.py`` and ``sharded_elastic.py --json``;
 * ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
   (host time per step and per gradient, world 1);
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
@@ -39,6 +41,7 @@ ELASTIC = ROOT / "docs" / "data" / "elastic.json"
 HOST = ROOT / "docs" / "data" / "host"
 SHARDED_MEMORY = ROOT / "docs" / "data" / "sharded" / "memory.json"
 SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
+SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
 PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
@@ -330,11 +333,34 @@ def sharded_side_by_side() -> str:
            "`shard_gradients=True` (max abs parameter diff from one process) |", "|---|---|---|---|"]
     for row in rows:
         peer = peers.get(row["case"], {})
-        out.append(f"| {row['case']} | {peer.get('fsdp2', 'not run')} | {peer.get('zero1', 'not run')} | "
+        out.append(f"| {row['case']} | {peer.get('fsdp2', '—')} | {peer.get('zero1', '—')} | "
                    f"{row['gradsync']} |")
     if SHARDED_PEERS.is_file():
         meta = json.loads(SHARDED_PEERS.read_text())["meta"]
         out.append(f"\nThe peers' columns: {meta['machine']}, torch {meta['torch']}, `{meta['command']}`.")
+    return "\n".join(out)
+
+
+def sharded_elastic() -> str:
+    """A buddy copy's memory and a lost rank's cost, sharded against
+    unsharded elastic jobs (``benches/torch/sharded_elastic.py --json``)."""
+    if not SHARDED_ELASTIC.is_file():
+        raise Missing(f"{SHARDED_ELASTIC.relative_to(ROOT)} is missing: run benches/torch/sharded_elastic.py --json")
+    run = json.loads(SHARDED_ELASTIC.read_text())
+    out = ["| world | averaged gradients per rank, MB: unsharded | sharded with a buddy copy | "
+           "optimizer state per rank, MB: unsharded | sharded with a buddy copy |", "|---|---|---|---|---|"]
+    by = {(r["world"], r["sharded"]): r for r in run["memory"]}
+    for world in sorted({r["world"] for r in run["memory"]}):
+        whole, part = by[(world, False)], by[(world, True)]
+        out.append(f"| {world} | {whole['runtime_bytes'] / 1e6:.2f} | {part['runtime_bytes'] / 1e6:.2f} | "
+                   f"{whole['optimizer_bytes'] / 1e6:.2f} | {part['optimizer_bytes'] / 1e6:.2f} |")
+    out += ["", "| a rank killed before its optimizer step | failure → new group, ms | steps skipped |", "|---|---|---|"]
+    for k in run["kills"]:
+        what = "sharded (state moved from the buddies)" if k["sharded"] else "unsharded"
+        out.append(f"| world {k['world']} → {k['world'] - 1}, {what} | {k['recovery_s'] * 1e3:.0f} | {k['skipped']} |")
+    meta = run["meta"]
+    out.append(f"\n{meta['machine']}; the elastic example's model at width {meta['width']} (SGD with momentum); "
+               f"`{meta['command']}`.")
     return "\n".join(out)
 
 
@@ -447,6 +473,7 @@ GENERATORS = {
     "elastic-cost": elastic_cost,
     "host-time": host_time,
     "sharded-memory": sharded_memory,
+    "sharded-elastic": sharded_elastic,
 }
 
 

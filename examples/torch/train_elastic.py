@@ -205,7 +205,7 @@ def main():
     if not elastic.is_member:
         print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
         return
-    sys.exit(0 if check(args, elastic, model, base, data, loss, applied_at, norms) else 1)
+    sys.exit(0 if check(args, elastic, model, opt, base, data, loss, applied_at, norms) else 1)
 
 
 def train(args, elastic, model, opt, data):
@@ -274,14 +274,24 @@ def train(args, elastic, model, opt, data):
     return loss, applied_at, norms
 
 
-def check(args, elastic, model, base, data, loss, applied_at, norms):
+def memory(model, opt):
+    """Bytes this rank holds of averaged gradients (the runtime's buckets or
+    partitions) and of optimizer state (sharded: its partitions and its
+    buddy's)."""
+    state = sum(v.numel() * v.element_size() for entry in opt.state.values() for v in entry.values()
+                if torch.is_tensor(v))
+    return {"runtime": model._sync.session.memory_bytes, "optimizer": state}
+
+
+def check(args, elastic, model, opt, base, data, loss, applied_at, norms):
     """Every member puts its digest into the store; rank 0 compares them and
     replays the history. Returns whether the run is exact."""
     mine = digest(model.module)
     elastic.store.set(f"{elastic.job}/final/{elastic.epoch}/{elastic.rank}", mine)
     outcome = {"member": elastic.member, "rank": elastic.rank, "world": elastic.world, "epoch": elastic.epoch,
                "applied": elastic.applied, "history": elastic.history, "digest": mine, "started": STARTED,
-               "applied_at": applied_at, "events": [dataclasses.asdict(e) for e in elastic.events]}
+               "applied_at": applied_at, "events": [dataclasses.asdict(e) for e in elastic.events],
+               "memory": memory(model, opt)}
     ok = True
     if elastic.rank == 0:
         keys = [f"{elastic.job}/final/{elastic.epoch}/{r}" for r in range(elastic.world)]
