@@ -32,6 +32,8 @@ class Shared(L.LightningModule):
         self.block = nn.Linear(16, 16)
         self.out = nn.Linear(16, 1)
         self.seen = []
+        # (Sharded runs checkpoint the optimizer: momentum gives it state to compare.)
+        self.momentum = 0.0
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
@@ -49,7 +51,7 @@ class Shared(L.LightningModule):
         return self(x).square().mean()
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
 def main():
@@ -68,6 +70,7 @@ def main():
 
         strategy = GradsyncDDPStrategy(**sharded)
     model = Shared()
+    model.momentum = 0.9 if args.shard else 0.0
     initial = copy.deepcopy(model)
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH * 2, 8, generator=torch.Generator().manual_seed(3)))
     trainer = L.Trainer(
@@ -89,7 +92,7 @@ def main():
 
     def replay(seen):
         ref = copy.deepcopy(initial)
-        opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+        opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=model.momentum)
         for step in range(STEPS):
             opt.zero_grad()
             ref(torch.cat([s[step] for s in seen])).square().mean().backward()
