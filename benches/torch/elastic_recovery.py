@@ -59,17 +59,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(nproc, args, rejoin=False, timeout=900):
-    """Run the elastic example; returns the members' reports and the kill record."""
+#: What this bench's runs share (the model as torch's DDP in the torchrun runs can train it, one bucket).
+SAME_AS_TORCHRUN = ("--no-recompute", "--bucket-mb", "25")
+
+
+def launch(nproc, args, rejoin=False, timeout=900, common=SAME_AS_TORCHRUN):
+    """Run the elastic example with ``common`` and ``args`` (the benches of
+    elastic jobs share it); returns the members' reports by member id and
+    the kill record. A run that fails ends the bench, saying why."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "out"
         cmd = [sys.executable, "-m", "gradsync.launch", "--nproc", str(nproc), "--port", str(free_port()),
                *(["--rejoin"] if rejoin else []), str(EXAMPLE), "--report", str(report), "--log-every", "100000",
-               "--no-recompute", "--bucket-mb", "25", *args]
+               *common, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
-            sys.exit(f"elastic_recovery: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            bench = Path(sys.argv[0]).stem
+            sys.exit(f"{bench}: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         reports = {}
         for f in Path(tmp).glob("out.*"):
             if f.suffix not in (".killed", ".tmp"):

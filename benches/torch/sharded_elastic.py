@@ -22,32 +22,10 @@ import argparse
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "torch" / "train_elastic.py"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world, args, timeout=600):
-    """Run the elastic example with ``args``; the members' reports."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "gradsync.launch", "--nproc", str(world), "--port", str(free_port()),
-               str(EXAMPLE), "--report", str(Path(tmp) / "out"), "--log-every", "100000", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode != 0:
-            sys.exit(f"sharded_elastic: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        return [json.loads(f.read_text()) for f in Path(tmp).glob("out.*") if f.suffix not in (".killed", ".tmp")]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_recovery import launch  # noqa: E402
 
 
 def main():
@@ -61,7 +39,7 @@ def main():
     rows = []
     for world in args.worlds:
         for shard in (False, True):
-            reports = launch(world, common + (["--shard"] if shard else []))
+            reports = list(launch(world, common + (["--shard"] if shard else []), timeout=600, common=())[0].values())
             row = {"world": world, "sharded": shard,
                    "runtime_bytes": max(r["memory"]["runtime"] for r in reports),
                    "optimizer_bytes": max(r["memory"]["optimizer"] for r in reports)}
@@ -71,7 +49,8 @@ def main():
     world = args.worlds[-1]
     kills = []
     for shard in (False, True):
-        reports = launch(world, common + ["--kill", "1@4:optimizer"] + (["--shard"] if shard else []))
+        how = ["--kill", "1@4:optimizer"] + (["--shard"] if shard else [])
+        reports = list(launch(world, common + how, timeout=600, common=())[0].values())
         lost = [e for r in reports for e in r["events"] if e["kind"] == "lost"]
         first = next(r for r in reports if r["rank"] == 0)
         kill = {"world": world, "sharded": shard, "recovery_s": max(e["seconds"] for e in lost),

@@ -83,7 +83,9 @@ def sharded():
 def _settle(part, optimizer, others):
     me = member(0, 1, taken=part.taken, ready=part.pending, clipped=part.clipped, asked=part.clip_asked)
     everyone = [me, *others]
-    return _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me], True)])
+    dropped, taken = _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me], True)])
+    assert taken == part.taken, "every holder ends on the steps this one took"
+    return dropped
 
 
 def test_a_survivor_behind_one_that_stepped_steps_now_with_its_clipping(sharded):

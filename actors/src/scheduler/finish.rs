@@ -372,7 +372,7 @@ impl<S: GradStore> Scheduler<S> {
                 self.recycle(id, v);
             }
         }
-        let starts = self.partitions.as_ref().map(|p| p.ranges.iter().map(|r| r.start).collect());
+        let starts = self.partitions.as_ref().map(|p| (0..p.held.len()).map(|b| p.start(b)).collect());
         if !outcome.is_applied() {
             if let Some(parts) = self.partitions.as_mut() {
                 parts.clear();

@@ -41,10 +41,9 @@ pub(crate) const IDLE: usize = 1;
 /// A partitioned scheduler's partitions and idle buffers (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Partitions<B> {
-    /// Per bucket: this rank's range of it.
-    pub(crate) ranges: Vec<Range<usize>>,
     /// Per bucket: the ranges a step keeps, back to back in its partition
-    /// buffer: this rank's, then its buddy's (when it keeps one).
+    /// buffer: this rank's ([`Partitions::start`]), then its buddy's (when
+    /// it keeps one).
     pub(crate) held: Vec<Vec<Range<usize>>>,
     /// This step's reduced partitions, by bucket (`None` until reduced).
     pub(crate) parts: Vec<Option<B>>,
@@ -58,20 +57,26 @@ impl<B> Partitions<B> {
     /// The partitions of `plan`'s buckets for `rank` of `world`, and with
     /// `buddy` those of the next rank too.
     pub(crate) fn new(plan: &Plan, rank: usize, world: usize, buddy: bool) -> Self {
-        let ranges: Vec<_> = (0..plan.num_buckets()).map(|b| partition(plan.bucket_numel(b), rank, world)).collect();
+        let next = (rank + 1) % world;
         let held = (0..plan.num_buckets())
             .map(|b| {
-                let mut held = vec![ranges[b].clone()];
-                let next = (rank + 1) % world;
+                let numel = plan.bucket_numel(b);
+                let mut held = vec![partition(numel, rank, world)];
                 if buddy && next != rank {
-                    held.push(partition(plan.bucket_numel(b), next, world));
+                    held.push(partition(numel, next, world));
                 }
                 held
             })
             .collect();
         let none = || (0..plan.num_buckets()).map(|_| None).collect();
         let spare = (0..plan.num_buckets()).map(|_| Vec::new()).collect();
-        Partitions { ranges, held, parts: none(), spare, idle: Vec::new() }
+        Partitions { held, parts: none(), spare, idle: Vec::new() }
+    }
+
+    /// Where this rank's own partition of bucket `b` starts (what a lent
+    /// buffer holds first).
+    pub(crate) fn start(&self, b: usize) -> usize {
+        self.held[b][0].start
     }
 
     /// Values a step keeps of bucket `b` (its partition, and its buddy's).

@@ -135,11 +135,9 @@ class Partition:
         self.buckets = []
         self.pieces = []
         self.buddy_pieces = []
-        next_rank = (rank + 1) % world
         for b, (numel, members) in enumerate(self.plan):
             sizes = tuple(self.reals(self.params[i]) for i in members)
-            mine = partition_of(numel, rank, world)
-            theirs = partition_of(numel, next_rank, world) if self.buddy and next_rank != rank else (0, 0)
+            mine, theirs = held_ranges(numel, rank, world, self.buddy)
             chunk = partition_of(numel, 0, world)[1]
             self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, mine, theirs))
             self.pieces += self._pieces_of(b, members, sizes, mine, 0)
@@ -153,6 +151,10 @@ class Partition:
         self.buddy_of_param = {}
         for piece in self.buddy_pieces:
             self.buddy_of_param.setdefault(piece.param, []).append(piece)
+        #: Per bucket: every piece this rank holds of it, its own and its buddy's.
+        self.held_of_bucket = {}
+        for piece in self.every_held_piece():
+            self.held_of_bucket.setdefault(piece.bucket, []).append(piece)
 
     def _pieces_of(self, b, members, sizes, span, held_at):
         """The pieces of bucket ``b`` inside ``span`` (a range of it), whose
@@ -358,6 +360,15 @@ class Partition:
             for piece in self.every_held_piece():
                 if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted:
                     piece.tensor.grad.mul_(coef)
+
+
+def held_ranges(numel, rank, world, buddy):
+    """The ranges of a bucket of ``numel`` values that ``rank`` of
+    ``world`` holds: ``(own, buddy's)`` (the buddy's empty without one: no
+    ``buddy``, or a rank that is its own next rank)."""
+    own = tuple(partition_of(numel, rank, world))
+    nxt = (rank + 1) % world
+    return own, (tuple(partition_of(numel, nxt, world)) if buddy and nxt != rank else (0, 0))
 
 
 def norm_of(grads, norm_type, states):

@@ -42,15 +42,8 @@ import torch
 
 from gradsync._errors import MembershipError
 from gradsync._native import partition as partition_of
-from gradsync.torch._partition import _flat, norm_of
-
-
-def held_ranges(numel, rank, world, buddy):
-    """The ranges of a bucket of ``numel`` values that ``rank`` of
-    ``world`` holds: ``(own, buddy's)`` (the buddy's empty without one)."""
-    own = tuple(partition_of(numel, rank, world))
-    nxt = (rank + 1) % world
-    return own, (tuple(partition_of(numel, nxt, world)) if buddy and nxt != rank else (0, 0))
+from gradsync.torch._partition import _flat, held_ranges, norm_of
+from gradsync.torch._sharded_optim import _kind
 
 
 def runs(numel, everyone, buddy):
@@ -93,7 +86,7 @@ def _entry_kinds(entry):
     """A state entry's keys: ``("tensor", dtype)`` or ``("scalar", value)``."""
     out = {}
     for key, value in entry.items():
-        if torch.is_tensor(value) and value.dim() > 0:
+        if _kind(value) == "tensor":
             out[key] = ("tensor", str(value.dtype).removeprefix("torch."))
         else:
             out[key] = ("scalar", value.clone() if torch.is_tensor(value) else value)
@@ -133,8 +126,9 @@ def settle(part, states, rank, world, mark=True):
             "lives on its rank and on the rank before it): the job cannot go on from memory; restart it from the "
             "last sharded checkpoint (gradsync.torch.checkpoint.save/load)",
         )
-    dropped = _settle_step(part, optimizer, states, rank, everyone, layout)
-    _move(part, optimizer, states, rank, world, everyone, layout)
+    dropped, taken = _settle_step(part, optimizer, states, rank, everyone, layout)
+    _move(part, optimizer, states, rank, world, layout)
+    part.taken = taken
     part.settled = mark
     part.holds = True
     return dropped
@@ -142,7 +136,8 @@ def settle(part, states, rank, world, mark=True):
 
 def _settle_step(part, optimizer, states, rank, everyone, layout):
     """Step 1 of the module docs: every holder ends on the same optimizer
-    step. Returns whether this rank dropped its pending step."""
+    step. Returns whether this rank dropped its pending step, and the
+    optimizer steps every holder has now taken."""
     holders = [e for e in everyone if e["holds"]]
     top = max(e["taken"] for e in holders)
     behind = [e for e in holders if e["taken"] < top]
@@ -156,7 +151,7 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
         dropped = part.holds and part.pending
         if dropped:
             part.clear()
-        return dropped
+        return dropped, top
     # Some stepped, or every holder can: the step is taken everywhere, clipped alike.
     clipped = [(e["clipped"], e["asked"]) for e in holders if e["clipped"]]
     asked = [e["asked"] for e in holders if e["asked"]]
@@ -170,7 +165,7 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
         wanted = set(indices)
         grads = []
         for b, bucket in enumerate(layout):
-            pieces = [p for p in part.every_held_piece() if p.bucket == b]
+            pieces = part.held_of_bucket.get(b, ())
             for lo, hi, source in bucket:
                 if source == rank:
                     grads.append(_values(pieces, lo, hi, lambda p: p.tensor.grad if p.param in wanted else None))
@@ -187,13 +182,14 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
             optimizer._quiet = False
         part.taken += 1
         part.pending = False
-    return False
+    # (Laggards stepped up to those ahead; with nobody ahead, every holder stepped.)
+    return False, top if behind else top + 1
 
 
-def _move(part, optimizer, states, rank, world, everyone, layout):
+def _move(part, optimizer, states, rank, world, layout):
     """Step 2 of the module docs: parameters to every member, optimizer
     state to its new holders (``part`` laid out for ``rank`` of ``world``)."""
-    old = {b: [p for p in part.every_held_piece() if p.bucket == b] for b in range(len(part.plan))}
+    old = part.held_of_bucket  # (the layout being left: lay_out below builds new dicts)
     state = optimizer.inner.state
     # Which parameters have optimizer state, of which kinds (the same on every holder after step 1).
     kinds = {}
@@ -207,7 +203,6 @@ def _move(part, optimizer, states, rank, world, everyone, layout):
             merged.setdefault(i, entry)
     keys = sorted({k for entry in merged.values() for k, (kind, _) in entry.items() if kind == "tensor"})
     dtypes = {k: kind_dtype for entry in merged.values() for k, (kind, kind_dtype) in entry.items() if kind == "tensor"}
-    taken = max(e["taken"] for e in states.all_gather_objects({"taken": part.taken}))
     part.lay_out(rank, world)
     fresh = {}
     for b, (numel, members) in enumerate(part.plan):
@@ -216,8 +211,8 @@ def _move(part, optimizer, states, rank, world, everyone, layout):
         for lo, hi, source in layout[b]:
             if source == rank:
                 data = torch.stack(
-                    [_values(old[b], lo, hi, lambda p: p.tensor)]
-                    + [_values(old[b], lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k)) for k in keys]
+                    [_values(old.get(b, ()), lo, hi, lambda p: p.tensor)]
+                    + [_values(old.get(b, ()), lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k)) for k in keys]
                 )
             else:
                 data = torch.empty(rows, hi - lo, dtype=torch.float64)
@@ -227,8 +222,8 @@ def _move(part, optimizer, states, rank, world, everyone, layout):
         sizes = [part.reals(part.params[i]) for i in members]
         for i, values in zip(members, full[0].split(sizes)):
             _flat(part.params[i]).copy_(values)
-        for piece in part.every_held_piece():
-            if piece.bucket != b or piece.param not in merged:
+        for piece in part.held_of_bucket.get(b, ()):
+            if piece.param not in merged:
                 continue
             entry = {}
             for key, (kind, value) in merged[piece.param].items():
@@ -240,5 +235,4 @@ def _move(part, optimizer, states, rank, world, everyone, layout):
             fresh[piece.tensor] = entry
     part.states = states
     optimizer.rebind(fresh)
-    part.taken = taken
     part.pending = False

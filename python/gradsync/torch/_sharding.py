@@ -182,19 +182,28 @@ class Sharding:
                 return {"first_step": first, "steps": steps}
 
 
+def converted(optimizer):
+    """``optimizer``'s ``ShardedOptimizer`` if it is one or was converted to
+    one, else ``None`` (nothing is converted)."""
+    if getattr(optimizer, "_gradsync_facade", False):
+        return optimizer
+    return getattr(optimizer, "_gradsync_sharded", None)
+
+
 def sharded_optimizer_of(optimizer, wrapper=None):
     """The ``ShardedOptimizer`` that steps ``optimizer`` (a torch optimizer):
     the one it was converted to, or, if it steps parameters of a sharded
     wrapper (``wrapper``, or any live one), a new conversion; ``None`` for
     an optimizer of no sharded wrapper."""
-    if getattr(optimizer, "_gradsync_facade", False):
-        return optimizer
-    converted = getattr(optimizer, "_gradsync_sharded", None)
-    if converted is not None:
-        return converted
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sharded = converted(optimizer)
+    if sharded is not None:
+        return sharded
     owners = [wrapper] if wrapper is not None else [w for w in list(_SHARDED) if not w._sync.closed]
-    owners = [w for w in owners if w._partition is not None and w._holds_any(params)]
+    owners = [w for w in owners if w._partition is not None]
+    if not owners:
+        return None  # (every step of an unsharded job comes here: no parameter list built)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owners = [w for w in owners if w._holds_any(params)]
     if not owners:
         return None
     if len(owners) > 1:

@@ -142,9 +142,9 @@ def _sharded(obj):
     """``obj``'s ``ShardedOptimizer`` if it is one or was converted to one
     (its state moves with the members, not in a joiner's transfer), else
     ``None``."""
-    if getattr(obj, "_gradsync_facade", False):
-        return obj
-    return getattr(obj, "_gradsync_sharded", None)
+    from gradsync.torch._sharding import converted
+
+    return converted(obj)
 
 
 def _env(name, convert=str):
@@ -456,8 +456,7 @@ class Elastic:
                 digest.update(repr(shapes).encode())
                 elements = sum(t.numel() for t in state.values())
                 parts.append(f"{name}: {kind} with {len(shapes)} tensors, {elements} elements")
-            elif _sharded(obj):
-                sharded = _sharded(obj)
+            elif sharded := _sharded(obj):
                 groups = [len(ix) for ix in sharded._group_params]
                 kind = f"sharded {sharded._class.__qualname__}"
                 digest.update(repr((kind, groups)).encode())

@@ -15,6 +15,7 @@ Without it, a save with sharded gradients raises a ``ConfigError`` that
 names this callback. Importing this module needs ``transformers``.
 """
 
+import torch
 from transformers import TrainerCallback
 
 from gradsync.torch._sharding import sharded_optimizer_of
@@ -22,11 +23,8 @@ from gradsync.torch._sharding import sharded_optimizer_of
 
 def _sharded(optimizer):
     """The ``ShardedOptimizer`` under ``optimizer`` (Accelerate wraps it), or ``None``."""
-    while optimizer is not None and not hasattr(optimizer, "param_groups"):
-        optimizer = getattr(optimizer, "optimizer", None)
-    inner = getattr(optimizer, "optimizer", None)
-    if inner is not None and hasattr(inner, "param_groups"):
-        optimizer = inner  # (Accelerate's AcceleratedOptimizer has param_groups too)
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
     return None if optimizer is None else sharded_optimizer_of(optimizer)
 
 
