@@ -106,6 +106,9 @@ fn endpoint_counts_what_the_job_does() {
         assert_eq!(v("gradsync_allreduce_bytes_total", &[("collective", "bucket")]), steps as f64 * plan_bytes);
         assert_eq!(v("gradsync_buckets_launched_total", &[]), steps as f64 * buckets);
         assert_eq!(v("gradsync_plan_bytes", &[]), plan_bytes);
+        // At least the set the steps packed into; at most one more (a result still held).
+        let held = v("gradsync_bucket_memory_bytes", &[]);
+        assert!(held >= plan_bytes && held <= 2.0 * plan_bytes, "bucket memory {held}, plan {plan_bytes}");
         assert_eq!(v("gradsync_exposed_comm_seconds_count", &[]), steps as f64);
     }
     assert!(text.contains("# HELP gradsync_arrivals_total"), "series are described");

@@ -47,6 +47,8 @@ pub mod names {
     pub const PLAN_BUCKETS: &str = "gradsync_plan_buckets";
     /// See [`super::METRICS`].
     pub const PLAN_BYTES: &str = "gradsync_plan_bytes";
+    /// See [`super::METRICS`].
+    pub const BUCKET_MEMORY: &str = "gradsync_bucket_memory_bytes";
 }
 
 /// The type of a series.
@@ -186,6 +188,13 @@ pub const METRICS: &[MetricDef] = &[
         labels: "",
         help: "Bytes of one set of bucket buffers of the current plan.",
     },
+    MetricDef {
+        name: names::BUCKET_MEMORY,
+        kind: MetricKind::Gauge,
+        unit: Unit::Bytes,
+        labels: "",
+        help: "Bucket and partition memory the runtime holds, at the end of the last step.",
+    },
 ];
 
 /// Histogram boundaries (seconds) of every gradsync histogram: fixed, so the
@@ -212,6 +221,11 @@ pub(crate) fn collective(
             metrics::counter!(names::TIMEOUTS, "rank" => rank.to_owned()).increment(1);
         }
     }
+}
+
+/// Record the bucket memory held at a step's end.
+pub(crate) fn memory(rank: &str, bytes: usize) {
+    metrics::gauge!(names::BUCKET_MEMORY, "rank" => rank.to_owned()).set(bytes as f64);
 }
 
 /// Record the plan in force.

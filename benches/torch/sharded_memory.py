@@ -146,7 +146,7 @@ def _rank(rank, world, port, impl, args, results):
         optimizer.step()
         times.append(time.perf_counter() - began)
     params = list(model.parameters())
-    runtime = wrapped._sync.session.memory_bytes if impl.startswith("gradsync") else 0
+    runtime = wrapped.memory_bytes if impl.startswith("gradsync") else 0
     # gradsync's .grad may be views of its buckets (counted in `runtime`).
     grads = [p.grad for p in params if p.grad is not None and getattr(p.grad._base, "_gradsync_step", None) is None]
     out = {

@@ -163,7 +163,7 @@ def hook_call_us(samples=20_000):
     import gradsync
 
     class Alone:  # a 1-rank communicator: nothing to sum
-        def all_reduce(self, addr, numel, dtype, factor, tag, kind, timeout_s):
+        def all_reduce(self, addr, numel, dtype, factor, timeout_s):
             pass
 
         def reset(self):
@@ -250,7 +250,7 @@ def rank_main(rank, args, port, out_q):
             row["exposed_comm_s"].append(report.exposed_comm_s if report is not None else None)
             if report is not None:
                 row["buckets_overlapped"].append((report.buckets_done_before_finish, report.buckets_launched))
-                row["bucket_memory_bytes"].append(model.session.memory_bytes)
+                row["bucket_memory_bytes"].append(model.memory_bytes)
             row["losses"].append(loss.item())
         if rank == 0 and args.progress and (step + 1) % max(1, args.steps // 10) == 0:
             print(f"  step {step + 1}/{args.steps}", file=sys.stderr, flush=True)

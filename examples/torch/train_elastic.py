@@ -280,7 +280,7 @@ def memory(model, opt):
     buddy's)."""
     state = sum(v.numel() * v.element_size() for entry in opt.state.values() for v in entry.values()
                 if torch.is_tensor(v))
-    return {"runtime": model._sync.session.memory_bytes, "optimizer": state}
+    return {"runtime": model.memory_bytes, "optimizer": state}
 
 
 def check(args, elastic, model, opt, base, data, loss, applied_at, norms):

@@ -89,6 +89,17 @@ class StepControls:
         return self._sync.current_step
 
     @property
+    def memory_bytes(self):
+        """Bytes of gradient memory gradsync's runtime holds for this model
+        now: its bucket buffers (a set the steps pack into, and one more
+        while a finished step's averages are still referenced), or, with
+        ``shard_gradients=True``, this rank's partitions and the one whole
+        bucket kept for the next step; plus per-parameter metadata. The
+        Prometheus gauge ``gradsync_bucket_memory_bytes`` carries the buffers'
+        part at each step's end."""
+        return self._sync.session.memory_bytes
+
+    @property
     def session(self):
         """The underlying :class:`gradsync.Session` (progress, memory figures)."""
         return self._sync.session

@@ -4,15 +4,18 @@ from os import PathLike
 from typing import Any, Optional, Protocol, Union
 
 class Communicator(Protocol):
-    """What a :class:`Session` runs its collectives through (``gradsync.torch``
-    provides one over ``torch.distributed``)."""
+    """A Python communicator a :class:`Session` runs its collectives through
+    (Paddle's, ``gradsync.paddle._comm``; torch's wrapper passes its C++
+    engine instead), called on the communicator thread: ``all_reduce`` sums
+    ``numel`` values of ``dtype`` at ``addr`` in place across the ranks and
+    multiplies them by ``factor``, within ``timeout_s``; it returns ``None``,
+    or ``(message, ranks behind)`` when the collective failed. ``reset``
+    starts a new epoch (on a fresh group; ``rank`` and ``world`` are read
+    after it)."""
 
-    def all_reduce(
-        self, addr: int, numel: int, dtype: str, factor: float, tag: str, kind: str, timeout_s: float
-    ) -> None: ...
-    def start(self, addr: int, numel: int, dtype: str, factor: float, tag: str, kind: str, timeout_s: float) -> None: ...
-    def wait_oldest(self) -> None: ...
-    def discard(self) -> None: ...
+    rank: int
+    world: int
+    def all_reduce(self, addr: int, numel: int, dtype: str, factor: float, timeout_s: float) -> Optional[tuple[str, list[int]]]: ...
     def reset(self) -> None: ...
 
 class StepReport:

@@ -364,6 +364,7 @@ impl<S: GradStore> Scheduler<S> {
         };
         let step_time = st.began.map_or(Duration::ZERO, |t| t.elapsed());
         crate::telemetry::step(&self.rank_label, &report, step_time);
+        crate::telemetry::memory(&self.rank_label, self.allocated.load(std::sync::atomic::Ordering::Relaxed));
         self.expect_none = st.params.iter().map(|p| p.expect_none_next).collect();
         let order = st.reorder.then(|| super::reorder::positions(&st));
         for (p, ps) in st.params.into_iter().enumerate() {
