@@ -47,8 +47,8 @@ def parse():
                         help="gradient checkpointing of the GPT-2 blocks (torch's DDP runs only 'none' here)")
     parser.add_argument("--adamw", action="store_true", help="AdamW (lr 1e-3) instead of SGD")
     parser.add_argument("--save", action="store_true",
-                        help="save a checkpoint at the last step (rank 0 compares its optimizer state with the "
-                        "replay's)")
+                        help="save checkpoints half way and at the last step (rank 0 compares the last one's "
+                        "optimizer state with the replay's)")
     parser.add_argument("--shard", action="store_true",
                         help="gradsync sharded (ZeRO-2): replace_ddp(shard_gradients=True); nothing else changes")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -128,7 +128,7 @@ def main():
         import gradsync.torch
 
         # The one line: Accelerate's DDP becomes gradsync's (sharded: the Trainer's optimizer then steps this
-        # rank's partition, converted at its first step).
+        # rank's partition, converted at its first step, and its checkpoints hold the whole state).
         gradsync.torch.replace_ddp(shard_gradients=args.shard)
 
     model = tiny_gpt2()
@@ -137,11 +137,6 @@ def main():
     data = Tokens(args.steps * args.batch * world, args.seq)
     recorder = Recorder()
     lr, max_grad_norm = (1e-3 if args.adamw else args.lr), 1.0
-    callbacks = []
-    if args.shard and args.save:
-        from gradsync.torch.hf import ShardedCheckpoints
-
-        callbacks.append(ShardedCheckpoints())  # checkpoints hold the whole optimizer state
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
             output_dir=out,
@@ -159,13 +154,13 @@ def main():
             max_grad_norm=max_grad_norm,
             logging_steps=args.log_every,
             save_strategy="steps" if args.save else "no",
-            save_steps=args.steps,
+            save_steps=max(args.steps // 2, 1),  # (a save mid-run, training on after it, and one at the end)
             report_to=[],
             disable_tqdm=True,
             dataloader_num_workers=0,
             seed=0,
         )
-        trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=recorder, callbacks=callbacks)
+        trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=recorder)
         rank = dist.get_rank() if dist.is_initialized() else 0
         try:
             result = trainer.train()

@@ -20,6 +20,7 @@ import atexit
 
 from gradsync._core import DataPath
 from gradsync._errors import (
+    CheckpointError,
     ClosedError,
     CommunicationError,
     ConfigError,
@@ -44,6 +45,7 @@ __version__ = version()
 atexit.register(wait_for_closing)
 
 __all__ = [
+    "CheckpointError",
     "ClosedError",
     "CommunicationError",
     "ConfigError",

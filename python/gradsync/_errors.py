@@ -12,6 +12,7 @@ and steps involved::
     ├── UnfinishedStepError             gradients handed over, the step never ended
     ├── ClosedError                     used after close()
     ├── MembershipError                 an elastic job could not change its members (.kind)
+    ├── CheckpointError                 a sharded checkpoint was not written or read (.ranks)
     └── StepFailedError                 the step is lost: reset() on every rank (.step)
         ├── TimeoutError (TimeoutError) a rank missed the deadline (.missing_ranks)
         ├── PeerGoneError               a rank left (.peer)
@@ -81,6 +82,18 @@ class MembershipError(GradsyncError):
         error = cls(message)
         error.kind = kind
         return error
+
+
+class CheckpointError(GradsyncError):
+    """A sharded checkpoint (``gradsync.torch.checkpoint``) could not be
+    written or read; ``ranks`` are the ranks whose part failed, and the
+    message gives the first one's error. (torch's own ``CheckpointException``
+    is a ``BaseException``, which ``except Exception`` does not catch; this
+    is an ordinary exception, chained to it.)"""
+
+    def __init__(self, message, ranks=()):
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 class StepFailedError(GradsyncError):

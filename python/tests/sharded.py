@@ -309,7 +309,7 @@ def runtime_memory(rank, world, steps=3, cap_mb=0.01):
                 x = torch.randn(4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
                 model(x).pow(2).sum().backward()
                 opt.step()
-            out[name] = model._sync.session.memory_bytes
+            out[name] = model.memory_bytes
             plan = model._sync.session.plan()
             out["plan"] = sum(numel for numel, _ in plan) * 8
             out["bucket"] = max(numel for numel, _ in plan) * 8

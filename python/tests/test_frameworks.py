@@ -70,9 +70,11 @@ def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
     """``replace_ddp(shard_gradients=True)``: the Trainer's own AdamW (built
     before Accelerate wraps the model) is converted at its first step,
     Accelerate's clipping takes the global norm, the Trainer's
-    ``model.zero_grad()`` clears the partitions; with the
-    ``ShardedCheckpoints`` callback its checkpoint holds the whole optimizer
-    state. Parameters and saved state equal the one-process replay's."""
+    ``model.zero_grad()`` clears the partitions; its checkpoints (one half
+    way, at HF's default cadence of saving while training goes on, and one
+    at the end) hold the whole optimizer state with nothing added (a save
+    raised a ConfigError asking for a callback). Parameters and saved state
+    equal the one-process replay's."""
     pytest.importorskip("transformers")
     code, out = torchrun(REPO / "examples" / "torch" / "hf_trainer.py", "--steps", "8", "--shard", "--adamw", "--save")
     assert code == 0, out[-4000:]
@@ -84,6 +86,36 @@ def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
     side_by_side_sharded("HF Trainer, GPT-2, reentrant gradient checkpointing, clipping, AdamW, a checkpoint, "
                          "replace_ddp(shard_gradients=True)",
                          f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")
+
+
+def test_lightning_sharded_clips_by_the_global_norm_with_accumulation():
+    """``Trainer(gradient_clip_val=..., accumulate_grad_batches=2)`` sharded:
+    Lightning clips the optimizer's parameters (this rank's pieces, once
+    converted), which must give the global norm (it was each rank's own:
+    replicas equal, the run 1.5e-3 off the replay, silently)."""
+    pytest.importorskip("lightning")
+    code, out = torchrun(REPO / "python" / "tests" / "scripts" / "lightning_ddp.py", "--impl", "replace", "--shard",
+                         "--clip")
+    assert code == 0, out[-4000:]
+    assert "replicas: 0.0e+00" in out, out[-3000:]
+    assert float(re.search(r"reference: (\S+)", out).group(1)) <= 1e-5, out[-3000:]
+
+
+def test_fabric_sharded_clips_by_the_global_norm_with_accumulation(side_by_side_sharded):
+    """Lightning Fabric's loop (``no_backward_sync`` accumulation,
+    ``fabric.clip_gradients(model, optimizer, ...)``) with
+    ``replace_ddp(shard_gradients=True)``: the norms Fabric returns and the
+    parameters equal the replay's (the norms were 23% off, rank-local)."""
+    pytest.importorskip("lightning")
+    code, out = torchrun(REPO / "python" / "tests" / "scripts" / "fabric_accumulate.py", "--impl", "gradsync",
+                         "--shard")
+    assert code == 0, out[-4000:]
+    assert "wrapper: gradsync.torch.ddp.DistributedDataParallel" in out and "replicas: 0.0e+00" in out, out[-3000:]
+    diff = float(re.search(r"reference: (\S+)", out).group(1))
+    norms, clipped = re.search(r"clip norms: (\S+) from the replay's \(relative\), (\d+) of", out).groups()
+    assert diff <= 1e-5 and float(norms) <= 1e-5 and int(clipped) > 0, out[-3000:]
+    side_by_side_sharded("Lightning Fabric: no_backward_sync accumulation, fabric.clip_gradients, AdamW, "
+                         "replace_ddp(shard_gradients=True)", f"ok, {diff:.1e} (one-process replay)")
 
 
 @pytest.mark.parametrize("impl", [pytest.param("replace", marks=pytest.mark.slow), "strategy"])

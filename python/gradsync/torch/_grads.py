@@ -100,7 +100,7 @@ class TorchGrads:
         for p in self._params:
             p.grad = None
         if self._partition is not None:
-            self._partition.clear()
+            self._partition.skip()
         self._sparse.clear()
 
     def remove_hooks(self):

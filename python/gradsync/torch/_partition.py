@@ -14,8 +14,12 @@ step, on every rank alike::
     pieces:     p7, p6[0:k] | p6[k:], p5[..] | ...     where a partition meets a parameter
 
 A **piece** is the part of one parameter inside this rank's partition of
-one bucket: a flat view of the parameter's own memory (``piece.tensor``), so
-an optimizer that updates the piece updates the parameter in place. The
+one bucket, in the order of the parameter's elements (row-major, as the
+bucket holds its gradient): for a contiguous parameter a flat view of its
+own memory (``piece.tensor``), so an optimizer that updates the piece
+updates the parameter in place; for one laid out otherwise (``channels_last``,
+a transposed view) a tensor of its own (``piece.owned``), read from the
+parameter before each optimizer step and written back by the gather. The
 runtime keeps only this rank's partition of each bucket once it is
 reduce-scattered (``actors/src/scheduler/partition.rs``); after a step
 :meth:`Partition.receive` hands each piece its averaged gradient as
@@ -46,11 +50,26 @@ LOST = (RuntimeError, StepFailedError)
 GATHERS_IN_FLIGHT = 4
 
 
-def _flat(p):
-    """``p``'s values as one flat tensor sharing its memory (a complex one as
-    its real and imaginary parts)."""
+def _reals(p):
+    """``p`` as reals (a complex tensor as its real and imaginary parts)."""
     t = p.detach()
-    return (torch.view_as_real(t) if t.is_complex() else t).view(-1)
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _flat(p):
+    """``p``'s values as one flat tensor in row-major order: sharing its
+    memory when ``p`` is contiguous, a copy otherwise."""
+    return _reals(p).reshape(-1)
+
+
+def write_values(p, values):
+    """Write ``values`` (``p``'s elements as reals, row-major) into ``p``,
+    whatever its memory layout."""
+    t = _reals(p)
+    if t.is_contiguous():
+        t.view(-1).copy_(values)
+    else:
+        t.copy_(values.view(t.shape))
 
 
 @dataclass
@@ -58,9 +77,10 @@ class Piece:
     """The part of parameter ``param`` (an index of the wrapper's parameters)
     in this rank's partition of bucket ``bucket``: ``length`` values at
     ``start`` in the bucket, at ``offset`` in the parameter's flat values.
-    ``tensor`` views them in the parameter's memory; a step's averages of
-    them lie at ``held_at`` in the buffer the runtime lends for the bucket
-    (its partition, then its buddy's)."""
+    ``tensor`` views them in the parameter's memory, or, when ``owned``
+    (a parameter that is not contiguous), holds them itself; a step's
+    averages of them lie at ``held_at`` in the buffer the runtime lends for
+    the bucket (its partition, then its buddy's)."""
 
     param: int
     bucket: int
@@ -69,6 +89,7 @@ class Piece:
     offset: int
     tensor: torch.Tensor
     held_at: int
+    owned: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +133,16 @@ class Partition:
         self.joined = []
         #: Whether the pieces hold a step's averages not stepped yet.
         self.pending = False
+        #: The last step ended skipped on every rank (an abort, a lost member)
+        #: and no averages arrived since: what a step's update makes
+        #: collectively (the clip's norm, the found-inf vote, the parameter
+        #: gather) is then not made, so an optimizer step is a no-op on every
+        #: rank whether or not a rank calls it.
+        self.skipped = False
+        #: The step this rank aborted while the others apply it (the partial
+        #: policy: it receives their average too, and must step its partition
+        #: for them), until its optimizer steps; else ``None``.
+        self.owed = None
         #: Optimizer steps taken with averages (an elastic job compares them after a change of members).
         self.taken = 0
         #: This step's clipping: ``(max_norm, norm_type)`` asked for, and
@@ -155,6 +186,13 @@ class Partition:
         self.held_of_bucket = {}
         for piece in self.every_held_piece():
             self.held_of_bucket.setdefault(piece.bucket, []).append(piece)
+        #: Per tensor id, the parameter index it stands for: the parameters
+        #: and every piece this rank holds (what ``_clip`` recognises in a
+        #: library's call with an optimizer's parameters).
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.index_of.update((id(piece.tensor), piece.param) for piece in self.every_held_piece())
+        #: The pieces that hold their values themselves (parameters that are not contiguous).
+        self.owned = [piece for piece in self.every_held_piece() if piece.owned]
 
     def _pieces_of(self, b, members, sizes, span, held_at):
         """The pieces of bucket ``b`` inside ``span`` (a range of it), whose
@@ -165,13 +203,10 @@ class Partition:
             lo, hi = max(offset, span[0]), min(offset + size, span[1])
             if lo < hi:
                 p = self.params[i]
-                if not p.is_contiguous():
-                    raise ConfigError(
-                        f"parameter {self.names[i]!r} is not contiguous: a sharded optimizer updates a flat view of "
-                        "each parameter's memory; make it contiguous before wrapping"
-                    )
+                owned = not p.is_contiguous()
                 tensor = _flat(p)[lo - offset : hi - offset]
-                pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor, held_at + lo - span[0]))
+                pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor.clone() if owned else tensor,
+                                    held_at + lo - span[0], owned))
             offset += size
         return pieces
 
@@ -233,6 +268,9 @@ class Partition:
             else:
                 piece.tensor.grad = average.to(piece.tensor.dtype)
         self.pending = True
+        self.skipped = False
+        report = result.report
+        self.owed = report.step if any(r == self.rank for r, _ in report.aborted) else None
         self.clip_asked = self.clipped = None
         return lent
 
@@ -258,10 +296,32 @@ class Partition:
                 piece.tensor.grad.zero_()
 
     def clear(self):
-        """No rank may apply this step: no piece keeps a gradient."""
+        """No piece keeps a gradient (what it held was applied, or must not be)."""
         for piece in self.every_held_piece():
             piece.tensor.grad = None
         self.pending = False
+
+    def skip(self):
+        """The step ended skipped on every rank: nothing of it is applied,
+        and the collectives of an update are not made (:attr:`skipped`)."""
+        self.clear()
+        self.skipped = True
+        self.owed = None
+
+    def refuse_if_owed(self, before):
+        """A rank that aborted a step the others applied (partial policy)
+        must step its partition before its next step (``before`` names what
+        began it): the others wait for it in the parameter gather."""
+        if self.owed is None:
+            return
+        step, self.owed = self.owed, None
+        raise ConfigError(
+            f"rank {self.rank} aborted step {step}, which the other ranks applied (abort_policy='partial': the "
+            f"aborting rank receives their average too), and then began a {before} without optimizer.step(): with "
+            "shard_gradients=True every rank steps its partition of each applied step and the others wait for it "
+            "in the parameter gather. Call optimizer.step() after abort_step under the partial policy, as after "
+            "any applied step (or use abort_policy='skip', where nobody steps a step some rank aborted)"
+        )
 
     # ---- after the optimizer stepped ---------------------------------------------------------
 
@@ -275,7 +335,6 @@ class Partition:
         and unpacking the last overlap the collective."""
         if self.world == 1:
             return
-        flats = {}
         flight = []
         for b, layout in enumerate(self.buckets):
             members = [self.params[i] for i in layout.members]
@@ -283,9 +342,9 @@ class Partition:
             mine = self.chunk(b, lambda piece: piece.tensor, torch.float64 if wide else torch.float32)
             flight.append((layout, self.states.start_all_gather(mine)))
             if len(flight) >= GATHERS_IN_FLIGHT:
-                self._unpack(*flight.pop(0), flats)
+                self._unpack(*flight.pop(0))
         for layout, gathering in flight:
-            self._unpack(layout, gathering, flats)
+            self._unpack(layout, gathering)
 
     def chunk(self, b, value_of, dtype):
         """This rank's chunk of bucket ``b`` (the all-gathers' unit, zeros
@@ -300,66 +359,115 @@ class Partition:
                 mine[at : at + piece.length].copy_(value.reshape(-1))
         return mine
 
-    def _unpack(self, layout, gathering, flats):
+    def _unpack(self, layout, gathering):
         """A bucket's gathered partitions into its members' values."""
         full = gathering.wait()
         for i, v in zip(layout.members, full[: layout.numel].split(layout.sizes)):
-            flat = flats.get(i)
-            if flat is None:
-                flat = flats[i] = _flat(self.params[i])
-            flat.copy_(v)
+            write_values(self.params[i], v)
+
+    @torch.no_grad()
+    def refresh(self):
+        """The pieces that hold their values themselves read them from their
+        parameters (before an optimizer step: whatever changed the
+        parameters since, a load or a broadcast, is what the step updates)."""
+        for piece in self.owned:
+            piece.tensor.copy_(_flat(self.params[piece.param])[piece.offset : piece.offset + piece.length])
+
+    @torch.no_grad()
+    def write_owned(self):
+        """The pieces that hold their values themselves, just stepped, into
+        their parameters (so a parameter always holds what this rank stepped,
+        whether or not the gather that follows completes)."""
+        by_param = {}
+        for piece in self.owned:
+            by_param.setdefault(piece.param, []).append(piece)
+        for i, pieces in by_param.items():
+            flat = _flat(self.params[i])
+            for piece in pieces:
+                flat[piece.offset : piece.offset + piece.length].copy_(piece.tensor)
+            write_values(self.params[i], flat)
 
     # ---- the global norm ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def clip(self, params, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """``torch.nn.utils.clip_grad_norm_`` over the whole gradients of
-        ``params`` (of this wrapper), each rank holding its pieces: the norm
-        is a collective over every rank's pieces; the pieces' gradients (and
-        its buddy's copies) are scaled in place. Returns the total norm (a
-        float64 tensor), the same on every rank.
+    def clip(self, indices, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """``torch.nn.utils.clip_grad_norm_`` over the whole gradients of the
+        parameters ``indices`` (of this wrapper), each rank holding its
+        pieces: the norm is a collective over every rank's pieces; the
+        pieces' gradients (and its buddy's copies) are scaled in place.
+        Returns the total norm (a float64 tensor), the same on every rank.
 
-        In an elastic job a member lost during the norm's collective is
-        recovered from here (``recover``), and once a change of members was
-        settled in this step no collective is made: the norm returned is the
-        one the settlement clipped with (0 if it clipped nothing)."""
-        if self.joined:
-            raise ConfigError(
-                f"clip_grad_norm_ while ranks {self.joined} are out of data (join): the norm is a collective those "
-                "ranks do not make; clip only while every rank trains, or train unsharded"
-            )
-        norm_type = float(norm_type)
-        wanted = {id(p) for p in params}
+        After a skipped step nothing is clipped and no collective is made
+        (norm 0, as torch's with no gradient): a rank that skipped its clip
+        for that step does not hang the others. In an elastic job a member
+        lost during the norm's collective is recovered from here
+        (``recover``), and once a change of members was settled in this
+        step no collective is made: the norm returned is the one the
+        settlement clipped with (0 if it clipped nothing)."""
+        indices = set(indices)
         if not self.settled:
-            self.clip_asked = (float(max_norm), norm_type,
-                               tuple(i for i, p in enumerate(self.params) if id(p) in wanted))
-            grads = [piece.tensor.grad for piece in self.pieces
-                     if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted]
-            try:
-                total = norm_of(grads, norm_type, self.states)
-            except LOST as error:
-                if self.recover is None:
-                    raise
-                self.recover(error)
+            if not self.skipped:  # (asked before the collective: a change of members during it settles the clip)
+                self.clip_asked = (float(max_norm), float(norm_type), tuple(sorted(indices)))
+            total = self.norm(indices, norm_type)
         if self.settled:
             return torch.tensor(self.clipped[0] if self.clipped else 0.0, dtype=torch.float64)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
-                "set error_if_nonfinite=False to clip anyway"
+                f"the total norm of order {float(norm_type)} of the gradients is non-finite, so it cannot be "
+                "clipped; set error_if_nonfinite=False to clip anyway"
             )
-        coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
-        self.scale(wanted, coef)
-        self.clipped = (float(total), coef)
+        coef = self.scale_by_norm(indices, max_norm, total)
+        if not self.skipped:
+            self.clipped = (float(total), coef)
         return total
 
-    def scale(self, wanted, coef):
+    @torch.no_grad()
+    def norm(self, indices, norm_type=2.0):
+        """The norm of order ``norm_type`` of the whole averaged gradients of
+        the parameters ``indices``: a collective over every rank's pieces
+        (none after a skipped step: 0). A member lost meanwhile is
+        recovered from in an elastic job (the norm is then meaningless: the
+        caller looks at :attr:`settled`)."""
+        if self.joined:
+            raise ConfigError(
+                f"a gradient norm while ranks {self.joined} are out of data (join): the norm is a collective those "
+                "ranks do not make; clip only while every rank trains, or train unsharded"
+            )
+        if self.skipped:
+            return torch.zeros((), dtype=torch.float64)
+        grads = [piece.tensor.grad for piece in self.pieces
+                 if piece.tensor.grad is not None and piece.param in indices]
+        try:
+            return norm_of(grads, float(norm_type), self.states)
+        except LOST as error:
+            if self.recover is None:
+                raise
+            self.recover(error)
+            return torch.zeros((), dtype=torch.float64)
+
+    def scale_by_norm(self, indices, max_norm, total):
+        """Clip the parameters ``indices`` to ``max_norm`` given their total
+        norm ``total`` (as ``torch.nn.utils.clip_grads_with_norm_``);
+        returns the coefficient."""
+        coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
+        self.scale(indices, coef)
+        return coef
+
+    def scale(self, indices, coef):
         """Clip: the gradients of the pieces (and buddy copies) of the
-        parameters ``wanted`` (ids) times ``coef`` (when below 1)."""
+        parameters ``indices`` times ``coef`` (when below 1)."""
         if coef < 1.0:
             for piece in self.every_held_piece():
-                if piece.tensor.grad is not None and id(self.params[piece.param]) in wanted:
+                if piece.tensor.grad is not None and piece.param in indices:
                     piece.tensor.grad.mul_(coef)
+
+    def clamp(self, indices, value):
+        """``clip_grad_value_``: the gradients of the pieces (and buddy
+        copies) of the parameters ``indices`` clamped to ``[-value, value]``
+        (elementwise: each rank clamps what it holds, no collective)."""
+        for piece in self.every_held_piece():
+            if piece.tensor.grad is not None and piece.param in indices:
+                piece.tensor.grad.clamp_(-value, value)
 
 
 def held_ranges(numel, rank, world, buddy):

@@ -42,8 +42,8 @@ import torch
 
 from gradsync._errors import MembershipError
 from gradsync._native import partition as partition_of
-from gradsync.torch._partition import _flat, held_ranges, norm_of
-from gradsync.torch._sharded_optim import _kind
+from gradsync.torch._partition import held_ranges, norm_of, write_values
+from gradsync.torch._optim_state import kind_of
 
 
 def runs(numel, everyone, buddy):
@@ -86,7 +86,7 @@ def _entry_kinds(entry):
     """A state entry's keys: ``("tensor", dtype)`` or ``("scalar", value)``."""
     out = {}
     for key, value in entry.items():
-        if _kind(value) == "tensor":
+        if kind_of(value) == "tensor":
             out[key] = ("tensor", str(value.dtype).removeprefix("torch."))
         else:
             out[key] = ("scalar", value.clone() if torch.is_tensor(value) else value)
@@ -174,12 +174,14 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
         part.clipped = (total, coef)
     if part.holds and part.pending:
         if coef is not None and not mine_clipped:
-            part.scale({id(part.params[i]) for i in wanted}, coef)
+            part.scale(wanted, coef)
         optimizer._quiet = True  # (no commit, no gather: the settlement moves the parameters)
+        part.refresh()
         try:
             optimizer.inner.step()
         finally:
             optimizer._quiet = False
+        part.write_owned()
         part.taken += 1
         part.pending = False
     # (Laggards stepped up to those ahead; with nobody ahead, every holder stepped.)
@@ -221,7 +223,7 @@ def _move(part, optimizer, states, rank, world, layout):
             full[:, lo:hi] = data
         sizes = [part.reals(part.params[i]) for i in members]
         for i, values in zip(members, full[0].split(sizes)):
-            _flat(part.params[i]).copy_(values)
+            write_values(part.params[i], values)
         for piece in part.held_of_bucket.get(b, ()):
             if piece.param not in merged:
                 continue

@@ -8,9 +8,17 @@ partition of each bucket), so optimizer memory per rank is about
 
 1. steps the inner optimizer (the class you named) over this rank's pieces,
    whose ``.grad`` hold the averaged gradients of its partition: the pieces
-   are views of the parameters, so the parameters change in place;
+   are views of the parameters (of contiguous ones; others' pieces read the
+   parameter before the step), so the parameters change in place;
 2. all-gathers every rank's updated pieces into every rank's parameters,
    so every replica holds the same parameters before the next forward.
+
+After a skipped step (an abort, a lost member) it is a no-op on every rank,
+whether or not each rank calls it: no piece holds a gradient and nothing is
+gathered. Frozen parameters in the optimizer's groups (``requires_grad=False``,
+as ``AdamW(model.parameters())`` over a partly frozen model gives) stay in
+its groups as they are and are skipped, as torch's optimizers skip a
+parameter without a gradient.
 
 Pieces are slices of parameters, so the inner optimizer must update each
 element from that element's gradient and state alone (SGD, Adam, AdamW,
@@ -25,7 +33,7 @@ unchanged; ``zero_grad()`` drops the pieces' gradients. ``state_dict()`` is
 the full, consolidated state in torch's format for the wrapped parameters
 (collect it with :meth:`ShardedOptimizer.consolidate_state_dict` first, as
 with torch's ``ZeroRedundancyOptimizer``), and ``load_state_dict`` takes
-such a full state on any world size.
+such a full state on any world size (``_optim_state``).
 """
 
 import hashlib
@@ -34,8 +42,9 @@ import weakref
 import torch
 
 from gradsync._errors import ConfigError
-from gradsync.torch._grads import reals
+from gradsync.torch import _optim_state
 from gradsync.torch._partition import LOST
+from gradsync.torch._reshard import settle
 
 #: Optimizer classes that update each element from that element's own
 #: gradient and state (so a slice of a parameter steps exactly as the whole
@@ -64,10 +73,12 @@ def elementwise(optimizer_class):
     return optimizer_class
 
 
-def _groups(params, wrapped, names):
+def _groups(params, wrapped, names, name_of):
     """The caller's ``params`` (tensors, or dicts of them with options) as
-    groups of wrapper parameter indices, checked: each a parameter of the
-    wrapper, none twice."""
+    groups of *entries*, checked: each a parameter of the wrapper (its
+    index) or a frozen tensor (``requires_grad=False``: it gets no gradient,
+    and torch's optimizers skip it; kept as it is), none twice.
+    ``name_of(tensor)``: a tensor's name in the module, for errors."""
     index = {id(p): i for i, p in enumerate(wrapped)}
     if params is None:
         params = list(wrapped)
@@ -84,19 +95,24 @@ def _groups(params, wrapped, names):
             )
         tensors = group["params"]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        indices = []
+        entries = []
         for t in tensors:
+            if id(t) in seen:
+                raise ConfigError(f"shard_optimizer: parameter {name_of(t)!r} appears in more than one group")
+            seen.add(id(t))
             i = index.get(id(t))
-            if i is None:
+            if i is not None:
+                entries.append(i)
+            elif not t.requires_grad:
+                entries.append(t)
+            else:
                 raise ConfigError(
-                    "shard_optimizer: a parameter given is not one the wrapper synchronizes (a parameter of another "
-                    "model, frozen when wrapped, or ignored): a sharded optimizer steps only the wrapper's parameters"
+                    f"the optimizer steps parameter {name_of(t)!r}, which is not one the wrapper synchronizes (a "
+                    "parameter of another model, or one the wrapper was told to ignore) and requires grad: a "
+                    "sharded optimizer steps only the wrapper's parameters (and leaves frozen ones alone); build "
+                    "another optimizer for it"
                 )
-            if i in seen:
-                raise ConfigError(f"shard_optimizer: parameter {names[i]!r} appears in more than one group")
-            seen.add(i)
-            indices.append(i)
-        out.append(({k: v for k, v in group.items() if k != "params"}, indices))
+        out.append(({k: v for k, v in group.items() if k != "params"}, entries))
     return out
 
 
@@ -106,7 +122,9 @@ def _digest(optimizer_class, groups, defaults):
     text = repr(
         (
             f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
-            [(sorted((k, repr(v)) for k, v in options.items()), indices) for options, indices in groups],
+            [(sorted((k, repr(v)) for k, v in options.items()),
+              [e if isinstance(e, int) else ("frozen", tuple(e.shape)) for e in entries])
+             for options, entries in groups],
             sorted((k, repr(v)) for k, v in defaults.items()),
         )
     )
@@ -123,7 +141,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     pieces (its state sliced to them): it becomes :attr:`inner`, so what
     holds it (an LR scheduler, a library's loop) goes on working with it."""
 
-    def __init__(self, partition, names, states, optimizer_class, params=None, *, adopt=None, **defaults):
+    def __init__(self, partition, names, states, optimizer_class, params=None, *, adopt=None, name_of=None,
+                 **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ConfigError(f"shard_optimizer needs a torch.optim.Optimizer class, not {optimizer_class!r}")
         if optimizer_class not in ELEMENTWISE:
@@ -136,13 +155,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._names = names
         self._states = states
         self._class = optimizer_class
-        groups = _groups(params, partition.params, names)
+        index = {id(p): i for i, p in enumerate(partition.params)}
+        groups = _groups(params, partition.params, names,
+                         name_of or (lambda t: names[index[id(t)]] if id(t) in index else "(unnamed)"))
         self._check_same_everywhere(optimizer_class, groups, defaults)
-        #: Per group: the wrapper parameter indices it was given with (full-state order).
-        self._group_params = [indices for _, indices in groups]
-        piece_groups = [{**options, "params": self._held(indices)} for options, indices in groups]
-        #: Per piece tensor (by id): its piece.
-        self._piece_of = {id(piece.tensor): piece for piece in partition.every_held_piece()}
+        #: Per group, its entries in torch's numbering: a wrapper parameter
+        #: index, or a frozen tensor (kept as it is: it gets no gradient).
+        self.entries = [entries for _, entries in groups]
+        piece_groups = [{**options, "params": self._held(entries)} for options, entries in groups]
         full = None
         if adopt is None:
             self.inner = optimizer_class(piece_groups, **defaults)
@@ -162,6 +182,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner._gradsync_sharded = self
         # While a change of members is settled, the inner optimizer steps without them.
         self._quiet = False
+        # The step under way follows a skipped step: no collective, no gather (``Partition.skipped``).
+        self._noop = False
         # A rank out of data (join) steps the last optimizer built, for the others.
         partition.optimizer = weakref.ref(self)
         if adopt is not None:
@@ -175,21 +197,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: (The global step hooks leave a ShardedOptimizer's own step to its inner optimizer's.)
     _gradsync_facade = True
 
-    def _held(self, indices):
-        """The piece tensors of parameters ``indices`` this rank steps: its
-        own, then its buddy copies."""
+    def _held(self, entries):
+        """The tensors of ``entries`` this rank steps: the pieces of its own
+        partition, then its buddy copies, then the frozen tensors."""
         part = self._partition
+        indices = [e for e in entries if isinstance(e, int)]
         return ([piece.tensor for i in indices for piece in part.of_param.get(i, ())]
-                + [piece.tensor for i in indices for piece in part.buddy_of_param.get(i, ())])
+                + [piece.tensor for i in indices for piece in part.buddy_of_param.get(i, ())]
+                + [e for e in entries if not isinstance(e, int)])
+
+    def parameter_indices(self):
+        """The wrapper parameters this optimizer steps (their indices)."""
+        return {e for entries in self.entries for e in entries if isinstance(e, int)}
 
     def rebind(self, state):
         """The partition was laid out anew (a change of members, ``_reshard``):
         step its pieces from now on, with ``state`` (piece tensor -> its
-        state entry)."""
-        for group, indices in zip(self.inner.param_groups, self._group_params):
-            group["params"] = self._held(indices)
-        self._piece_of = {id(piece.tensor): piece for piece in self._partition.every_held_piece()}
+        state entry; a frozen tensor's state stays)."""
+        frozen = [e for entries in self.entries for e in entries if not isinstance(e, int)]
+        kept = {t: self.inner.state[t] for t in frozen if t in self.inner.state}
+        for group, entries in zip(self.inner.param_groups, self.entries):
+            group["params"] = self._held(entries)
         self.inner.state.clear()
+        self.inner.state.update(kept)
         self.inner.state.update(state)
         self._states = self._partition.states
 
@@ -212,9 +242,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Step this rank's pieces, then gather every rank's into the
         parameters (every rank must call it, as every rank steps under DDP).
-        A ``closure`` (Lightning passes one: forward and backward run inside
-        the step) is taken, except in an elastic job: a member lost between
-        one rank's step and the others' would leave them apart."""
+        After a skipped step it does nothing, on every rank, whether or not
+        each rank calls it. A ``closure`` (Lightning passes one: forward and
+        backward run inside the step) is taken, except in an elastic job: a
+        member lost between one rank's step and the others' would leave
+        them apart."""
         if closure is not None and self._partition.recover is not None:
             raise ConfigError("in an elastic job a ShardedOptimizer takes no closure: run forward and backward "
                               "before step()")
@@ -222,12 +254,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def before_step(self):
         """Called by the global step pre-hook before the inner optimizer
-        steps. In an elastic job: every member holds the step's averages
-        before any steps them (a member lost now leaves no survivor a step
-        ahead that the others could not follow, ``_reshard``); a member lost
-        here is recovered from, and the step then finds nothing to step."""
+        steps. After a skipped step: nothing to do, on any rank (no piece
+        holds a gradient; the gather is not made). Otherwise the pieces that
+        hold their values themselves read them from the parameters, and in
+        an elastic job every member holds the step's averages before any
+        steps them (a member lost now leaves no survivor a step ahead that
+        the others could not follow, ``_reshard``); a member lost here is
+        recovered from, and the step then finds nothing to step."""
         part = self._partition
-        if self._quiet or part.settled or part.recover is None:
+        self._noop = part.skipped
+        part.owed = None
+        if self._quiet or self._noop:
+            return
+        part.refresh()
+        if part.settled or part.recover is None:
             return
         try:
             self._states.everyones([1])
@@ -240,11 +280,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stepped: count the step, and gather every rank's pieces into the
         parameters (a member lost here is recovered from in an elastic job)."""
         part = self._partition
-        if self._quiet or part.settled:
+        if self._quiet or part.settled or self._noop:
             return
         if part.pending:
             part.taken += 1
             part.pending = False
+        part.write_owned()
         try:
             part.gather()
         except LOST as error:
@@ -260,16 +301,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the gradients of every parameter this optimizer steps by
         their global norm (a collective); returns the norm."""
-        params = [self._partition.params[i] for indices in self._group_params for i in indices]
-        return self._partition.clip(params, max_norm, norm_type, error_if_nonfinite)
+        return self._partition.clip(self.parameter_indices(), max_norm, norm_type, error_if_nonfinite)
 
-    # ---- full state -----------------------------------------------------------------------
+    # ---- the whole and the sharded state (``_optim_state``) ---------------------------------
 
-    @torch.no_grad()
     def consolidate_state_dict(self, to=0):
         """Collect the full optimizer state on rank ``to`` (every rank calls
         it; -1: on every rank), for :meth:`state_dict`."""
-        full = self._full_state()
+        full = _optim_state.full_state(self)
         self._consolidated = full if to in (-1, self._partition.rank) else None
 
     def state_dict(self):
@@ -280,8 +319,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._consolidated is None:
             raise ConfigError(
                 "a ShardedOptimizer's state is spread over the ranks: call optimizer.consolidate_state_dict(to=R) "
-                "on every rank, then state_dict() on rank R (as with torch's ZeroRedundancyOptimizer); HF Trainer: "
-                "Trainer(..., callbacks=[gradsync.torch.hf.ShardedCheckpoints()]) does it before each checkpoint"
+                "on every rank, then state_dict() on rank R (as with torch's ZeroRedundancyOptimizer), or save it "
+                "sharded with gradsync.torch.checkpoint.save (HF Trainer's checkpoints do the first by themselves)"
             )
         return self._consolidated
 
@@ -289,206 +328,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Free the state :meth:`consolidate_state_dict` collected."""
         self._consolidated = None
 
-    def _full_state(self):
-        """Every rank's pieces of every state tensor, gathered per bucket
-        into whole parameters: ``{"state": {n: {key: value}}, "param_groups": [...]}``."""
-        part = self._partition
-        _, number = self._numbering()
-        # Which keys the state has, and their types, from every rank (a rank may hold no piece).
-        keys = {}
-        for piece in part.pieces:
-            for key, value in self.inner.state.get(piece.tensor, {}).items():
-                keys[key] = value
-        spec = sorted((k, _kind(v)) for k, v in keys.items())
-        everyone = self._states.all_gather_objects(spec)
-        merged = {}
-        for rank_spec in everyone:
-            for key, kind in rank_spec:
-                merged[key] = kind
-        state = {}
-        for b, layout in enumerate(part.buckets):
-            for key, kind in sorted(merged.items()):
-                if kind == "scalar":
-                    continue
-                mine = part.chunk(b, lambda piece: self.inner.state.get(piece.tensor, {}).get(key), torch.float64)
-                full = self._states.all_gather(mine)[: layout.numel].split(layout.sizes)
-                for i, values in zip(layout.members, full):
-                    if i in number:
-                        p = part.params[i]
-                        like = torch.view_as_real(p.detach()) if p.is_complex() else p.detach()
-                        state.setdefault(number[i], {})[key] = values.to(like.dtype).reshape(like.shape).clone()
-        present, scalars = self._present_and_scalars(number)
-        for n, values in scalars.items():
-            state.setdefault(n, {}).update(values)
-        state = {n: values for n, values in sorted(state.items()) if n in present}
-        return {"state": state, "param_groups": self._groups_by_number(number)}
-
-    def _numbering(self):
-        """Wrapper parameter indices in full-state order, and their numbers."""
-        numbered = [i for indices in self._group_params for i in indices]
-        return numbered, {i: n for n, i in enumerate(numbered)}
-
-    def _present_and_scalars(self, number):
-        """Which parameters (by number) have state on some rank (stepped at
-        least once), and their scalars (a step count), sent by the rank
-        holding each parameter's first piece: the same on every rank (a
-        collective)."""
-        present, scalars = set(), {}
-        for i, pieces in self._partition.of_param.items():
-            entry = self.inner.state.get(pieces[0].tensor, {})
-            if i not in number or not entry:
-                continue
-            present.add(number[i])
-            if pieces[0].offset == 0:
-                for key, value in entry.items():
-                    if _kind(value) == "scalar":
-                        scalars.setdefault(number[i], {})[key] = value.clone() if torch.is_tensor(value) else value
-        for rank_present, rank_scalars in self._states.all_gather_objects((present, scalars)):
-            present |= rank_present
-            for n, values in rank_scalars.items():
-                scalars.setdefault(n, {}).update(values)
-        return present, scalars
-
-    def _groups_by_number(self, number):
-        return [{**{k: v for k, v in group.items() if k != "params"}, "params": [number[i] for i in indices]}
-                for group, indices in zip(self.inner.param_groups, self._group_params)]
-
-    @torch.no_grad()
-    def sharded_state_dict(self, template=None):
-        """This rank's part of the optimizer state, for
-        ``torch.distributed.checkpoint`` (``gradsync.torch.checkpoint``): per
-        parameter number, each state tensor as one flat ``ShardedTensor`` of
-        the parameter's element count whose shards are every rank's pieces
-        (this rank's hold its values), scalars whole; and the parameter
-        groups. Every rank calls it (a collective). ``template``: the keys a
-        checkpoint holds (number -> key -> DCP metadata), to build an empty
-        state of this layout to load into."""
-        from gradsync.torch.checkpoint import flat_sharded
-
-        part = self._partition
-        numbered, number = self._numbering()
-        if template is None:
-            present, scalars = self._present_and_scalars(number)
-            kinds = {}
-            for piece in part.pieces:
-                for key, value in self.inner.state.get(piece.tensor, {}).items():
-                    kinds[key] = (_kind(value), value.dtype if torch.is_tensor(value) else None)
-            merged = {}
-            for rank_kinds in self._states.all_gather_objects(kinds):
-                merged.update(rank_kinds)
-            entries = {
-                n: {key: kind for key, kind in merged.items() if key in scalars.get(n, {}) or kind[0] != "scalar"}
-                for n in sorted(present)
-            }
-        else:
-            entries = {}
-            for n, keys in template.items():
-                if n >= len(numbered):
-                    raise ConfigError(f"the checkpoint holds optimizer state for parameter {n}; this optimizer steps "
-                                      f"{len(numbered)}: it was saved for another model")
-                entries[n] = {key: ("scalar" if len(getattr(m, "size", ())) == 0 else "tensor",
-                                    getattr(getattr(m, "properties", None), "dtype", None), m)
-                              for key, m in keys.items()}
-        state = {}
-        for n, keys in entries.items():
-            i = numbered[n]
-            p = part.params[i]
-            mine = {piece.offset: piece for piece in part.of_param.get(i, ())}
-            out = state[str(n)] = {}
-            for key, how in keys.items():
-                kind, dtype = how[0], how[1]
-                if kind == "scalar":
-                    if template is None:
-                        out[key] = scalars[n][key]
-                    else:
-                        meta = how[2]
-                        out[key] = torch.zeros(meta.size, dtype=meta.properties.dtype) if hasattr(meta, "size") else 0
-                    continue
-                pieces = []
-                for owner, offset, length in part.every_piece(i):
-                    local = None
-                    if owner == part.rank:
-                        piece = mine[offset]
-                        held = self.inner.state.get(piece.tensor, {}).get(key) if template is None else None
-                        local = held.reshape(-1) if held is not None else torch.zeros(length, dtype=dtype)
-                    pieces.append((owner, offset, length, local))
-                out[key] = flat_sharded(pieces, reals(p), dtype, p.device)
-        return {"state": state, "param_groups": self._groups_by_number(number)}
-
-    @torch.no_grad()
-    def load_sharded_state_dict(self, state_dict):
-        """Load :meth:`sharded_state_dict`'s form (filled by
-        ``torch.distributed.checkpoint.load``): each piece takes its shard."""
-        from gradsync.torch.checkpoint import check_layout
-
-        check_layout(state_dict["param_groups"], [len(ix) for ix in self._group_params],
-                     [[self._names[i] for i in ix][:3] for ix in self._group_params])
-        numbered, _ = self._numbering()
-        self.inner.state.clear()
-        for n, values in state_dict["state"].items():
-            i = numbered[int(n)]
-            for piece in self._partition.of_param.get(i, ()):
-                entry = {}
-                for key, value in values.items():
-                    if hasattr(value, "local_shards"):
-                        (shard,) = [s for s in value.local_shards() if s.metadata.shard_offsets[0] == piece.offset]
-                        entry[key] = shard.tensor.clone().to(piece.tensor.device)
-                    else:
-                        entry[key] = value.clone() if torch.is_tensor(value) else value
-                self.inner.state[piece.tensor] = entry
-        for group, saved in zip(self.inner.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        if self._partition.buddy:
-            # The buddy copies (an elastic job) from their owners, who loaded them.
-            from gradsync.torch._reshard import settle
-
-            part = self._partition
-            settle(part, self._states, part.rank, part.world, mark=False)
-
-    @torch.no_grad()
     def load_state_dict(self, state_dict):
         """Load a full state (from :meth:`state_dict`, or the unsharded
         optimizer's, over the same parameters in the same groups), on any
         world size: each rank takes its pieces' slices."""
-        groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(ix) for ix in self._group_params]:
-            raise ConfigError(
-                "this optimizer state has groups of other sizes than this optimizer's: it was saved for other "
-                "parameter groups"
-            )
-        numbered, _ = self._numbering()
-        saved = [n for g in groups for n in g["params"]]
-        index_of = dict(zip(saved, numbered))
-        inner_state = {}
-        for n, values in state_dict["state"].items():
-            i = index_of.get(int(n))
-            if i is None:
-                raise ConfigError(f"optimizer state for parameter {n}, which no group holds")
-            p = self._partition.params[i]
-            for piece in self._partition.of_param.get(i, []) + self._partition.buddy_of_param.get(i, []):
-                entry = {}
-                for key, value in values.items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        if value.numel() != reals(p):
-                            raise ConfigError(
-                                f"optimizer state {key!r} of parameter {self._names[i]!r} has {value.numel()} values, "
-                                f"the parameter {reals(p)}: it was saved for another model"
-                            )
-                        flat = (torch.view_as_real(value) if value.is_complex() else value).reshape(-1)
-                        entry[key] = flat[piece.offset : piece.offset + piece.length].clone()
-                    else:
-                        entry[key] = value.clone() if torch.is_tensor(value) else value
-                inner_state[piece.tensor] = entry
-        for group, saved_group in zip(self.inner.param_groups, groups):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        self.inner.state.clear()
-        for tensor, entry in inner_state.items():
-            device = tensor.device
-            self.inner.state[tensor] = {
-                k: (v.to(device) if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in entry.items()
-            }
+        _optim_state.load_full(self, state_dict)
 
+    def sharded_state_dict(self, template=None):
+        """This rank's part of the state for ``torch.distributed.checkpoint``
+        (``gradsync.torch.checkpoint``; a collective, see ``_optim_state``)."""
+        return _optim_state.sharded_state_dict(self, template)
 
-def _kind(value):
-    """``"tensor"`` for per-element state, ``"scalar"`` for the rest (a step count)."""
-    return "tensor" if torch.is_tensor(value) and value.dim() > 0 else "scalar"
+    def load_sharded_state_dict(self, state_dict):
+        """Load :meth:`sharded_state_dict`'s form (filled by
+        ``torch.distributed.checkpoint.load``): each piece takes its shard;
+        in an elastic job the buddy copies then come from their owners."""
+        _optim_state.load_sharded(self, state_dict)
+        part = self._partition
+        if part.buddy:
+            settle(part, self._states, part.rank, part.world, mark=False)

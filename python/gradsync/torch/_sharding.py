@@ -16,21 +16,16 @@ steps that partition only (``_sharded_optim``) and the updated parameters
 are all-gathered. Parameters' ``.grad`` stay ``None``.
 
 Clipping by norm is a collective over every rank's partition:
-``model.clip_grad_norm_(max_norm)``. ``torch.nn.utils.clip_grad_norm_``
-called with a sharded wrapper's parameters (as Accelerate, Lightning and
-hand-written loops call it) gives the same answer: gradsync replaces that
-function with one that sends such parameters to their wrapper and every
-other call to torch's own. A reference to torch's function taken before the
-first sharded wrapper was built (``from torch.nn.utils import
-clip_grad_norm_`` at import) bypasses the replacement and finds no
-gradient (norm 0, nothing clipped); the docs say so.
+``model.clip_grad_norm_(max_norm)``, or torch's own functions however they
+are reached (``_clip`` redirects them for a sharded wrapper's tensors).
 """
 
-import weakref
+import sys
 
 import torch
 
 from gradsync._errors import ConfigError
+from gradsync.torch import _clip, _trainer_saves
 from gradsync.torch._partition import Partition
 from gradsync.torch._reshard import settle
 from gradsync.torch._sharded_optim import ShardedOptimizer
@@ -42,11 +37,6 @@ from gradsync.torch._sharded_optim import ShardedOptimizer
 #: reduce-scatter moves half an all-reduce's bytes and is used. The tests
 #: turn it on to check the reduce-scatter path on CPU.
 GLOO_REDUCE_SCATTER = False
-
-# Sharded wrappers alive in this process (for clip_grad_norm_).
-_SHARDED = weakref.WeakSet()
-# torch's own clip_grad_norm_, once gradsync's replaced it.
-_TORCH_CLIP = None
 
 
 def scatters(path, device):
@@ -84,8 +74,11 @@ class Sharding:
             self._partition.recover = elastic.recover
             # A replacement holds nothing until its first settlement.
             self._partition.holds = not elastic.joining
-        _SHARDED.add(self)
-        _replace_clip()
+        _clip.track(self)
+        trainer = sys.modules.get("transformers.trainer")
+        if trainer is not None and hasattr(trainer, "Trainer"):
+            # HF Trainer's checkpoints then hold the whole optimizer state, with no callback.
+            _trainer_saves.install(trainer.Trainer)
 
     def _settle_members(self, rank, world):
         """A change of members (``reconfigure``): the partitions move to the
@@ -131,7 +124,8 @@ class Sharding:
                 "gradients: build torch's optimizer over model.parameters() as usual"
             )
         self._sync.refuse_if_closed()
-        return ShardedOptimizer(self._partition, self._names, self._states, optimizer_class, params, **defaults)
+        return ShardedOptimizer(self._partition, self._names, self._states, optimizer_class, params,
+                                name_of=self._name_of, **defaults)
 
     def _take_over(self, optimizer):
         """``optimizer`` (built over this wrapper's parameters) converted in
@@ -145,7 +139,15 @@ class Sharding:
         self._sync.refuse_if_closed()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
                   for g in optimizer.param_groups]
-        return ShardedOptimizer(self._partition, self._names, self._states, type(optimizer), groups, adopt=optimizer)
+        return ShardedOptimizer(self._partition, self._names, self._states, type(optimizer), groups, adopt=optimizer,
+                                name_of=self._name_of)
+
+    def _name_of(self, tensor):
+        """``tensor``'s name in the wrapped module, for errors."""
+        for name, p in self.module.named_parameters():
+            if p is tensor:
+                return name
+        return "(not a parameter of the wrapped module)"
 
     def zero_grad(self, set_to_none=True):
         """``Module.zero_grad``; sharded, it also drops (or zeroes) the
@@ -163,8 +165,10 @@ class Sharding:
         Returns the total norm."""
         params = list(self._params if params is None else params)
         if self._partition is None:
-            return (_TORCH_CLIP or torch.nn.utils.clip_grad_norm_)(params, max_norm, norm_type, error_if_nonfinite)
-        return self._partition.clip(params, max_norm, norm_type, error_if_nonfinite)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        index = self._partition.index_of
+        return self._partition.clip({index[id(p)] for p in params if id(p) in index}, max_norm, norm_type,
+                                    error_if_nonfinite)
 
     def join_now(self):
         """This rank has run out of data (see ``StepControls.join_now``).
@@ -198,7 +202,7 @@ def sharded_optimizer_of(optimizer, wrapper=None):
     sharded = converted(optimizer)
     if sharded is not None:
         return sharded
-    owners = [wrapper] if wrapper is not None else [w for w in list(_SHARDED) if not w._sync.closed]
+    owners = [wrapper] if wrapper is not None else _clip.live()
     owners = [w for w in owners if w._partition is not None]
     if not owners:
         return None  # (every step of an unsharded job comes here: no parameter list built)
@@ -209,36 +213,3 @@ def sharded_optimizer_of(optimizer, wrapper=None):
     if len(owners) > 1:
         raise ConfigError("one optimizer steps the parameters of several sharded wrappers: build one per model")
     return owners[0]._take_over(optimizer)
-
-
-def _replace_clip():
-    """Put gradsync's ``clip_grad_norm_`` in torch's place (once)."""
-    global _TORCH_CLIP
-    if _TORCH_CLIP is not None:
-        return
-    _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-
-
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    """``torch.nn.utils.clip_grad_norm_``, right for sharded gradients too:
-    parameters of a sharded gradsync wrapper are clipped by the global norm
-    of their whole averaged gradients (a collective: every rank calls it);
-    every other call is torch's own."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    mine = {id(p) for p in params}
-    owners = [w for w in list(_SHARDED) if not w._sync.closed and any(id(p) in mine for p in w._params)]
-    if not owners:
-        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    if len(owners) > 1:
-        raise ConfigError("clip_grad_norm_ got parameters of several sharded wrappers: clip each model by itself")
-    wrapper = owners[0]
-    theirs = {id(p) for p in wrapper._params}
-    others = [p for p in params if id(p) not in theirs and p.grad is not None]
-    if others:
-        raise ConfigError(
-            "clip_grad_norm_ got parameters of a sharded wrapper together with others that have gradients: one "
-            "norm over both is not computed; clip the wrapper's with model.clip_grad_norm_ and the others by themselves"
-        )
-    return wrapper._partition.clip(params, max_norm, norm_type, error_if_nonfinite)

@@ -24,19 +24,17 @@ Without sharding, ``optimizer.consolidate_state_dict(to=0)`` and
 ``state_dict()`` give torch's own format (see ``ShardedOptimizer``).
 """
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+import contextlib
 
-from gradsync._errors import ConfigError
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from gradsync._errors import CheckpointError, ConfigError
+from gradsync.torch._sharding import sharded_optimizer_of
 
 
 def _sharded(model, optimizer):
     """``optimizer``'s ``ShardedOptimizer`` (converted now if it was not yet)."""
-    from gradsync.torch._sharding import sharded_optimizer_of
-
     sharded = sharded_optimizer_of(optimizer, model)
     if sharded is None:
         raise ConfigError("gradsync.torch.checkpoint saves and loads sharded models: build the wrapper with "
@@ -49,8 +47,9 @@ def save(checkpoint_id, model, optimizer):
     ``optimizer`` (any optimizer over its parameters, converted) to
     ``checkpoint_id`` (a directory). Every rank calls it."""
     optimizer = _sharded(model, optimizer)
-    dcp.save({"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict()},
-             checkpoint_id=checkpoint_id)
+    state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict()}
+    with _failures_raised("writing", checkpoint_id):
+        dcp.save(state, checkpoint_id=checkpoint_id)
 
 
 def load(checkpoint_id, model, optimizer):
@@ -72,34 +71,23 @@ def load(checkpoint_id, model, optimizer):
         if parts[:2] == ["optimizer", "state"] and len(parts) == 4:
             keys.setdefault(int(parts[2]), {})[parts[3]] = meta
     state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict(template=keys)}
-    dcp.load(state, checkpoint_id=checkpoint_id)
+    with _failures_raised("reading", checkpoint_id):
+        dcp.load(state, checkpoint_id=checkpoint_id)
     model.module.load_state_dict(state["model"])
     optimizer.load_sharded_state_dict(state["optimizer"])
 
 
-def flat_sharded(pieces, numel, dtype, device, group=None):
-    """A 1-D ``ShardedTensor`` of ``numel`` values whose shards are
-    ``pieces``: ``(rank, offset, tensor or None)`` for every rank's piece
-    (this rank's with its tensor, the others' as metadata only)."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank(group)
-    shards, local = [], []
-    for owner, offset, length, tensor in pieces:
-        meta = ShardMetadata(shard_offsets=[offset], shard_sizes=[length], placement=f"rank:{owner}/{device.type}")
-        shards.append(meta)
-        if owner == rank:
-            local.append(Shard(tensor, meta))
-    properties = TensorProperties(dtype=dtype)
-    metadata = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([numel]), tensor_properties=properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
-
-
-def check_layout(saved_groups, group_sizes, names_of_group):
-    """Refuse a checkpoint whose parameter groups differ from the optimizer's."""
-    sizes = [len(g["params"]) for g in saved_groups]
-    if sizes != group_sizes:
-        raise ConfigError(
-            f"the checkpoint's optimizer has parameter groups of {sizes} parameters, this one {group_sizes} "
-            f"({names_of_group}): it was saved for another model or other groups"
-        )
+@contextlib.contextmanager
+def _failures_raised(doing, checkpoint_id):
+    """torch's ``CheckpointException`` (a ``BaseException``) as a
+    :class:`gradsync.CheckpointError` naming the failed ranks and the first
+    one's error."""
+    try:
+        yield
+    except CheckpointException as e:
+        ranks = sorted(e.failures)
+        error = e.failures[ranks[0]][0] if ranks else e
+        raise CheckpointError(
+            f"{doing} the sharded checkpoint {checkpoint_id} failed on ranks {ranks}: rank {ranks[0] if ranks else '?'}:"
+            f" {type(error).__name__}: {error}", ranks
+        ) from e

@@ -63,7 +63,7 @@ from gradsync._controls import StepControls
 from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
 from gradsync._errors import ConfigError
 from gradsync._gloo import never_free
-from gradsync.torch import _shim
+from gradsync.torch import _amp, _shim
 from gradsync.torch._comm import TorchCommunicator
 from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
@@ -115,6 +115,12 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
     sharded = sharded_optimizer_of(optimizer)
     if sharded is not None:
         sharded.before_step()
+
+
+def _steps_a_wrapper(optimizer):
+    """Whether ``optimizer`` steps parameters of a live wrapper."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return any(w._holds_any(params) for w in list(_LIVE))
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
@@ -386,6 +392,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         if _OPTIMIZER_HOOK is None:
             _OPTIMIZER_HOOK = (register_optimizer_step_pre_hook(_check_before_optimizer_step),
                                register_optimizer_step_post_hook(_after_optimizer_step))
+            _amp.install(_steps_a_wrapper)
 
     # ---- what an elastic job's membership calls (gradsync.torch.Elastic) ---------------------
 
@@ -538,6 +545,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         the outermost backward through its outputs ends a synchronized step."""
         sync = self._sync
         grad_enabled = torch.is_grad_enabled()
+        if self._partition is not None and grad_enabled:
+            self._partition.refuse_if_owed("forward")
         was_pending = sync.record is not None and sync.record.sync_pending
         synced = sync.before_forward(grad_enabled)
         if synced and not was_pending:

@@ -457,7 +457,7 @@ class Elastic:
                 elements = sum(t.numel() for t in state.values())
                 parts.append(f"{name}: {kind} with {len(shapes)} tensors, {elements} elements")
             elif sharded := _sharded(obj):
-                groups = [len(ix) for ix in sharded._group_params]
+                groups = [len(entries) for entries in sharded.entries]
                 kind = f"sharded {sharded._class.__qualname__}"
                 digest.update(repr((kind, groups)).encode())
                 parts.append(f"{name}: {kind} over {sum(groups)} parameters")

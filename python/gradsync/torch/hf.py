@@ -2,30 +2,18 @@
 
 ``gradsync.torch.replace_ddp(shard_gradients=True)`` shards the Trainer's
 gradients and optimizer state (the Trainer's own optimizer is converted at
-its first step). The Trainer saves a checkpoint's optimizer state with
-``optimizer.state_dict()`` on the saving rank alone, while a sharded
-optimizer's state is spread over every rank: collecting it is a collective.
-Add this module's callback and the checkpoints hold the whole state, in
-torch's format, which the Trainer loads back on any world size::
+its first step), and its checkpoints hold the whole optimizer state, in
+torch's format, which the Trainer loads back on any world size: gradsync
+wraps the Trainer's save once a sharded wrapper is built
+(``_trainer_saves``). Nothing else is needed.
 
-    from gradsync.torch.hf import ShardedCheckpoints
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardedCheckpoints()])
-
-Without it, a save with sharded gradients raises a ``ConfigError`` that
-names this callback. Importing this module needs ``transformers``.
+The callback below did that before, and still may be given (it then does
+nothing more). Importing this module needs ``transformers``.
 """
 
-import torch
 from transformers import TrainerCallback
 
-from gradsync.torch._sharding import sharded_optimizer_of
-
-
-def _sharded(optimizer):
-    """The ``ShardedOptimizer`` under ``optimizer`` (Accelerate wraps it), or ``None``."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return None if optimizer is None else sharded_optimizer_of(optimizer)
+from gradsync.torch._trainer_saves import installed, sharded_under
 
 
 class ShardedCheckpoints(TrainerCallback):
@@ -35,8 +23,8 @@ class ShardedCheckpoints(TrainerCallback):
     collected copy is dropped."""
 
     def _collect(self, control, optimizer):
-        if control.should_save:
-            sharded = _sharded(optimizer)
+        if control.should_save and not installed():
+            sharded = sharded_under(optimizer)
             if sharded is not None:
                 sharded.consolidate_state_dict(to=0)
 
@@ -50,6 +38,6 @@ class ShardedCheckpoints(TrainerCallback):
 
     def on_save(self, args, state, control, optimizer=None, **kwargs):
         """The checkpoint was written: drop the collected copy."""
-        sharded = _sharded(optimizer)
-        if sharded is not None:
+        sharded = sharded_under(optimizer)
+        if sharded is not None and not installed():
             sharded.drop_consolidated()

@@ -5,7 +5,9 @@ which torch's DDP refuses. ``--impl`` picks the wrapper: ``ddp`` (torch's),
 strategy) or ``strategy`` (``GradsyncDDPStrategy``); ``--shard``: gradsync
 with ``shard_gradients=True`` (nothing else changes: the optimizer
 ``configure_optimizers`` returns steps this rank's partition), and a
-checkpoint saved through Lightning holds the whole optimizer state. Rank 0
+checkpoint saved through Lightning holds the whole optimizer state;
+``--clip``: ``gradient_clip_val`` and ``accumulate_grad_batches=2`` (Lightning
+clips the optimizer's parameters: sharded, this rank's pieces). Rank 0
 prints the wrapper's class, the spread between replicas, and the difference
 from a one-process replay of every rank's batches."""
 
@@ -22,6 +24,8 @@ import lightning as L
 from _report import failures_reported, report
 
 STEPS, BATCH, LR = 6, 4, 0.1
+#: ``--clip``: the clip norm (below every step's gradient norm) and the micro-batches per step.
+MAX_NORM, ACCUMULATE = 0.01, 2
 
 
 class Shared(L.LightningModule):
@@ -58,7 +62,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=["ddp", "replace", "strategy"], required=True)
     parser.add_argument("--shard", action="store_true", help="gradsync's shard_gradients=True")
+    parser.add_argument("--clip", action="store_true", help="gradient_clip_val and accumulate_grad_batches=2")
     args = parser.parse_args()
+    micro = ACCUMULATE if args.clip else 1
     impl, sharded = args.impl, ({"shard_gradients": True} if args.shard else {})
     strategy = "ddp"
     if impl == "replace":
@@ -72,10 +78,12 @@ def main():
     model = Shared()
     model.momentum = 0.9 if args.shard else 0.0
     initial = copy.deepcopy(model)
-    data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH * 2, 8, generator=torch.Generator().manual_seed(3)))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(STEPS * micro * BATCH * 2, 8, generator=torch.Generator().manual_seed(3)))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=MAX_NORM if args.clip else None, accumulate_grad_batches=micro,
     )
     with failures_reported(impl):
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=BATCH))
@@ -95,7 +103,12 @@ def main():
         opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=model.momentum)
         for step in range(STEPS):
             opt.zero_grad()
-            ref(torch.cat([s[step] for s in seen])).square().mean().backward()
+            for m in range(micro):
+                # Lightning divides each micro-batch's loss by the micro-batches per step.
+                (ref(torch.cat([s[step * micro + m] for s in seen])).square().mean() / micro).backward()
+            if args.clip:
+                norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+                assert norm > MAX_NORM, f"step {step}: the replay's norm {norm} is not clipped"
             opt.step()
         replayed["state"] = opt.state_dict()
         return ref.parameters()

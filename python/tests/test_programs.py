@@ -1,0 +1,71 @@
+"""Programs written the way people write them (``programs.py``), with
+``shard_gradients=True`` as the only change, against a one-process replay:
+clipping through a reference to torch's function taken at import, a
+GradScaler loop, an out-of-memory rank that goes on to its next batch, a
+frozen layer in the optimizer, a ``channels_last`` model, a sharded
+checkpoint of a small model (one bucket) on the same and another world
+size. Each failed before the fix that made it pass (issue 53)."""
+
+import pytest
+
+import programs
+
+SHARDED = {"shard_gradients": True}
+
+
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad_scaler"])
+def test_nanogpt_loop_clips_by_the_global_norm_through_an_early_import(world2, scaler):
+    for rank, got in enumerate(world2.run(programs.nanogpt, scaler=scaler, **SHARDED)):
+        assert got["clipped"] == got["steps"], f"the replay must clip every step: {got}"
+        assert got["norms"] < 1e-5, f"rank {rank}: clip norms off the replay's by {got['norms']:.2e}"
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
+
+
+def test_nanogpt_loop_clips_on_three_ranks(world3):
+    for rank, got in enumerate(world3.run(programs.nanogpt, **SHARDED)):
+        assert got["norms"] < 1e-5 and got["params"] < programs.ATOL32, f"rank {rank}: {got}"
+
+
+@pytest.mark.parametrize("sharding", [{}, SHARDED], ids=["unsharded", "sharded"])
+def test_an_out_of_memory_rank_that_goes_on_skips_the_step_everywhere(world2, sharding):
+    # Rank 1 aborts step 2 and `continue`s; rank 0 clips and steps: a no-op
+    # on both, no collective waits for rank 1 (it hung until the timeout).
+    results = world2.run(programs.out_of_memory, timeout=60, **sharding)
+    for rank, got in enumerate(results):
+        assert got["outcomes"] == ["applied", "applied", "skipped", "applied", "applied"], got
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
+
+
+def test_partial_policy_an_aborting_rank_that_does_not_step_is_told_what_to_do(fresh_world):
+    world = fresh_world(2, pg_timeout_s=20)
+    errors = world.run(programs.out_of_memory_partial_without_step, timeout=90, **SHARDED)
+    assert errors[1].startswith("ConfigError") and "rank 1 aborted step 2" in errors[1], errors[1]
+    assert "Call optimizer.step() after abort_step" in errors[1], errors[1]
+    assert errors[0] is not None, "rank 0 waits for rank 1's partition in vain: its gather fails"
+
+
+@pytest.mark.parametrize("sharding", [{}, SHARDED], ids=["unsharded", "sharded"])
+def test_a_frozen_layer_in_the_optimizer_is_skipped_as_torch_skips_it(world2, sharding):
+    for rank, got in enumerate(world2.run(programs.frozen_layer, **sharding)):
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
+        assert got["state_as_torch"], f"rank {rank}: the saved optimizer state is not torch's numbering"
+
+
+def test_channels_last_parameters_are_sharded_in_their_format(world2):
+    for rank, got in enumerate(world2.run(programs.channels_last, **SHARDED)):
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
+        assert got["channels_last"], "the parameters keep the memory format the user chose"
+
+
+def test_a_sharded_checkpoint_of_one_bucket_loads_on_the_same_and_another_world(world2, world3, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = world2.run(programs.checkpoint_save, path)[0]
+    for world in (world2, world3):
+        for rank, got in enumerate(world.run(programs.checkpoint_load, path, saved)):
+            assert got["params"] == 0.0 and got["state"] == 0.0, f"world {world.size}, rank {rank}: {got}"
+            assert got["lr"] == [1e-3, 1e-3], "the groups' options come from the checkpoint"
+    # A checkpoint whose data is gone: an ordinary exception (torch's is a BaseException) naming the ranks.
+    for data in (tmp_path / "ckpt").glob("*.distcp"):
+        data.unlink()
+    for message in world2.run(programs.checkpoint_load_error, path):
+        assert message.startswith("CheckpointError: ranks [0, 1]: reading the sharded checkpoint"), message
