@@ -148,6 +148,20 @@ BETWEEN_STEPS = [
 ]
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
+def test_under_the_partial_policy_a_kill_between_steps_skips_no_step(tmp_path, shard):
+    """Rank 1 killed after its optimizer step, with a buffer rank 0
+    broadcasts at each boundary: rank 0 fails in that broadcast, before the
+    next step, and rank 2 in the next step's backward. Under the partial
+    policy no survivor skips that step (it was skipped: rank 0 had no
+    gradient of it to reduce again): both run it at the new world."""
+    extra = ("--shard",) if shard else ()
+    proc, found = launch(tmp_path, 3, "--steps", "12", "--kill", "1@4:between", "--buffer", "--abort-policy",
+                         "partial", *extra)
+    first = exact(proc, found, {0, 2})
+    assert [s for s, *_ in first["history"]] == list(range(12)), f"no step skipped\n{explain(proc)}"
+
+
 @pytest.mark.parametrize("rank,phase,extra", BETWEEN_STEPS)
 def test_a_kill_between_steps_never_leaves_the_survivors_a_step_apart(tmp_path, rank, phase, extra):
     proc, found = launch(tmp_path, 3, "--steps", "12", "--kill", f"{rank}@4:{phase}", *extra)

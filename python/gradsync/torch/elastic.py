@@ -553,14 +553,23 @@ class Elastic:
         ``(steps applied, next step)`` (a joiner: nothing), and if any two
         differ, every member takes the state, the step and the history of
         the one furthest on (the most steps applied, then the furthest
-        step). Steps can differ with equal counts: a member that failed at a
-        boundary (the buffer broadcast) had not started the step the others
-        then failed and skipped. On the wrapper's state group (the training
-        thread's, never the communicator's)."""
+        step; under the partial policy the earliest). Steps can differ with
+        equal counts: a member that failed at a boundary (the buffer
+        broadcast) had not started the step the others then failed and
+        skipped; under the partial policy that step is run again by every
+        member instead of skipped. On the wrapper's state group (the
+        training thread's, never the communicator's)."""
         states = self._ddp.state_group
         mine = (0, 0) if self._fresh else (self.applied + 1, self.step + 1)
         places = [tuple(row) for row in states.everyones(mine).tolist()]
         best = max(places)
+        if self._ddp._sync.abort_policy == "partial":
+            # Among the members furthest on, the earliest step: a member
+            # that failed at the boundary (a buffer broadcast) had not begun
+            # the step the others then failed and skipped, and under this
+            # policy no step the survivors can finish is skipped: they all
+            # run it (at the new world) instead.
+            best = (best[0], min(step for applied, step in places if applied == best[0]))
         if all(place == best for place in places):
             return
         source = places.index(best)
