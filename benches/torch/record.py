@@ -2,6 +2,7 @@
 
     .venv/bin/python benches/torch/record.py            # every run below
     .venv/bin/python benches/torch/record.py tiny       # the runs whose name starts so
+    .venv/bin/python benches/torch/record.py --smoke --out DIR   # each run for 3 steps, into DIR (the tests)
 
 Each run is ``vs_ddp.py --json``; its JSON (with the command that produced
 it added as ``command``) goes to ``docs/data/bench/NAME.json``. Then
@@ -10,6 +11,7 @@ chart, and the docs build renders the rest. Nothing in the docs is typed in
 by hand: to change a number, run the benchmark again.
 """
 
+import argparse
 import json
 import shlex
 import subprocess
@@ -28,27 +30,41 @@ RUNS = {
 }
 
 
-def record(name: str, args: str) -> None:
-    """Run one benchmark and write its JSON."""
-    command = f".venv/bin/python {BENCH} {args} --json"
+#: What ``--smoke`` adds to each run: a step of warm-up and two measured.
+SMOKE = "--steps 3 --warmup 1"
+
+
+def record(name: str, args: str, out: Path = OUT, python: str = ".venv/bin/python") -> None:
+    """Run one benchmark and write its JSON into ``out``."""
+    command = f"{python} {BENCH} {args} --json"
     print(f"== {name}: {command}", file=sys.stderr, flush=True)
     proc = subprocess.run(shlex.split(command), cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
     lines = proc.stdout.strip().splitlines()
     sys.stdout.write("\n".join(lines[:-1]) + "\n")
     result = json.loads(lines[-1])
     result["command"] = command
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
 
 def main() -> None:
     """Record the runs named on the command line by prefix (all without)."""
-    prefixes = sys.argv[1:]
-    chosen = {n: a for n, a in RUNS.items() if not prefixes or any(n.split("-", 1)[1].startswith(p) for p in prefixes)}
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("prefixes", nargs="*", help="runs whose name (after its number) starts so; all without")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes (default: the docs' data)")
+    parser.add_argument("--smoke", action="store_true", help=f"each run with {SMOKE} (checks that they run)")
+    args = parser.parse_args()
+    chosen = {n: a for n, a in RUNS.items()
+              if not args.prefixes or any(n.split("-", 1)[1].startswith(p) for p in args.prefixes)}
     if not chosen:
-        sys.exit(f"no run matches {prefixes}; runs: {list(RUNS)}")
-    for name, args in chosen.items():
-        record(name, args)
+        sys.exit(f"no run matches {args.prefixes}; runs: {list(RUNS)}")
+    if args.smoke and args.out == OUT:
+        sys.exit("--smoke runs are not the docs' numbers: give --out DIR")
+    for name, run_args in chosen.items():
+        if args.smoke:
+            record(name, f"{run_args} {SMOKE}", args.out, sys.executable)
+        else:
+            record(name, run_args)
 
 
 if __name__ == "__main__":

@@ -64,11 +64,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the outcomes here (docs/data/sharded/peers.json)")
     parser.add_argument("--deadline", type=int, default=90)
+    parser.add_argument("--cases", nargs="+", metavar="NAME", help="only these cases (default: every case)")
     args = parser.parse_args()
     import sharded
 
+    unknown = sorted(set(args.cases or ()) - set(sharded.CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; the cases: {list(sharded.CASES)}")
     rows = []
-    for name in sharded.CASES:
+    for name in args.cases or sharded.CASES:
         row = {"case": sharded.label(name)}
         for impl in ("fsdp2", "zero1"):
             outcome = run(impl, name, 2, args.deadline)

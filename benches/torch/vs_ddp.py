@@ -175,7 +175,7 @@ def hook_call_us(samples=20_000):
     addr = t.data_ptr()
     times = []
     step = 0
-    for _ in range(samples // n):
+    for _ in range(max(1, samples // n)):
         for i in range(n):
             t0 = time.perf_counter_ns()
             session.arrive_ptr(step, i, 0, addr)
@@ -297,6 +297,7 @@ def main():
     ap.add_argument("--losses", action="store_true", help="keep every step's loss in the JSON")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-hook-timing", action="store_true")
+    ap.add_argument("--hook-samples", type=int, default=20_000, help="Python hook calls timed (the median is printed)")
     ap.add_argument("--keep-freed-memory", action="store_true",
                     help="tell glibc in every rank to keep freed memory (%s) instead of handing it back to the OS "
                          "and faulting it in again at the next step; the same for every policy"
@@ -345,7 +346,7 @@ def main():
         "compile": args.compile,
     })
     if not args.no_hook_timing:
-        result["hook_call_us_median"] = hook_call_us()
+        result["hook_call_us_median"] = hook_call_us(args.hook_samples)
     print_table(args, result)
     if args.json:
         print(json.dumps(result))

@@ -1,9 +1,13 @@
-"""The benchmark against torch's DDP keeps working: a short run of
-``benches/torch/vs_ddp.py`` whose policies must train the same parameters
-(its timings are printed for people, never asserted)."""
+"""The benchmarks keep working: every script under ``benches/torch`` runs in
+a smoke mode (a step or two, the smallest world and model it takes), and
+the run against torch's DDP (``vs_ddp.py``) must train the same parameters
+as its peers. Timings are printed for people, never asserted. (The Rust
+benchmark binary's smoke runs are ``tests/bench_smoke.rs``; the criterion
+suites run once each under ``cargo test --benches``.)"""
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -11,14 +15,23 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+BENCHES = REPO / "benches" / "torch"
+
+
+def bench(script, *args, timeout=300):
+    """Run ``benches/torch/script`` with ``args`` from the repository root;
+    its standard output (a failure shows both streams)."""
+    run = subprocess.run([sys.executable, str(BENCHES / script), *map(str, args)], capture_output=True, text=True,
+                         timeout=timeout, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, f"{script} exited {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return run.stdout
 
 
 def test_vs_ddp_runs_and_its_synchronized_policies_agree_exactly():
-    cmd = [sys.executable, str(REPO / "benches" / "torch" / "vs_ddp.py"), "--tiny-params", "40", "--steps", "4",
-           "--warmup", "1", "--policies", "gradsync,ddp,no_sync,local", "--no-hook-timing", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    out = bench("vs_ddp.py", "--tiny-params", "40", "--steps", "4", "--warmup", "1", "--policies",
+                "gradsync,ddp,no_sync,local", "--hook-samples", "512", "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["hook_call_us_median"] > 0, "the Python hook call was timed"
     assert set(result["policies"]) == {"gradsync", "ddp", "no_sync", "local"}
     for name, policy in result["policies"].items():
         assert policy["step_s_median"] > 0, f"{name}: {policy}"
@@ -38,12 +51,9 @@ def test_vs_ddp_runs_and_its_synchronized_policies_agree_exactly():
 
 
 def test_vs_ddp_runs_each_policy_on_its_own_and_compares_their_losses():
-    cmd = [sys.executable, str(REPO / "benches" / "torch" / "vs_ddp.py"), "--tiny-params", "40", "--steps", "3",
-           "--warmup", "1", "--policies", "gradsync,no_sync", "--separate", "2", "--keep-freed-memory",
-           "--no-hook-timing", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    out = bench("vs_ddp.py", "--tiny-params", "40", "--steps", "3", "--warmup", "1", "--policies", "gradsync,no_sync",
+                "--separate", "2", "--keep-freed-memory", "--no-hook-timing", "--json")
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["rounds"] == 2
     gradsync = result["policies"]["gradsync"]
     # Two rounds of steps 2-3, each following the policy's own previous step.
@@ -89,3 +99,58 @@ def test_paired_difference_names_a_faster_policy_only_when_its_interval_leaves_o
     # Differences either side of zero: no verdict.
     d = bench.paired_difference([0.0] * 10, [float(x) for x in range(-5, 5)])
     assert d["low_s"] < 0 < d["high_s"] and d["verdict"] == "within noise", d
+
+
+# ---- every other bench, in a smoke mode -------------------------------------------------------
+
+
+def test_record_drives_each_docs_run(tmp_path):
+    bench("record.py", "--smoke", "--out", tmp_path, "tiny")
+    (written,) = tmp_path.glob("*.json")
+    assert json.loads(written.read_text())["command"].endswith("--steps 3 --warmup 1 --json")
+
+
+def test_host_profile_on_cpu(tmp_path):
+    bench("host_profile.py", "--device", "cpu", "--model", "tiny", "--tiny-params", "20", "--steps", "3",
+          "--warmup", "1", "--json", tmp_path / "host.json")
+    assert json.loads((tmp_path / "host.json").read_text())
+
+
+def test_gpu_overhead_needs_a_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("gpu_overhead.py measures on a CUDA device and there is none: the GPU suite runs it "
+                    "(scripts/gpu/run)")
+    bench("gpu_overhead.py", "--model", "resnet18", "--images-per-rank", "2", "--image-size", "32", "--steps", "3",
+          "--warmup", "1")
+
+
+def test_sharded_memory_every_implementation(tmp_path):
+    bench("sharded_memory.py", "--worlds", "2", "--layers", "1", "--width", "32", "--tokens", "8", "--steps", "2",
+          "--json", tmp_path / "memory.json")
+    rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync", "ddp", "zero1", "fsdp2"}, rows
+    assert not [r for r in rows if r["impl"].startswith("gradsync") and "error" in r], rows
+
+
+def test_sharded_side_by_side_one_case(tmp_path):
+    bench("sharded_side_by_side.py", "--cases", "checkpoint_once", "--deadline", "60", "--json", tmp_path / "p.json")
+    (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert set(row) == {"case", "fsdp2", "zero1"}, row
+
+
+def test_sharded_elastic_memory_and_a_kill(tmp_path):
+    bench("sharded_elastic.py", "--worlds", "3", "--width", "16", "--steps", "6", "--json", tmp_path / "e.json",
+          timeout=420)
+    assert json.loads((tmp_path / "e.json").read_text())
+
+
+def test_elastic_recovery_its_parts(tmp_path):
+    # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
+    parts = ["recovery", "torchrun", "liveness"]
+    bench("elastic_recovery.py", "--worlds", "2", "--kill-step", "3", "--rank-steps", "24", "--torchrun-steps", "8",
+          "--liveness-steps", "14", "--liveness-rounds", "1", "--parts", *parts, "--json", tmp_path / "r.json",
+          timeout=600)
+    run = json.loads((tmp_path / "r.json").read_text())
+    assert set(run["commands"]) == set(parts), run["commands"]
