@@ -176,6 +176,9 @@ def main():
     parser.add_argument("--shard", action="store_true",
                         help="shard gradients and optimizer state (each partition also kept by a buddy rank)")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
+    parser.add_argument("--pace-ms", type=float, default=0.0, metavar="MS",
+                        help="sleep MS after each step: a run that waits for a replacement to start leaves the cores "
+                        "to it and covers the wait in fewer steps")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -263,6 +266,8 @@ def train(args, elastic, model, opt, data):
         killing["gather"] = at("gather", step)
         opt.step()
         opt.zero_grad()
+        if args.pace_ms:
+            time.sleep(args.pace_ms / 1000)
         if at("stall", step):  # silent after its step: the others wait for it at the next boundary
             die(args.report, freeze=True)
         if at("between", step):

@@ -11,6 +11,24 @@ from world import World
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TABLE_DIR = REPO / "target" / "pytest"
+#: ``sitecustomize`` for the subprocesses the tests start (fastexit/sitecustomize.py).
+FASTEXIT = str(pathlib.Path(__file__).resolve().parent / "fastexit")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (FASTEXIT, os.environ.get("PYTHONPATH")) if p)
+
+
+def without_exit_noise(text):
+    """``text`` (a subprocess's output) without the leak report that triton's
+    nanobind bindings print when a process skipped its last collection
+    (the suite's fast exit): what is left is what the program said."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith(("nanobind: ", " - leaked ", "See https://nanobind.")))
+
+
+def without_fastexit(env):
+    """``env`` for a subprocess whose end is what a test checks: without
+    the suite's ``sitecustomize`` (it ends as a user's program ends)."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != FASTEXIT]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 # Rows of the side-by-side table, filled by the tests that run both DDP and gradsync.
 ROWS = []

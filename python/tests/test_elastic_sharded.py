@@ -6,7 +6,7 @@ steps, and (partial policy) no step skipped that the survivors could finish.
 """
 
 import pytest
-from test_elastic import exact, explain, launch, rejoined
+from test_elastic import PACED, exact, explain, launch, rejoined
 from test_elastic import test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves as _silent
 
 
@@ -83,7 +83,7 @@ def test_a_replacement_of_a_sharded_rank_receives_its_partitions(tmp_path):
     """Rank 1 of 3 killed; its replacement is admitted, receives its new
     partition and its buddy's (state moved from the members), and the job
     ends with three bitwise identical members equal to the replay."""
-    proc, found = launch(tmp_path, 3, "--steps", "700", "--shard", "--kill", "1@3:backward", rejoin=True)
+    proc, found = launch(tmp_path, 3, "--steps", "300", *PACED, "--shard", "--kill", "1@3:backward", rejoin=True)
     rejoined(proc, found)
 
 
