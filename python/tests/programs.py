@@ -129,32 +129,36 @@ class OutOfMemoryOn:
             raise torch.OutOfMemoryError("CPU out of memory (a test's)")
 
 
-def out_of_memory(rank, world, steps=5, oom=(1, 2), **wrap):
+def out_of_memory(rank, world, steps=5, oom=(1, 2), scaler=False, **wrap):
     """A loop that survives an out-of-memory error as the docs say: the
     rank that hits it calls ``model.abort_step("out_of_memory")`` and goes
     on to its next batch (``continue``); every other rank clips and steps
-    as usual. The step is skipped on every rank, so the replay skips it.
-    Returns the largest parameter difference from the replay and what each
-    step's report said."""
+    as usual (``scaler``: through an enabled ``torch.amp.GradScaler``, whose
+    scale is a power of two: the replay needs none). The step is skipped on
+    every rank, so the replay skips it. Returns the largest parameter
+    difference from the replay and what each step's report said."""
     torch.manual_seed(1)
     base = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     data = torch.randn(steps, world, 6, 12, generator=torch.Generator().manual_seed(2))
     model = DDP(copy.deepcopy(base), **wrap)
     failing = OutOfMemoryOn(model.module[2], *oom)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaler)
     outcomes = []
     try:
         for step in range(steps):
             optimizer.zero_grad()
             failing.now = (rank, step)
             try:
-                model(data[step, rank]).square().mean().backward()
+                grad_scaler.scale(model(data[step, rank]).square().mean()).backward()
             except torch.OutOfMemoryError:
                 outcomes.append(model.abort_step("out_of_memory").outcome)
                 continue
             outcomes.append(model.last_report.outcome)
+            grad_scaler.unscale_(optimizer)
             clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
         reference = copy.deepcopy(base)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for step in range(steps):
