@@ -10,7 +10,7 @@
 //! whatever the reduction order. Cases: 500 by default, `GRADSYNC_PROPTEST_CASES`
 //! for more.
 
-mod common;
+use crate::common;
 
 use common::{build_world, on_ranks, pid, summed_reference, Sent};
 use gradsync::{AbortPolicy, AbortReason, Divisor, Outcome, Payload};

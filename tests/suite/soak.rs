@@ -1,10 +1,10 @@
 //! Soak: many steps with aborts mixed in, checking exact sums throughout and
 //! that resident memory does not grow. Ignored by default (about a minute in
 //! release); run with
-//! `cargo test --release --test soak -- --ignored --nocapture`
+//! `cargo test --release --test suite soak -- --ignored --nocapture`
 //! and `GRADSYNC_SOAK_STEPS` to change the step count (default 100000).
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 

@@ -7,7 +7,7 @@
 //! partial policy the survivors instead keep their `GradSync`, move its
 //! endpoint into the new world, and the runtime redoes the lost step.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;

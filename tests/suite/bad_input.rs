@@ -1,7 +1,7 @@
 //! Bad input on the public entry points: a typed error or a counted refusal,
 //! never a panic, a hang or a wrong sum.
 
-mod common;
+use crate::common;
 
 use common::{build_world, on_ranks, pid};
 use gradsync::{BuildError, DType, GradSync, LocalWorld, Rejection, SyncError, Token};

@@ -4,7 +4,7 @@
 //! Every check is exact (integer-valued data; divisor Sum, or world 4 where a
 //! division by a power of two is exact).
 
-mod common;
+use crate::common;
 
 use common::{build_world, on_ranks, pid, summed_reference, wait_for, Sent};
 use gradsync::{Divisor, GradSync, LocalWorld, StepReport};

@@ -2,7 +2,7 @@
 //! as the Chrome trace event format and shows, for every rank, all-reduces
 //! that start before that rank's `finish_step` (overlap with backward).
 
-mod common;
+use crate::common;
 
 use common::{build_world, on_ranks, wait_for, Sent};
 use gradsync::ChromeTrace;

@@ -3,7 +3,7 @@
 //! odd rank, token order across threads, overlap while gradients are held,
 //! the failure rule, the partial abort policy and join (uneven inputs).
 
-mod common;
+use crate::common;
 
 use std::sync::Barrier;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! responding, a rank that panics, ranks that registered different models.
 //! Nobody hangs, every rank learns the same outcome, errors name the rank.
 
-mod common;
+use crate::common;
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! are summed exactly like direct ones; a step cannot end while a batch holds
 //! its arrivals; arrivals held across a reset never reach the next step.
 
-mod common;
+use crate::common;
 
 use std::sync::Barrier;
 use std::time::Duration;

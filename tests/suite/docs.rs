@@ -4,8 +4,8 @@
 //! the side-by-side excerpt and the cost table, are checked by the docs
 //! build: docs/gen.py.)
 
-const README: &str = include_str!("../README.md");
-const METRICS_PAGE: &str = include_str!("../docs/metrics.md");
+const README: &str = include_str!("../../README.md");
+const METRICS_PAGE: &str = include_str!("../../docs/metrics.md");
 
 #[test]
 fn the_readme_stays_short() {
