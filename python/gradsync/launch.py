@@ -23,6 +23,11 @@ a job that went on without them (``EXIT_LEFT``) or was refused as a joiner
 cannot do this: on any failure it stops every worker of the job and starts
 them all again, and its c10d rendezvous store lives in one agent.)
 
+Workers are forked from a warm interpreter that imported torch once
+(:mod:`gradsync._warm_start`: each runs its script as ``python -u`` would,
+in milliseconds instead of the seconds importing torch takes);
+``--fresh-interpreters`` starts each as a new process instead.
+
 etcd: ``--store etcd://HOST:PORT[,HOST:PORT...]`` keeps the job's
 membership in an etcd cluster instead (see :mod:`gradsync.torch.etcd`; each
 epoch's rank 0 hosts that epoch's group rendezvous at its machine's
@@ -56,7 +61,7 @@ def _describe(code):
 class Supervisor:
     """Starts this machine's workers, records deaths, starts replacements."""
 
-    def __init__(self, args, store, address):
+    def __init__(self, args, store, address, warm=None):
         import torch.distributed as dist  # noqa: F401  (the store is torch's)
 
         from gradsync._native import Membership
@@ -80,6 +85,8 @@ class Supervisor:
         self.failed_after_success = False
         self.gave_up = None  # why the job was given up (no member left)
         self.prefix = f"{args.job}/membership"
+        #: Where workers are forked from (``None``: each worker is a new ``python -u`` process).
+        self.warm = warm
 
     def _log(self, message):
         print(f"gradsync launch: {message}", file=sys.stderr, flush=True)
@@ -89,8 +96,15 @@ class Supervisor:
         env.update({ENV_STORE: self.address, ENV_JOB: self.args.job, ENV_MEMBER: str(member),
                     ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0", ENV_HOST: self.args.host})
         env.setdefault("OMP_NUM_THREADS", "1")
-        command = [sys.executable, "-u", self.args.script, *self.args.script_args]
-        self.workers[member] = subprocess.Popen(command, env=env)
+        if self.warm is not None:
+            try:
+                self.workers[member] = self.warm.start([self.args.script, *self.args.script_args], env)
+            except OSError as e:
+                self._log(f"{e}: workers start as new processes from now on")
+                self.warm = None
+        if member not in self.workers:
+            command = [sys.executable, "-u", self.args.script, *self.args.script_args]
+            self.workers[member] = subprocess.Popen(command, env=env)
         if join:
             self._log(f"started member {member} (pid {self.workers[member].pid}) to join the job")
 
@@ -214,6 +228,9 @@ def main(argv=None):
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index (several machines)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job's first membership")
     parser.add_argument("--job", default="gradsync-elastic", help="the job's name in the store")
+    parser.add_argument("--fresh-interpreters", action="store_true",
+                        help="start each worker as a new `python -u` process instead of forking it from a warm "
+                        "interpreter that imported torch once (see gradsync._warm_start)")
     parser.add_argument("script", nargs="?", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -226,6 +243,13 @@ def main(argv=None):
 
     from gradsync.torch.etcd import EtcdStore, is_etcd
 
+    warm = None
+    if not args.store_only and not args.fresh_interpreters:
+        # Before the store: the warm interpreter must be forked while this
+        # process has no thread and no socket.
+        from gradsync._warm_start import WarmInterpreter
+
+        warm = WarmInterpreter()
     if args.store and is_etcd(args.store):
         if args.store_only:
             parser.error("--store-only hosts a TCPStore; an etcd cluster needs no host from gradsync")
@@ -250,7 +274,7 @@ def main(argv=None):
                 time.sleep(3600)
         except KeyboardInterrupt:
             return 0
-    return Supervisor(args, store, address).run()
+    return Supervisor(args, store, address, warm).run()
 
 
 if __name__ == "__main__":
