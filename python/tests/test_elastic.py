@@ -76,7 +76,8 @@ def explain(proc):
 @pytest.mark.parametrize(
     "rank,phase,extra",
     # (Every phase, position and buffer setting under both policies: the slow matrix below.)
-    [(0, "forward", ()), (0, "boundary", ()), (2, "backward", ()), (0, "optimizer", ("--buffer",))],
+    [(0, "forward", ()), pytest.param(0, "boundary", (), marks=pytest.mark.slow),
+     pytest.param(2, "backward", (), marks=pytest.mark.slow), (0, "optimizer", ("--buffer",))],
 )
 def test_survivors_go_on_when_a_rank_is_killed(tmp_path, rank, phase, extra):
     """Rank ``rank`` is SIGKILLed at step 4 in ``phase``: the two survivors
@@ -108,7 +109,7 @@ def test_survivors_go_on_when_a_rank_is_killed(tmp_path, rank, phase, extra):
 
 
 # (The other phases under this policy are in the slow matrix below.)
-@pytest.mark.parametrize("rank,phase", [(0, "backward"), (1, "collective")])
+@pytest.mark.parametrize("rank,phase", [(0, "backward"), pytest.param(1, "collective", marks=pytest.mark.slow)])
 def test_under_the_partial_policy_the_survivors_reduce_the_lost_step_again(tmp_path, rank, phase):
     """abort_policy="partial": the step in flight when rank ``rank`` dies is
     not skipped but reduced again among the survivors from what each kept,
@@ -151,7 +152,7 @@ def exact(proc, found, survivors):
 BETWEEN_STEPS = [
     (1, "between", ("--buffer",)),
     (2, "optimizer", ("--buffer",)),
-    (2, "boundary", ("--buffer", "--no-broadcast-buffers")),
+    pytest.param(2, "boundary", ("--buffer", "--no-broadcast-buffers"), marks=pytest.mark.slow),
     # (The partial policy's case: test_under_the_partial_policy_a_kill_between_steps_skips_no_step.)
 ]
 
@@ -338,7 +339,8 @@ def test_a_fixed_global_batch_divides_by_the_first_world(tmp_path):
     assert [c for _, _, c, _ in first["history"]][-1] == 2, "two contributors, divided by three (the replay's check)"
 
 
-@pytest.mark.parametrize("rank,phase,extra", [(1, "freeze", ()), (0, "stall", ("--buffer",))])
+@pytest.mark.parametrize("rank,phase,extra",
+                         [(1, "freeze", ()), pytest.param(0, "stall", ("--buffer",), marks=pytest.mark.slow)])
 def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tmp_path, rank, phase, extra):
     """A rank frozen with SIGSTOP keeps its sockets open, as a host whose
     link was cut: gloo alone would wait out its timeout. The survivors'
