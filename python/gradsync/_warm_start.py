@@ -17,6 +17,11 @@ runs the training script as ``python -u script.py args`` would run it:
   exception's traceback and status 1, ``atexit`` handlers and finalisation;
   a signal's death is reported as such.
 
+The warm interpreter never touches a GPU (a process cannot use CUDA in a
+fork of one that initialised it): importing the modules above asks torch
+for no device (checked on torch 2.15: ``torch._C._cuda_getDeviceCount`` is
+not called), and each worker initialises CUDA itself, as a new process does.
+
 The data flow: the supervisor sends ``(argv, env)`` over a pipe; the warm
 interpreter forks, answers the child's pid, and reports each child's exit
 status when it reaps it. The supervisor keeps a :class:`Worker` handle per
