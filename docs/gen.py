@@ -452,8 +452,19 @@ def elastic_details() -> str:
     run = _elastic()
     commands = "\n".join(sorted(set(run["commands"].values())))
     return (f"```sh\n{commands}\n```\n\nRank 1 SIGKILLs itself mid-backward at step {run['kill_step']}; "
-            "the times are wall clock, recorded by the processes themselves. A replacement's start includes "
-            "starting Python and importing torch on a machine whose cores the other workers keep busy.")
+            "the times are wall clock, recorded by the processes themselves. " + _replacement_start(run))
+
+
+def _replacement_start(run: dict) -> str:
+    """How the recorded replacements started (rows without ``worker_start``
+    were recorded before the launcher forked its workers from a warm interpreter)."""
+    warm = any(r.get("worker_start") == "warm" for r in run.get("recovery", []))
+    if warm:
+        return ("A replacement is a fork of the launcher's warm interpreter (torch imported already); its start "
+                "is that fork, on a machine whose cores the other workers keep busy.")
+    return ("These runs started each replacement as a new interpreter (`--fresh-interpreters` now): its start "
+            "includes starting Python and importing torch on a machine whose cores the other workers keep busy; "
+            "the launcher's default, a fork of its warm interpreter, skips the import.")
 
 
 GENERATORS = {

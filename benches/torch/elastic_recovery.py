@@ -13,8 +13,8 @@ times the processes recorded):
 * **kill -> new group**: from the kill to the survivors' agreement on the
   new membership (the event's time);
 * **replacement start -> first applied step**: from the replacement's
-  process start (the supervisor starts it at once; the figure includes
-  importing torch) to the first step it applied, and from its join request
+  process start (the supervisor starts it at once, forked from its warm
+  interpreter: torch is imported already) to the first step it applied, and from its join request
   being answered (admission and state transfer) to that step;
 * **healthy step**: the median step time before the kill, for scale.
 
@@ -130,6 +130,8 @@ def recovery(world, kill_step, steps, policy="skip", loaded=False):
         (joined,) = [e for e in joiner["events"] if e["kind"] == "joined"]
         first = min(t for _, t in applied_times(joiner))
         row["replacement_start_to_first_applied_s"] = first - joiner["started"]
+        # The launcher's default since it has one: a fork of its warm interpreter (torch imported already).
+        row["worker_start"] = "warm"
         row["admitted_to_first_applied_s"] = first - (joined["time"] - joined["seconds"])
     return row
 
