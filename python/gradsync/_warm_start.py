@@ -84,8 +84,10 @@ class WarmInterpreter:
         child.close()
         self.pid = pid
         self._conn = parent
-        self._workers = {}  # pid -> Worker, until its exit status came
-        self._ended = {}  # pid -> exit status that came before the pid's Worker existed
+        # pid -> Worker, until its exit status came (the warm interpreter
+        # answers "started" before it can reap that pid, so a status always
+        # finds its Worker here).
+        self._workers = {}
 
     def start(self, argv, env):
         """Fork a worker that runs ``argv`` (the script and its arguments)
@@ -98,9 +100,6 @@ class WarmInterpreter:
                 if message[0] == "started":
                     worker = Worker(message[1], self)
                     self._workers[worker.pid] = worker
-                    if worker.pid in self._ended:
-                        worker.returncode = self._ended.pop(worker.pid)
-                        del self._workers[worker.pid]
                     return worker
                 self._record(message)
         except (EOFError, BrokenPipeError, ConnectionResetError) as e:
@@ -121,15 +120,7 @@ class WarmInterpreter:
 
     def _record(self, message):
         _, pid, code = message
-        worker = self._workers.pop(pid, None)
-        if worker is None:
-            self._ended[pid] = code
-        else:
-            worker.returncode = code
-
-    def close(self):
-        """Let the warm interpreter end (it ends by itself when the supervisor does)."""
-        self._conn.close()
+        self._workers.pop(pid).returncode = code
 
 
 def _alive(pid):
@@ -137,8 +128,6 @@ def _alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 

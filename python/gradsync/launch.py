@@ -96,17 +96,22 @@ class Supervisor:
         env.update({ENV_STORE: self.address, ENV_JOB: self.args.job, ENV_MEMBER: str(member),
                     ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0", ENV_HOST: self.args.host})
         env.setdefault("OMP_NUM_THREADS", "1")
-        if self.warm is not None:
-            try:
-                self.workers[member] = self.warm.start([self.args.script, *self.args.script_args], env)
-            except OSError as e:
-                self._log(f"{e}: workers start as new processes from now on")
-                self.warm = None
-        if member not in self.workers:
-            command = [sys.executable, "-u", self.args.script, *self.args.script_args]
-            self.workers[member] = subprocess.Popen(command, env=env)
+        self.workers[member] = self._fork(env) or subprocess.Popen(
+            [sys.executable, "-u", self.args.script, *self.args.script_args], env=env)
         if join:
             self._log(f"started member {member} (pid {self.workers[member].pid}) to join the job")
+
+    def _fork(self, env):
+        """A worker forked from the warm interpreter; ``None`` without one
+        (or once it is gone: then every worker starts as a new process)."""
+        if self.warm is None:
+            return None
+        try:
+            return self.warm.start([self.args.script, *self.args.script_args], env)
+        except OSError as e:
+            self._log(f"{e}: workers start as new processes from now on")
+            self.warm = None
+            return None
 
     def run(self):
         """Start the workers and watch them until every one has ended;

@@ -65,13 +65,12 @@ class World:
     """``size`` ranks in their own processes (see the module docs)."""
 
     def __init__(self, size, pg_timeout_s=60):
-        ctx = _CONTEXT
         self.size = size
-        self._tasks = [ctx.Queue() for _ in range(size)]
-        self._results = ctx.Queue()
+        self._tasks = [_CONTEXT.Queue() for _ in range(size)]
+        self._results = _CONTEXT.Queue()
         port = free_port()
         self._procs = [
-            ctx.Process(target=_serve, args=(r, size, port, pg_timeout_s, self._tasks[r], self._results), daemon=True)
+            _CONTEXT.Process(target=_serve, args=(r, size, port, pg_timeout_s, self._tasks[r], self._results), daemon=True)
             for r in range(size)
         ]
         for p in self._procs:
