@@ -112,10 +112,10 @@ pub enum SchedMsg<S: GradStore = HostStore> {
     Reset {
         /// This rank's proposal (its next step); the agreed step is the maximum.
         proposed: Step,
-        /// The new membership, `(rank, world)`, when the reset follows a
-        /// change of members (an elastic job): the agreement runs among the
-        /// new members, and the plan is agreed again among them.
-        membership: Option<(usize, usize)>,
+        /// This rank's new place, when the reset follows a change of
+        /// members (an elastic job): the agreement runs among the new
+        /// members, and the plan is agreed again among them.
+        membership: Option<Place>,
         /// Where to answer with the agreed step (and the step to reduce again).
         reply: Reply<Result<Resumption, SyncError>>,
     },
@@ -133,6 +133,19 @@ pub enum SchedMsg<S: GradStore = HostStore> {
     },
     /// Stop the actor.
     Shutdown,
+}
+
+/// A rank's place in an elastic job's membership after a change of members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the new membership.
+    pub world: usize,
+    /// Where a sharded job's buddy copies live: this rank keeps the
+    /// partition of rank `(rank + buddy_stride) % world` too (0: none).
+    /// Identical on every member (the roster decides it).
+    pub buddy_stride: usize,
 }
 
 /// Where the members continue after a reset.

@@ -166,7 +166,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
             reorder: false,
             wire: Wire::F32,
             partitioned: false,
-            buddies: false,
+            buddy_stride: 0,
             joiner_waiting: None,
         },
         learning_window: 4,

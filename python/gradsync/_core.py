@@ -142,8 +142,8 @@ class SyncSettings:
     each rank keeps only its partition of the buckets (``partitioned``:
     sharded gradients), whether their collective is then a
     reduce-scatter (``reduce_scatter``; else an all-reduce) and whether each
-    rank also keeps the next rank's partition (``buddies``: an elastic
-    sharded job)."""
+    rank ``r`` also keeps rank ``(r + buddy_stride) % world``'s partition
+    (``buddy_stride`` above 0: an elastic sharded job; its roster's)."""
 
     bucket_cap_bytes: int
     timeout_s: float
@@ -152,7 +152,7 @@ class SyncSettings:
     wire_dtype: str = "float32"
     partitioned: bool = False
     reduce_scatter: bool = True
-    buddies: bool = False
+    buddy_stride: int = 0
 
 
 def check_wire(wire, refused=None):
@@ -199,7 +199,7 @@ class ModelSync:
             membership=membership,
             partitioned=settings.partitioned,
             reduce_scatter=settings.reduce_scatter,
-            buddies=settings.buddies,
+            buddy_stride=settings.buddy_stride,
         )
         self.names = replica.names
         self.wire = settings.wire_dtype

@@ -88,7 +88,7 @@ class Session:
         membership: Optional[Membership] = ...,
         partitioned: bool = ...,
         reduce_scatter: bool = ...,
-        buddies: bool = ...,
+        buddy_stride: int = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...
@@ -119,9 +119,9 @@ class Session:
         ``join``); the step lends the averages the others got."""
     def reset(self) -> int:
         """After a failed step, on every rank: agree on the step to continue at."""
-    def resume(self, rank: int, world: int) -> tuple[int, Optional[Step]]:
+    def resume(self, rank: int, world: int, buddy_stride: int = ...) -> tuple[int, Optional[Step]]:
         """An elastic job's members changed (this process is ``rank`` of
-        ``world`` now): agree among them on the step to continue at; with it,
+        ``world`` now, keeping buddy copies ``buddy_stride`` ranks on): agree among them on the step to continue at; with it,
         under the partial policy, the failed step reduced again among them
         (``None``: skipped on every member)."""
     def set_divisor(self, divisor: Union[str, int]) -> None:
@@ -137,8 +137,11 @@ class Membership:
     """One process's membership in an elastic job (the runtime's protocol
     over the job's store: a ``_collectives.StoreClient`` of torch's store, or
     an :class:`EtcdClient`; see ``gradsync.torch.elastic``). Rosters are dicts
-    with ``epoch``, ``members`` (ids in rank order), ``lost``, ``joined``
-    and ``joiners_seen``; failures raise ``gradsync.MembershipError``."""
+    with ``epoch``, ``members`` (ids in rank order), ``nodes`` (each
+    member's node, by rank), ``lost``, ``joined``, ``joiners_seen`` and
+    ``buddy_stride`` (rank ``r`` keeps the buddy copy of rank
+    ``(r + buddy_stride) % world``'s partition); failures raise
+    ``gradsync.MembershipError``."""
 
     def __init__(
         self,
@@ -153,9 +156,12 @@ class Membership:
         beat_s: float = ...,
         suspect_grace_s: float = ...,
         admission_s: float = ...,
+        min_members: int = ...,
+        node: int = ...,
+        probe_host: Optional[str] = ...,
     ) -> None: ...
-    def start(self, initial: list[int]) -> dict[str, Any]:
-        """Start as one of the job's first members (``initial``, in rank order)."""
+    def start(self, initial: list[int], nodes: list[int]) -> dict[str, Any]:
+        """Start as one of the job's first members (``initial``, in rank order; ``nodes``: each one's node)."""
     def request_join(self, fingerprint: str) -> dict[str, Any]:
         """Ask to join; wait until admitted (or refused)."""
     def recover(self, suspects: list[int]) -> dict[str, Any]:

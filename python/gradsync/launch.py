@@ -16,7 +16,12 @@ with ``MembershipError(kind="no_members")``), and exits with 1.
 Several machines: host the store on one (``--store-only``, or a supervisor
 with workers), and on each machine run a supervisor with ``--store
 HOST:PORT --node-rank K --nnodes M``: every supervisor starts ``--nproc``
-workers of the first ``M * nproc`` and replaces its own. A supervisor exits
+workers of the first ``M * nproc`` and replaces its own. A machine lost with
+its supervisor is survived: the others go on (the store decides; see
+:mod:`gradsync.torch.elastic`), and a sharded job keeps each partition's
+buddy copy on another machine. A replacement machine joins the running job
+with ``--join`` (its workers ask to be admitted, as replacements do; give it
+a ``--node-rank`` no live machine has). A supervisor exits
 with 0 when its workers finished the job, with 3 when every one of them left
 a job that went on without them (``EXIT_LEFT``) or was refused as a joiner
 (``EXIT_REFUSED``), else 1: the job did not finish. (torchrun's agent
@@ -44,7 +49,7 @@ import sys
 import time
 
 from gradsync.torch.elastic import (
-    ENV_FIRST, ENV_HOST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_STORE, EXIT_LEFT, EXIT_REFUSED,
+    ENV_FIRST, ENV_HOST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_NODE, ENV_NODES, ENV_STORE, EXIT_LEFT, EXIT_REFUSED,
 )
 
 
@@ -77,7 +82,8 @@ class Supervisor:
         self.args = args
         self.store = store
         self.address = address
-        self.first = args.nnodes * args.nproc
+        #: How many members the job started with (a replacement machine reads it from the store).
+        self.first = self._first_world()
         self.workers = {}  # member id -> Popen
         self.finished = {}  # member id -> exit status, for workers that ended
         self.rejoins = 0
@@ -94,7 +100,8 @@ class Supervisor:
     def _start(self, member, join):
         env = dict(os.environ)
         env.update({ENV_STORE: self.address, ENV_JOB: self.args.job, ENV_MEMBER: str(member),
-                    ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0", ENV_HOST: self.args.host})
+                    ENV_FIRST: str(self.first), ENV_JOIN: "1" if join else "0", ENV_HOST: self.args.host,
+                    ENV_NODE: str(self.args.node_rank), ENV_NODES: str(self.args.nnodes)})
         env.setdefault("OMP_NUM_THREADS", "1")
         self.workers[member] = self._fork(env) or subprocess.Popen(
             [sys.executable, "-u", self.args.script, *self.args.script_args], env=env)
@@ -118,7 +125,10 @@ class Supervisor:
         returns the exit status of the job."""
         base = self.args.node_rank * self.args.nproc
         for i in range(self.args.nproc):
-            self._start(base + i, join=False)
+            if self.args.join:
+                self._start(self._replacement_id(), join=True)
+            else:
+                self._start(base + i, join=False)
         try:
             while self.workers:
                 for member, proc in list(self.workers.items()):
@@ -175,8 +185,27 @@ class Supervisor:
         self._log(f"member {member} (pid {proc.pid}) {_describe(code)}; the others go on without it")
         if self.args.rejoin and self.first_success is None and self.rejoins < self.args.max_rejoins and left:
             self.rejoins += 1
-            replacement = self.first + self.store.add(f"{self.args.job}/replacements", 1) - 1
-            self._start(replacement, join=True)
+            self._start(self._replacement_id(), join=True)
+
+    def _first_world(self):
+        """The job's first world size: ``--nnodes`` times ``--nproc``,
+        recorded in the store by the first supervisors; a replacement
+        machine (``--join``) reads it there, so its workers' ids follow
+        every id the job gave out, whatever its own options say."""
+        key = f"{self.args.job}/first_world"
+        if not self.args.join:
+            first = self.args.nnodes * self.args.nproc
+            self.store.set(key, str(first))
+            return first
+        try:
+            return int(self.store.get(key))  # (waits for the job's first supervisors, up to the store's timeout)
+        except Exception as e:  # the store's timeout: no job of that name
+            sys.exit(f"gradsync launch: --join found no job named {self.args.job!r} in the store ({e}); "
+                     "start its first machines first, or check --job and --store")
+
+    def _replacement_id(self):
+        """A member id no process of the job had (the store counts them)."""
+        return self.first + self.store.add(f"{self.args.job}/replacements", 1) - 1
 
     def _members_left(self):
         """The members of the job's newest membership not known dead
@@ -233,14 +262,19 @@ def main(argv=None):
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index (several machines)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job's first membership")
     parser.add_argument("--job", default="gradsync-elastic", help="the job's name in the store")
+    parser.add_argument("--join", action="store_true",
+                        help="a replacement machine: its workers join the running job (with --store; give a "
+                        "--node-rank no live machine has)")
     parser.add_argument("--fresh-interpreters", action="store_true",
                         help="start each worker as a new `python -u` process instead of forking it from a warm "
                         "interpreter that imported torch once (see gradsync._warm_start)")
     parser.add_argument("script", nargs="?", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        parser.error("--nproc and --nnodes must be positive, and --node-rank below --nnodes")
+    if args.nproc < 1 or args.nnodes < 1 or args.node_rank < 0 or not (args.join or args.node_rank < args.nnodes):
+        parser.error("--nproc and --nnodes must be positive, and --node-rank below --nnodes (any, with --join)")
+    if args.join and not args.store:
+        parser.error("--join joins a running job: name its store with --store HOST:PORT")
     if not args.store_only and not args.script:
         parser.error("name the training script (or pass --store-only)")
 

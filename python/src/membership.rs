@@ -17,7 +17,8 @@ use std::ffi::c_char;
 use std::time::Duration;
 
 use gradsync_runtime::membership::{
-    Agreement, Canceller, EtcdKv, KvStore, MemberId, MembershipError, Monitor, Roster, StoreError, Timing,
+    Agreement, Canceller, EtcdKv, KvStore, MemberId, MembershipError, Monitor, NodeId, Probe, Reach, Roster,
+    StoreError, TcpReach, Timing,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -25,6 +26,9 @@ use pyo3::types::PyDict;
 use crate::collectives::{error_text, message, Table};
 use crate::errors;
 use crate::etcd::EtcdClient;
+
+/// The least time a probe of a peer may take before it counts as unreachable.
+const PROBE_FLOOR: Duration = Duration::from_millis(200);
 
 /// Bytes read back from the store per value before retrying with the full length.
 const VALUE_BYTES: usize = 4096;
@@ -199,6 +203,9 @@ pub struct Membership {
     // Dropped first: the monitor's thread uses `monitor_client` and `cancel`.
     monitor: Option<Monitor>,
     agreement: Agreement<JobStore>,
+    /// Where the peers probe this process (`None`: it is not probed, and
+    /// does not probe them).
+    probe: Option<Probe>,
     table: &'static Table,
     prefix: String,
     beat: Duration,
@@ -239,11 +246,15 @@ fn address(py: Python<'_>, object: &Py<PyAny>) -> PyResult<usize> {
     object.bind(py).getattr("address")?.extract()
 }
 
-/// A roster as a dict: `epoch`, `members`, `lost`, `joined`, `joiners_seen`.
+/// A roster as a dict: `epoch`, `members`, `nodes`, `lost`, `joined`,
+/// `joiners_seen`, and `buddy_stride` (where a sharded job keeps each
+/// partition's buddy copy: [`Roster::buddy_stride`]).
 fn roster_dict<'py>(py: Python<'py>, r: &Roster) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("epoch", r.epoch)?;
     d.set_item("members", r.members.clone())?;
+    d.set_item("nodes", r.nodes.clone())?;
+    d.set_item("buddy_stride", r.buddy_stride())?;
     d.set_item("lost", r.lost.clone())?;
     d.set_item("joined", r.joined.clone())?;
     d.set_item("joiners_seen", r.joiners_seen)?;
@@ -251,6 +262,19 @@ fn roster_dict<'py>(py: Python<'py>, r: &Roster) -> PyResult<Bound<'py, PyDict>>
 }
 
 impl Membership {
+    /// How this process probes its peers when it checks in (`None`: it does not).
+    fn tcp_reach(&self) -> Option<TcpReach> {
+        self.probe.as_ref().map(|_| TcpReach { deadline: (self.agreement.timing().liveness / 2).max(PROBE_FLOOR) })
+    }
+
+    /// [`Membership::tcp_reach`] for the monitor's thread.
+    fn reach(&self) -> Box<dyn Reach + Send> {
+        match self.tcp_reach() {
+            Some(reach) => Box::new(reach),
+            None => Box::new(()),
+        }
+    }
+
     /// Watch the adopted roster (starting the monitor on the first one).
     fn follow(&mut self, py: Python<'_>) -> PyResult<()> {
         let roster = self.agreement.roster().clone();
@@ -273,6 +297,7 @@ impl Membership {
             self.beat,
             cancel,
             std::sync::Arc::clone(&self.joiner_waiting),
+            self.reach(),
         )
         .map_err(|e| {
             errors::raise::<errors::MembershipError>(py, format!("starting the liveness monitor: {e}"), &[])
@@ -305,10 +330,14 @@ impl Membership {
     /// `Cancel` its endpoints were built with, `table` the shim's table.
     /// A member is lost when silent for `liveness_s` (its heartbeat checked
     /// every `beat_s`), or `suspect_grace_s` after a failure named it; a
-    /// joiner waits `admission_s` at most.
+    /// joiner waits `admission_s` at most. After a loss the job goes on
+    /// with at least `min_members`. This process runs on `node` (its
+    /// supervisor's number); with `probe_host`, it listens there for its
+    /// peers' probes and probes them when it checks in to an agreement.
     #[new]
     #[pyo3(signature = (table, client, monitor_client, cancel, prefix, me, *, liveness_s = 1.0, beat_s = 0.1,
-                        suspect_grace_s = 0.25, admission_s = 300.0))]
+                        suspect_grace_s = 0.25, admission_s = 300.0, min_members = 1, node = 0,
+                        probe_host = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -322,7 +351,17 @@ impl Membership {
         beat_s: f64,
         suspect_grace_s: f64,
         admission_s: f64,
+        min_members: usize,
+        node: NodeId,
+        probe_host: Option<String>,
     ) -> PyResult<Self> {
+        if min_members == 0 {
+            return Err(errors::raise::<errors::ConfigError>(
+                py,
+                "min_members=0: a job goes on with at least one member; use 1 or more".into(),
+                &[],
+            ));
+        }
         let positive = |name: &str, v: f64| {
             if v.is_finite() && v > 0.0 {
                 Ok(Duration::from_secs_f64(v))
@@ -344,9 +383,25 @@ impl Membership {
         // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
         let table = unsafe { Table::at(table) }.map_err(|why| errors::raise::<errors::ConfigError>(py, why, &[]))?;
         let store = JobStore::of(py, table, &client)?;
+        let agreement = Agreement::new(store, prefix.clone(), me, timing).with_minimum(min_members).on_node(node);
+        let probe = match probe_host {
+            Some(host) => {
+                let probe = Probe::listen(&host, me).map_err(|e| {
+                    errors::raise::<errors::ConfigError>(
+                        py,
+                        format!("member {me} cannot listen for its peers' probes on {host}: {e}; is that this machine's address?"),
+                        &[],
+                    )
+                })?;
+                py.detach(|| agreement.publish_probe(&probe.address())).map_err(|e| membership_error(py, &e))?;
+                Some(probe)
+            }
+            None => None,
+        };
         Ok(Membership {
             monitor: None,
-            agreement: Agreement::new(store, prefix.clone(), me, timing),
+            agreement,
+            probe,
             table,
             prefix,
             beat,
@@ -357,11 +412,16 @@ impl Membership {
         })
     }
 
-    /// Start as one of the job's first members (`initial`, in rank order);
-    /// returns the roster (a dict).
-    fn start<'py>(&mut self, py: Python<'py>, initial: Vec<MemberId>) -> PyResult<Bound<'py, PyDict>> {
+    /// Start as one of the job's first members (`initial`, in rank order;
+    /// member `i` runs on `nodes[i]`); returns the roster (a dict).
+    fn start<'py>(
+        &mut self,
+        py: Python<'py>,
+        initial: Vec<MemberId>,
+        nodes: Vec<NodeId>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let agreement = &mut self.agreement;
-        let result = py.detach(|| agreement.start(initial).cloned());
+        let result = py.detach(|| agreement.start(initial, nodes).cloned());
         self.adopted(py, result)
     }
 
@@ -376,11 +436,16 @@ impl Membership {
     /// The current epoch lost members: agree on the next roster with the
     /// survivors (`suspects`: members the failure named).
     fn recover<'py>(&mut self, py: Python<'py>, suspects: Vec<MemberId>) -> PyResult<Bound<'py, PyDict>> {
+        let reach = self.tcp_reach();
         let (agreement, monitor) = (&mut self.agreement, &self.monitor);
         let result = py.detach(|| {
+            let reach: &dyn Reach = match &reach {
+                Some(tcp) => tcp,
+                None => &(),
+            };
             match monitor {
-                Some(watch) => agreement.recover(&suspects, watch),
-                None => agreement.recover(&suspects, &()),
+                Some(watch) => agreement.recover(&suspects, watch, reach),
+                None => agreement.recover(&suspects, &(), reach),
             }
             .cloned()
         });

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gradsync_runtime::{
-    ArrivalBatch, ChromeTrace, DType, Divisor, GradSync, Rejection, StepReport as RustReport, StepResult, Token,
+    ArrivalBatch, ChromeTrace, DType, Divisor, GradSync, Place, Rejection, StepReport as RustReport, StepResult, Token,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -117,14 +117,15 @@ impl Session {
     /// rebuilt; `reduce_scatter`: the buckets' collective is a reduce-scatter
     /// (the default), else an all-reduce of which each rank keeps its
     /// partition (faster where the engine's reduce-scatter is not: gloo's);
-    /// `buddies` (an elastic sharded job): each rank also keeps the next
-    /// rank's partition (after its own in `Step.buckets()`' buffers), and the
+    /// `buddy_stride` above 0 (an elastic sharded job): rank `r` also keeps
+    /// the partition of rank `(r + buddy_stride) % world` (after its own in
+    /// `Step.buckets()`' buffers; the roster's `buddy_stride`), and the
     /// buckets are all-reduced.
     #[new]
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
                         param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32",
-                        membership = None, partitioned = false, reduce_scatter = true, buddies = false))]
+                        membership = None, partitioned = false, reduce_scatter = true, buddy_stride = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -146,7 +147,7 @@ impl Session {
         membership: Option<PyRef<'_, Membership>>,
         partitioned: bool,
         reduce_scatter: bool,
-        buddies: bool,
+        buddy_stride: usize,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -186,7 +187,8 @@ impl Session {
             .divisor(divisor)
             .record_timeline(record_timeline)
             .param_shards(param_shards)
-            .reorder_buckets(reorder_buckets);
+            .reorder_buckets(reorder_buckets)
+            .buddy_stride(buddy_stride);
         if let Some(membership) = &membership {
             b.joiner_waiting(membership.joiner_flag());
         }
@@ -196,7 +198,7 @@ impl Session {
             engine_for(py, communicator, in_flight)?,
             partitioned,
             reduce_scatter,
-            buddies,
+            buddy_stride > 0,
         )
         .ok_or_else(|| {
             let why = "this communicator cannot reduce-scatter: sharded gradients need gradsync.torch".to_string();
@@ -341,14 +343,23 @@ impl Session {
     }
 
     /// An elastic job's members changed (the communicator already holds
-    /// this rank's new place, `rank` of `world`): agree among the new
+    /// this rank's new place, `rank` of `world`, keeping buddy copies
+    /// `buddy_stride` ranks on when it keeps any): agree among the new
     /// members on the step to continue at, and on the plan. Returns that
     /// step and, under the partial policy when every member could, the
     /// failed step reduced again among them (finish it as any step's
     /// result), else `None` (the step is skipped on every member).
-    fn resume(&mut self, py: Python<'_>, rank: usize, world: usize) -> PyResult<(u64, Option<Step>)> {
+    #[pyo3(signature = (rank, world, buddy_stride = 1))]
+    fn resume(
+        &mut self,
+        py: Python<'_>,
+        rank: usize,
+        world: usize,
+        buddy_stride: usize,
+    ) -> PyResult<(u64, Option<Step>)> {
         let sync = self.sync(py)?;
-        let reset = py.detach(|| sync.reset_membership(rank, world)).map_err(|e| errors::sync_error(py, &e))?;
+        let place = Place { rank, world, buddy_stride };
+        let reset = py.detach(|| sync.reset_membership(place)).map_err(|e| errors::sync_error(py, &e))?;
         let redone = match reset.redone {
             Some(result) => Some(self.wrap(py, result)?),
             None => None,

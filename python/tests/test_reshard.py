@@ -34,36 +34,45 @@ class OneRank:
         pass
 
 
-def member(rank, world, taken=3, ready=False, clipped=None, asked=None, holds=True):
-    return {"holds": holds, "rank": rank, "world": world, "taken": taken, "ready": ready, "clipped": clipped,
-            "asked": asked}
+def member(rank, world, taken=3, ready=False, clipped=None, asked=None, holds=True, stride=1):
+    return {"holds": holds, "rank": rank, "world": world, "stride": stride, "taken": taken, "ready": ready,
+            "clipped": clipped, "asked": asked}
 
 
 def test_every_value_comes_from_its_owner_while_the_owner_lives():
     everyone = [member(r, 3) for r in range(3)]
-    assert runs(9, everyone, buddy=True) == [(0, 3, 0), (3, 6, 1), (6, 9, 2)]
+    assert runs(9, everyone) == [(0, 3, 0), (3, 6, 1), (6, 9, 2)]
 
 
 def test_a_lost_ranks_values_come_from_its_buddy_the_rank_before_it():
     # Rank 1 of 3 lost: the survivors are old ranks 0 and 2 (new members 0, 1).
     everyone = [member(0, 3), member(2, 3)]
-    assert runs(9, everyone, buddy=True) == [(0, 6, 0), (6, 9, 1)]
+    assert runs(9, everyone) == [(0, 6, 0), (6, 9, 1)]
 
 
 def test_values_nobody_holds_have_no_source():
     # Ranks 1 and 2 of 4 lost: partition 2 lived on both.
     everyone = [member(0, 4), member(3, 4)]
-    assert runs(8, everyone, buddy=True) == [(0, 4, 0), (4, 6, None), (6, 8, 1)]
-    assert runs(8, everyone, buddy=False)[1] == (2, 6, None), "without buddies a lost rank's partition is gone"
+    assert runs(8, everyone) == [(0, 4, 0), (4, 6, None), (6, 8, 1)]
+    alone = [member(0, 4, stride=0), member(3, 4, stride=0)]
+    assert runs(8, alone)[1] == (2, 6, None), "without buddies a lost rank's partition is gone"
+
+
+def test_buddies_two_ranks_on_survive_a_lost_node():
+    # Ranks 0, 1 on node 0 and 2, 3 on node 1 (stride 2: rank r keeps rank r + 2's partition). Node 1 lost.
+    everyone = [member(0, 4, stride=2), member(1, 4, stride=2)]
+    assert runs(8, everyone) == [(0, 2, 0), (2, 4, 1), (4, 6, 0), (6, 8, 1)]
+    # With the next rank as buddy (stride 1) the same loss takes partition 3 and its copy.
+    assert (6, 8, None) in runs(8, [member(0, 4), member(1, 4)])
 
 
 def test_a_replacement_sends_nothing_and_mixed_layouts_are_read_as_held():
     # A member that moved to the 2-rank layout already, one still in the 3-rank one, and a replacement.
     everyone = [member(0, 2), member(2, 3), member(0, 1, holds=False)]
     # Rank 0 of 2 holds both halves; rank 2 of 3 owns [8, 12): owners first.
-    assert runs(12, everyone, buddy=True) == [(0, 8, 0), (8, 12, 1)]
+    assert runs(12, everyone) == [(0, 8, 0), (8, 12, 1)]
     everyone = [member(1, 2), member(2, 3), member(0, 1, holds=False)]
-    assert runs(12, everyone, buddy=True) == [(0, 12, 0)]  # rank 1 of 2 holds its half and rank 0's
+    assert runs(12, everyone) == [(0, 12, 0)]  # rank 1 of 2 holds its half and rank 0's
 
 
 @pytest.fixture
@@ -72,7 +81,7 @@ def sharded():
     and this step's averages in its pieces (pending, not stepped)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, dtype=torch.float64)) for n in (3, 2)]
-    part = Partition([(5, [1, 0])], params, ["a", "b"], 0, 1, lambda p: p.numel(), OneRank(), buddy=True)
+    part = Partition([(5, [1, 0])], params, ["a", "b"], 0, 1, lambda p: p.numel(), OneRank(), buddy_stride=1)
     optimizer = ShardedOptimizer(part, ["a", "b"], OneRank(), torch.optim.SGD, None, lr=0.5)
     for piece in part.pieces:
         piece.tensor.grad = torch.full((piece.length,), 2.0, dtype=torch.float64)
@@ -83,7 +92,7 @@ def sharded():
 def _settle(part, optimizer, others):
     me = member(0, 1, taken=part.taken, ready=part.pending, clipped=part.clipped, asked=part.clip_asked)
     everyone = [me, *others]
-    dropped, taken = _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me], True)])
+    dropped, taken = _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me])])
     assert taken == part.taken, "every holder ends on the steps this one took"
     return dropped
 

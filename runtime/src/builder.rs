@@ -29,6 +29,7 @@ pub struct GradSyncBuilder {
     pub(crate) reorder_buckets: bool,
     pub(crate) wire: Wire,
     pub(crate) joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    pub(crate) buddy_stride: usize,
 }
 
 impl Default for GradSyncBuilder {
@@ -48,6 +49,7 @@ impl Default for GradSyncBuilder {
             reorder_buckets: true,
             wire: Wire::F32,
             joiner_waiting: None,
+            buddy_stride: 1,
         }
     }
 }
@@ -59,6 +61,16 @@ impl GradSyncBuilder {
     /// says so after the same step, so that all admit it at that boundary.
     pub fn joiner_waiting(&mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) -> &mut Self {
         self.joiner_waiting = Some(flag);
+        self
+    }
+
+    /// Where a sharded elastic job keeps buddy copies (when its transport
+    /// keeps them, [`crate::Transport::buddies`]): rank `r` keeps the
+    /// partition of rank `(r + stride) % world` too (default 1; an elastic
+    /// job takes it from its roster, [`crate::membership::Roster::buddy_stride`],
+    /// so that each partition's two copies are on two nodes).
+    pub fn buddy_stride(&mut self, stride: usize) -> &mut Self {
+        self.buddy_stride = stride.max(1);
         self
     }
 

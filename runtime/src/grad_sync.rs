@@ -23,7 +23,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradsync_actors::messages::{FinishRequest, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd};
+use gradsync_actors::messages::{FinishRequest, Place, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd};
 use gradsync_actors::scheduler::SchedulerConfig;
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
@@ -139,7 +139,7 @@ impl<S: GradStore> GradSync<S> {
                 reorder: b.reorder_buckets && !transport.partitioned(),
                 wire: b.wire,
                 partitioned: transport.partitioned(),
-                buddies: transport.partitioned() && transport.buddies(),
+                buddy_stride: if transport.partitioned() && transport.buddies() { b.buddy_stride } else { 0 },
                 joiner_waiting: b.joiner_waiting.clone(),
             },
             learning_window: b.learning_window,
@@ -388,7 +388,8 @@ impl<S: GradStore> GradSync<S> {
     }
 
     /// Reset into a new membership (an elastic job, after its members
-    /// changed): this rank is `rank` of `world` from now on, the transport
+    /// changed): this rank is `place.rank` of `place.world` from now on
+    /// (keeping buddy copies `place.buddy_stride` ranks on), the transport
     /// already on the new members' group (its [`Transport::reset`](crate::backend::Transport::reset)
     /// moved it). The new members agree on the step to continue at (the
     /// largest any of them had reached; a process that just joined proposes
@@ -401,11 +402,12 @@ impl<S: GradStore> GradSync<S> {
     /// [`MembershipReset::redone`] holds its result (the average over the
     /// members present), identical on every member. Otherwise the step is
     /// skipped on every member (`redone` is `None`): never a mix.
-    pub fn reset_membership(&mut self, rank: usize, world: usize) -> Result<MembershipReset<S>, SyncError> {
+    pub fn reset_membership(&mut self, place: Place) -> Result<MembershipReset<S>, SyncError> {
+        let Place { rank, world, .. } = place;
         if rank >= world {
             return Err(SyncError::Setting { setting: "membership", why: format!("rank {rank} of {world} ranks") });
         }
-        let resumed = self.reset_with(Some((rank, world)))?;
+        let resumed = self.reset_with(Some(place))?;
         (self.rank, self.world) = (rank, world);
         let redone = match resumed.redo {
             Some(step) => Some(self.redo(step)?),
@@ -428,7 +430,7 @@ impl<S: GradStore> GradSync<S> {
         }
     }
 
-    fn reset_with(&mut self, membership: Option<(usize, usize)>) -> Result<Resumption, SyncError> {
+    fn reset_with(&mut self, membership: Option<Place>) -> Result<Resumption, SyncError> {
         let proposed = self.hook.open_step();
         self.pending = None;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::{pid, Sent};
 use gradsync::membership::{Agreement, Canceller, KvStore, MemoryKv, Monitor, Roster, Timing};
-use gradsync::{AbortPolicy, DType, GradSync, LocalEndpoint, LocalWorld, Outcome};
+use gradsync::{AbortPolicy, DType, GradSync, LocalEndpoint, LocalWorld, Outcome, Place};
 
 const PREFIX: &str = "job";
 const NUMEL: usize = 4;
@@ -52,7 +52,18 @@ fn monitor(store: &MemoryKv, member: u64, roster: &Roster, flag: &Arc<AtomicBool
     // Local endpoints fail at once when a peer leaves: nothing to cancel.
     let cancel: Canceller = Box::new(|_| {});
     let beat = Duration::from_millis(20);
-    Monitor::start(store.clone(), PREFIX, member, roster.clone(), timing(), beat, cancel, Arc::clone(flag)).unwrap()
+    Monitor::start(
+        store.clone(),
+        PREFIX,
+        member,
+        roster.clone(),
+        timing(),
+        beat,
+        cancel,
+        Arc::clone(flag),
+        Box::new(()),
+    )
+    .unwrap()
 }
 
 /// What a member saw at each of its steps: the world and the averaged value
@@ -64,7 +75,7 @@ fn member(store: MemoryKv, worlds: &Worlds, member: u64, steps: u64, leave_at: O
     let roster = if join {
         agreement.request_join("w: 4 x f32").unwrap().clone()
     } else {
-        agreement.start(vec![0, 1, 2]).unwrap().clone()
+        agreement.start(vec![0, 1, 2], vec![0; 3]).unwrap().clone()
     };
     let flag = Arc::new(AtomicBool::new(false));
     let watch = monitor(&store, member, &roster, &flag);
@@ -97,7 +108,7 @@ fn member(store: MemoryKv, worlds: &Worlds, member: u64, steps: u64, leave_at: O
             }
             Err(e) => {
                 assert!(e.needs_reset(), "a lost peer fails the step: {e}");
-                let next = agreement.recover(&[], &watch).unwrap().clone();
+                let next = agreement.recover(&[], &watch, &()).unwrap().clone();
                 watch.follow(next.clone());
                 sync = build(worlds, &next, member, &flag);
                 seen.push((step, next.world(), None));
@@ -168,7 +179,7 @@ fn survivors_agree_rebuild_and_train_on_exactly_and_a_joiner_is_admitted_at_a_bo
 /// and resets into it; the step the loss failed comes back redone.
 fn moving_member(store: MemoryKv, worlds: &Worlds, member: u64, steps: u64, leave_at: Option<u64>) -> Seen {
     let mut agreement = Agreement::new(store.clone(), PREFIX, member, timing());
-    let roster = agreement.start(vec![0, 1, 2]).unwrap().clone();
+    let roster = agreement.start(vec![0, 1, 2], vec![0; 3]).unwrap().clone();
     let flag = Arc::new(AtomicBool::new(false));
     let watch = monitor(&store, member, &roster, &flag);
     let endpoint = worlds.endpoint(&roster, member);
@@ -190,10 +201,16 @@ fn moving_member(store: MemoryKv, worlds: &Worlds, member: u64, steps: u64, leav
             Ok(result) => result,
             Err(e) => {
                 assert!(e.needs_reset(), "a lost peer fails the step: {e}");
-                let next = agreement.recover(&[], &watch).unwrap().clone();
+                let next = agreement.recover(&[], &watch, &()).unwrap().clone();
                 watch.follow(next.clone());
                 assert!(mover.move_to(worlds.endpoint(&next, member)).is_ok(), "the endpoint is alive");
-                let reset = sync.reset_membership(next.rank_of(member).unwrap(), next.world()).unwrap();
+                let reset = sync
+                    .reset_membership(Place {
+                        rank: next.rank_of(member).unwrap(),
+                        world: next.world(),
+                        buddy_stride: 1,
+                    })
+                    .unwrap();
                 assert_eq!(reset.step, current + 1, "the members continue after the lost step");
                 reset.redone.expect("every survivor kept all of the lost step: it is redone")
             }

@@ -45,7 +45,7 @@ use crate::arrival::{ParamId, Step};
 use crate::comm::{CommJob, CommPayload};
 use crate::error::{AllocError, CollectiveKind, CollectiveTag, Rejection, SyncError};
 use crate::messages::Setting;
-use crate::messages::{Reply, Resumption, SchedMsg};
+use crate::messages::{Place, Reply, Resumption, SchedMsg};
 use crate::plan::{BucketEnds, Plan};
 use crate::policy::{AbortPolicy, Divisor, Wire};
 use crate::report::Progress;
@@ -91,9 +91,10 @@ pub struct SchedulerConfig {
     /// Data buckets are reduce-scattered ([`crate::Transport::partitioned`];
     /// part of the plan agreement).
     pub partitioned: bool,
-    /// ...and each rank also keeps the next rank's partition
-    /// ([`crate::Transport::buddies`]; part of the plan agreement).
-    pub buddies: bool,
+    /// ...and each rank also keeps the partition of rank `(rank +
+    /// buddy_stride) % world` (0: no buddy copies;
+    /// [`crate::Transport::buddies`]; part of the plan agreement).
+    pub buddy_stride: usize,
     /// Raised by an elastic job's liveness monitor while a process waits
     /// to join: this rank's control votes say so (`None`: not elastic).
     pub joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -158,7 +159,7 @@ pub struct Scheduler<S: GradStore = HostStore> {
 }
 
 /// A reset held back: its proposal, membership and reply.
-type DeferredReset = (Step, Option<(usize, usize)>, Reply<Result<Resumption, SyncError>>);
+type DeferredReset = (Step, Option<Place>, Reply<Result<Resumption, SyncError>>);
 
 impl<S: GradStore> Scheduler<S> {
     /// A scheduler for `plan` packing with `store`. Allocates one set of bucket
@@ -208,8 +209,8 @@ impl<S: GradStore> Scheduler<S> {
         };
         if sched.cfg.partitioned {
             // Whole buffers are allocated as buckets fill (partition.rs).
-            let (rank, world, buddies) = (sched.cfg.rank, sched.cfg.world, sched.cfg.buddies);
-            sched.partitions = Some(Partitions::new(&sched.plan, rank, world, buddies));
+            let (rank, world, stride) = (sched.cfg.rank, sched.cfg.world, sched.cfg.buddy_stride);
+            sched.partitions = Some(Partitions::new(&sched.plan, rank, world, stride));
             sched.buffers.current = (0..sched.plan.num_buckets()).map(|_| None).collect();
             return Ok(sched);
         }

@@ -16,8 +16,9 @@
 //! flight, never a whole set.
 //!
 //! With a *buddy* (an elastic sharded job, [`crate::Transport::buddies`]) a
-//! rank also keeps the partition of the next rank (`rank + 1`, the last
-//! rank's is rank 0's), laid after its own in the same buffer: the bucket is
+//! rank also keeps the partition of rank `(rank + stride) % world` (the
+//! stride puts it on another node when the job spans several: the roster
+//! decides it), laid after its own in the same buffer: the bucket is
 //! all-reduced, so both are there, and the rank steps a copy of that
 //! partition's optimizer state every step. A lost rank's partition then
 //! lives on at its buddy; the price is a second partition (2 / world of the
@@ -54,10 +55,11 @@ pub(crate) struct Partitions<B> {
 }
 
 impl<B> Partitions<B> {
-    /// The partitions of `plan`'s buckets for `rank` of `world`, and with
-    /// `buddy` those of the next rank too.
-    pub(crate) fn new(plan: &Plan, rank: usize, world: usize, buddy: bool) -> Self {
-        let next = (rank + 1) % world;
+    /// The partitions of `plan`'s buckets for `rank` of `world`, and with a
+    /// `stride` above 0 those of rank `(rank + stride) % world` too.
+    pub(crate) fn new(plan: &Plan, rank: usize, world: usize, stride: usize) -> Self {
+        let buddy = stride > 0;
+        let next = (rank + stride) % world;
         let held = (0..plan.num_buckets())
             .map(|b| {
                 let numel = plan.bucket_numel(b);
@@ -87,14 +89,14 @@ impl<B> Partitions<B> {
     /// The same partitions for `rank` of `world` (a change of members):
     /// whole buffers stay idle for reuse; partition buffers, whose sizes
     /// change, are dropped. Returns the bytes the dropped ones held.
-    pub(crate) fn moved(self, plan: &Plan, rank: usize, world: usize, buddy: bool) -> (Self, usize) {
+    pub(crate) fn moved(self, plan: &Plan, rank: usize, world: usize, stride: usize) -> (Self, usize) {
         let freed = self
             .spare
             .iter()
             .enumerate()
             .map(|(b, spare)| spare.len() * self.kept(b) * plan.bucket_dtype(b).size())
             .sum();
-        let mut fresh = Partitions::new(plan, rank, world, buddy);
+        let mut fresh = Partitions::new(plan, rank, world, stride);
         fresh.idle = self.idle;
         (fresh, freed)
     }

@@ -10,7 +10,7 @@ use super::Scheduler;
 use crate::arrival::Step;
 use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag, CommError, SyncError};
-use crate::messages::{Reply, Resumption};
+use crate::messages::{Place, Reply, Resumption};
 use crate::plan::Fnv;
 use crate::store::GradStore;
 
@@ -31,8 +31,9 @@ impl<S: GradStore> Scheduler<S> {
             // A rank that reduce-scatters must not meet one that all-reduces.
             h.write(PARTITIONED);
         }
-        if self.cfg.buddies {
+        if self.cfg.buddy_stride > 0 {
             h.write(BUDDIES);
+            h.write(self.cfg.buddy_stride as u64);
         }
         self.plan_proposed = true;
         let mut words = vec![0u64; self.cfg.world];
@@ -65,7 +66,7 @@ impl<S: GradStore> Scheduler<S> {
     /// Every rank writes its proposal into its own slot of the agreement
     /// vector, so the sum tells everyone every proposal; the maximum wins.
     ///
-    /// With a new `membership` (`(rank, world)` after a change of members),
+    /// With a new `membership` (this rank's [`Place`] after a change of members),
     /// this rank takes its new place first: the agreement runs among the new
     /// members, ranks that had joined (out of data) count again, and the plan
     /// is agreed again before the next bucket (a process that joined the job
@@ -75,7 +76,7 @@ impl<S: GradStore> Scheduler<S> {
     pub(super) fn on_reset(
         &mut self,
         proposed: Step,
-        membership: Option<(usize, usize)>,
+        membership: Option<Place>,
         reply: Reply<Result<Resumption, SyncError>>,
     ) {
         if membership.is_some() && self.salvage.as_ref().is_some_and(|s| s.flush_pending(self.cfg.shards)) {
@@ -91,18 +92,21 @@ impl<S: GradStore> Scheduler<S> {
             req.reply.send(Err(SyncError::Poisoned { step: self.step.step, cause: "reset requested".into() }));
         }
         self.next.clear();
-        if let Some((rank, world)) = membership {
-            self.cfg.rank = rank;
-            self.cfg.world = world;
+        if let Some(place) = membership {
+            self.cfg.rank = place.rank;
+            self.cfg.world = place.world;
+            if self.cfg.buddy_stride > 0 {
+                self.cfg.buddy_stride = place.buddy_stride.max(1);
+            }
             self.joined = 0;
             self.plan_proposed = false;
             self.plan_agreed = false;
         }
         // A plan rebuild cut short by the failure: keep the plan in force.
         self.order.pending = false;
-        if let (Some(parts), Some((rank, world))) = (self.partitions.take(), membership) {
+        if let (Some(parts), Some(place)) = (self.partitions.take(), membership) {
             // The partitions follow the new ranks.
-            let (moved, freed) = parts.moved(&self.plan, rank, world, self.cfg.buddies);
+            let (moved, freed) = parts.moved(&self.plan, place.rank, place.world, self.cfg.buddy_stride);
             self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
             self.partitions = Some(moved);
         }

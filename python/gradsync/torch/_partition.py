@@ -115,14 +115,15 @@ class Partition:
     (``_states.StateBroadcast``), where the all-gathers and norms travel;
     ``names``: the parameters' names, for errors."""
 
-    def __init__(self, plan, params, names, rank, world, reals, states, buddy=False):
+    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0):
         self.params = params
         self.names = names
         self.plan = plan
         self.reals = reals
-        #: Whether this rank also keeps the next rank's partition (an elastic
-        #: job: a lost rank's partition lives on at the rank before it).
-        self.buddy = buddy
+        #: Rank ``r`` also keeps rank ``(r + buddy_stride) % world``'s
+        #: partition (an elastic job: a lost rank's partition lives on at its
+        #: buddy, on another node when there is one); 0: no buddy copies.
+        self.buddy_stride = buddy_stride
         #: The state group of the current membership (``_states.StateBroadcast``).
         self.states = states
         self.lay_out(rank, world)
@@ -160,15 +161,23 @@ class Partition:
         #: not elastic, the failure is raised.
         self.recover = None
 
-    def lay_out(self, rank, world):
-        """This rank's pieces for ``rank`` of ``world`` (and its buddy's)."""
+    @property
+    def buddy(self):
+        """Whether this rank keeps a buddy partition besides its own."""
+        return self.buddy_stride > 0
+
+    def lay_out(self, rank, world, buddy_stride=None):
+        """This rank's pieces for ``rank`` of ``world`` (and its buddy's,
+        ``buddy_stride`` ranks on: the roster's, after a change of members)."""
         self.rank, self.world = rank, world
+        if buddy_stride is not None and self.buddy:
+            self.buddy_stride = buddy_stride
         self.buckets = []
         self.pieces = []
         self.buddy_pieces = []
         for b, (numel, members) in enumerate(self.plan):
             sizes = tuple(self.reals(self.params[i]) for i in members)
-            mine, theirs = held_ranges(numel, rank, world, self.buddy)
+            mine, theirs = held_ranges(numel, rank, world, self.buddy_stride)
             chunk = partition_of(numel, 0, world)[1]
             self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, mine, theirs))
             self.pieces += self._pieces_of(b, members, sizes, mine, 0)
@@ -470,13 +479,14 @@ class Partition:
                 piece.tensor.grad.clamp_(-value, value)
 
 
-def held_ranges(numel, rank, world, buddy):
+def held_ranges(numel, rank, world, buddy_stride):
     """The ranges of a bucket of ``numel`` values that ``rank`` of
-    ``world`` holds: ``(own, buddy's)`` (the buddy's empty without one: no
-    ``buddy``, or a rank that is its own next rank)."""
+    ``world`` holds: ``(own, buddy's)``, the buddy being rank ``(rank +
+    buddy_stride) % world`` (empty without one: a stride of 0, or a rank
+    that is its own buddy). The runtime's rule (``Partitions::new``)."""
     own = tuple(partition_of(numel, rank, world))
-    nxt = (rank + 1) % world
-    return own, (tuple(partition_of(numel, nxt, world)) if buddy and nxt != rank else (0, 0))
+    nxt = (rank + buddy_stride) % world
+    return own, (tuple(partition_of(numel, nxt, world)) if buddy_stride and nxt != rank else (0, 0))
 
 
 def norm_of(grads, norm_type, states):

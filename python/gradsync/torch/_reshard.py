@@ -3,8 +3,9 @@
 survivor ends on the same step.
 
 Each rank keeps its own partition of every bucket and its *buddy's* (the
-next rank's; ``_partition``), and steps both every step, so every partition
-lives on two ranks. When the members change (a rank lost, a replacement
+partition of the rank ``buddy_stride`` on, which the roster picks on
+another node when the job spans several; ``_partition``), and steps both
+every step, so every partition lives on two ranks, and on two nodes. When the members change (a rank lost, a replacement
 admitted), :func:`settle` runs on every member of the new group, inside the
 wrapper's ``reconfigure`` (before the runtime agrees on the step to go on
 at), on the new group's state group:
@@ -46,14 +47,15 @@ from gradsync.torch._partition import held_ranges, norm_of, write_values
 from gradsync.torch._optim_state import kind_of
 
 
-def runs(numel, everyone, buddy):
+def runs(numel, everyone):
     """Bucket of ``numel`` values: ``[(lo, hi, source)]`` covering it, each
-    source a member (index into ``everyone``) holding ``[lo, hi)``: an
-    owner first, else a buddy; ``None`` where no member holds it."""
+    source a member (index into ``everyone``: its old place and buddy
+    stride) holding ``[lo, hi)``: an owner first, else a buddy; ``None``
+    where no member holds it."""
     owns, buddies = [], []
     for member, e in enumerate(everyone):
         if e["holds"]:
-            own, theirs = held_ranges(numel, e["rank"], e["world"], buddy)
+            own, theirs = held_ranges(numel, e["rank"], e["world"], e["stride"])
             owns.append((own, member))
             buddies.append((theirs, member))
     cuts = sorted({0, numel, *(x for (lo, hi), _ in owns + buddies for x in (lo, hi) if 0 <= x <= numel)})
@@ -94,10 +96,11 @@ def _entry_kinds(entry):
 
 
 @torch.no_grad()
-def settle(part, states, rank, world, mark=True):
+def settle(part, states, rank, world, mark=True, buddy_stride=None):
     """Settle a change of members for ``part`` (a ``_partition.Partition``,
     its optimizer built): this process is now ``rank`` of ``world`` on
-    ``states`` (the new state group). Every member calls it (collectives).
+    ``states`` (the new state group), keeping buddy copies ``buddy_stride``
+    ranks on (``None``: the same stride). Every member calls it (collectives).
     Returns whether this rank dropped a step it had applied (its elastic
     job counts it unapplied). ``mark``: the step's remaining collectives are
     not made (a change of members; not for a refresh of the buddy copies
@@ -108,26 +111,27 @@ def settle(part, states, rank, world, mark=True):
             "broken", "a sharded elastic job changed members before its optimizer was built: build it with "
             "model.shard_optimizer(...) right after wrapping"
         )
-    me = {"holds": part.holds, "rank": part.rank, "world": part.world, "taken": part.taken, "ready": part.pending,
-          "clipped": part.clipped, "asked": part.clip_asked}
+    me = {"holds": part.holds, "rank": part.rank, "world": part.world, "stride": part.buddy_stride,
+          "taken": part.taken, "ready": part.pending, "clipped": part.clipped, "asked": part.clip_asked}
     everyone = states.all_gather_objects(me)
     plan = part.plan
-    layout = [runs(numel, everyone, part.buddy) for numel, _ in plan]
+    layout = [runs(numel, everyone) for numel, _ in plan]
     lost = [(b, lo, hi) for b, bucket in enumerate(layout) for lo, hi, source in bucket if source is None]
     if lost:
         b, lo, hi = lost[0]
-        world_then = next(e["world"] for e in everyone if e["holds"])
+        world_then, stride = next((e["world"], e["stride"]) for e in everyone if e["holds"])
         owner = next(r for r in range(world_then) if partition_of(plan[b][0], r, world_then)[0] <= lo
                      < partition_of(plan[b][0], r, world_then)[1])
         raise MembershipError.of(
             "shard_lost",
-            f"ranks {sorted({owner, (owner - 1) % world_then})} of the last membership (of {world_then}) were lost "
-            f"together, and with them both copies of partition {owner} of the optimizer state (each partition "
-            "lives on its rank and on the rank before it): the job cannot go on from memory; restart it from the "
-            "last sharded checkpoint (gradsync.torch.checkpoint.save/load)",
+            f"ranks {sorted({owner, (owner - stride) % world_then})} of the last membership (of {world_then}) were "
+            f"lost together, and with them both copies of partition {owner} of the optimizer state (each partition "
+            f"lives on its rank and on the rank {stride} before it, on another node when the job has several): the "
+            "job cannot go on from memory; restart it from the last sharded checkpoint "
+            "(gradsync.torch.checkpoint.save/load)",
         )
     dropped, taken = _settle_step(part, optimizer, states, rank, everyone, layout)
-    _move(part, optimizer, states, rank, world, layout)
+    _move(part, optimizer, states, rank, world, layout, buddy_stride)
     part.taken = taken
     part.settled = mark
     part.holds = True
@@ -188,9 +192,10 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
     return False, top if behind else top + 1
 
 
-def _move(part, optimizer, states, rank, world, layout):
+def _move(part, optimizer, states, rank, world, layout, buddy_stride):
     """Step 2 of the module docs: parameters to every member, optimizer
-    state to its new holders (``part`` laid out for ``rank`` of ``world``)."""
+    state to its new holders (``part`` laid out for ``rank`` of ``world``,
+    buddies ``buddy_stride`` on)."""
     old = part.held_of_bucket  # (the layout being left: lay_out below builds new dicts)
     state = optimizer.inner.state
     # Which parameters have optimizer state, of which kinds (the same on every holder after step 1).
@@ -205,7 +210,7 @@ def _move(part, optimizer, states, rank, world, layout):
             merged.setdefault(i, entry)
     keys = sorted({k for entry in merged.values() for k, (kind, _) in entry.items() if kind == "tensor"})
     dtypes = {k: kind_dtype for entry in merged.values() for k, (kind, kind_dtype) in entry.items() if kind == "tensor"}
-    part.lay_out(rank, world)
+    part.lay_out(rank, world, buddy_stride)
     fresh = {}
     for b, (numel, members) in enumerate(part.plan):
         rows = 1 + len(keys)

@@ -64,11 +64,11 @@ class Sharding:
     def _start_sharding(self, reals, elastic):
         """Lay this rank's partition over the runtime's plan (after the
         session started); ``reals(p)``: values of ``p`` in a bucket. In an
-        ``elastic`` job each rank keeps its buddy's partition too
-        (``_reshard``)."""
+        ``elastic`` job each rank keeps its buddy's partition too, on
+        another node when there is one (``_reshard``)."""
         self._partition = Partition(
             self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
-            buddy=elastic is not None,
+            buddy_stride=0 if elastic is None else elastic.buddy_stride,
         )
         if elastic is not None:
             self._partition.recover = elastic.recover
@@ -80,13 +80,14 @@ class Sharding:
             # HF Trainer's checkpoints then hold the whole optimizer state, with no callback.
             _trainer_saves.install(trainer.Trainer)
 
-    def _settle_members(self, rank, world):
+    def _settle_members(self, rank, world, buddy_stride):
         """A change of members (``reconfigure``): the partitions move to the
-        new layout, losing nothing (``_reshard.settle``). Returns whether
-        this rank dropped a step it had applied."""
+        new layout (buddy copies ``buddy_stride`` ranks on), losing nothing
+        (``_reshard.settle``). Returns whether this rank dropped a step it
+        had applied."""
         if self._partition is None:
             return False
-        return settle(self._partition, self._states, rank, world)
+        return settle(self._partition, self._states, rank, world, buddy_stride=buddy_stride)
 
     def boundary_passed(self):
         """An elastic job's step boundary passed: the next step makes its

@@ -376,7 +376,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
                                SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded,
                                             reduce_scatter=scatters(path, self._device),
-                                            buddies=sharded and elastic is not None, **options),
+                                            buddy_stride=elastic.buddy_stride if sharded and elastic else 0,
+                                            **options),
                                membership=None if elastic is None else elastic.membership)
         if elastic is not None:
             self._sync.elastic = elastic
@@ -396,9 +397,10 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
 
     # ---- what an elastic job's membership calls (gradsync.torch.Elastic) ---------------------
 
-    def reconfigure(self, *, store, prefix, rank, world, epoch):
+    def reconfigure(self, *, store, prefix, rank, world, epoch, buddy_stride=1):
         """The one seam of a membership change: this replica is now ``rank``
-        of ``world`` in membership epoch ``epoch``, its groups under
+        of ``world`` in membership epoch ``epoch`` (a sharded one keeping
+        buddy copies ``buddy_stride`` ranks on), its groups under
         ``prefix`` of ``store``. The groups move there (the old ones are
         kept until the process ends, ``_gloo.never_free``: a gloo group's
         destructor waits out work abandoned on a silent peer), and the
@@ -410,8 +412,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         self._comm.move(prefix, rank, world, epoch, store)
         self._retired_states.append(never_free(self._states))
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
-        dropped = self._settle_members(rank, world)
-        _, redone = self._sync.session.resume(rank, world)
+        dropped = self._settle_members(rank, world, buddy_stride)
+        _, redone = self._sync.session.resume(rank, world, buddy_stride)
         if dropped:
             self._sync.elastic.step_dropped()
         if redone is not None and self._partition is not None:

@@ -68,6 +68,7 @@ import hashlib
 import io
 import logging
 import os
+import socket
 import time
 
 import torch
@@ -87,6 +88,11 @@ ENV_STORE, ENV_JOB, ENV_MEMBER, ENV_FIRST, ENV_JOIN = (
 #: The address this process's peers reach it at (the supervisor's ``--host``):
 #: with etcd, each epoch's first member hosts that epoch's rendezvous there.
 ENV_HOST = "GRADSYNC_HOST"
+#: This process's node (its supervisor's ``--node-rank``), and how many nodes
+#: the job's first members ran on (``--nnodes``; they are laid out node by
+#: node, the same number on each). A sharded job keeps each partition's
+#: buddy copy on another node.
+ENV_NODE, ENV_NODES = "GRADSYNC_NODE", "GRADSYNC_NODES"
 #: The exit status of a worker that left the job (the others went on without
 #: it): the supervisor does not count it as a failure.
 EXIT_LEFT = 3
@@ -160,6 +166,31 @@ def _env(name, convert=str):
         raise ConfigError(f"{name}={value!r} is malformed; start the job with python -m gradsync.launch") from None
 
 
+def _probe_host(address):
+    """The address this machine reaches the job's store from (the store's
+    ``host:port``, or etcd's first endpoint): where its peers probe this
+    process, since they reach the store the same way. The supervisor's
+    ``--host`` when the route cannot be read."""
+    first = address.removeprefix("etcd://").split(",")[0]
+    host, _, port = first.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(port)))  # (a datagram socket sends nothing to connect)
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return os.environ.get(ENV_HOST, "127.0.0.1")
+
+
+def _first_nodes(first_world):
+    """The node of each of the job's first members (``ENV_NODES`` nodes
+    holding the same number of them, node by node)."""
+    nodes = _env(ENV_NODES, int) if ENV_NODES in os.environ else 1
+    if nodes < 1 or first_world % nodes:
+        raise ConfigError(f"{ENV_NODES}={nodes} does not divide the job's {first_world} first members; "
+                          "start the job with python -m gradsync.launch")
+    return [m // (first_world // nodes) for m in range(first_world)]
+
+
 def _connect(shim, address, timeout, liveness_s):
     """The job's store at ``address`` (``host:port`` of the supervisor's
     ``TCPStore``, or ``etcd://host:port[,...]``): a torch store for the
@@ -190,9 +221,13 @@ class Elastic:
     divide every step's sum by the job's first world size instead of the
     ranks present. ``timeout``: how long a store operation or a state
     transfer may take (seconds). ``beat_s``: how often the liveness monitor
-    beats and looks at its peers (keep it well below ``liveness_s``)."""
+    beats and looks at its peers (keep it well below ``liveness_s``).
+    ``min_members``: after a loss, the job goes on only with at least this
+    many members (default 1: any members that reach the store and one
+    another go on; the store decides, so two sides of a partition never
+    both do); fewer end it with ``MembershipError(kind="no_quorum")``."""
 
-    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1):
+    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1, min_members=1):
         address = _env(ENV_STORE)
         self.job = _env(ENV_JOB)
         self.member = _env(ENV_MEMBER, int)
@@ -210,9 +245,14 @@ class Elastic:
         # Each epoch's rendezvous store under etcd (kept, as the groups built on it are).
         self._epoch_stores = []
         self.cancel = shim.Cancel()
+        if isinstance(min_members, bool) or not isinstance(min_members, int) or min_members < 1:
+            raise ConfigError(f"min_members={min_members!r}: use a whole number of members, 1 or more")
+        #: The node this process runs on (its supervisor's).
+        self.node = _env(ENV_NODE, int) if ENV_NODE in os.environ else 0
         self.membership = Membership(
             shim.table(), client, monitor_client, self.cancel,
             f"{self.job}/membership", self.member, liveness_s=liveness_s, beat_s=beat_s,
+            min_members=min_members, node=self.node, probe_host=_probe_host(address),
         )
         #: The next step to run (the data position); a joiner receives it.
         self.step = 0
@@ -248,7 +288,7 @@ class Elastic:
         # recovered from).
         self._send_parameters = not self.joining
         if not self.joining:
-            self._roster = self.membership.start(list(range(self.first_world)))
+            self._roster = self.membership.start(list(range(self.first_world)), _first_nodes(self.first_world))
 
     # ---- where this process stands ---------------------------------------------------------
 
@@ -261,6 +301,13 @@ class Elastic:
     def world(self):
         """Number of members now."""
         return 1 if self._roster is None else len(self._roster["members"])
+
+    @property
+    def buddy_stride(self):
+        """Where a sharded job keeps buddy copies: rank ``r`` keeps rank
+        ``(r + buddy_stride) % world``'s partition too (the roster picks it
+        so that the copies sit on another node when there is one)."""
+        return 1 if self._roster is None else self._roster["buddy_stride"]
 
     @property
     def is_member(self):
@@ -430,7 +477,7 @@ class Elastic:
         self._roster = roster
         self._unproven = True
         redone = self._ddp.reconfigure(store=self._groups_store(), prefix=self.prefix("model"), rank=self.rank,
-                                       world=self.world, epoch=roster["epoch"])
+                                       world=self.world, epoch=roster["epoch"], buddy_stride=self.buddy_stride)
         self._sync_pending = True
         return redone
 

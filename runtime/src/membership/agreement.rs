@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{KvStore, Liveness, MemberId, MembershipError, Roster, Tally};
+use super::{KvStore, Liveness, MemberId, MembershipError, NodeId, Reach, Roster, StoreError, Tally};
 
 /// How the protocol paces itself.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -64,6 +64,28 @@ fn newest_roster<S: KvStore>(store: &S, keys: &Keys) -> Result<Option<Roster>, M
     Ok(found)
 }
 
+/// Check `me` in to the agreement on `roster`'s next epoch: probe the peers
+/// in `beating` that published a probe, and write the check-in naming those
+/// it could not reach. Called by the agreement and by the liveness monitor
+/// (whichever of this process comes first).
+pub(super) fn check_in<S: KvStore>(
+    store: &S,
+    keys: &Keys,
+    roster: &Roster,
+    me: MemberId,
+    beating: &[MemberId],
+    reach: &dyn Reach,
+) -> Result<(), StoreError> {
+    let mut peers = Vec::new();
+    for &m in roster.members.iter().filter(|&&m| m != me && beating.contains(&m)) {
+        if let Some(address) = store.get(&keys.probe(m))? {
+            peers.push((m, String::from_utf8_lossy(&address).into_owned()));
+        }
+    }
+    let unreachable = reach.unreachable(&peers);
+    store.set(&keys.present(roster.epoch, me), json!(unreachable).to_string().as_bytes())
+}
+
 /// Where the protocol's records live under a job's prefix.
 #[derive(Debug, Clone)]
 pub(super) struct Keys(pub(super) String);
@@ -83,6 +105,9 @@ impl Keys {
     }
     pub(super) fn dead(&self, member: MemberId) -> String {
         format!("{}/dead/{member}", self.0)
+    }
+    pub(super) fn probe(&self, member: MemberId) -> String {
+        format!("{}/probe/{member}", self.0)
     }
     pub(super) fn beat(&self, member: MemberId) -> String {
         format!("{}/beat/{member}", self.0)
@@ -109,6 +134,10 @@ pub struct Agreement<S: KvStore> {
     store: S,
     keys: Keys,
     me: MemberId,
+    /// The node this process runs on (a joiner tells the members).
+    node: NodeId,
+    /// The fewest members the job goes on with after a loss.
+    minimum: usize,
     roster: Roster,
     timing: Timing,
 }
@@ -117,7 +146,35 @@ impl<S: KvStore> Agreement<S> {
     /// This process (`me`) in the job whose records are under `prefix`; no
     /// roster until [`Agreement::start`] or [`Agreement::request_join`].
     pub fn new(store: S, prefix: impl Into<String>, me: MemberId, timing: Timing) -> Self {
-        Agreement { store, keys: Keys(prefix.into()), me, roster: Roster::first(Vec::new()), timing }
+        Agreement {
+            store,
+            keys: Keys(prefix.into()),
+            me,
+            node: 0,
+            minimum: 1,
+            roster: Roster::first(Vec::new()),
+            timing,
+        }
+    }
+
+    /// After a loss, go on only with at least `minimum` members (default 1;
+    /// every member of a job must use the same).
+    pub fn with_minimum(mut self, minimum: usize) -> Self {
+        self.minimum = minimum.max(1);
+        self
+    }
+
+    /// This process runs on `node` (default 0): what a joiner tells the
+    /// members, who keep its buddy copies on another node.
+    pub fn on_node(mut self, node: NodeId) -> Self {
+        self.node = node;
+        self
+    }
+
+    /// Peers probe this process at `address` (its [`super::Probe`]) when
+    /// they agree on a roster.
+    pub fn publish_probe(&self, address: &str) -> Result<(), MembershipError> {
+        Ok(self.store.set(&self.keys.probe(self.me), address.as_bytes())?)
     }
 
     /// The roster this process belongs to.
@@ -135,12 +192,13 @@ impl<S: KvStore> Agreement<S> {
         self.timing
     }
 
-    /// A first member starts: the job's first roster is `initial` (every
-    /// first member proposes the same; the first write wins). If the job
-    /// already went on without this process, [`MembershipError::LeftOut`].
-    pub fn start(&mut self, initial: Vec<MemberId>) -> Result<&Roster, MembershipError> {
+    /// A first member starts: the job's first roster is `initial`, member
+    /// `i` on `nodes[i]` (every first member proposes the same; the first
+    /// write wins). If the job already went on without this process,
+    /// [`MembershipError::LeftOut`].
+    pub fn start(&mut self, initial: Vec<MemberId>, nodes: Vec<NodeId>) -> Result<&Roster, MembershipError> {
         let key = self.keys.roster(0);
-        let first = self.store.compare_set(&key, b"", &Roster::first(initial).encode())?;
+        let first = self.store.compare_set(&key, b"", &Roster::first_on(initial, nodes)?.encode())?;
         self.roster = Roster::decode(&key, &first)?;
         let latest = self.latest()?;
         self.adopt(latest)
@@ -185,12 +243,20 @@ impl<S: KvStore> Agreement<S> {
     /// `suspects` are members the failure named; `liveness` is what this
     /// process knows of the members' heartbeats (its [`super::Monitor`]): a
     /// member whose heartbeat moves is waited for, however slow it is to
-    /// check in (up to [`Timing::check_in`]). Returns the roster this
+    /// check in (up to [`Timing::check_in`]). Before it checks in, this
+    /// process probes the peers whose heartbeat moves with `reach` and
+    /// names those it cannot reach in its check-in. Returns the roster this
     /// process goes on in.
-    pub fn recover(&mut self, suspects: &[MemberId], liveness: &impl Liveness) -> Result<&Roster, MembershipError> {
+    pub fn recover(
+        &mut self,
+        suspects: &[MemberId],
+        liveness: &impl Liveness,
+        reach: &dyn Reach,
+    ) -> Result<&Roster, MembershipError> {
         let epoch = self.roster.epoch;
         self.store.set(&self.keys.failed(epoch), b"1")?;
-        self.store.set(&self.keys.present(epoch, self.me), b"1")?;
+        let beating = liveness.beating(self.timing.liveness);
+        check_in(&self.store, &self.keys, &self.roster, self.me, &beating, reach)?;
         let began = Instant::now();
         loop {
             if let Some(next) = self.decided()? {
@@ -198,7 +264,7 @@ impl<S: KvStore> Agreement<S> {
             }
             let (tally, unknown) = self.tally(suspects, liveness, began.elapsed())?;
             if unknown.is_empty() {
-                let next = self.roster.after_loss(&tally)?;
+                let next = self.roster.after_loss(&tally, self.minimum)?;
                 return self.propose(&next);
             }
             sleep(self.timing.poll);
@@ -226,7 +292,12 @@ impl<S: KvStore> Agreement<S> {
         let quiet_for_grace = |m: MemberId| waited >= grace && !beating_grace.contains(&m);
         let quiet_for_window = |m: MemberId| waited >= window && !beating_window.contains(&m);
         for &m in &self.roster.members {
-            if m == self.me || self.store.get(&self.keys.present(epoch, m))?.is_some() {
+            if let Some(record) = self.store.get(&self.keys.present(epoch, m))? {
+                tally.present.push(m);
+                // The members it could not reach (a bare `1`: none named).
+                let apart: Vec<MemberId> = serde_json::from_slice(&record).unwrap_or_default();
+                tally.unreachable.extend(apart.into_iter().map(|other| (m, other)));
+            } else if m == self.me {
                 tally.present.push(m);
             } else if self.store.get(&self.keys.dead(m))?.is_some() {
                 tally.dead.push(m);
@@ -275,9 +346,9 @@ impl<S: KvStore> Agreement<S> {
         let seen = self.joiners_waiting()?;
         let mut accepted = Vec::new();
         for n in self.roster.joiners_seen..seen {
-            let (member, theirs) = self.join_request(n)?;
+            let (member, node, theirs) = self.join_request(n)?;
             if theirs == fingerprint {
-                accepted.push(member);
+                accepted.push((member, node));
             } else {
                 let why = format!("its model and optimizer ({theirs}) are not the members' ({fingerprint})");
                 self.store.set(&self.keys.admitted(member), json!({ "refused": why }).to_string().as_bytes())?;
@@ -297,9 +368,9 @@ impl<S: KvStore> Agreement<S> {
         self.adopt(next)
     }
 
-    /// The `n`-th join request: `(member, fingerprint)` (waits briefly: the
-    /// joiner counts itself before it writes its request).
-    fn join_request(&self, n: u64) -> Result<(MemberId, String), MembershipError> {
+    /// The `n`-th join request: `(member, node, fingerprint)` (waits
+    /// briefly: the joiner counts itself before it writes its request).
+    fn join_request(&self, n: u64) -> Result<(MemberId, NodeId, String), MembershipError> {
         let key = self.keys.joiner(n);
         let began = Instant::now();
         loop {
@@ -307,8 +378,9 @@ impl<S: KvStore> Agreement<S> {
                 let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
                 let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
                 let member = v["member"].as_u64().ok_or_else(|| bad("no 'member'"))?;
+                let node = v["node"].as_u64().ok_or_else(|| bad("no 'node'"))?;
                 let fingerprint = v["fingerprint"].as_str().ok_or_else(|| bad("no 'fingerprint'"))?;
-                return Ok((member, fingerprint.to_string()));
+                return Ok((member, node, fingerprint.to_string()));
             }
             if began.elapsed() > self.timing.liveness {
                 return Err(MembershipError::Deadline {
@@ -325,7 +397,7 @@ impl<S: KvStore> Agreement<S> {
     /// step boundary (or refuse it). Returns the roster it joined.
     pub fn request_join(&mut self, fingerprint: &str) -> Result<&Roster, MembershipError> {
         let n = (self.store.add(&self.keys.joiners(), 1)? - 1) as u64;
-        let request = json!({ "member": self.me, "fingerprint": fingerprint }).to_string();
+        let request = json!({ "member": self.me, "node": self.node, "fingerprint": fingerprint }).to_string();
         self.store.set(&self.keys.joiner(n), request.as_bytes())?;
         let key = self.keys.admitted(self.me);
         let began = Instant::now();
@@ -418,7 +490,7 @@ mod tests {
         (0..n)
             .map(|m| {
                 let mut a = Agreement::new(store.clone(), "job", m, fast());
-                a.start((0..n).collect()).unwrap();
+                a.start((0..n).collect(), vec![0; n as usize]).unwrap();
                 a
             })
             .collect()
@@ -432,7 +504,7 @@ mod tests {
         all.remove(2);
         let began = Instant::now();
         let rosters: Vec<Roster> = thread::scope(|s| {
-            let hs: Vec<_> = all.iter_mut().map(|a| s.spawn(move || a.recover(&[], &()).cloned())).collect();
+            let hs: Vec<_> = all.iter_mut().map(|a| s.spawn(move || a.recover(&[], &(), &()).cloned())).collect();
             hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
         });
         assert!(began.elapsed() < fast().liveness, "an obituary needs no silence: {:?}", began.elapsed());
@@ -451,14 +523,88 @@ mod tests {
         let began = Instant::now();
         // Member 1 checks in (alive), member 2 never does.
         store.set(&Keys("job".into()).present(0, 1), b"1").unwrap();
-        let r = a.recover(&[], &()).unwrap().clone();
+        let r = a.recover(&[], &(), &()).unwrap().clone();
         assert!(began.elapsed() >= fast().liveness);
         assert_eq!(r.members, vec![0, 1]);
         // Next epoch: member 1 is named by the failure and never checks in.
         let began = Instant::now();
-        let e = a.recover(&[1], &()).unwrap_err();
+        let r = a.recover(&[1], &(), &()).unwrap().clone();
         assert!(began.elapsed() < fast().liveness, "a suspect is judged after its grace");
-        assert!(matches!(e, MembershipError::NoQuorum { .. }), "one of two, the other only silent: {e}");
+        assert_eq!(r.members, vec![0], "one of two goes on: the store, not a majority, decides");
+    }
+
+    #[test]
+    fn a_job_below_its_minimum_stops_with_the_minimum_named() {
+        let store = MemoryKv::default();
+        let mut all: Vec<_> = members(&store, 4).into_iter().map(|a| a.with_minimum(3)).collect();
+        Agreement::obituary(&store, "job", 2).unwrap();
+        Agreement::obituary(&store, "job", 3).unwrap();
+        let e = thread::scope(|s| {
+            let hs: Vec<_> =
+                all.iter_mut().take(2).map(|a| s.spawn(move || a.recover(&[], &(), &()).cloned())).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for r in e {
+            let e = r.unwrap_err();
+            assert!(matches!(e, MembershipError::NoQuorum { minimum: 3, .. }), "{e}");
+            assert!(e.to_string().contains("minimum of 3"), "{e}");
+        }
+    }
+
+    /// A test's view of reachability: each member's side of a partition.
+    struct Sides(Vec<MemberId>);
+
+    impl Reach for Sides {
+        fn unreachable(&self, peers: &[(MemberId, String)]) -> Vec<MemberId> {
+            peers.iter().map(|(m, _)| *m).filter(|m| !self.0.contains(m)).collect()
+        }
+    }
+
+    #[test]
+    fn a_partition_whose_sides_both_reach_the_store_goes_on_on_one_side_only() {
+        let store = MemoryKv::default();
+        let mut all = members(&store, 5);
+        for a in &all {
+            a.publish_probe(&format!("host-of-{}:1", a.me())).unwrap();
+        }
+        // Members {0, 1} and {2, 3, 4} reach the store, not each other; all beat.
+        let everyone = Heard { silent: vec![], beating: (0..5).collect() };
+        let results: Vec<Result<Roster, MembershipError>> = thread::scope(|s| {
+            let hs: Vec<_> = all
+                .iter_mut()
+                .map(|a| {
+                    let side = Sides(if a.me() < 2 { vec![0, 1] } else { vec![2, 3, 4] });
+                    let everyone = &everyone;
+                    s.spawn(move || a.recover(&[], everyone, &side).cloned())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let rosters: Vec<&Roster> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        assert_eq!(rosters.len(), 3, "only one side goes on: {results:?}");
+        assert!(rosters.iter().all(|r| r.members == vec![2, 3, 4] && r.epoch == 1), "the larger side: {rosters:?}");
+        for (m, r) in results.iter().enumerate().take(2) {
+            assert_eq!(r.as_ref().unwrap_err(), &MembershipError::LeftOut { member: m as u64, epoch: 1 });
+        }
+        // Equal sides: still one roster (the side holding rank 0), the other left out.
+        let store = MemoryKv::default();
+        let mut all = members(&store, 4);
+        for a in &all {
+            a.publish_probe("h:1").unwrap();
+        }
+        let everyone = Heard { silent: vec![], beating: (0..4).collect() };
+        let went_on: Vec<bool> = thread::scope(|s| {
+            let hs: Vec<_> = all
+                .iter_mut()
+                .map(|a| {
+                    let side = Sides(if a.me() % 2 == 0 { vec![0, 2] } else { vec![1, 3] });
+                    let everyone = &everyone;
+                    s.spawn(move || a.recover(&[], everyone, &side).is_ok())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(went_on, vec![true, false, true, false]);
     }
 
     #[test]
@@ -466,19 +612,20 @@ mod tests {
         let store = MemoryKv::default();
         let mut all = members(&store, 3);
         Agreement::obituary(&store, "job", 2).unwrap();
-        // Members 0 and 2 settle without member 1's check-in? No: 1 is alive
-        // but too slow, so 0 sees it silent (monitor's view) and 2 is dead.
-        let r = all[0].recover(&[], &Heard { silent: vec![1], beating: vec![] });
-        assert!(r.is_err(), "0 alone is not a majority of {{0, 1}}: {r:?}");
+        // Member 1 is alive but too slow, so 0 sees it silent (monitor's
+        // view) and 2 is dead: 0 goes on alone, and the store says so to 1.
+        let r = all[0].recover(&[], &Heard { silent: vec![1], beating: vec![] }, &()).unwrap().clone();
+        assert_eq!(r.members, vec![0]);
+        assert_eq!(all[1].recover(&[], &(), &()).unwrap_err(), MembershipError::LeftOut { member: 1, epoch: 1 });
         // Member 1 had gone silent; member 0 and a third survivor decide.
         let store = MemoryKv::default();
         let mut all = members(&store, 3);
         let decided =
-            all[0].roster().after_loss(&Tally { present: vec![0, 2], dead: vec![], silent: vec![1] }).unwrap();
+            all[0].roster().after_loss(&Tally { present: vec![0, 2], silent: vec![1], ..Tally::default() }, 1).unwrap();
         store.compare_set(&Keys("job".into()).roster(1), b"", &decided.encode()).unwrap();
-        let e = all[1].recover(&[], &()).unwrap_err();
+        let e = all[1].recover(&[], &(), &()).unwrap_err();
         assert_eq!(e, MembershipError::LeftOut { member: 1, epoch: 1 });
-        assert_eq!(all[2].recover(&[], &()).unwrap().members, vec![0, 2]);
+        assert_eq!(all[2].recover(&[], &(), &()).unwrap().members, vec![0, 2]);
     }
 
     #[test]
@@ -540,13 +687,13 @@ mod tests {
             }
         });
         store.set(&Keys("job".into()).present(0, 2), b"1").unwrap();
-        let r = a.recover(&[1], &Heard { silent: vec![], beating: vec![1] }).unwrap().clone();
+        let r = a.recover(&[1], &Heard { silent: vec![], beating: vec![1] }, &()).unwrap().clone();
         late.join().unwrap();
         assert_eq!(r.members, vec![0, 1, 2], "nobody lost: 1 was slow, not dead");
         // A member that beats but never checks in is lost after the check-in deadline.
         store.set(&Keys("job".into()).present(1, 2), b"1").unwrap();
         let began = Instant::now();
-        let r = a.recover(&[], &Heard { silent: vec![], beating: vec![1] }).unwrap().clone();
+        let r = a.recover(&[], &Heard { silent: vec![], beating: vec![1] }, &()).unwrap().clone();
         assert!(began.elapsed() >= fast().check_in, "{:?}", began.elapsed());
         assert_eq!(r.members, vec![0, 2]);
     }
@@ -588,10 +735,13 @@ mod tests {
         Agreement::obituary(&store, "job", 2).unwrap();
         thread::scope(|s| {
             for a in all.iter_mut().take(2) {
-                s.spawn(move || a.recover(&[], &()).unwrap().clone());
+                s.spawn(move || a.recover(&[], &(), &()).unwrap().clone());
             }
         });
         let mut late = Agreement::new(store, "job", 2, fast());
-        assert_eq!(late.start(vec![0, 1, 2]).unwrap_err(), MembershipError::LeftOut { member: 2, epoch: 1 });
+        assert_eq!(
+            late.start(vec![0, 1, 2], vec![0; 3]).unwrap_err(),
+            MembershipError::LeftOut { member: 2, epoch: 1 }
+        );
     }
 }

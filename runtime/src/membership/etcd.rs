@@ -301,13 +301,13 @@ pub(crate) mod tests {
         let timing = Timing { suspect_grace: Duration::from_millis(50), ..Timing::default() };
         let mut members: Vec<_> = (0..3).map(|m| Agreement::new(store(), "job", m, timing)).collect();
         for a in &mut members {
-            a.start(vec![0, 1, 2]).unwrap();
+            a.start(vec![0, 1, 2], vec![0; 3]).unwrap();
         }
         Agreement::obituary(&store(), "job", 1).unwrap();
         let survivors: Vec<_> = members
             .into_iter()
             .filter(|a| a.me() != 1)
-            .map(|mut a| std::thread::spawn(move || a.recover(&[1], &()).cloned().unwrap()))
+            .map(|mut a| std::thread::spawn(move || a.recover(&[1], &(), &()).cloned().unwrap()))
             .collect();
         let rosters: Vec<_> = survivors.into_iter().map(|t| t.join().unwrap()).collect();
         assert_eq!(rosters[0], rosters[1], "one roster for every survivor");

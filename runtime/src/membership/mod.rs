@@ -12,18 +12,23 @@
 //!                     ├─▶ checks in present/{e}/{id}; cancels epoch e's collectives
 //!                     └─▶ joiner_waiting flag ─▶ this rank's control vote ─▶ StepReport::admit
 //!
-//! a step fails ─▶ Agreement::recover ─ failed/{e}, present/{e}/{id} ─▶ who is present, who is lost?
+//! a step fails ─▶ Agreement::recover ─ failed/{e}; probe the beating peers ─▶ present/{e}/{id} = [unreachable]
+//!                                     ─▶ who is present, who reaches whom, who is lost?
 //!                                     ─▶ compare_set(roster/{e+1}) ─▶ the one Roster every survivor adopts
 //! a joiner ─▶ Agreement::request_join ─ joiner/{n} ─▶ (members after the step that voted "admit")
 //!          Agreement::admit ─▶ compare_set(roster/{e+1}) ─▶ admitted/{id} ─▶ the joiner adopts it
 //! ```
 //!
 //! A roster of epoch `e + 1` is written once, by compare-and-set, so every
-//! process that adopts one adopts the same (two sides of a partition can
-//! never both go on). Survivors must be a strict majority of the members not
-//! *known* dead (a process its supervisor reaped cannot be on the other side
-//! of a partition; one that merely went silent could be). A member left out
-//! of the roster it finds (it was silent too long) gets
+//! process that adopts one adopts the same: the store is the arbiter, and
+//! two sides of a partition can never both go on. So no majority is
+//! needed: the next roster is the largest set of members that checked in
+//! (they reach the store) and reach one another (each probes the others'
+//! [`Probe`] before it checks in), as long as it holds the job's minimum
+//! ([`Agreement::with_minimum`]). A side cut off from the store cannot
+//! write a roster and stops; a side that reaches the store but not the
+//! winners finds a roster without it. A member left out of the roster it
+//! finds (it was silent too long, or on the smaller side) gets
 //! [`MembershipError::LeftOut`] and leaves; its supervisor can start it
 //! again as a joiner. The collectives of a new epoch run on a fresh group
 //! (gloo cannot abort one in flight); which member's state the others take
@@ -32,12 +37,14 @@
 mod agreement;
 mod etcd;
 mod monitor;
+mod reach;
 mod roster;
 mod store;
 
 pub use agreement::{Agreement, Timing};
 pub use etcd::EtcdKv;
 pub use monitor::{Canceller, Liveness, Monitor, PAUSE_FACTOR, SPREAD};
+pub use reach::{Probe, Reach, TcpReach};
 pub use roster::{Roster, Tally};
 pub use store::{KvStore, MemoryKv, StoreError};
 
@@ -45,14 +52,19 @@ pub use store::{KvStore, MemoryKv, StoreError};
 /// replacement for a lost process gets a new one).
 pub type MemberId = u64;
 
+/// The machine a member runs on, as the job's supervisors number them (one
+/// supervisor per machine): members on one node are lost together when it
+/// goes, so a partition's buddy copy is kept on another node.
+pub type NodeId = u64;
+
 /// Why a change of membership failed. Each says what the process should do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum MembershipError {
     /// The store holding membership did not answer.
     #[error("the membership store failed: {0}; this process cannot take part in the job any more (check that the supervisor, which hosts the store, is alive and reachable)")]
     Store(#[from] StoreError),
-    /// Too few members survived to go on.
-    #[error("epoch {epoch}: only members {survivors:?} of {members:?} are present (lost: {lost:?}), not a majority of those not known dead; no member may go on (a partition must not train on both sides). Restart the job from its last checkpoint")]
+    /// Too few members survived to go on (fewer than the job's minimum).
+    #[error("epoch {epoch}: only members {survivors:?} of {members:?} can go on together (lost: {lost:?}), fewer than the job's minimum of {minimum} (Elastic(min_members=...)); no member goes on. Restart the job from its last checkpoint")]
     NoQuorum {
         /// The epoch that lost its members.
         epoch: u64,
@@ -62,6 +74,8 @@ pub enum MembershipError {
         survivors: Vec<MemberId>,
         /// Those seen as lost.
         lost: Vec<MemberId>,
+        /// The fewest members the job goes on with.
+        minimum: usize,
     },
     /// The members went on without this process (it was silent too long).
     #[error("member {member} was left out of epoch {epoch} (its peers saw it as lost) and cannot rejoin on its own; exit, and let the supervisor start a replacement that joins the job")]

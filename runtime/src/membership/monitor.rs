@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
-use super::agreement::Keys;
-use super::{KvStore, MemberId, Roster, Timing};
+use super::agreement::{check_in, Keys};
+use super::{KvStore, MemberId, Reach, Roster, Timing};
 
 /// Breaks an epoch: cancels every collective of its group (the transport's part).
 pub type Canceller = Box<dyn Fn(u64) + Send>;
@@ -163,6 +163,8 @@ struct Watch<S: KvStore> {
     beats: HashMap<MemberId, Pulse>,
     /// Since when the store has been failing (this process may be the one cut off).
     store_failing: Option<Instant>,
+    /// Probes the peers when the monitor checks this process in.
+    reach: Box<dyn Reach + Send>,
 }
 
 impl Monitor {
@@ -170,7 +172,8 @@ impl Monitor {
     /// `store` should be a connection of the monitor's own (a blocking call
     /// of the training thread must not delay a heartbeat). `cancel` breaks
     /// an epoch's collectives; `joiner_waiting` is the flag it raises while a
-    /// process waits to join.
+    /// process waits to join; `reach` probes the peers when it checks this
+    /// process in (see [`super::Agreement::recover`]).
     #[allow(clippy::too_many_arguments)]
     pub fn start<S: KvStore>(
         store: S,
@@ -181,6 +184,7 @@ impl Monitor {
         beat: Duration,
         cancel: Canceller,
         joiner_waiting: Arc<AtomicBool>,
+        reach: Box<dyn Reach + Send>,
     ) -> std::io::Result<Monitor> {
         let (commands, inbox) = crossbeam_channel::unbounded();
         let broken = Arc::new(AtomicI64::new(-1));
@@ -196,6 +200,7 @@ impl Monitor {
             joiner_waiting: watching_flag,
             beats: HashMap::new(),
             store_failing: None,
+            reach,
         };
         let thread = std::thread::Builder::new()
             .name(format!("gradsync-liveness-{me}"))
@@ -323,7 +328,8 @@ impl<S: KvStore> Watch<S> {
                 self.store.set(&self.keys.failed(epoch), b"1")?;
             }
             if self.store.get(&self.keys.failed(epoch))?.is_some() {
-                self.store.set(&self.keys.present(epoch, self.me), b"1")?;
+                let beating = self.peers(|p| p.beating(Instant::now(), self.timing.liveness));
+                check_in(&self.store, &self.keys, &self.roster, self.me, &beating, self.reach.as_ref())?;
                 self.break_epoch();
             }
         }
@@ -365,6 +371,7 @@ mod tests {
             Duration::from_millis(20),
             cancel,
             flag,
+            Box::new(()),
         )
         .unwrap()
     }

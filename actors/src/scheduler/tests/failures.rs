@@ -101,7 +101,7 @@ fn a_partitioned_rank_disagrees_with_an_all_reducing_one() {
     let with_buddies = {
         let mut r = super::rank_configured(2, 0, &[2], 8, AbortPolicy::Skip, Divisor::Contributors, |c| {
             c.partitioned = true;
-            c.buddies = true;
+            c.buddy_stride = 1;
         });
         r.inc(0, 0, 1.0);
         let plan = r.job();

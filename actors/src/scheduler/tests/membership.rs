@@ -1,6 +1,7 @@
 //! Elastic membership: joiners admitted at one step, resets among new members, a step redone among the survivors.
 
 use super::*;
+use crate::messages::Place;
 
 /// Invariant: one rank's monitor seeing a joiner is enough: every rank's
 /// report of that step says to admit it (the same boundary everywhere), and
@@ -41,7 +42,11 @@ fn a_membership_reset_agrees_among_the_new_members_and_then_on_the_plan() {
     let gone = CommError::PeerGone { rank: 2, peer: 1, tag: bucket.tag };
     r.fail(bucket, gone);
     let (tx, agreed) = mpsc::sync_channel(1);
-    r.send(SchedMsg::Reset { proposed: 1, membership: Some((1, 2)), reply: Reply::Blocking(tx) });
+    r.send(SchedMsg::Reset {
+        proposed: 1,
+        membership: Some(Place { rank: 1, world: 2, buddy_stride: 1 }),
+        reply: Reply::Blocking(tx),
+    });
     let mut agreement = r.job();
     assert_eq!(kind(&agreement), CollectiveKind::Reset { len: 4 }, "two members now (and the redo half)");
     let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
@@ -65,7 +70,11 @@ fn a_membership_reset_agrees_among_the_new_members_and_then_on_the_plan() {
 fn after_a_membership_reset_every_member_takes_rank_0s_layout() {
     let mut joiner = rank(3, 2, &[2, 2, 2]);
     let (tx, agreed) = mpsc::sync_channel(1);
-    joiner.send(SchedMsg::Reset { proposed: 0, membership: Some((2, 3)), reply: Reply::Blocking(tx) });
+    joiner.send(SchedMsg::Reset {
+        proposed: 0,
+        membership: Some(Place { rank: 2, world: 3, buddy_stride: 1 }),
+        reply: Reply::Blocking(tx),
+    });
     let mut agreement = joiner.job();
     let CommPayload::Words(words) = &mut agreement.payload else { panic!() };
     words[0] = 8;
@@ -114,7 +123,11 @@ fn lose_a_peer_mid_step() -> (Rank, CommJob, mpsc::Receiver<Result<Resumption, S
     let failed = r.end(0, StepEnd::Finish);
     assert!(failed.try_recv().unwrap().is_err(), "the caller learns the step failed");
     let (tx, agreed) = mpsc::sync_channel(1);
-    r.send(SchedMsg::Reset { proposed: 1, membership: Some((1, 2)), reply: Reply::Blocking(tx) });
+    r.send(SchedMsg::Reset {
+        proposed: 1,
+        membership: Some(Place { rank: 1, world: 2, buddy_stride: 1 }),
+        reply: Reply::Blocking(tx),
+    });
     r.no_job(); // the shard has not flushed step 0 yet: the reset waits for it
     r.flushed(0, &[0, 1]);
     let agreement = r.job();

@@ -86,7 +86,7 @@ fn rank_configured(
         reorder: false,
         wire: Wire::F32,
         partitioned: false,
-        buddies: false,
+        buddy_stride: 0,
         joiner_waiting: None,
     };
     let mut cfg = cfg;

@@ -78,7 +78,7 @@ fn the_next_step_reuses_the_idle_buffer_and_the_returned_partition() {
 fn a_buddy_rank_keeps_the_next_ranks_partition_after_its_own() {
     let mut r = rank_configured(2, 1, &[2, 2], 1 << 20, AbortPolicy::Skip, Divisor::Contributors, |c| {
         c.partitioned = true;
-        c.buddies = true;
+        c.buddy_stride = 1;
     });
     r.agree_plan();
     r.inc(0, 0, 1.0);
@@ -103,11 +103,11 @@ fn a_buddy_rank_keeps_the_next_ranks_partition_after_its_own() {
 fn a_single_rank_keeps_one_partition_with_buddies_on() {
     let r = rank_configured(1, 0, &[2, 2], 1 << 20, AbortPolicy::Skip, Divisor::Contributors, |c| {
         c.partitioned = true;
-        c.buddies = true;
+        c.buddy_stride = 1;
     });
     let parts = r.sched.partitions.as_ref().unwrap();
     assert_eq!(parts.held[0], vec![0..4]);
     let (moved, _) =
-        crate::scheduler::partition::Partitions::<()>::new(&r.sched.plan, 0, 1, true).moved(&r.sched.plan, 1, 3, true);
+        crate::scheduler::partition::Partitions::<()>::new(&r.sched.plan, 0, 1, 1).moved(&r.sched.plan, 1, 3, 1);
     assert_eq!(moved.held[0], vec![2..4, 4..4], "rank 1 of 3: its own chunk, then rank 2's (empty)");
 }
