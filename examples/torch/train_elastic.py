@@ -176,13 +176,34 @@ def main():
     parser.add_argument("--shard", action="store_true",
                         help="shard gradients and optimizer state (each partition also kept by a buddy rank)")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
+    parser.add_argument("--break-at-start", action="store_true",
+                        help="membership epoch 0 breaks before the optimizer is tracked (what a member that seems "
+                        "silent at start-up on a loaded machine does): the job recovers at its first boundary")
+    parser.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+                        help="seconds the first members wait for one another before going on without those missing")
     parser.add_argument("--pace-ms", type=float, default=0.0, metavar="MS",
                         help="sleep MS after each step: a run that waits for a replacement to start leaves the cores "
                         "to it and covers the wait in fewer steps")
     args = parser.parse_args()
+    try:
+        elastic, base, data, model, opt = build(args)
+        loss, applied_at, norms = train(args, elastic, model, opt, data)
+    except gradsync.MembershipError as e:
+        # The job went on without this process (or cannot go on at all).
+        print(f"member {os.environ.get('GRADSYNC_MEMBER')}: left the job ({e.kind}): {e}", file=sys.stderr, flush=True)
+        sys.exit(exit_status(e))
+    if not elastic.is_member:
+        print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
+        return
+    sys.exit(0 if check(args, elastic, model, opt, base, data, loss, applied_at, norms) else 1)
 
+
+def build(args):
+    """This process's membership, the model (and its replay's start), the
+    data and the optimizer."""
     torch.set_num_threads(1)
-    elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch, beat_s=args.beat)
+    elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch, beat_s=args.beat,
+                         start_timeout_s=args.start_timeout)
     vocab, dim, heads, blocks, context = 32, args.width, 2, 2, 16
     torch.manual_seed(args.seed)
     base = TinyLM(vocab, dim, heads, blocks, context, recompute=not args.no_recompute)
@@ -195,20 +216,16 @@ def main():
                                        broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard)
     # (Sharded, the same optimizer steps this rank's partitions once the job tracks it.)
     opt = optimizer_of(args, model.parameters())
+    if args.break_at_start and not elastic.joining:
+        if elastic.rank == 0:
+            elastic.store.set(f"{elastic.job}/membership/failed/{elastic.epoch}", "1")
+        while elastic.membership.broken is None or elastic.membership.broken < elastic.epoch:
+            time.sleep(0.01)
     elastic.track(model=model, optimizer=opt)
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
               f"kills {[f'{r}@{s}:{p}' for r, s, p in args.kill] or 'none'}", flush=True)
-    try:
-        loss, applied_at, norms = train(args, elastic, model, opt, data)
-    except gradsync.MembershipError as e:
-        # The job went on without this process (or cannot go on at all).
-        print(f"member {elastic.member}: left the job ({e.kind}): {e}", file=sys.stderr, flush=True)
-        sys.exit(exit_status(e))
-    if not elastic.is_member:
-        print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
-        return
-    sys.exit(0 if check(args, elastic, model, opt, base, data, loss, applied_at, norms) else 1)
+    return elastic, base, data, model, opt
 
 
 def train(args, elastic, model, opt, data):

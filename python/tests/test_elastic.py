@@ -331,6 +331,37 @@ def test_when_no_member_is_left_the_supervisor_ends_and_waiting_joiners_give_up(
         assert "(no_members)" in proc.stderr, explain(proc)
 
 
+def test_first_members_that_never_start_are_lost_at_the_start_deadline(tmp_path):
+    """A job of two machines whose second never starts (its host lost at
+    start-up): the members that did start say whom they wait for, and at
+    the start deadline go on without them, exactly, instead of waiting in
+    silence for gloo's rendezvous."""
+    cmd = command(tmp_path, 2, "--steps", "40", "--start-timeout", "4", "--log-every", "10")
+    cmd[3:3] = ["--nnodes", "2", "--node-rank", "0"]
+    began = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    found = reports(tmp_path)
+    first = exact(proc, found, {0, 1})
+    (event,) = first["events"]
+    assert (event["kind"], event["lost"], event["world"]) == ("lost", [2, 3], 2)
+    assert {w for _, w, *_ in first["history"]} == {2}
+    assert "did not reach epoch 0's groups" in proc.stderr, explain(proc)
+    assert time.time() - began < 4 + 60, "the deadline, then training"
+
+
+def test_an_epoch_broken_at_start_up_is_recovered_from_not_raised(tmp_path):
+    """Membership epoch 0 breaks while the members start (a member that
+    seemed silent on a loaded machine), before the sharded optimizer's
+    check that every rank built the same one: the check waits for the
+    first step boundary, where the members recover, and the job trains
+    exactly; nothing internal reaches the program."""
+    proc, found = launch(tmp_path, 3, "--steps", "20", "--shard", "--break-at-start")
+    first = exact(proc, found, {0, 1, 2})
+    assert [e["lost"] for e in first["events"]] == [[]], "one change of epoch, nobody lost"
+    assert "Abandoned" not in proc.stderr and "Traceback" not in proc.stderr, explain(proc)
+
+
 def test_a_fixed_global_batch_divides_by_the_first_world(tmp_path):
     proc, found = launch(tmp_path, 3, "--steps", "8", "--kill", "2@3:backward", "--fixed-global-batch")
     assert proc.returncode == 0, explain(proc)

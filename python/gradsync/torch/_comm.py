@@ -41,7 +41,8 @@ class TorchCommunicator(GlooCommunicator):
     ``shim`` is the loaded ``_collectives`` module; ``plane_device``, the device whose tensors
     hold the buckets (``None``: host memory)."""
 
-    def __init__(self, *, store, prefix, rank, world, timeout_s, shim, plane_device=None, cancel=None):
+    def __init__(self, *, store, prefix, rank, world, timeout_s, shim, plane_device=None, cancel=None,
+                 membership_epoch=0):
         super().__init__(store=store, prefix=prefix, rank=rank, world=world)
         self._shim = shim
         # An elastic job's cancellation (a `_collectives.Cancel`): the
@@ -50,7 +51,9 @@ class TorchCommunicator(GlooCommunicator):
         # Otherwise one of its own, which `abandon` breaks.
         self._own_cancel = cancel is None
         self._cancel = shim.Cancel() if self._own_cancel else cancel
-        self.membership_epoch = 0
+        # The membership epoch its endpoints belong to (an epoch the monitor
+        # already broke must not cancel a later epoch's first group).
+        self.membership_epoch = membership_epoch
         # Groups of earlier membership epochs, kept: a gloo group whose work
         # waits on a vanished peer blocks its destructor until gloo's timeout.
         self._retired = []

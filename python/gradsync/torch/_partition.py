@@ -160,6 +160,11 @@ class Partition:
         #: failure of a collective outside backward (clip, step); ``None``:
         #: not elastic, the failure is raised.
         self.recover = None
+        #: Checks that every rank makes once over the state group (that all
+        #: built the same sharded optimizer), held until an elastic job's
+        #: first step boundary, where a member lost meanwhile is recovered
+        #: from (a list until then); ``None``: made at once.
+        self.start_checks = None
 
     @property
     def buddy(self):

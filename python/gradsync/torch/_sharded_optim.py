@@ -158,7 +158,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(partition.params)}
         groups = _groups(params, partition.params, names,
                          name_of or (lambda t: names[index[id(t)]] if id(t) in index else "(unnamed)"))
-        self._check_same_everywhere(optimizer_class, groups, defaults)
+        if partition.start_checks is None:
+            self._check_same_everywhere(optimizer_class, groups, defaults)
+        else:
+            # An elastic job's first members check at their first step boundary,
+            # where a member lost meanwhile is recovered from (``Partition.start_checks``).
+            partition.start_checks.append(lambda: self._check_same_everywhere(optimizer_class, groups, defaults))
         #: Per group, its entries in torch's numbering: a wrapper parameter
         #: index, or a frozen tensor (kept as it is: it gets no gradient).
         self.entries = [entries for _, entries in groups]

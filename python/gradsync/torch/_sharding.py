@@ -72,6 +72,8 @@ class Sharding:
         )
         if elastic is not None:
             self._partition.recover = elastic.recover
+            if not elastic.joining:  # (a joiner's optimizer is checked by the members' fingerprint)
+                self._partition.start_checks = []
             # A replacement holds nothing until its first settlement.
             self._partition.holds = not elastic.joining
         _clip.track(self)
@@ -91,9 +93,18 @@ class Sharding:
 
     def boundary_passed(self):
         """An elastic job's step boundary passed: the next step makes its
-        collectives again."""
+        collectives again, and optimizers built from now on check at once."""
         if self._partition is not None:
             self._partition.settled = False
+            self._partition.start_checks = None
+
+    def run_start_checks(self):
+        """An elastic job's first step boundary: the checks its optimizers'
+        construction held back (``Partition.start_checks``), on every first
+        member (inside the boundary's recovery)."""
+        if self._partition is not None:
+            for check in self._partition.start_checks or ():
+                check()
 
     @property
     def sharded(self):

@@ -361,8 +361,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, shim=collectives,
             plane_device=self._device if path.buckets == "device" else None,
             cancel=None if elastic is None else elastic.cancel,
+            membership_epoch=0 if elastic is None else elastic.epoch,
         )
-        comm.membership_epoch = 0 if elastic is None else elastic.epoch
         self._comm = comm
         self._abandon = None if elastic is None else elastic.abandoned
         self._retired_states = []

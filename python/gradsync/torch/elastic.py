@@ -225,9 +225,14 @@ class Elastic:
     ``min_members``: after a loss, the job goes on only with at least this
     many members (default 1: any members that reach the store and one
     another go on; the store decides, so two sides of a partition never
-    both do); fewer end it with ``MembershipError(kind="no_quorum")``."""
+    both do); fewer end it with ``MembershipError(kind="no_quorum")``.
+    ``start_timeout_s``: how long the members of an epoch wait for one
+    another before building its groups (a first member that never started,
+    its host lost at start-up); those missing then are lost, as in training
+    (one whose heartbeat stops is lost at once)."""
 
-    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1, min_members=1):
+    def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1, min_members=1,
+                 start_timeout_s=300.0):
         address = _env(ENV_STORE)
         self.job = _env(ENV_JOB)
         self.member = _env(ENV_MEMBER, int)
@@ -235,6 +240,7 @@ class Elastic:
         self.joining = os.environ.get(ENV_JOIN) == "1"
         self.fixed_global_batch = bool(fixed_global_batch)
         self.timeout_s = float(timeout)
+        self.start_timeout_s = float(start_timeout_s)
         shim, why = _shim.load("collectives")
         if shim is None:
             raise ConfigError(f"an elastic job needs gradsync's C++ modules, and {why}")
@@ -378,7 +384,42 @@ class Elastic:
         if self._ddp is not None:
             raise ConfigError("an Elastic handle synchronizes one wrapped model; build one wrapper per job")
         self._ddp = ddp
+        if self._roster is not None:
+            self._gather()
         return self._groups_store(), self.prefix("model"), self.rank, self.world
+
+    def _gather(self):
+        """Before the first groups are built (gloo's rendezvous waits for
+        every rank and cannot be given up): each member says it arrived and
+        waits for the others. A member whose heartbeat stops (the liveness
+        monitor breaks the epoch), or that has not arrived within
+        ``start_timeout_s`` (it never started: its host was lost at
+        start-up), is lost: the others agree on a roster without it, as in
+        training, and gather again."""
+        while True:
+            began = said = time.monotonic()
+            epoch, members = self.epoch, list(self._roster["members"])
+            keys = [f"{self.job}/arrived/{epoch}/{m}" for m in members]
+            self.store.set(keys[self.rank], b"1")
+            while not self.store.check(keys):
+                broken = self.membership.broken
+                waited = time.monotonic() - began
+                if (broken is not None and broken >= epoch) or waited > self.start_timeout_s:
+                    break
+                if time.monotonic() - said >= 10.0:
+                    said = time.monotonic()
+                    missing = [m for m, k in zip(members, keys) if not self.store.check([k])]
+                    log.warning("gradsync elastic: member %d waits for members %s to start (%.0f s of at most %.0f s)",
+                                self.member, missing, waited, self.start_timeout_s)
+                time.sleep(0.01)
+            else:
+                return
+            missing = [m for m, k in zip(members, keys) if not self.store.check([k])]
+            log.warning("gradsync elastic: members %s did not reach epoch %d's groups; the others go on without them",
+                        missing, epoch)
+            t = time.perf_counter()
+            self._roster = self.membership.recover(missing)
+            self._event("lost", sorted(set(members) - set(self._roster["members"])), [], t)
 
     def _groups_store(self):
         """The c10d store this epoch's process groups rendezvous on: the
@@ -564,6 +605,7 @@ class Elastic:
                     self._equalize()
                     self._sync_pending = False
                 if self._send_parameters:
+                    self._ddp.run_start_checks()
                     self._ddp.broadcast_module_states()
                     self._send_parameters = False
                 # Buffers follow DDP's rule (sent after a synchronized forward);
