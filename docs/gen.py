@@ -3,7 +3,8 @@
 Sources, never edited by hand:
 
 * ``target/pytest/*.md``: the side-by-side tables the pytest suites write
-  (``scripts/test`` runs them);
+  (``scripts/test`` runs them), and the lost-host timings
+  (``python/tests/test_lost_host.py``);
 * ``docs/data/bench/*.json``: ``benches/torch/vs_ddp.py --json`` runs, written
   by ``benches/torch/record.py`` (which also records the command);
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
@@ -259,6 +260,17 @@ def side_by_side(name: str) -> str:
     return path.read_text().strip()
 
 
+def lost_host() -> str:
+    """What a lost host costs, as ``python/tests/test_lost_host.py`` measured
+    it (``target/pytest/lost-host.md``; those tests need root for network
+    namespaces, so without them the page says where the numbers come from)."""
+    path = PYTEST / "lost-host.md"
+    if not path.is_file():
+        return ("*(Not measured in this build: `python/tests/test_lost_host.py` writes this table, and needs root "
+                "for its network namespaces.)*")
+    return path.read_text().strip()
+
+
 def sim_table() -> str:
     """Scaling efficiency per rank count, from ``gradsync-bench sim --json``."""
     if not SIM.is_file():
@@ -482,6 +494,7 @@ GENERATORS = {
     "gpu-outputs": gpu_outputs,
     "elastic-recovery": lambda: elastic_cost() + "\n\n" + elastic_details(),
     "elastic-cost": elastic_cost,
+    "lost-host": lambda: lost_host(),
     "host-time": host_time,
     "sharded-memory": sharded_memory,
     "sharded-elastic": sharded_elastic,

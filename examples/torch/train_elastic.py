@@ -179,6 +179,8 @@ def main():
     parser.add_argument("--break-at-start", action="store_true",
                         help="membership epoch 0 breaks before the optimizer is tracked (what a member that seems "
                         "silent at start-up on a loaded machine does): the job recovers at its first boundary")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds a collective may wait for its peers (DistributedDataParallel's timeout)")
     parser.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
                         help="seconds the first members wait for one another before going on without those missing")
     parser.add_argument("--pace-ms", type=float, default=0.0, metavar="MS",
@@ -213,7 +215,8 @@ def build(args):
     data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy,
-                                       broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard)
+                                       broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard,
+                                       timeout=args.timeout)
     # (Sharded, the same optimizer steps this rank's partitions once the job tracks it.)
     opt = optimizer_of(args, model.parameters())
     if args.break_at_start and not elastic.joining:

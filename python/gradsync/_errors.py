@@ -59,8 +59,8 @@ class ClosedError(GradsyncError):
 
 class MembershipError(GradsyncError):
     """An elastic job could not change its members, and this process cannot
-    go on in it. ``kind`` says why: ``"no_quorum"`` (too few survivors: no
-    side of a partition may go on), ``"left_out"`` (the others went on
+    go on in it. ``kind`` says why: ``"no_quorum"`` (fewer survivors than the
+    job's ``Elastic(min_members=...)``), ``"left_out"`` (the others went on
     without this process: exit, a replacement can join), ``"refused"`` (a
     joiner with another model or optimizer, or whose collectives differed
     from the members' right after it was admitted), ``"store"`` (the

@@ -66,9 +66,11 @@ import dataclasses
 import datetime
 import hashlib
 import io
+import fcntl
 import logging
 import os
 import socket
+import struct
 import time
 
 import torch
@@ -115,6 +117,8 @@ def exit_status(error):
     if kind == "refused":
         return EXIT_REFUSED
     return EXIT_LEFT if kind == "left_out" else 1
+# Linux's ioctl for an interface's IPv4 address.
+_SIOCGIFADDR = 0x8915
 # A membership change that fails again (another member lost meanwhile) is retried this often.
 _RECOVERY_ATTEMPTS = 8
 
@@ -167,10 +171,19 @@ def _env(name, convert=str):
 
 
 def _probe_host(address):
-    """The address this machine reaches the job's store from (the store's
-    ``host:port``, or etcd's first endpoint): where its peers probe this
-    process, since they reach the store the same way. The supervisor's
-    ``--host`` when the route cannot be read."""
+    """Where this process's peers probe it: the address of the interface
+    gloo uses (``GLOO_SOCKET_IFNAME``, its first name), so a probe takes the
+    path the collectives take; else the address this machine reaches the
+    job's store from (the store's ``host:port``, or etcd's first endpoint);
+    the supervisor's ``--host`` when neither can be read."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                request = struct.pack("256s", interface[:15].encode())
+                return socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)[20:24])
+        except OSError:
+            pass
     first = address.removeprefix("etcd://").split(",")[0]
     host, _, port = first.rpartition(":")
     try:
