@@ -66,59 +66,24 @@ import dataclasses
 import datetime
 import hashlib
 import io
-import fcntl
 import logging
 import os
-import socket
-import struct
 import time
 
 import torch
 import torch.distributed as dist
 
 from gradsync._errors import ConfigError, DesyncError, MembershipError, StepFailedError
-from gradsync._native import EtcdClient, Membership
+from gradsync._native import Membership
 from gradsync.torch import _shim
-from gradsync.torch.etcd import EtcdStore, is_etcd
+from gradsync.torch._job import (  # noqa: F401  (ENV_*, EXIT_* and exit_status: this module's public names)
+    ENV_FIRST, ENV_HOST, ENV_JOB, ENV_JOIN, ENV_MEMBER, ENV_NODE, ENV_NODES, ENV_STORE, EXIT_LEFT, EXIT_REFUSED,
+    connect, env, exit_status, first_nodes, probe_host,
+)
+from gradsync.torch.etcd import is_etcd
 
 log = logging.getLogger("gradsync.elastic")
 
-#: The launcher's variables (set by ``python -m gradsync.launch``).
-ENV_STORE, ENV_JOB, ENV_MEMBER, ENV_FIRST, ENV_JOIN = (
-    "GRADSYNC_STORE", "GRADSYNC_JOB", "GRADSYNC_MEMBER", "GRADSYNC_FIRST", "GRADSYNC_JOIN",
-)
-#: The address this process's peers reach it at (the supervisor's ``--host``):
-#: with etcd, each epoch's first member hosts that epoch's rendezvous there.
-ENV_HOST = "GRADSYNC_HOST"
-#: This process's node (its supervisor's ``--node-rank``), and how many nodes
-#: the job's first members ran on (``--nnodes``; they are laid out node by
-#: node, the same number on each). A sharded job keeps each partition's
-#: buddy copy on another node.
-ENV_NODE, ENV_NODES = "GRADSYNC_NODE", "GRADSYNC_NODES"
-#: The exit status of a worker that left the job (the others went on without
-#: it): the supervisor does not count it as a failure.
-EXIT_LEFT = 3
-#: The exit status of a joiner the members refused (another model or
-#: optimizer, or collectives that differed from theirs): not a failure either.
-EXIT_REFUSED = 4
-
-
-def exit_status(error):
-    """The exit status for a worker ending with ``error`` (a
-    :class:`gradsync.MembershipError`), as the supervisor reads it:
-    :data:`EXIT_REFUSED` for a refused joiner, :data:`EXIT_LEFT` for a
-    process the job went on without, 1 for anything else (no quorum, the
-    store lost, a job with no member left)::
-
-        except gradsync.MembershipError as e:
-            sys.exit(gradsync.torch.elastic.exit_status(e))
-    """
-    kind = getattr(error, "kind", None)
-    if kind == "refused":
-        return EXIT_REFUSED
-    return EXIT_LEFT if kind == "left_out" else 1
-# Linux's ioctl for an interface's IPv4 address.
-_SIOCGIFADDR = 0x8915
 # A membership change that fails again (another member lost meanwhile) is retried this often.
 _RECOVERY_ATTEMPTS = 8
 
@@ -157,73 +122,6 @@ def _sharded(obj):
     return converted(obj)
 
 
-def _env(name, convert=str):
-    value = os.environ.get(name)
-    if value is None:
-        raise ConfigError(
-            f"{name} is not set: an elastic job runs under gradsync's supervisor "
-            "(python -m gradsync.launch --nproc N script.py), which hosts its store and sets it"
-        )
-    try:
-        return convert(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is malformed; start the job with python -m gradsync.launch") from None
-
-
-def _probe_host(address):
-    """Where this process's peers probe it: the address of the interface
-    gloo uses (``GLOO_SOCKET_IFNAME``, its first name), so a probe takes the
-    path the collectives take; else the address this machine reaches the
-    job's store from (the store's ``host:port``, or etcd's first endpoint);
-    the supervisor's ``--host`` when neither can be read."""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    if interface:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                request = struct.pack("256s", interface[:15].encode())
-                return socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)[20:24])
-        except OSError:
-            pass
-    first = address.removeprefix("etcd://").split(",")[0]
-    host, _, port = first.rpartition(":")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, int(port)))  # (a datagram socket sends nothing to connect)
-            return s.getsockname()[0]
-    except (OSError, ValueError):
-        return os.environ.get(ENV_HOST, "127.0.0.1")
-
-
-def _first_nodes(first_world):
-    """The node of each of the job's first members (``ENV_NODES`` nodes
-    holding the same number of them, node by node)."""
-    nodes = _env(ENV_NODES, int) if ENV_NODES in os.environ else 1
-    if nodes < 1 or first_world % nodes:
-        raise ConfigError(f"{ENV_NODES}={nodes} does not divide the job's {first_world} first members; "
-                          "start the job with python -m gradsync.launch")
-    return [m // (first_world // nodes) for m in range(first_world)]
-
-
-def _connect(shim, address, timeout, liveness_s):
-    """The job's store at ``address`` (``host:port`` of the supervisor's
-    ``TCPStore``, or ``etcd://host:port[,...]``): a torch store for the
-    process groups, and the membership's two clients (the protocol's, and
-    the liveness monitor's own, so a blocking call never delays a heartbeat)."""
-    try:
-        if is_etcd(address):
-            store = EtcdStore(address, timeout=timeout)
-            return store, store.client, EtcdClient(address, store.prefix, timeout_s=max(2.0, 2 * liveness_s))
-        host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        beat_store = dist.TCPStore(host, int(port), is_master=False,
-                                   timeout=datetime.timedelta(seconds=max(2.0, 2 * liveness_s)))
-        return store, shim.StoreClient(store), shim.StoreClient(beat_store)
-    except (RuntimeError, ValueError, MembershipError) as e:
-        raise MembershipError.of(
-            "store", f"cannot reach the job's store at {address} ({e}); is the supervisor (or etcd) running?"
-        ) from None
-
-
 class Elastic:
     """This process's membership in an elastic job (see the module docs).
 
@@ -246,10 +144,10 @@ class Elastic:
 
     def __init__(self, *, liveness_s=1.0, fixed_global_batch=False, timeout=300.0, beat_s=0.1, min_members=1,
                  start_timeout_s=300.0):
-        address = _env(ENV_STORE)
-        self.job = _env(ENV_JOB)
-        self.member = _env(ENV_MEMBER, int)
-        self.first_world = _env(ENV_FIRST, int)
+        address = env(ENV_STORE)
+        self.job = env(ENV_JOB)
+        self.member = env(ENV_MEMBER, int)
+        self.first_world = env(ENV_FIRST, int)
         self.joining = os.environ.get(ENV_JOIN) == "1"
         self.fixed_global_batch = bool(fixed_global_batch)
         self.timeout_s = float(timeout)
@@ -258,7 +156,7 @@ class Elastic:
         if shim is None:
             raise ConfigError(f"an elastic job needs gradsync's C++ modules, and {why}")
         #: The job's store: the supervisor's ``TCPStore``, or an :class:`gradsync.torch.etcd.EtcdStore`.
-        self.store, client, monitor_client = _connect(shim, address, timeout, liveness_s)
+        self.store, client, monitor_client = connect(shim, address, timeout, liveness_s)
         self._etcd = is_etcd(address)
         self._host = os.environ.get(ENV_HOST, "127.0.0.1")
         # Each epoch's rendezvous store under etcd (kept, as the groups built on it are).
@@ -267,11 +165,11 @@ class Elastic:
         if isinstance(min_members, bool) or not isinstance(min_members, int) or min_members < 1:
             raise ConfigError(f"min_members={min_members!r}: use a whole number of members, 1 or more")
         #: The node this process runs on (its supervisor's).
-        self.node = _env(ENV_NODE, int) if ENV_NODE in os.environ else 0
+        self.node = env(ENV_NODE, int) if ENV_NODE in os.environ else 0
         self.membership = Membership(
             shim.table(), client, monitor_client, self.cancel,
             f"{self.job}/membership", self.member, liveness_s=liveness_s, beat_s=beat_s,
-            min_members=min_members, node=self.node, probe_host=_probe_host(address),
+            min_members=min_members, node=self.node, probe_host=probe_host(address),
         )
         #: The next step to run (the data position); a joiner receives it.
         self.step = 0
@@ -307,7 +205,7 @@ class Elastic:
         # recovered from).
         self._send_parameters = not self.joining
         if not self.joining:
-            self._roster = self.membership.start(list(range(self.first_world)), _first_nodes(self.first_world))
+            self._roster = self.membership.start(list(range(self.first_world)), first_nodes(self.first_world))
 
     # ---- where this process stands ---------------------------------------------------------
 
