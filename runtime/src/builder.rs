@@ -65,7 +65,7 @@ impl GradSyncBuilder {
     }
 
     /// Where a sharded elastic job keeps buddy copies (when its transport
-    /// keeps them, [`crate::Transport::buddies`]): rank `r` keeps the
+    /// keeps them, [`crate::backend::Transport::buddies`]): rank `r` keeps the
     /// partition of rank `(r + stride) % world` too (default 1; an elastic
     /// job takes it from its roster, [`crate::membership::Roster::buddy_stride`],
     /// so that each partition's two copies are on two nodes).
