@@ -271,8 +271,9 @@ impl<S: KvStore> Agreement<S> {
         }
     }
 
-    /// Who is present, dead, silent, and who is not known yet. A member is
-    /// silent when its heartbeat stopped for its window; when it is a
+    /// Who is present (and whom each could not reach), and who is not
+    /// known yet; the others are gone: reaped (an obituary), or silent. A
+    /// member is silent when its heartbeat stopped for its window; when it is a
     /// suspect quiet since `suspect_grace`; when it has not checked in for
     /// `liveness` and is not beating (with no monitor: nobody is known to
     /// beat); or after `check_in` whatever its heartbeat does.
@@ -294,21 +295,19 @@ impl<S: KvStore> Agreement<S> {
         for &m in &self.roster.members {
             if let Some(record) = self.store.get(&self.keys.present(epoch, m))? {
                 tally.present.push(m);
-                // The members it could not reach (a bare `1`: none named).
+                // The members it could not reach (`[]`: none).
                 let apart: Vec<MemberId> = serde_json::from_slice(&record).unwrap_or_default();
                 tally.unreachable.extend(apart.into_iter().map(|other| (m, other)));
-            } else if m == self.me {
-                tally.present.push(m);
-            } else if self.store.get(&self.keys.dead(m))?.is_some() {
-                tally.dead.push(m);
-            } else if silent.contains(&m)
-                || (suspects.contains(&m) && quiet_for_grace(m))
-                || quiet_for_window(m)
-                || waited >= self.timing.check_in
-            {
-                tally.silent.push(m);
             } else {
-                unknown.push(m);
+                let reaped = self.store.get(&self.keys.dead(m))?.is_some();
+                let gone = reaped
+                    || silent.contains(&m)
+                    || (suspects.contains(&m) && quiet_for_grace(m))
+                    || quiet_for_window(m)
+                    || waited >= self.timing.check_in;
+                if !gone {
+                    unknown.push(m);
+                }
             }
         }
         Ok((tally, unknown))
@@ -620,8 +619,7 @@ mod tests {
         // Member 1 had gone silent; member 0 and a third survivor decide.
         let store = MemoryKv::default();
         let mut all = members(&store, 3);
-        let decided =
-            all[0].roster().after_loss(&Tally { present: vec![0, 2], silent: vec![1], ..Tally::default() }, 1).unwrap();
+        let decided = all[0].roster().after_loss(&Tally { present: vec![0, 2], ..Tally::default() }, 1).unwrap();
         store.compare_set(&Keys("job".into()).roster(1), b"", &decided.encode()).unwrap();
         let e = all[1].recover(&[], &(), &()).unwrap_err();
         assert_eq!(e, MembershipError::LeftOut { member: 1, epoch: 1 });

@@ -77,7 +77,9 @@ impl Reach for TcpReach {
 }
 
 /// This member's end of the probes: a listener on its host that answers
-/// each connection with the member's id, until the probe is dropped.
+/// each connection with the member's id, until the probe is dropped. Its
+/// thread sleeps in `accept` (no polling); dropping the probe wakes it with
+/// a connection of its own.
 #[derive(Debug)]
 pub struct Probe {
     address: SocketAddr,
@@ -90,18 +92,17 @@ impl Probe {
     /// process at), on a port the system picks.
     pub fn listen(host: &str, member: MemberId) -> std::io::Result<Probe> {
         let listener = TcpListener::bind((host, 0))?;
-        listener.set_nonblocking(true)?;
         let address = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = thread::Builder::new().name("gradsync-probe".into()).spawn({
             let stop = Arc::clone(&stop);
             move || {
-                while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((mut peer, _)) => {
-                            let _ = peer.write_all(&member.to_le_bytes());
-                        }
-                        Err(_) => thread::sleep(Duration::from_millis(5)),
+                for peer in listener.incoming() {
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    if let Ok(mut peer) = peer {
+                        let _ = peer.write_all(&member.to_le_bytes());
                     }
                 }
             }
@@ -117,7 +118,11 @@ impl Probe {
 
 impl Drop for Probe {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept; if even that fails, leave the thread (it holds only the listener).
+        if TcpStream::connect_timeout(&self.address, Duration::from_secs(1)).is_err() {
+            return;
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -27,18 +27,14 @@ pub struct Roster {
     pub joined: Vec<MemberId>,
 }
 
-/// What one process saw of the previous epoch's members while agreeing on
-/// the next: each member is present (checked in), dead (reaped by its
-/// supervisor), silent (no check-in in time, or its heartbeat stopped), or
-/// not yet known; and which present members could not reach which others.
+/// What one process saw of the previous epoch's members once each was
+/// judged: which checked in, and which of those could not reach which
+/// others. The rest are gone (reaped by their supervisor, or silent: they
+/// may be alive behind a partition, and the store keeps them out).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Tally {
     /// Members that checked in.
     pub present: Vec<MemberId>,
-    /// Members known dead (their process was reaped).
-    pub dead: Vec<MemberId>,
-    /// Members that went silent (they may be alive behind a partition).
-    pub silent: Vec<MemberId>,
     /// `(a, b)`: present member `a` could not reach member `b` when it
     /// checked in (both sides of a partition that each reach the store).
     pub unreachable: Vec<(MemberId, MemberId)>,
@@ -219,14 +215,15 @@ impl Roster {
 mod tests {
     use super::*;
 
-    fn tally(present: &[MemberId], dead: &[MemberId], silent: &[MemberId]) -> Tally {
-        Tally { present: present.to_vec(), dead: dead.to_vec(), silent: silent.to_vec(), unreachable: vec![] }
+    /// `present` checked in; every other member is gone (reaped or silent).
+    fn tally(present: &[MemberId]) -> Tally {
+        Tally { present: present.to_vec(), unreachable: vec![] }
     }
 
     #[test]
     fn survivors_keep_their_order_and_nodes_and_the_lost_are_named() {
         let r = Roster::first_on(vec![10, 11, 12, 13], vec![0, 0, 1, 1]).unwrap();
-        let next = r.after_loss(&tally(&[13, 10, 11], &[12], &[]), 1).unwrap();
+        let next = r.after_loss(&tally(&[13, 10, 11]), 1).unwrap();
         assert_eq!((next.epoch, next.members.clone(), next.lost.clone()), (1, vec![10, 11, 13], vec![12]));
         assert_eq!(next.nodes, vec![0, 0, 1]);
         assert_eq!(next.rank_of(13), Some(2), "rank 3 moves to rank 2");
@@ -237,19 +234,19 @@ mod tests {
     fn any_fraction_goes_on_above_the_minimum() {
         let r = Roster::first(vec![0, 1, 2, 3]);
         // Half the members silent (a host lost with its supervisor): the store decides, the rest go on.
-        assert_eq!(r.after_loss(&tally(&[0, 1], &[], &[2, 3]), 1).unwrap().members, vec![0, 1]);
-        assert_eq!(r.after_loss(&tally(&[3], &[], &[0, 1, 2]), 1).unwrap().members, vec![3]);
+        assert_eq!(r.after_loss(&tally(&[0, 1]), 1).unwrap().members, vec![0, 1]);
+        assert_eq!(r.after_loss(&tally(&[3]), 1).unwrap().members, vec![3]);
         // ...unless the job asked for more.
-        let e = r.after_loss(&tally(&[0, 1], &[], &[2, 3]), 3).unwrap_err();
+        let e = r.after_loss(&tally(&[0, 1]), 3).unwrap_err();
         assert!(matches!(&e, MembershipError::NoQuorum { survivors, minimum: 3, .. } if *survivors == vec![0, 1]));
-        assert!(r.after_loss(&tally(&[], &[], &[0, 1, 2, 3]), 1).is_err(), "nobody present");
+        assert!(r.after_loss(&tally(&[]), 1).is_err(), "nobody present");
     }
 
     #[test]
     fn members_that_cannot_reach_each_other_never_share_a_roster() {
         let r = Roster::first(vec![0, 1, 2, 3, 4]);
         // {0, 1} and {2, 3, 4} each reach the store but not the other side.
-        let mut t = tally(&[0, 1, 2, 3, 4], &[], &[]);
+        let mut t = tally(&[0, 1, 2, 3, 4]);
         for a in 0..2 {
             for b in 2..5 {
                 t.unreachable.push(if a % 2 == 0 { (a, b) } else { (b, a) });
@@ -258,7 +255,7 @@ mod tests {
         let next = r.after_loss(&t, 1).unwrap();
         assert_eq!((next.members.clone(), next.lost.clone()), (vec![2, 3, 4], vec![0, 1]), "the larger side");
         // One member cut off from all others (who all still reach the store) is the one left out.
-        let t = Tally { unreachable: vec![(2, 0), (2, 1), (3, 2), (2, 4)], ..tally(&[0, 1, 2, 3, 4], &[], &[]) };
+        let t = Tally { unreachable: vec![(2, 0), (2, 1), (3, 2), (2, 4)], ..tally(&[0, 1, 2, 3, 4]) };
         assert_eq!(r.after_loss(&t, 1).unwrap().members, vec![0, 1, 3, 4]);
     }
 
