@@ -39,6 +39,21 @@ pub fn partition(numel: usize, rank: usize, world: usize) -> std::ops::Range<usi
     start..(start + chunk).min(numel)
 }
 
+/// The ranges of a bucket of `numel` values that `rank` of `world` keeps
+/// after its reduction (sharded training): its own [`partition`], then, with
+/// a buddy `stride` above 0, the partition of rank `(rank + stride) % world`
+/// (none when that is `rank` itself). The one definition of where buddy
+/// copies live: the scheduler's partitions and the Python optimizer's pieces
+/// (through `gradsync._native.held_ranges`) both read it.
+pub fn held(numel: usize, rank: usize, world: usize, stride: usize) -> Vec<std::ops::Range<usize>> {
+    let mut held = vec![partition(numel, rank, world)];
+    let buddy = (rank + stride) % world.max(1);
+    if stride > 0 && buddy != rank {
+        held.push(partition(numel, buddy, world));
+    }
+    held
+}
+
 /// A registered parameter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamSpec {
@@ -602,5 +617,21 @@ mod tests {
         }
         assert_eq!(partition(10, 2, 3), 8..10);
         assert_eq!(partition(1, 3, 4), 1..1, "ranks past the end hold nothing");
+    }
+
+    #[test]
+    fn every_partition_is_held_twice_with_buddies_once_without() {
+        for (numel, world, stride) in [(12, 4, 1), (12, 4, 2), (10, 3, 1), (9, 6, 2)] {
+            let mut count = vec![0; numel];
+            for rank in 0..world {
+                for range in held(numel, rank, world, stride) {
+                    range.for_each(|v| count[v] += 1);
+                }
+            }
+            assert!(count.iter().all(|&c| c == 2), "{numel} over {world}, stride {stride}: {count:?}");
+        }
+        assert_eq!(held(12, 1, 4, 2), vec![3..6, 9..12], "its own, then rank 3's");
+        assert_eq!(held(12, 1, 4, 0), vec![3..6], "no buddy");
+        assert_eq!(held(12, 0, 1, 1), vec![0..12], "one rank is not its own buddy");
     }
 }

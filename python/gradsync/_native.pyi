@@ -57,7 +57,6 @@ class Step:
     def applied(self) -> bool: ...
     def has(self, param: int) -> bool: ...
     def copy_into_ptr(self, param: int, addr: int) -> bool: ...
-    def address(self, param: int) -> Optional[int]: ...
     def buckets(self) -> list[tuple[int, int, list[int], str, int]]:
         """Every bucket as ``(address, numel, members, dtype, start)``: the
         buffer holds the bucket from offset ``start`` on (a partitioned
@@ -106,9 +105,6 @@ class Session:
     def arrive_ptr(self, step: Optional[int], param: int, token: int, addr: int) -> None:
         """Hand over a copy of ``param``'s whole local gradient so far, read
         from ``addr``, for ``step`` (``None``: the open step)."""
-    def give(self, step: Optional[int], param: int, token: int, tensor: Any, addr: int) -> None:
-        """Hand over ``tensor`` (one additive contribution, read in place until
-        the step ends) for ``step`` (``None``: the open step)."""
     def arrival_sink(self) -> ArrivalSink:
         """The entry through which ``gradsync.torch``'s C++ hooks hand gradients over."""
     def finish(self, step: int) -> Step: ...
@@ -229,6 +225,12 @@ class ArrivalSink:
 
 def install_prometheus(addr: str, allow_remote: bool = False) -> None: ...
 def version() -> str: ...
+def held_ranges(numel: int, rank: int, world: int, buddy_stride: int) -> list[tuple[int, int, int]]:
+    """What ``rank`` of ``world`` keeps of a bucket of ``numel`` values:
+    ``[(start, end, at)]``, each a range of the bucket and where it begins
+    in the buffer a step lends; its own partition first, then its buddy's
+    (with a ``buddy_stride`` above 0). The runtime's rule."""
+
 def partition(numel: int, rank: int, world: int) -> tuple[int, int]:
     """Rank ``rank``'s partition ``(start, end)`` of a bucket of ``numel``
     values reduce-scattered over ``world`` ranks."""

@@ -74,6 +74,25 @@ fn partition(numel: usize, rank: usize, world: usize) -> (usize, usize) {
     (r.start, r.end)
 }
 
+/// What `rank` of `world` keeps of a bucket of `numel` values, as the
+/// runtime lays it out in the buffer a step lends: `[(start, end, at)]`,
+/// each a range of the bucket and where it begins in that buffer; its own
+/// partition first, then (a `buddy_stride` above 0, and a buddy other than
+/// itself) its buddy's. The runtime's one rule (`held`), read by the
+/// sharded optimizer's pieces and the elastic re-shard.
+#[pyfunction]
+fn held_ranges(numel: usize, rank: usize, world: usize, buddy_stride: usize) -> Vec<(usize, usize, usize)> {
+    let mut at = 0;
+    gradsync_runtime::backend::held(numel, rank, world, buddy_stride)
+        .into_iter()
+        .map(|r| {
+            let entry = (r.start, r.end, at);
+            at += r.len();
+            entry
+        })
+        .collect()
+}
+
 /// The runtime's version.
 #[pyfunction]
 fn version() -> &'static str {
@@ -91,6 +110,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(install_prometheus, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
+    m.add_function(wrap_pyfunction!(held_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(closing::wait_for_closing, m)?)?;
     Ok(())
 }

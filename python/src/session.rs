@@ -263,32 +263,6 @@ impl Session {
         self.offer(py, |batch| batch.accumulated(step, self.params.ids[param], Token(token), values))
     }
 
-    /// Hand over `tensor`, one additive contribution to parameter `param`'s
-    /// gradient in `step` (`None`: the open step; a `.grad` the caller has
-    /// just moved out of the parameter):
-    /// contributions with distinct tokens are summed, a repeated token is a
-    /// duplicate. A float32 tensor is read in place (the runtime keeps a
-    /// reference until the step ends; the caller must not write it before);
-    /// other float types are converted into a copy.
-    ///
-    /// Low level: `addr` must be `tensor`'s data address, and the tensor
-    /// contiguous, on the CPU, with the parameter's element count and type.
-    #[pyo3(signature = (step, param, token, tensor, addr))]
-    fn give(
-        &self,
-        py: Python<'_>,
-        step: Option<u64>,
-        param: usize,
-        token: u64,
-        tensor: Py<PyAny>,
-        addr: usize,
-    ) -> PyResult<()> {
-        self.refuse_on_device_plane(py)?;
-        let step = self.step_or_open(py, step)?;
-        let grad = Grad::read(self.params.raw(param, addr)?, Owner::Python(tensor));
-        self.offer(py, |batch| batch.increment(step, self.params.ids[param], Token(token), grad))
-    }
-
     /// The entry through which `gradsync.torch`'s native hooks hand
     /// gradients over without the interpreter (the checks and batch of
     /// `give`).

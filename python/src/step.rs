@@ -104,20 +104,6 @@ impl Step {
         Ok(true)
     }
 
-    /// The address of parameter `param`'s averaged gradient inside the
-    /// step's bucket memory (its bucket's type, the parameter's element count), or
-    /// `None` if it has none. The memory belongs to this `Step`: it stays
-    /// valid while this object lives and is not released, and goes back to
-    /// the runtime when it is collected (`gradsync.torch` hands out tensors
-    /// that view it and keep the object alive).
-    fn address(&self, param: usize) -> PyResult<Option<usize>> {
-        let Some(&id) = self.params.ids.get(param) else { return Ok(None) };
-        let guard = self.lent()?;
-        let Some((bucket, range)) = guard.as_ref().and_then(|g| g.locate(id)) else { return Ok(None) };
-        let piece = Self::host(bucket)?;
-        Ok(Some(piece.address() + range.start * piece.width()))
-    }
-
     /// Every bucket as `(address, numel, members, dtype, start)`: `numel`
     /// values of `dtype` (`"float32"` or `"float64"`) at `address` holding
     /// the averaged gradients of the parameter indices `members`, back to

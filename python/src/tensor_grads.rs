@@ -44,8 +44,6 @@ pub enum Grad {
 #[derive(Debug)]
 #[allow(dead_code)]
 pub enum Owner {
-    /// A tensor handed over from Python (`Session.give`).
-    Python(Py<PyAny>),
     /// A tensor handed over by the shim's hooks, without the interpreter.
     Native(NativeTensor),
 }

@@ -31,7 +31,7 @@ use std::sync::atomic::Ordering;
 use super::Scheduler;
 use crate::arrival::DType;
 use crate::error::AllocError;
-use crate::plan::{partition, Plan};
+use crate::plan::{held, Plan};
 use crate::store::GradStore;
 
 /// Whole bucket buffers kept between uses (more are freed): the next bucket
@@ -58,18 +58,7 @@ impl<B> Partitions<B> {
     /// The partitions of `plan`'s buckets for `rank` of `world`, and with a
     /// `stride` above 0 those of rank `(rank + stride) % world` too.
     pub(crate) fn new(plan: &Plan, rank: usize, world: usize, stride: usize) -> Self {
-        let buddy = stride > 0;
-        let next = (rank + stride) % world;
-        let held = (0..plan.num_buckets())
-            .map(|b| {
-                let numel = plan.bucket_numel(b);
-                let mut held = vec![partition(numel, rank, world)];
-                if buddy && next != rank {
-                    held.push(partition(numel, next, world));
-                }
-                held
-            })
-            .collect();
+        let held = (0..plan.num_buckets()).map(|b| held(plan.bucket_numel(b), rank, world, stride)).collect();
         let none = || (0..plan.num_buckets()).map(|_| None).collect();
         let spare = (0..plan.num_buckets()).map(|_| Vec::new()).collect();
         Partitions { held, parts: none(), spare, idle: Vec::new() }

@@ -1,9 +1,12 @@
 """A sharded model's gradients: each rank's partition of every bucket.
 
-With ``shard_gradients=True`` the runtime reduce-scatters every bucket
-instead of all-reducing it: rank ``r`` receives the average of its
-*partition* of the bucket only (``gradsync._native.partition``: chunks of
-``ceil(numel / world)`` values in rank order). The plan is fixed (reverse
+With ``shard_gradients=True`` rank ``r`` keeps the average of its
+*partition* of each bucket only (``gradsync._native.partition``: chunks of
+``ceil(numel / world)`` values in rank order): NCCL reduce-scatters the
+bucket; gloo all-reduces it (cheaper there than its reduce-scatter) and the
+runtime keeps the partition, as it does in an elastic job, whose ranks also
+keep their buddy's partition (``gradsync._native.held_ranges``, the
+runtime's one rule for what a rank keeps). The plan is fixed (reverse
 registration order, never rebuilt), so the layout is known before the first
 step, on every rank alike::
 
@@ -21,7 +24,7 @@ updates the parameter in place; for one laid out otherwise (``channels_last``,
 a transposed view) a tensor of its own (``piece.owned``), read from the
 parameter before each optimizer step and written back by the gather. The
 runtime keeps only this rank's partition of each bucket once it is
-reduce-scattered (``actors/src/scheduler/partition.rs``); after a step
+reduced (``actors/src/scheduler/partition.rs``); after a step
 :meth:`Partition.receive` hands each piece its averaged gradient as
 ``piece.tensor.grad`` (a view of the step's partition memory; the views keep
 it on loan until they are dropped, as ``zero_grad()`` does). ``.grad`` of
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync._errors import ConfigError, StepFailedError
+from gradsync._native import held_ranges
 from gradsync._native import partition as partition_of
 
 #: What a collective on the state group raises when a member is lost (an
@@ -96,15 +100,13 @@ class Piece:
 class BucketLayout:
     """One bucket of the plan: its element count, members (parameter
     indices, back to back in that order) and their element counts, and the
-    chunk each rank receives (``chunk`` values; this rank's is ``mine``, its
-    buddy's ``theirs``: empty without a buddy)."""
+    chunk each rank receives (``chunk`` values; this rank's is ``mine``)."""
 
     numel: int
     members: tuple
     sizes: tuple
     chunk: int
     mine: tuple
-    theirs: tuple
 
 
 class Partition:
@@ -182,11 +184,12 @@ class Partition:
         self.buddy_pieces = []
         for b, (numel, members) in enumerate(self.plan):
             sizes = tuple(self.reals(self.params[i]) for i in members)
-            mine, theirs = held_ranges(numel, rank, world, self.buddy_stride)
+            (lo, hi, _), *buddy = held_ranges(numel, rank, world, self.buddy_stride)
             chunk = partition_of(numel, 0, world)[1]
-            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, mine, theirs))
-            self.pieces += self._pieces_of(b, members, sizes, mine, 0)
-            self.buddy_pieces += self._pieces_of(b, members, sizes, theirs, mine[1] - mine[0])
+            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, (lo, hi)))
+            self.pieces += self._pieces_of(b, members, sizes, (lo, hi), 0)
+            for lo, hi, at in buddy:
+                self.buddy_pieces += self._pieces_of(b, members, sizes, (lo, hi), at)
         #: Per parameter index, and per bucket, its pieces on this rank (its own partition's).
         self.of_param, self.of_bucket = {}, {}
         for piece in self.pieces:
@@ -482,16 +485,6 @@ class Partition:
         for piece in self.every_held_piece():
             if piece.tensor.grad is not None and piece.param in indices:
                 piece.tensor.grad.clamp_(-value, value)
-
-
-def held_ranges(numel, rank, world, buddy_stride):
-    """The ranges of a bucket of ``numel`` values that ``rank`` of
-    ``world`` holds: ``(own, buddy's)``, the buddy being rank ``(rank +
-    buddy_stride) % world`` (empty without one: a stride of 0, or a rank
-    that is its own buddy). The runtime's rule (``Partitions::new``)."""
-    own = tuple(partition_of(numel, rank, world))
-    nxt = (rank + buddy_stride) % world
-    return own, (tuple(partition_of(numel, nxt, world)) if buddy_stride and nxt != rank else (0, 0))
 
 
 def norm_of(grads, norm_type, states):

@@ -43,7 +43,8 @@ import torch
 
 from gradsync._errors import MembershipError
 from gradsync._native import partition as partition_of
-from gradsync.torch._partition import held_ranges, norm_of, write_values
+from gradsync._native import held_ranges
+from gradsync.torch._partition import norm_of, write_values
 from gradsync.torch._optim_state import kind_of
 
 
@@ -55,9 +56,9 @@ def runs(numel, everyone):
     owns, buddies = [], []
     for member, e in enumerate(everyone):
         if e["holds"]:
-            own, theirs = held_ranges(numel, e["rank"], e["world"], e["stride"])
-            owns.append((own, member))
-            buddies.append((theirs, member))
+            (lo, hi, _), *buddy = held_ranges(numel, e["rank"], e["world"], e["stride"])
+            owns.append(((lo, hi), member))
+            buddies += [((lo, hi), member) for lo, hi, _ in buddy]
     cuts = sorted({0, numel, *(x for (lo, hi), _ in owns + buddies for x in (lo, hi) if 0 <= x <= numel)})
     out = []
     for lo, hi in zip(cuts, cuts[1:]):

@@ -245,8 +245,9 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       default is ``"host"``, with that warning; ``"device"`` there raises
       ``ConfigError``.
     * ``shard_gradients``: ``True`` shards gradients and optimizer state
-      (ZeRO-2): every bucket is reduce-scattered, each rank keeps the
-      averages of its partition only, ``model.shard_optimizer(AdamW, ...)``
+      (ZeRO-2): each rank keeps the averages of its partition of every
+      bucket only (reduce-scattered on NCCL, all-reduced on gloo and in an
+      elastic job, whose ranks keep a buddy's partition too), ``model.shard_optimizer(AdamW, ...)``
       builds the optimizer that steps it and all-gathers the parameters
       (``gradsync.torch._sharding``). ``.grad`` stays ``None``; clip with
       ``model.clip_grad_norm_`` or ``torch.nn.utils.clip_grad_norm_``.
