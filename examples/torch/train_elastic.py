@@ -55,6 +55,7 @@ from train_lm import TOLERANCE, TinyLM, corpus  # noqa: E402
 
 import gradsync  # noqa: E402
 import gradsync.torch as gt  # noqa: E402
+from gradsync.torch import checkpoint  # noqa: E402
 from gradsync.torch.elastic import exit_status  # noqa: E402
 
 # A gentler rate than train_lm.py's: over hundreds of steps, momentum at 0.5
@@ -186,7 +187,19 @@ def main():
     parser.add_argument("--pace-ms", type=float, default=0.0, metavar="MS",
                         help="sleep MS after each step: a run that waits for a replacement to start leaves the cores "
                         "to it and covers the wait in fewer steps")
+    parser.add_argument("--save-at", type=int, metavar="STEP",
+                        help="after STEP's optimizer step, save a sharded checkpoint to --checkpoint (with --shard)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="where --save-at saves")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="load the sharded checkpoint DIR before training and go on from where it was saved")
+    parser.add_argument("--data-world", type=int, metavar="N",
+                        help="draw each step's batches for N ranks (default: the first world), as the job being "
+                             "resumed did")
     args = parser.parse_args()
+    if (args.save_at is not None or args.resume) and not args.shard:
+        parser.error("--save-at and --resume use gradsync.torch.checkpoint, which saves sharded models: add --shard")
+    if args.save_at is not None and not args.checkpoint:
+        parser.error("--save-at needs --checkpoint DIR")
     try:
         elastic, base, data, model, opt = build(args)
         loss, applied_at, norms = train(args, elastic, model, opt, data)
@@ -212,7 +225,7 @@ def build(args):
     if args.buffer:
         base.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64))
         base.register_forward_pre_hook(lambda m, inputs: m.tokens_seen.add_(inputs[0].numel()) and None)
-    data = corpus(vocab, args.steps, args.batch * elastic.first_world, context, args.seed)
+    data = corpus(vocab, args.steps, args.batch * (args.data_world or elastic.first_world), context, args.seed)
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy,
                                        broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard,
@@ -225,6 +238,9 @@ def build(args):
         while elastic.membership.broken is None or elastic.membership.broken < elastic.epoch:
             time.sleep(0.01)
     elastic.track(model=model, optimizer=opt)
+    if args.resume:
+        checkpoint.load(args.resume, model, opt)
+        print(f"member {elastic.member}: resumed from {args.resume} at step {elastic.step}", flush=True)
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
               f"kills {[f'{r}@{s}:{p}' for r, s, p in args.kill] or 'none'}", flush=True)
@@ -286,6 +302,8 @@ def train(args, elastic, model, opt, data):
         killing["gather"] = at("gather", step)
         opt.step()
         opt.zero_grad()
+        if step == args.save_at:
+            checkpoint.save(args.checkpoint, model, opt)
         if args.pace_ms:
             time.sleep(args.pace_ms / 1000)
         if at("stall", step):  # silent after its step: the others wait for it at the next boundary

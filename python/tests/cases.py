@@ -18,6 +18,7 @@ checkpointing tests (``test/distributed/test_c10d_common.py``).
 import copy
 import datetime
 import importlib
+import os
 import time
 
 import torch
@@ -560,6 +561,14 @@ def gradsync_exception_name(e):
     return type(e).__name__ if isinstance(e, gradsync.GradsyncError) else None
 
 
+def share_gpus():
+    """This process's NCCL settings for ranks sharing a GPU (more ranks
+    than GPUs): a host id of its own (NCCL refuses two ranks of one host on
+    one GPU) and sockets on loopback for every transfer."""
+    os.environ.update(NCCL_HOSTID=f"gradsync-{os.getpid()}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
+                      NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo")
+
+
 def on_device_plane(rank, world, case, *args, device=None, settings=None, **kwargs):
     """Run ``case`` with every gradsync wrapper it builds keeping its
     buckets on the device plane (``buckets="device"`` plus ``settings``),
@@ -579,9 +588,12 @@ def on_device_plane(rank, world, case, *args, device=None, settings=None, **kwar
     if device == "cuda":
         # torch's lazy imports annotate with torch.Generator: done before it is replaced.
         importlib.import_module("torch._dynamo")
-        torch.cuda.set_device(rank)
-        torch.set_default_device(f"cuda:{rank}")
-        torch.Generator = lambda device=f"cuda:{rank}": generator(device)
+        gpu = rank % torch.cuda.device_count()
+        if world > torch.cuda.device_count():
+            share_gpus()
+        torch.cuda.set_device(gpu)
+        torch.set_default_device(f"cuda:{gpu}")
+        torch.Generator = lambda device=f"cuda:{gpu}": generator(device)
     try:
         return case(rank, world, *args, **kwargs), built
     finally:

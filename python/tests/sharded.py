@@ -357,15 +357,22 @@ def uneven_inputs(rank, world, immediate=False):
         wrapped.close()
 
 
-def dcp_save(rank, world, path, steps=3):
+def dcp_save(rank, world, path, steps=3, members=None):
     """Train the twice-checkpointed model ``steps`` steps sharded, save it
-    with ``gradsync.torch.checkpoint`` to ``path``, and return (rank 0) the
-    consolidated optimizer state and the parameters it saved."""
+    with ``gradsync.torch.checkpoint`` to ``path``, and return (the
+    wrapper's rank 0) the consolidated optimizer state and the parameters
+    it saved. ``members``: the processes of a ``process_group`` to wrap on
+    (the others only make the group)."""
     from gradsync.torch import checkpoint
 
     make, forward = CASES["checkpoint_twice_reentrant"]
     torch.manual_seed(5)
-    wrapped = GradsyncDDP(make().double(), shard_gradients=True, bucket_cap_mb=0.001)
+    group = dist.new_group(members, backend="gloo") if members is not None else None
+    if members is not None:
+        if rank not in members:
+            return None
+        rank = members.index(rank)
+    wrapped = GradsyncDDP(make().double(), shard_gradients=True, bucket_cap_mb=0.001, process_group=group)
     opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
     try:
         for step in range(steps):

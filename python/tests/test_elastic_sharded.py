@@ -69,6 +69,25 @@ def test_a_rank_and_its_buddy_lost_together_end_the_job_saying_the_shard_is_lost
     assert "restart it from the last sharded checkpoint" in proc.stderr, explain(proc)
 
 
+def test_after_a_lost_shard_the_job_restarts_from_its_checkpoint_on_fewer_members_exactly(tmp_path):
+    """The way out the ``shard_lost`` error names: a job of 4 saves a sharded
+    checkpoint after step 3 (on its elastic membership: no torch default
+    group of its own), loses ranks 1 and 2 together at step 4 and stops;
+    a job of the 2 members left loads the checkpoint, goes on at step 4 and
+    ends equal to one process replaying the whole history (steps 0-3 at
+    world 4, the rest at world 2)."""
+    ckpt = str(tmp_path / "ckpt")
+    proc, _ = launch(tmp_path, 4, "--steps", "10", "--shard", "--save-at", "3", "--checkpoint", ckpt,
+                     "--kill", "1@4:forward", "--kill", "2@4:forward")
+    assert proc.returncode == 1 and "(shard_lost)" in proc.stderr, explain(proc)
+    again = tmp_path / "restart"
+    again.mkdir()
+    proc, found = launch(again, 2, "--steps", "10", "--shard", "--resume", ckpt, "--data-world", "4")
+    first = exact(proc, found, {0, 1})
+    assert [(s, w) for s, w, *_ in first["history"]] == [(s, 4) for s in range(4)] + [(s, 2) for s in range(4, 10)]
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout, explain(proc)
+
+
 @pytest.mark.slow
 def test_two_ranks_lost_that_are_not_buddies_lose_nothing(tmp_path):
     """Ranks 1 and 3 of 4 die at once: each one's partition lives on at the

@@ -1,7 +1,10 @@
 """The GPU suite: gradsync's device plane on CUDA (buckets on the GPU, NCCL
 on gradsync's stream), at world N where N GPUs exist (one rank per GPU; one
-GPU: world 1). Without a CUDA device every test here is skipped, with that
-reason; on a GPU machine ``scripts/gpu/run`` runs it.
+GPU: world 1), or at ``GRADSYNC_GPU_WORLD`` ranks (``scripts/gpu/run
+--worlds 1,2,4``): more ranks than GPUs share them, NCCL then going over
+sockets with each process its own ``NCCL_HOSTID`` (correct, not fast).
+Without a CUDA device every test here is skipped, with that reason; on a
+GPU machine ``scripts/gpu/run`` runs it.
 
 * the side-by-side cases (checkpointing, shared weights, unused and
   rank-dependent parameters, an aborted step, join), exact against one
@@ -9,6 +12,9 @@ reason; on a GPU machine ``scripts/gpu/run`` runs it.
 * stream ordering: gradients produced late, on the default stream and on a
   side stream, with ``optimizer.step()`` queued right after ``backward()``
   (no host synchronization anywhere): bitwise equal to plain training;
+* sharded gradients and optimizer state (``shard_gradients=True``): the
+  sharded side-by-side cases, exact against one process, their buckets
+  reduce-scattered by NCCL;
 * memory: peak and held allocated memory against torch DDP's, with and
   without ``gradient_as_bucket_view``, written to
   ``target/pytest/gpu-memory.json`` (gradsync holds what DDP's bucket view
@@ -16,6 +22,7 @@ reason; on a GPU machine ``scripts/gpu/run`` runs it.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -23,18 +30,21 @@ import torch
 import cases
 import dropin
 import gpu_cases
+import sharded
 from conftest import TABLE_DIR
 from test_dropin import check as check_dropin
 from world import World
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+#: Ranks of the suite's worlds (see the module docs).
+WORLD = int(os.environ.get("GRADSYNC_GPU_WORLD") or GPUS)
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU suite runs on a GPU machine "
                                 "(scripts/gpu/run); the device plane's CPU-runnable code is test_device_plane.py")
 
 
 @pytest.fixture(scope="module")
 def gpus():
-    w = World(GPUS)
+    w = World(WORLD)
     yield w
     w.close()
 
@@ -59,7 +69,7 @@ def test_shared_weights_unused_and_changing_parameters(gpus):
 
 
 def test_an_aborted_step_is_skipped(gpus):
-    for rank, outcome in enumerate(on_gpu(gpus, cases.oom_on_one_rank, "gradsync", oom_rank=GPUS - 1)):
+    for rank, outcome in enumerate(on_gpu(gpus, cases.oom_on_one_rank, "gradsync", oom_rank=WORLD - 1)):
         steps = outcome["steps"]
         assert [s["outcome"] for s in steps] == ["applied", "skipped", "applied"], f"rank {rank}: {steps}"
         for s in (steps[0], steps[2]):
@@ -70,7 +80,7 @@ def test_grad_semantics_accumulation_and_join(gpus):
     for mode in dropin.GRAD_MODES:
         check_dropin(on_gpu(gpus, dropin.grad_semantics, "gradsync", mode))
     check_dropin(on_gpu(gpus, dropin.accumulate_no_sync, "gradsync", 3, "plain"))
-    check_dropin(on_gpu(gpus, dropin.uneven_inputs, "gradsync", tuple(3 + r for r in range(GPUS)), True))
+    check_dropin(on_gpu(gpus, dropin.uneven_inputs, "gradsync", tuple(3 + r for r in range(WORLD)), True))
     check_dropin(on_gpu(gpus, dropin.complex_parameters, "gradsync"))
 
 
@@ -78,10 +88,17 @@ def test_grad_semantics_accumulation_and_join(gpus):
 def test_optimizer_step_right_after_backward_sees_the_average(gpus, side_stream):
     for rank, out in enumerate(gpus.run(gpu_cases.stream_order, side_stream, timeout=300)):
         assert (out["buckets"], out["why"]) == ("device", None), out
-        if GPUS == 1:
+        if WORLD == 1:
             assert out["identical"], f"rank {rank}: parameters differ from plain training by {out['max_diff']}"
         else:
             assert out["max_diff"] <= 1e-6, f"rank {rank}: off by {out['max_diff']}"
+
+
+# (The HF GPT-2 case needs transformers, which the GPU machine may lack.)
+@pytest.mark.parametrize("name", [name for name in sharded.CASES if not name.startswith("hf_")])
+def test_sharded_cases(gpus, name):
+    """Sharded gradients and optimizer state on the device plane, exact against one process."""
+    sharded.check(on_gpu(gpus, sharded.case, "gradsync", name))
 
 
 def test_peak_memory_against_ddp():

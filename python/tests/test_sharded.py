@@ -104,6 +104,17 @@ def test_a_dcp_checkpoint_of_two_ranks_loads_on_three(world2, world3, tmp_path):
         assert message.startswith("ConfigError") and "another model" in message, message
 
 
+def test_a_dcp_checkpoint_of_a_process_group_subset_loads_on_another_world(world2, world3, tmp_path):
+    """Processes 1 and 2 of 3 train on a ``process_group`` of their own
+    (ranks 0 and 1 there): each writes the pieces of its rank in that group,
+    and two processes of another job read them back, exact."""
+    path = str(tmp_path / "ckpt")
+    saved = world3.run(sharded.dcp_save, path, 3, [1, 2])[1]
+    for rank, got in enumerate(world2.run(sharded.dcp_load, path, saved)):
+        assert got["keys"] and got["steps"], f"rank {rank}: {got}"
+        assert got["params"] == 0.0 and got["state"] == 0.0, f"rank {rank}: {got}"
+
+
 def test_misuse_is_refused_with_what_to_do(world2):
     errors = world2.run(sharded.bad_input)
     for rank, by_case in enumerate(errors):

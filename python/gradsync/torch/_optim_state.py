@@ -172,16 +172,19 @@ def load_full(opt, state_dict):
 # ---- the sharded form (torch.distributed.checkpoint) ----------------------------------------
 
 
-def flat_sharded(pieces, numel, dtype, device, group=None):
+def flat_sharded(pieces, numel, dtype, device, rank, group=None):
     """A 1-D ``ShardedTensor`` of ``numel`` values whose shards are
     ``pieces``: ``(rank, offset, length, tensor or None)`` for every rank's
-    piece (this rank's with its tensor, the others' as metadata only)."""
+    piece (this rank's, ``rank`` of ``group``, with its tensor; the others'
+    as metadata only). Placed by global rank, as ``ShardedTensor`` wants
+    (``group``'s rank ``r`` is process ``ranks[r]``)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
     shards, local = [], []
     for owner, offset, length, tensor in pieces:
-        meta = ShardMetadata(shard_offsets=[offset], shard_sizes=[length], placement=f"rank:{owner}/{device.type}")
+        placed = ranks[owner] if ranks is not None else owner
+        meta = ShardMetadata(shard_offsets=[offset], shard_sizes=[length], placement=f"rank:{placed}/{device.type}")
         shards.append(meta)
         if owner == rank:
             local.append(Shard(tensor, meta))
@@ -226,14 +229,15 @@ def _saved_entries(opt, number):
 
 
 @torch.no_grad()
-def sharded_state_dict(opt, template=None):
+def sharded_state_dict(opt, template=None, group=None):
     """This rank's part of the optimizer state, for
     ``torch.distributed.checkpoint``: per parameter number, each state tensor
     as one flat ``ShardedTensor`` of the parameter's element count whose
     shards are every rank's pieces (this rank's hold its values), scalars
     whole; and the parameter groups. Every rank calls it (a collective).
     ``template``: the keys a checkpoint holds (number -> key -> DCP
-    metadata), to build an empty state of this layout to load into."""
+    metadata), to build an empty state of this layout to load into.
+    ``group``: the wrapper's ranks as torch knows them (the shards' placement)."""
     part = opt._partition
     flat, number = numbering(opt.entries)
     if template is None:
@@ -268,7 +272,7 @@ def sharded_state_dict(opt, template=None):
                     held = opt.inner.state.get(piece.tensor, {}).get(key) if template is None else None
                     local = held.reshape(-1) if held is not None else torch.zeros(length, dtype=dtype)
                 pieces.append((owner, offset, length, local))
-            out[key] = flat_sharded(pieces, reals(p), dtype, p.device)
+            out[key] = flat_sharded(pieces, reals(p), dtype, p.device, part.rank, group)
     return {"state": state, "param_groups": groups_by_number(opt)}
 
 

@@ -339,10 +339,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         world size: each rank takes its pieces' slices."""
         _optim_state.load_full(self, state_dict)
 
-    def sharded_state_dict(self, template=None):
+    def sharded_state_dict(self, template=None, group=None):
         """This rank's part of the state for ``torch.distributed.checkpoint``
-        (``gradsync.torch.checkpoint``; a collective, see ``_optim_state``)."""
-        return _optim_state.sharded_state_dict(self, template)
+        (``gradsync.torch.checkpoint``; a collective, see ``_optim_state``),
+        its shards placed by rank of ``group`` (the wrapper's
+        ``torch_group()``; ``None``: torch's default group)."""
+        return _optim_state.sharded_state_dict(self, template, group)
 
     def load_sharded_state_dict(self, state_dict):
         """Load :meth:`sharded_state_dict`'s form (filled by

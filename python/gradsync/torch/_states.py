@@ -41,7 +41,7 @@ class StateBroadcast:
         self._abandon = abandon
         states = dist.PrefixStore(f"{prefix}/states", store)
         if abandon is not None and world > 1:
-            _meet(states, rank, world, timeout_s, abandon)
+            meet(states, rank, world, timeout_s, abandon)
         self._group = dist.ProcessGroupGloo(states, rank, world, datetime.timedelta(seconds=timeout_s))
         # Broadcasts this rank sent as root and did not wait for: (work, message),
         # oldest first; the message must live until the receivers took it.
@@ -204,7 +204,7 @@ class _Done:
         return self._out
 
 
-def _meet(store, rank, world, timeout_s, abandon):
+def meet(store, rank, world, timeout_s, abandon):
     """Wait until every rank of a new group says it is there, giving up
     when ``abandon()`` says why (a member agreed into an elastic job's new
     epoch that died before it got here: gloo's rendezvous would wait for it

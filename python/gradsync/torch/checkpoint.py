@@ -20,17 +20,38 @@ wrote them. Scalars (the step count) and the parameter groups are saved
 whole. A checkpoint of other parameters or groups is refused with a
 :class:`gradsync.ConfigError` that names what differs.
 
+The ranks are the wrapper's: its ``process_group`` (a subset of the
+processes too), or in an elastic job its current members (gradsync makes
+torch's default group over them, ``_torch_group``). An elastic job's
+checkpoint also keeps where the job stands (``Elastic.progress``: the next
+step, the steps applied, their history), and loading it into an elastic job
+goes on from there (``Elastic.restore``): the way back after
+``MembershipError(kind="shard_lost")``, on however many members remain::
+
+    for step in elastic.steps(total):
+        ...
+        optimizer.step()
+        if step % 500 == 0:
+            checkpoint.save(f"ckpt/{step}", model, optimizer)
+
+    # the restarted job, any number of members:
+    checkpoint.load("ckpt/1500", model, optimizer)    # before elastic.steps(total): it goes on at step 1501
+
 Without sharding, ``optimizer.consolidate_state_dict(to=0)`` and
 ``state_dict()`` give torch's own format (see ``ShardedOptimizer``).
 """
 
 import contextlib
+import json
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gradsync._errors import CheckpointError, ConfigError
 from gradsync.torch._sharding import sharded_optimizer_of
+
+#: Where an elastic job's progress (``Elastic.progress``, as JSON) lies in the checkpoint.
+_PROGRESS = "elastic_progress"
 
 
 def _sharded(model, optimizer):
@@ -45,17 +66,25 @@ def _sharded(model, optimizer):
 def save(checkpoint_id, model, optimizer):
     """Write ``model`` (a sharded ``DistributedDataParallel``) and its
     ``optimizer`` (any optimizer over its parameters, converted) to
-    ``checkpoint_id`` (a directory). Every rank calls it."""
+    ``checkpoint_id`` (a directory); in an elastic job, where the job
+    stands too. Every rank of the wrapper calls it."""
     optimizer = _sharded(model, optimizer)
-    state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict()}
+    group = model.torch_group()
+    state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict(group=group)}
+    elastic = model._sync.elastic
+    if elastic is not None:
+        state[_PROGRESS] = json.dumps(elastic.progress())
     with _failures_raised("writing", checkpoint_id):
-        dcp.save(state, checkpoint_id=checkpoint_id)
+        dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
 
 
 def load(checkpoint_id, model, optimizer):
     """Read ``checkpoint_id`` (written by :func:`save`, on any world size)
-    into ``model`` and ``optimizer``. Every rank calls it."""
+    into ``model`` and ``optimizer``; an elastic job then goes on at the
+    step after the saved one (call it before ``elastic.steps``). Every rank
+    of the wrapper calls it."""
     optimizer = _sharded(model, optimizer)
+    group = model.torch_group()
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
     saved = {fqn[len("model."):] for fqn in metadata.state_dict_metadata if fqn.startswith("model.")}
     ours = set(model.module.state_dict())
@@ -70,11 +99,17 @@ def load(checkpoint_id, model, optimizer):
         parts = fqn.split(".")
         if parts[:2] == ["optimizer", "state"] and len(parts) == 4:
             keys.setdefault(int(parts[2]), {})[parts[3]] = meta
-    state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict(template=keys)}
+    state = {"model": model.module.state_dict(),
+             "optimizer": optimizer.sharded_state_dict(template=keys, group=group)}
+    elastic = model._sync.elastic
+    if elastic is not None and _PROGRESS in metadata.state_dict_metadata:
+        state[_PROGRESS] = ""
     with _failures_raised("reading", checkpoint_id):
-        dcp.load(state, checkpoint_id=checkpoint_id)
+        dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
     model.module.load_state_dict(state["model"])
     optimizer.load_sharded_state_dict(state["optimizer"])
+    if _PROGRESS in state:
+        elastic.restore(json.loads(state[_PROGRESS]))
 
 
 @contextlib.contextmanager

@@ -63,7 +63,7 @@ from gradsync._controls import StepControls
 from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
 from gradsync._errors import ConfigError
 from gradsync._gloo import never_free
-from gradsync.torch import _amp, _shim
+from gradsync.torch import _amp, _shim, _torch_group
 from gradsync.torch._comm import TorchCommunicator
 from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
@@ -357,7 +357,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             store, prefix, self._rank, self._world = elastic.attach(self)
         else:
             prefix, store = self._join_group(process_group)
-        self._store, self._timeout_s = store, timeout_s
+        self._store, self._prefix, self._timeout_s = store, prefix, timeout_s
         comm = TorchCommunicator(
             store=store, prefix=prefix, rank=self._rank, world=self._world, timeout_s=timeout_s, shim=collectives,
             plane_device=self._device if path.buckets == "device" else None,
@@ -409,7 +409,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         Returns the failed step reduced again among them (a ``Step``, under
         the partial policy when every member could), or ``None``. Every
         member calls it at the same point."""
-        self._rank, self._world, self._store = rank, world, store
+        self._rank, self._world, self._store, self._prefix = rank, world, store, prefix
+        _torch_group.retire()
         self._comm.move(prefix, rank, world, epoch, store)
         self._retired_states.append(never_free(self._states))
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
@@ -420,6 +421,17 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         if redone is not None and self._partition is not None:
             self._partition.settled = False  # the failed step goes on, reduced again: clip and step it as usual
         return redone
+
+    def torch_group(self):
+        """This wrapper's ranks as a group ``torch.distributed`` knows (for
+        ``torch.distributed.checkpoint``): ``process_group``, or in an
+        elastic job torch's default group over the current members, made
+        on first use in each membership epoch (``_torch_group``; every
+        member calls it at the same point)."""
+        if self._sync.elastic is None:
+            return self.process_group
+        return _torch_group.elastic_world(self._store, self._prefix, self._rank, self._world, self._timeout_s,
+                                          self._abandon)
 
     @property
     def state_group(self):

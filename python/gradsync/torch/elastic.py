@@ -283,6 +283,25 @@ class Elastic:
         self._reported = len(self.events)
         return news
 
+    def progress(self):
+        """Where the job stands, as a checkpoint keeps it
+        (``gradsync.torch.checkpoint.save`` does): the next step to run
+        (the one after the current step if it was applied, else the current
+        one again), the steps applied and their history. Call it between
+        steps or after ``optimizer.step()``."""
+        applied_now = bool(self.history) and self.history[-1][0] == self.step
+        return {"step": self.step + 1 if applied_now else self.step, "applied": self.applied,
+                "history": [list(h) for h in self.history]}
+
+    def restore(self, progress):
+        """Go on from :meth:`progress` (a job restarted from a checkpoint,
+        on any number of members; ``gradsync.torch.checkpoint.load`` does
+        it): :meth:`steps` continues at its step. Every member calls it, before
+        the loop."""
+        self.step, self.applied = int(progress["step"]), int(progress["applied"])
+        self.history = [tuple(h) for h in progress["history"]]
+        self._fresh = False
+
     def close(self):
         """Leave the job (stops the liveness monitor)."""
         self.membership.close()
