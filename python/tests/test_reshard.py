@@ -85,43 +85,45 @@ def sharded():
     optimizer = ShardedOptimizer(part, ["a", "b"], OneRank(), torch.optim.SGD, None, lr=0.5)
     for piece in part.pieces:
         piece.tensor.grad = torch.full((piece.length,), 2.0, dtype=torch.float64)
-    part.pending, part.taken = True, 3
+    part.sharded_step.received()
+    part.sharded_step.taken = 3
     return part, optimizer, [p.detach().clone() for p in params]
 
 
 def _settle(part, optimizer, others):
-    me = member(0, 1, taken=part.taken, ready=part.pending, clipped=part.clipped, asked=part.clip_asked)
+    step = part.sharded_step
+    me = member(0, 1, taken=step.taken, ready=step.pending, clipped=step.clipped, asked=step.clip_asked)
     everyone = [me, *others]
     dropped, taken = _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me])])
-    assert taken == part.taken, "every holder ends on the steps this one took"
+    assert taken == step.taken, "every holder ends on the steps this one took"
     return dropped
 
 
 def test_a_survivor_behind_one_that_stepped_steps_now_with_its_clipping(sharded):
     part, optimizer, before = sharded
     dropped = _settle(part, optimizer, [member(1, 2, taken=4, clipped=(8.0, 0.25), asked=(1.0, 2.0, (0, 1)))])
-    assert not dropped and part.taken == 4 and not part.pending
+    assert not dropped and part.sharded_step.taken == 4 and not part.sharded_step.pending
     for p, b in zip(part.params, before):
         assert torch.equal(p.detach(), b - 0.5 * 2.0 * 0.25), "stepped with the other's coefficient"
-    assert part.clipped == (8.0, 0.25)
+    assert part.sharded_step.clipped == (8.0, 0.25)
 
 
 def test_a_step_nobody_stepped_is_dropped_where_some_never_got_the_averages(sharded):
     part, optimizer, before = sharded
     dropped = _settle(part, optimizer, [member(1, 2, taken=3, ready=False)])
-    assert dropped and part.taken == 3 and not part.pending
+    assert dropped and part.sharded_step.taken == 3 and not part.sharded_step.pending
     assert all(piece.tensor.grad is None for piece in part.pieces)
     assert all(torch.equal(p.detach(), b) for p, b in zip(part.params, before))
 
 
 def test_a_step_every_survivor_holds_is_taken_with_the_norm_computed_among_them(sharded):
     part, optimizer, before = sharded
-    part.clip_asked = (1.0, 2.0, (0, 1))  # this rank was in clip_grad_norm_ when the member was lost
+    part.sharded_step.asked_to_clip(1.0, 2.0, (0, 1))  # this rank was in clip_grad_norm_ when the member was lost
     dropped = _settle(part, optimizer, [member(1, 2, taken=3, ready=True)])
-    assert not dropped and part.taken == 4
+    assert not dropped and part.sharded_step.taken == 4
     norm = (5 * 2.0**2) ** 0.5  # one rank: its pieces are the whole gradient
     coef = 1.0 / (norm + 1e-6)
-    assert part.clipped == pytest.approx((norm, coef))
+    assert part.sharded_step.clipped == pytest.approx((norm, coef))
     for p, b in zip(part.params, before):
         assert torch.allclose(p.detach(), b - 0.5 * 2.0 * coef, rtol=0, atol=1e-15)
 
@@ -129,9 +131,9 @@ def test_a_step_every_survivor_holds_is_taken_with_the_norm_computed_among_them(
 @pytest.mark.parametrize("other", [member(1, 2, taken=5), member(1, 2, taken=2, ready=False)])
 def test_survivors_that_cannot_meet_on_one_step_are_an_error_not_a_guess(sharded, other):
     part, optimizer, _ = sharded
-    part.pending = False
+    part.sharded_step.cleared()
     if other["taken"] == 2:
-        part.taken = 3  # this one stepped; the other never received the averages
+        part.sharded_step.taken = 3  # this one stepped; the other never received the averages
     with pytest.raises(gradsync.MembershipError, match="should not happen"):
         _settle(part, optimizer, [other])
 

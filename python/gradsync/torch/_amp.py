@@ -51,7 +51,7 @@ def _unscale_(self, optimizer):
     _TORCH_UNSCALE(self, optimizer)
     found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     part = sharded._partition if sharded is not None else None
-    if part is not None and not part.skipped and not part.settled:
+    if part is not None and not part.sharded_step.quiet:
         local = max((float(v.item()) for v in found.values()), default=0.0)
         try:
             agreed = float(part.states.reduce(torch.tensor([local], dtype=torch.float64), "max")[0])

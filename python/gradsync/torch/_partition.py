@@ -44,6 +44,7 @@ import torch
 from gradsync._errors import ConfigError, StepFailedError
 from gradsync._native import held_ranges
 from gradsync._native import partition as partition_of
+from gradsync.torch._sharded_step import ShardedStep
 
 #: What a collective on the state group raises when a member is lost (an
 #: elastic job recovers from it).
@@ -134,30 +135,9 @@ class Partition:
         self.optimizer = None
         #: Ranks that had joined (run out of data) in the last step.
         self.joined = []
-        #: Whether the pieces hold a step's averages not stepped yet.
-        self.pending = False
-        #: The last step ended skipped on every rank (an abort, a lost member)
-        #: and no averages arrived since: what a step's update makes
-        #: collectively (the clip's norm, the found-inf vote, the parameter
-        #: gather) is then not made, so an optimizer step is a no-op on every
-        #: rank whether or not a rank calls it.
-        self.skipped = False
-        #: The step this rank aborted while the others apply it (the partial
-        #: policy: it receives their average too, and must step its partition
-        #: for them), until its optimizer steps; else ``None``.
-        self.owed = None
-        #: Optimizer steps taken with averages (an elastic job compares them after a change of members).
-        self.taken = 0
-        #: This step's clipping: ``(max_norm, norm_type)`` asked for, and
-        #: ``(norm, coef)`` once applied (an elastic job settles a change of
-        #: members from them, ``_reshard``).
-        self.clip_asked, self.clipped = None, None
-        #: A change of members was settled during this step (``_reshard``): the
-        #: step's remaining collectives (clip, step, gather) are not made.
-        self.settled = False
-        #: Whether this rank's pieces hold data (a replacement's hold none
-        #: until its first settlement).
-        self.holds = True
+        #: Where this rank's sharded step stands (``_sharded_step``: its one
+        #: writer; everything here and elsewhere calls its verbs).
+        self.sharded_step = ShardedStep()
         #: An elastic job's recovery (``Elastic.recover``), called with a
         #: failure of a collective outside backward (clip, step); ``None``:
         #: not elastic, the failure is raised.
@@ -284,11 +264,8 @@ class Partition:
                 lent = True
             else:
                 piece.tensor.grad = average.to(piece.tensor.dtype)
-        self.pending = True
-        self.skipped = False
         report = result.report
-        self.owed = report.step if any(r == self.rank for r, _ in report.aborted) else None
-        self.clip_asked = self.clipped = None
+        self.sharded_step.received(owed=report.step if any(r == self.rank for r, _ in report.aborted) else None)
         return lent
 
     def step_joined(self):
@@ -316,22 +293,21 @@ class Partition:
         """No piece keeps a gradient (what it held was applied, or must not be)."""
         for piece in self.every_held_piece():
             piece.tensor.grad = None
-        self.pending = False
+        self.sharded_step.cleared()
 
     def skip(self):
         """The step ended skipped on every rank: nothing of it is applied,
-        and the collectives of an update are not made (:attr:`skipped`)."""
+        and the collectives of an update are not made (``ShardedStep.skipped``)."""
         self.clear()
-        self.skipped = True
-        self.owed = None
+        self.sharded_step.skipped_everywhere()
 
     def refuse_if_owed(self, before):
         """A rank that aborted a step the others applied (partial policy)
         must step its partition before its next step (``before`` names what
         began it): the others wait for it in the parameter gather."""
-        if self.owed is None:
+        step = self.sharded_step.take_owed()
+        if step is None:
             return
-        step, self.owed = self.owed, None
         raise ConfigError(
             f"rank {self.rank} aborted step {step}, which the other ranks applied (abort_policy='partial': the "
             f"aborting rank receives their average too), and then began a {before} without optimizer.step(): with "
@@ -422,20 +398,20 @@ class Partition:
         step no collective is made: the norm returned is the one the
         settlement clipped with (0 if it clipped nothing)."""
         indices = set(indices)
-        if not self.settled:
-            if not self.skipped:  # (asked before the collective: a change of members during it settles the clip)
-                self.clip_asked = (float(max_norm), float(norm_type), tuple(sorted(indices)))
+        step = self.sharded_step
+        if not step.settled:
+            # (Asked before the collective: a change of members during it settles the clip.)
+            step.asked_to_clip(max_norm, norm_type, indices)
             total = self.norm(indices, norm_type)
-        if self.settled:
-            return torch.tensor(self.clipped[0] if self.clipped else 0.0, dtype=torch.float64)
+        if step.settled:
+            return torch.tensor(step.clipped[0] if step.clipped else 0.0, dtype=torch.float64)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"the total norm of order {float(norm_type)} of the gradients is non-finite, so it cannot be "
                 "clipped; set error_if_nonfinite=False to clip anyway"
             )
         coef = self.scale_by_norm(indices, max_norm, total)
-        if not self.skipped:
-            self.clipped = (float(total), coef)
+        step.clipped_by(total, coef)
         return total
 
     @torch.no_grad()
@@ -444,13 +420,13 @@ class Partition:
         the parameters ``indices``: a collective over every rank's pieces
         (none after a skipped step: 0). A member lost meanwhile is
         recovered from in an elastic job (the norm is then meaningless: the
-        caller looks at :attr:`settled`)."""
+        caller looks at ``sharded_step.settled``)."""
         if self.joined:
             raise ConfigError(
                 f"a gradient norm while ranks {self.joined} are out of data (join): the norm is a collective those "
                 "ranks do not make; clip only while every rank trains, or train unsharded"
             )
-        if self.skipped:
+        if self.sharded_step.skipped:
             return torch.zeros((), dtype=torch.float64)
         grads = [piece.tensor.grad for piece in self.pieces
                  if piece.tensor.grad is not None and piece.param in indices]

@@ -34,7 +34,7 @@ at), on the new group's state group:
    together) is a :class:`gradsync.MembershipError`: the shard is lost.
 
 After a settlement the step's remaining collectives (clip, optimizer step,
-gather) are not made (``Partition.settled``), unless the runtime reduces the
+gather) are not made (``ShardedStep.settled``), unless the runtime reduces the
 failed step again among the survivors (partial policy): then the step goes
 on as usual, in the new layout.
 """
@@ -112,8 +112,9 @@ def settle(part, states, rank, world, mark=True, buddy_stride=None):
             "broken", "a sharded elastic job changed members before its optimizer was built: build it with "
             "model.shard_optimizer(...) right after wrapping"
         )
-    me = {"holds": part.holds, "rank": part.rank, "world": part.world, "stride": part.buddy_stride,
-          "taken": part.taken, "ready": part.pending, "clipped": part.clipped, "asked": part.clip_asked}
+    step = part.sharded_step
+    me = {"holds": step.holds, "rank": part.rank, "world": part.world, "stride": part.buddy_stride,
+          "taken": step.taken, "ready": step.pending, "clipped": step.clipped, "asked": step.clip_asked}
     everyone = states.all_gather_objects(me)
     plan = part.plan
     layout = [runs(numel, everyone) for numel, _ in plan]
@@ -133,9 +134,7 @@ def settle(part, states, rank, world, mark=True, buddy_stride=None):
         )
     dropped, taken = _settle_step(part, optimizer, states, rank, everyone, layout)
     _move(part, optimizer, states, rank, world, layout, buddy_stride)
-    part.taken = taken
-    part.settled = mark
-    part.holds = True
+    step.settled_at(taken, latch=mark)
     return dropped
 
 
@@ -151,20 +150,22 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
             "broken", "the survivors stand more than one optimizer step apart, or one stepped while another never "
             "received the step's averages: this should not happen; report it, with the log of every rank"
         )
+    step = part.sharded_step
     if not behind and not all(e["ready"] for e in holders):
         # Nobody stepped, and some never got the averages: nobody steps.
-        dropped = part.holds and part.pending
+        dropped = step.holds and step.pending
         if dropped:
             part.clear()
         return dropped, top
     # Some stepped, or every holder can: the step is taken everywhere, clipped alike.
     clipped = [(e["clipped"], e["asked"]) for e in holders if e["clipped"]]
     asked = [e["asked"] for e in holders if e["asked"]]
-    mine_clipped = part.clipped is not None
+    mine_clipped = step.clipped is not None
     wanted, coef = None, None
     if clipped:
         (total, coef), (_, _, indices) = clipped[0]
-        part.clipped, wanted = (total, coef), set(indices)
+        step.settlement_clipped((total, coef))
+        wanted = set(indices)
     elif asked:
         max_norm, norm_type, indices = asked[0]
         wanted = set(indices)
@@ -176,8 +177,8 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
                     grads.append(_values(pieces, lo, hi, lambda p: p.tensor.grad if p.param in wanted else None))
         total = float(norm_of(grads, norm_type, states))
         coef = min(max_norm / (total + 1e-6), 1.0)
-        part.clipped = (total, coef)
-    if part.holds and part.pending:
+        step.settlement_clipped((total, coef))
+    if step.holds and step.pending:
         if coef is not None and not mine_clipped:
             part.scale(wanted, coef)
         optimizer._quiet = True  # (no commit, no gather: the settlement moves the parameters)
@@ -187,8 +188,7 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
         finally:
             optimizer._quiet = False
         part.write_owned()
-        part.taken += 1
-        part.pending = False
+        step.settlement_stepped()
     # (Laggards stepped up to those ahead; with nobody ahead, every holder stepped.)
     return False, top if behind else top + 1
 
@@ -203,7 +203,7 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
     kinds = {}
     for piece in part.every_held_piece():
         entry = state.get(piece.tensor)
-        if part.holds and entry and piece.param not in kinds:
+        if part.sharded_step.holds and entry and piece.param not in kinds:
             kinds[piece.param] = _entry_kinds(entry)
     merged = {}
     for theirs in states.all_gather_objects(kinds):
@@ -243,4 +243,3 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
             fresh[piece.tensor] = entry
     part.states = states
     optimizer.rebind(fresh)
-    part.pending = False

@@ -187,7 +187,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner._gradsync_sharded = self
         # While a change of members is settled, the inner optimizer steps without them.
         self._quiet = False
-        # The step under way follows a skipped step: no collective, no gather (``Partition.skipped``).
+        # The step under way follows a skipped step: no collective, no gather (``ShardedStep.stepping``).
         self._noop = False
         # A rank out of data (join) steps the last optimizer built, for the others.
         partition.optimizer = weakref.ref(self)
@@ -267,12 +267,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the others could not follow, ``_reshard``); a member lost here is
         recovered from, and the step then finds nothing to step."""
         part = self._partition
-        self._noop = part.skipped
-        part.owed = None
+        self._noop = part.sharded_step.stepping()
         if self._quiet or self._noop:
             return
         part.refresh()
-        if part.settled or part.recover is None:
+        if part.sharded_step.settled or part.recover is None:
             return
         try:
             self._states.everyones([1])
@@ -285,11 +284,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stepped: count the step, and gather every rank's pieces into the
         parameters (a member lost here is recovered from in an elastic job)."""
         part = self._partition
-        if self._quiet or part.settled or self._noop:
+        if self._quiet or part.sharded_step.settled or self._noop:
             return
-        if part.pending:
-            part.taken += 1
-            part.pending = False
+        part.sharded_step.stepped()
         part.write_owned()
         try:
             part.gather()
@@ -297,6 +294,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if part.recover is None:
                 raise
             part.recover(error)
+            return
+        part.sharded_step.gathered()
 
     def zero_grad(self, set_to_none=True):
         """Drop the pieces' gradients (``set_to_none``, the default, also

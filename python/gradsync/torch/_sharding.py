@@ -75,7 +75,7 @@ class Sharding:
             if not elastic.joining:  # (a joiner's optimizer is checked by the members' fingerprint)
                 self._partition.start_checks = []
             # A replacement holds nothing until its first settlement.
-            self._partition.holds = not elastic.joining
+            self._partition.sharded_step.holds = not elastic.joining
         _clip.track(self)
         trainer = sys.modules.get("transformers.trainer")
         if trainer is not None and hasattr(trainer, "Trainer"):
@@ -95,7 +95,7 @@ class Sharding:
         """An elastic job's step boundary passed: the next step makes its
         collectives again, and optimizers built from now on check at once."""
         if self._partition is not None:
-            self._partition.settled = False
+            self._partition.sharded_step.boundary_passed()
             self._partition.start_checks = None
 
     def run_start_checks(self):

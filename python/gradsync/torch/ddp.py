@@ -419,7 +419,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         if dropped:
             self._sync.elastic.step_dropped()
         if redone is not None and self._partition is not None:
-            self._partition.settled = False  # the failed step goes on, reduced again: clip and step it as usual
+            self._partition.sharded_step.reduced_again()  # clipped, stepped and gathered as usual
         return redone
 
     def torch_group(self):
