@@ -106,6 +106,21 @@ pub trait Transport: Send + 'static {
     fn start_u64(&mut self, tag: CollectiveTag, words: &mut Vec<u64>, deadline: Instant) -> Result<(), CommError> {
         self.all_reduce_u64(tag, words, deadline)
     }
+    /// Start gathering `bucket` (a sharded model's parameters): it holds
+    /// `world` chunks of equal length back to back, this rank's at `rank *
+    /// chunk` filled; every rank's chunk lands in its place, bit for bit.
+    /// Due at the matching [`Transport::wait_oldest`]. Default: refused
+    /// with [`CommError::Backend`] (a transport without an all-gather;
+    /// the sharded wrappers that gather use one that has it).
+    fn start_gather(
+        &mut self,
+        tag: CollectiveTag,
+        bucket: &mut <Self::Store as GradStore>::Bucket,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let _ = (bucket, deadline);
+        Err(CommError::Backend { rank: self.rank(), tag, why: "this transport has no all-gather".into() })
+    }
     /// Finish the oldest started collective (a no-op when `start_*` finished it).
     fn wait_oldest(&mut self) -> Result<(), CommError> {
         Ok(())
@@ -259,6 +274,9 @@ pub fn run_communicator<T: Transport>(
             let start = match &broken {
                 Some(e) => Err(e.clone()),
                 None => guarded(rank, job.tag, || match &mut payload {
+                    CommPayload::Grads(buf) if matches!(job.tag.kind, CollectiveKind::Gather { .. }) => {
+                        transport.start_gather(job.tag, buf, deadline)
+                    }
                     CommPayload::Grads(buf) => transport.start_grads(job.tag, buf, job.factor, deadline),
                     CommPayload::Words(words) => transport.start_u64(job.tag, words, deadline),
                 }),

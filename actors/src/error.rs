@@ -67,6 +67,16 @@ pub enum CollectiveKind {
         /// One word per parameter.
         len: usize,
     },
+    /// A sharded model's parameters, after its optimizer stepped each
+    /// rank's partition: bucket `index` of the plan, every rank's chunk of
+    /// it gathered into every rank's buffer of `numel` values (the chunks
+    /// back to back, in rank order).
+    Gather {
+        /// Bucket index in plan order.
+        index: usize,
+        /// Values in the gathered buffer (every rank's chunk).
+        numel: usize,
+    },
 }
 
 impl CollectiveKind {
@@ -79,6 +89,7 @@ impl CollectiveKind {
             CollectiveKind::Correction { .. } => "correction",
             CollectiveKind::Reset { .. } => "reset",
             CollectiveKind::Order { .. } => "order",
+            CollectiveKind::Gather { .. } => "gather",
         }
     }
 }
@@ -96,6 +107,9 @@ impl fmt::Display for CollectiveTag {
             }
             CollectiveKind::Reset { len } => write!(f, "reset agreement ({len} words)"),
             CollectiveKind::Order { len } => write!(f, "step {} gradient order ({len} words)", self.step),
+            CollectiveKind::Gather { index, numel } => {
+                write!(f, "step {} parameter gather of bucket {} ({} values)", self.step, index, numel)
+            }
         }
     }
 }

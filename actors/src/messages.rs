@@ -126,6 +126,17 @@ pub enum SchedMsg<S: GradStore = HostStore> {
         /// Where to answer: refused if it can no longer apply alike everywhere.
         reply: Reply<Result<(), SyncError>>,
     },
+    /// Gather a sharded model's parameters (after its optimizer stepped):
+    /// per bucket index, a buffer of every rank's chunk of it, this rank's
+    /// filled ([`crate::Transport::start_gather`]). Every rank sends the
+    /// same buckets in the same order, between steps.
+    Gather {
+        /// `(bucket index, buffer)`, in the order the collectives run.
+        buffers: Vec<(usize, S::Bucket)>,
+        /// Where the buffers come back, in the same order, gathered or with
+        /// the failure (their content then unspecified).
+        reply: Reply<Gathered<S::Bucket>>,
+    },
     /// The caller dropped a [`crate::Gradients`]: the bucket buffers come home.
     LoanReturned {
         /// The buffers, in bucket order.
@@ -202,6 +213,10 @@ pub struct FinishRequest<S: GradStore = HostStore> {
     /// Where to answer.
     pub reply: Reply<Result<StepResult<S>, SyncError>>,
 }
+
+/// What a [`SchedMsg::Gather`] answers: the buffers, always (they are the
+/// caller's memory), and the outcome.
+pub type Gathered<B> = (Vec<(usize, B)>, Result<(), SyncError>);
 
 /// A one-shot answer channel usable from blocking and from async callers.
 #[derive(Debug)]

@@ -246,7 +246,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
             }
             while let Ok(job) = comm_rx.try_recv() {
                 let bytes = match job.tag.kind {
-                    CollectiveKind::Bucket { index, .. } => bucket_bytes[index],
+                    CollectiveKind::Bucket { index, .. } | CollectiveKind::Gather { index, .. } => bucket_bytes[index],
                     CollectiveKind::Correction { .. } => late_bytes,
                     CollectiveKind::Plan { len }
                     | CollectiveKind::Control { len }

@@ -63,6 +63,15 @@ class Step:
         session's: this rank's partition; else 0)."""
     def release(self) -> None: ...
 
+class Gathers:
+    """A sharded wrapper's gather buffers, one per bucket, owned by the runtime."""
+
+    def entries(self) -> list[tuple[int, int, int, str, bool]]:
+        """``(bucket index, address, values, element type, on the device plane)`` per buffer."""
+    @property
+    def lost(self) -> bool:
+        """A gather took the buffers and never gave them back: do not use them again."""
+
 class Session:
     """One rank's gradient synchronizer over ``communicator``."""
 
@@ -108,6 +117,12 @@ class Session:
     def arrival_sink(self) -> ArrivalSink:
         """The entry through which ``gradsync.torch``'s C++ hooks hand gradients over."""
     def finish(self, step: int) -> Step: ...
+    def gather_buffers(self, sizes: list[tuple[int, int, bool]]) -> Gathers:
+        """Buffers for a sharded model's parameter gathers: per ``(bucket
+        index, values, float64)``, one of that many values where the buckets live."""
+    def gather(self, gathers: Gathers) -> None:
+        """Gather every rank's chunk into ``gathers``' buffers (this rank's
+        written first); waits with the interpreter released."""
     def abort(self, step: int, reason: Union[str, int]) -> Step: ...
     def join(self) -> tuple[int, int]: ...
     def shadow_step(self) -> Step:

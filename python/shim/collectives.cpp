@@ -25,17 +25,19 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 8;
+constexpr uint32_t kVersion = 9;
 
 
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
 struct Table {
   uint32_t version;
-  int32_t (*start)(void*, void*, int64_t, int32_t, double, int64_t, int64_t, void**, int64_t*, char*, size_t);
+  int32_t (*start)(void*, void*, int64_t, int32_t, double, int32_t, int64_t, int64_t, void**, int64_t*, char*,
+                   size_t);
   int32_t (*finish)(void*, char*, size_t);
   void (*forget)(void*);
   // The device plane.
-  int32_t (*start_tensor)(void*, void*, void*, int32_t, double, int64_t, int64_t, void**, int64_t*, char*, size_t);
+  int32_t (*start_tensor)(void*, void*, void*, int32_t, double, int32_t, int64_t, int64_t, void**, int64_t*, char*,
+                          size_t);
   int32_t (*alloc)(void*, int64_t, int32_t, void**, char*, size_t);
   void (*free)(void*);
   int32_t (*pack)(void*, void*, int64_t, void*, int32_t, double, char*, size_t);

@@ -16,8 +16,9 @@
 // * `start` counts this rank's position in the store (`add(key, 1)`: the
 //   collectives this rank started in the group's epoch), wraps the runtime's
 //   memory as a tensor of the element type it is given (no copy) and launches
-//   the all-reduce (a reduce-scatter in place for a sharded model's buckets:
-//   `sum_in_place`). It returns a Flight and the position.
+//   the all-reduce (a reduce-scatter in place for a sharded model's buckets,
+//   an all-gather for its parameters: `in_place`). It returns a Flight and
+//   the position.
 // * `finish` waits for a Flight, scales a float sum, and frees the Flight.
 //   `forget` frees one without waiting (after a failure).
 // * A failure comes back as an Outcome (failed, or cancelled by a broken
@@ -38,9 +39,18 @@
 
 namespace gradsync::shim {
 
-c10::intrusive_ptr<c10d::Work> sum_in_place(c10d::Backend& group, at::Tensor& tensor, int64_t chunk, int64_t rank,
-                                            int64_t world, int64_t timeout_ms) {
-  if (chunk <= 0) {
+c10::intrusive_ptr<c10d::Work> in_place(c10d::Backend& group, at::Tensor& tensor, int32_t op, int64_t chunk,
+                                        int64_t rank, int64_t world, int64_t timeout_ms) {
+  if (op == kAllGather) {
+    // Equal chunks (the caller pads): the input is this rank's own chunk of
+    // the output, so the gathered values land in place (NCCL's in-place
+    // all-gather; gloo copies the chunk onto itself).
+    c10d::AllgatherOptions opts;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    at::Tensor mine = tensor.narrow(0, rank * chunk, chunk);
+    return group._allgather_base(tensor, mine, opts);
+  }
+  if (op == kAllReduce) {
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     opts.timeout = std::chrono::milliseconds(timeout_ms);
@@ -64,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> sum_in_place(c10d::Backend& group, at::Tensor& te
   return group.reduce_scatter(outputs, inputs, opts);
 }
 
-int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t chunk,
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int32_t op, int64_t chunk,
               int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
   *seq = 0;
@@ -73,7 +83,7 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double fa
     ep->check_cancelled();
     *seq = ep->store->add(ep->key, 1);
     auto tensor = at::from_blob(addr, {numel}, at::TensorOptions().dtype(scalar_type(elem)));
-    auto work = sum_in_place(*ep->group, tensor, chunk, ep->rank, ep->world, timeout_ms);
+    auto work = in_place(*ep->group, tensor, op, chunk, ep->rank, ep->world, timeout_ms);
     *flight = new Flight{std::move(work), ep, tensor, elem == kF32 || elem == kF64 ? factor : 1.0};
   });
 }

@@ -170,12 +170,12 @@ int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t e
   });
 }
 
-// Start summing a device-plane bucket on the endpoint's data group (a
-// reduce-scatter with `chunk` > 0: `sum_in_place`), on the
-// plane's stream, travelling as `elem` (the bucket's own type, or a half type
-// it is rounded to first); `finish` widens, scales and frees.
-int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t chunk,
-                     int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len) {
+// Start `op` on a device-plane bucket on the endpoint's data group (a sum,
+// a reduce-scatter or a parameter all-gather: `in_place`), on the plane's
+// stream, travelling as `elem` (the bucket's own type, or a half type it is
+// rounded to first); `finish` widens, scales and frees.
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int32_t op,
+                     int64_t chunk, int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len) {
   *flight = nullptr;
   *seq = 0;
   auto* ep = static_cast<Endpoint*>(endpoint);
@@ -190,7 +190,7 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, do
         f->tensor = t.to(scalar_type(elem));
         f->bucket = t;
       }
-      f->work = sum_in_place(*ep->data, f->tensor, chunk, ep->rank, ep->world, timeout_ms);
+      f->work = in_place(*ep->data, f->tensor, op, chunk, ep->rank, ep->world, timeout_ms);
       *flight = f.release();
     });
   });

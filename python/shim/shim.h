@@ -220,14 +220,23 @@ struct StoreClient {
 };
 
 // ---- gloo.cpp: collectives on host memory -------------------------------------------
-int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int64_t chunk,
+// What a collective does with its tensor (`op` of `start` and `start_tensor`;
+// python/src/transport/collective.rs, `Op`).
+constexpr int32_t kAllReduce = 0;
+constexpr int32_t kReduceScatter = 1;
+constexpr int32_t kAllGather = 2;
+
+int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double factor, int32_t op, int64_t chunk,
               int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len);
-// Sum `tensor` over `group`'s ranks in place: an all-reduce, or with `chunk`
-// > 0 a reduce-scatter that leaves rank `rank` the sum of its chunk only
-// (chunks of `chunk` values in rank order, the last ones shorter or empty:
-// the partition of actors/src/plan.rs).
-c10::intrusive_ptr<c10d::Work> sum_in_place(c10d::Backend& group, at::Tensor& tensor, int64_t chunk, int64_t rank,
-                                            int64_t world, int64_t timeout_ms);
+// Run `op` on `tensor` over `group`'s ranks, in place:
+// * kAllReduce: every rank gets the sum;
+// * kReduceScatter: rank `rank` gets the sum of its chunk only (chunks of
+//   `chunk` values in rank order, the last ones shorter or empty: the
+//   partition of actors/src/plan.rs);
+// * kAllGather: `tensor` holds `world` chunks of `chunk` values, this rank's
+//   filled; every rank's lands in its place (a sharded model's parameters).
+c10::intrusive_ptr<c10d::Work> in_place(c10d::Backend& group, at::Tensor& tensor, int32_t op, int64_t chunk,
+                                        int64_t rank, int64_t world, int64_t timeout_ms);
 int32_t finish(void* flight, char* err, size_t err_len);
 void forget(void* flight);
 int32_t behind(void* endpoint, int64_t seq, int64_t* ranks, size_t cap, size_t* n);
@@ -246,8 +255,8 @@ int32_t plane_scale(void* plane, void* bucket, int64_t offset, int64_t len, doub
 int32_t plane_add_from(void* plane, void* dst, int64_t dst_offset, void* src, int64_t src_offset, int64_t len,
                        char* err, size_t err_len);
 int32_t plane_sum(void* plane, void* a, void* b, void** out, char* err, size_t err_len);
-int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int64_t chunk,
-                     int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len);
+int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, double factor, int32_t op,
+                     int64_t chunk, int64_t timeout_ms, void** flight, int64_t* seq, char* err, size_t err_len);
 
 // ---- store.cpp: the membership store -------------------------------------------------
 int32_t store_add(void* client, const char* key, size_t key_len, int64_t delta, int64_t* out, char* err,

@@ -20,8 +20,20 @@ use std::time::{Duration, Instant};
 
 use gradsync_runtime::backend::CollectiveTag;
 
+/// What a collective does with its memory (the shim's `op`: `kAllReduce`,
+/// `kReduceScatter`, `kAllGather` in python/shim/shim.h).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// Every rank gets the sum.
+    AllReduce = 0,
+    /// Each rank gets the sum of its chunk only (a sharded model's buckets).
+    ReduceScatter = 1,
+    /// Every rank's chunk lands in every rank's memory (a sharded model's parameters).
+    AllGather = 2,
+}
+
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 8;
+pub const TABLE_VERSION: u32 = 9;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -47,6 +59,7 @@ pub struct Table {
         i64,
         i32,
         f64,
+        i32,
         i64,
         i64,
         *mut *mut c_void,
@@ -62,6 +75,7 @@ pub struct Table {
         *mut c_void,
         i32,
         f64,
+        i32,
         i64,
         i64,
         *mut *mut c_void,
@@ -248,8 +262,8 @@ impl NativeGloo {
 
     /// Start summing `numel` `words` at `addr` over every rank, scaled by
     /// `factor` when finished (float buckets; control words are not scaled).
-    /// `chunk` > 0 reduce-scatters instead, in place: rank `r` gets the sum
-    /// of its chunk (`gradsync_actors::plan::partition`).
+    /// `op` reduce-scatters instead, in place (rank `r` gets the sum of its
+    /// chunk, `gradsync_actors::plan::partition`), or all-gathers `chunk`s.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         &mut self,
@@ -258,7 +272,7 @@ impl NativeGloo {
         numel: usize,
         words: Words,
         factor: f64,
-        chunk: usize,
+        (op, chunk): (Op, usize),
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
@@ -274,6 +288,7 @@ impl NativeGloo {
                     numel as i64,
                     words.code(),
                     factor,
+                    op as i32,
                     chunk as i64,
                     timeout_ms,
                     handle,
@@ -287,7 +302,7 @@ impl NativeGloo {
 
     /// Start summing the device-plane bucket `bucket` (the shim's `Bucket*` of
     /// the plane at `plane`) on the endpoint's data group, travelling as
-    /// `words`, scaled by `factor` when finished; `chunk` as for [`Self::start`].
+    /// `words`, scaled by `factor` when finished; `op` and `chunk` as for [`Self::start`].
     #[allow(clippy::too_many_arguments)]
     pub fn start_tensor(
         &mut self,
@@ -296,7 +311,7 @@ impl NativeGloo {
         bucket: usize,
         words: Words,
         factor: f64,
-        chunk: usize,
+        (op, chunk): (Op, usize),
         timeout: Duration,
     ) -> Result<(), ShimError> {
         let (table, endpoint) = (self.table, self.endpoint as *mut c_void);
@@ -312,6 +327,7 @@ impl NativeGloo {
                     bucket as *mut c_void,
                     words.code(),
                     factor,
+                    op as i32,
                     chunk as i64,
                     timeout_ms,
                     handle,

@@ -38,6 +38,7 @@ mod closing;
 mod collectives;
 mod errors;
 mod etcd;
+mod gathers;
 mod given;
 mod membership;
 mod memory;
@@ -103,6 +104,7 @@ fn version() -> &'static str {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     m.add_class::<step::Step>()?;
+    m.add_class::<gathers::Gathers>()?;
     m.add_class::<report::StepReport>()?;
     m.add_class::<arrivals::ArrivalSink>()?;
     m.add_class::<membership::Membership>()?;

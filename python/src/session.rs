@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use gradsync_runtime::backend::{GradStore, Transport};
 use gradsync_runtime::{
     ArrivalBatch, ChromeTrace, DType, Divisor, GradSync, Place, Rejection, StepReport as RustReport, StepResult, Token,
 };
@@ -13,13 +14,14 @@ use pyo3::types::PyDict;
 use crate::arrivals::{ArrivalSink, SharedBatch, Sink};
 use crate::closing;
 use crate::errors::{self, dict, value};
+use crate::gathers::Gathers;
 use crate::membership::Membership;
 use crate::memory::Elem;
 use crate::params::Params;
 use crate::report::StepReport;
 use crate::settings;
 use crate::step::{Step, DETACH_BYTES};
-use crate::tensor_grads::{Grad, Owner, TensorGrads};
+use crate::tensor_grads::{Grad, TensorGrads};
 use crate::transport::{engine_for, BucketTransport};
 
 /// One rank's gradient synchronizer, its collectives run by `communicator`
@@ -36,6 +38,8 @@ pub struct Session {
     params: Arc<Params>,
     /// Every step's timeline, when recording.
     trace: Option<ChromeTrace>,
+    /// Where buckets live (host or device plane): gather buffers are allocated here.
+    store: TensorGrads,
 }
 
 fn closed(py: Python<'_>) -> PyErr {
@@ -205,10 +209,11 @@ impl Session {
             errors::raise::<errors::ConfigError>(py, why, &[])
         })?;
         let device_plane = transport.on_device_plane();
+        let store = transport.store();
         let sync = b.build(transport).map_err(|e| errors::build_error(py, &e))?;
         let batch = Arc::new(Mutex::new(Some(sync.hook().batch())));
         let params = Arc::new(Params { ids, numel: numels, elem, device_plane });
-        Ok(Session { sync: Some(sync), batch, params, trace: record_timeline.then(ChromeTrace::new) })
+        Ok(Session { sync: Some(sync), batch, params, trace: record_timeline.then(ChromeTrace::new), store })
     }
 
     /// This rank.
@@ -277,6 +282,40 @@ impl Session {
         let sync = self.sync(py)?;
         let result = py.detach(|| sync.finish_step(step)).map_err(|e| errors::sync_error(py, &e))?;
         self.wrap(py, result)
+    }
+
+    /// Buffers for a sharded model's parameter gathers: per `(bucket index,
+    /// values, float64)` of `sizes`, a buffer of that many values (every
+    /// rank's chunk of the bucket, back to back), where the buckets live.
+    fn gather_buffers(&self, py: Python<'_>, sizes: Vec<(usize, usize, bool)>) -> PyResult<Gathers> {
+        let mut buffers = Vec::with_capacity(sizes.len());
+        for (index, numel, wide) in sizes {
+            let dtype = if wide { DType::F64 } else { DType::F32 };
+            let bucket = self.store.alloc_bucket(numel, 1, dtype).map_err(|e| {
+                let why = format!("allocating the parameter gather's buffer for bucket {index}: {e}");
+                errors::raise::<errors::ConfigError>(py, why, &[])
+            })?;
+            buffers.push((index, bucket));
+        }
+        Ok(Gathers::new(buffers))
+    }
+
+    /// Gather every rank's chunk into `gathers`' buffers (this rank's
+    /// written into them first; see `GradSync::gather`). Waits with the
+    /// interpreter released; a failure raises as a failed step does.
+    fn gather(&mut self, py: Python<'_>, gathers: &Bound<'_, Gathers>) -> PyResult<()> {
+        let mut gathers = gathers.borrow_mut();
+        if gathers.lost {
+            let why = "these gather buffers were lost with an earlier gather: allocate new ones".to_string();
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+        }
+        let sync = self.sync(py)?;
+        let held = gathers.buffers.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut buffers = std::mem::take(held);
+        let outcome = py.detach(|| sync.gather(&mut buffers));
+        gathers.lost = buffers.is_empty() && !gathers.entries.is_empty();
+        *gathers.buffers.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()) = buffers;
+        outcome.map_err(|e| errors::sync_error(py, &e))
     }
 
     /// This rank cannot finish `step` (`reason`: `"out_of_memory"`,

@@ -165,14 +165,6 @@ impl Piece<'_> {
         }
     }
 
-    /// Bytes per element.
-    fn width(self) -> usize {
-        match self {
-            Piece::Narrow(_) => 4,
-            Piece::Wide(_) => 8,
-        }
-    }
-
     /// The element type, as torch names it.
     fn dtype(self) -> &'static str {
         match self {

@@ -18,7 +18,6 @@
 
 use gradsync_runtime::backend::{AllocError, BucketBuf, GradStore, HostStore, WriteMode};
 use gradsync_runtime::DType;
-use pyo3::prelude::*;
 
 use crate::given::NativeTensor;
 use crate::memory::{self, Elem, Raw};

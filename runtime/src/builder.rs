@@ -3,6 +3,8 @@
 use std::time::Duration;
 
 use gradsync_actors::plan::Registry;
+use gradsync_actors::scheduler::SchedulerConfig;
+use gradsync_actors::wiring::ActorConfig;
 use gradsync_actors::{AbortPolicy, BuildError, DType, Divisor, GradStore, ParamId, Transport, Wire};
 
 use crate::grad_sync::GradSync;
@@ -225,6 +227,37 @@ impl GradSyncBuilder {
         if world == 0 || rank >= world {
             return Err(BuildError::InvalidWorld { rank, world });
         }
-        GradSync::start(self, transport)
+        let plan = self.registry.plan(self.bucket_cap_bytes);
+        let cfg = ActorConfig {
+            scheduler: SchedulerConfig {
+                rank,
+                world,
+                shards: self.param_shards,
+                pieces: transport.pieces(),
+                divisor: self.divisor,
+                policy: self.abort_policy,
+                collective_timeout: self.collective_timeout,
+                check_finite: self.check_finite,
+                record_timeline: self.record_timeline,
+                scale_when_packing: transport.scale_when_packing(),
+                // A partitioned plan stays: its partitions' optimizer state lives with their ranks.
+                reorder: self.reorder_buckets && !transport.partitioned(),
+                wire: self.wire,
+                partitioned: transport.partitioned(),
+                buddy_stride: if transport.partitioned() && transport.buddies() { self.buddy_stride } else { 0 },
+                joiner_waiting: self.joiner_waiting.clone(),
+            },
+            learning_window: self.learning_window,
+            idle_spin: self.idle_spin,
+            recycle_payloads: self.recycle_payloads,
+        };
+        GradSync::start(plan, cfg, self.collective_timeout, transport)
+    }
+}
+
+impl GradSync {
+    /// A builder: register parameters, choose settings, then `build`.
+    pub fn builder() -> GradSyncBuilder {
+        GradSyncBuilder::default()
     }
 }

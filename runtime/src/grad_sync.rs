@@ -24,7 +24,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gradsync_actors::messages::{FinishRequest, Place, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd};
-use gradsync_actors::scheduler::SchedulerConfig;
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
     AbortReason, BuildError, Divisor, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step,
@@ -33,7 +32,6 @@ use gradsync_actors::{
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
-use crate::builder::GradSyncBuilder;
 use crate::hook::GradHook;
 
 /// The answer to a request to end a step.
@@ -112,40 +110,19 @@ pub struct GradSync<S: GradStore = HostStore> {
     threads: Vec<JoinHandle<()>>,
 }
 
-impl GradSync {
-    /// A builder: register parameters, choose settings, then `build`.
-    pub fn builder() -> GradSyncBuilder {
-        GradSyncBuilder::default()
-    }
-}
-
 impl<S: GradStore> GradSync<S> {
-    pub(crate) fn start<T: Transport<Store = S>>(b: &GradSyncBuilder, transport: T) -> Result<Self, BuildError> {
+    /// Start the actors (configured by `cfg`, over `plan`) and the
+    /// communicator thread on `transport`; every collective may wait up to
+    /// `collective_timeout`. Called by `GradSyncBuilder::build`, which
+    /// checked the settings.
+    pub(crate) fn start<T: Transport<Store = S>>(
+        plan: Plan,
+        cfg: ActorConfig,
+        collective_timeout: Duration,
+        transport: T,
+    ) -> Result<Self, BuildError> {
         let (rank, world) = (transport.rank(), transport.world());
-        let plan = Arc::new(b.registry.plan(b.bucket_cap_bytes));
-        let cfg = ActorConfig {
-            scheduler: SchedulerConfig {
-                rank,
-                world,
-                shards: b.param_shards,
-                pieces: transport.pieces(),
-                divisor: b.divisor,
-                policy: b.abort_policy,
-                collective_timeout: b.collective_timeout,
-                check_finite: b.check_finite,
-                record_timeline: b.record_timeline,
-                scale_when_packing: transport.scale_when_packing(),
-                // A partitioned plan stays: its partitions' optimizer state lives with their ranks.
-                reorder: b.reorder_buckets && !transport.partitioned(),
-                wire: b.wire,
-                partitioned: transport.partitioned(),
-                buddy_stride: if transport.partitioned() && transport.buddies() { b.buddy_stride } else { 0 },
-                joiner_waiting: b.joiner_waiting.clone(),
-            },
-            learning_window: b.learning_window,
-            idle_spin: b.idle_spin,
-            recycle_payloads: b.recycle_payloads,
-        };
+        let plan = Arc::new(plan);
         let interrupt = transport.interrupter().map(Interrupter);
         let wires = transport.wires();
         let store = transport.store();
@@ -187,7 +164,7 @@ impl<S: GradStore> GradSync<S> {
             epoch: 0,
             next_request: 0,
             // Every collective of a step may use its full timeout before failing.
-            answer_timeout: b.collective_timeout * (buckets + 4) + Duration::from_secs(10),
+            answer_timeout: collective_timeout * (buckets + 4) + Duration::from_secs(10),
             interrupt,
             spent: actors.spent,
             allocated: actors.allocated,
@@ -213,7 +190,7 @@ impl<S: GradStore> GradSync<S> {
 
     /// The bucket plan the parameters were registered with (reverse
     /// registration order). The scheduler may rebuild it in the order
-    /// gradients arrive ([`crate::GradSyncBuilder::reorder_buckets`]); bucket
+    /// gradients arrive ([`GradSyncBuilder::reorder_buckets`](crate::GradSyncBuilder::reorder_buckets)); bucket
     /// count and order may then differ, total bytes never do.
     pub fn plan(&self) -> &Plan {
         &self.plan
@@ -458,7 +435,7 @@ impl<S: GradStore> GradSync<S> {
         self.configure(Setting::Divisor(divisor))
     }
 
-    /// Send data buckets as `wire` (see [`crate::GradSyncBuilder::wire_dtype`])
+    /// Send data buckets as `wire` (see [`GradSyncBuilder::wire_dtype`](crate::GradSyncBuilder::wire_dtype))
     /// when it could not be chosen at build time (a comm hook registered
     /// before the first step). Only before the first bucket is launched, on
     /// every rank: the plan agreement runs again with the new type, so
@@ -470,6 +447,40 @@ impl<S: GradStore> GradSync<S> {
             return Err(SyncError::Setting { setting: "wire dtype", why });
         }
         self.configure(Setting::Wire(wire))
+    }
+
+    /// Gather a sharded model's parameters after its optimizer stepped:
+    /// each `(bucket index, buffer)` of `buffers` holds `world` equal chunks
+    /// back to back, this rank's (at `rank * chunk`) filled with its updated
+    /// partition; on return every rank's chunk is in place. The buffers
+    /// come back into `buffers` in the same order whether the gather
+    /// succeeded or not (it is left empty only when the runtime is gone or
+    /// does not answer). A collective on the communicator thread like the
+    /// buckets' (the collective deadline, failures classified, metrics and
+    /// timeline); every rank calls it with the same buckets at the same
+    /// point, between steps. A failure leaves the session failed until a
+    /// reset, as a failed step does.
+    pub fn gather(&mut self, buffers: &mut Vec<(usize, S::Bucket)>) -> Result<(), SyncError> {
+        if let Some((failed, cause)) = &self.failed {
+            return Err(SyncError::Poisoned { step: *failed, cause: cause.clone() });
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let asked = SchedMsg::Gather { buffers: std::mem::take(buffers), reply: Reply::Blocking(tx) };
+        if let Err(tokio::sync::mpsc::error::SendError(SchedMsg::Gather { buffers: unsent, .. })) =
+            self.sched.send(asked)
+        {
+            *buffers = unsent;
+            return Err(SyncError::Closed);
+        }
+        let step = self.hook.open_step();
+        let (back, outcome) = self.await_answer(&rx, step)?;
+        *buffers = back;
+        if let Err(e) = &outcome {
+            if e.needs_reset() {
+                self.failed = Some((step, e.to_string()));
+            }
+        }
+        outcome
     }
 
     fn configure(&mut self, setting: Setting) -> Result<(), SyncError> {

@@ -19,6 +19,7 @@ mod docs;
 mod elastic;
 mod exactness_props;
 mod faults;
+mod gather;
 mod scenarios;
 mod soak;
 mod step_semantics;

@@ -191,6 +191,13 @@ impl<S: GradStore> Scheduler<S> {
     /// A collective returned: account for it, then route it by kind.
     pub(super) fn on_done(&mut self, done: CommDone<S>) {
         let CommDone { tag, payload, result, started, finished } = done;
+        let payload = match (tag.kind, payload) {
+            // (Answered whatever the step's state: the caller waits for it.)
+            (CollectiveKind::Gather { .. }, CommPayload::Grads(buffer)) => {
+                return self.on_gathered(tag, buffer, result, (started, finished));
+            }
+            (_, payload) => payload,
+        };
         if let Lifecycle::Resetting(_) = self.lifecycle {
             // Collectives queued before the reset return first (failed at
             // once); only the agreement matters now.

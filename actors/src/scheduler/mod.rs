@@ -24,6 +24,7 @@
 
 pub mod control;
 mod finish;
+mod gather;
 mod launch;
 mod partition;
 mod reorder;
@@ -156,6 +157,8 @@ pub struct Scheduler<S: GradStore = HostStore> {
     /// Partitioned (reduce-scattered) buckets: the partitions a step keeps
     /// and the whole buffers between uses (`partition.rs`); `None` otherwise.
     partitions: Option<Partitions<S::Bucket>>,
+    /// A sharded model's parameter gather in progress (`gather.rs`).
+    gathering: Option<gather::Gathering<S::Bucket>>,
 }
 
 /// A reset held back: its proposal, membership and reply.
@@ -206,6 +209,7 @@ impl<S: GradStore> Scheduler<S> {
             deferred_reset: None,
             bucket_ends,
             partitions: None,
+            gathering: None,
         };
         if sched.cfg.partitioned {
             // Whole buffers are allocated as buckets fill (partition.rs).
@@ -277,6 +281,7 @@ impl<S: GradStore> Scheduler<S> {
             SchedMsg::Finish(req) => self.on_finish(req),
             SchedMsg::Reset { proposed, membership, reply } => self.on_reset(proposed, membership, reply),
             SchedMsg::Configure { setting, reply } => reply.send(self.configure(setting)),
+            SchedMsg::Gather { buffers, reply } => self.on_gather(buffers, reply),
             SchedMsg::Ready { step, epoch, .. }
             | SchedMsg::Flushed(crate::messages::ShardSummary { step, epoch, .. })
                 if epoch != self.epoch || step < self.step.step =>

@@ -31,7 +31,8 @@ it on loan until they are dropped, as ``zero_grad()`` does). ``.grad`` of
 the parameters stays ``None``: no rank holds a whole gradient after backward.
 
 :meth:`Partition.gather` sends every rank's updated pieces to every rank
-(an all-gather per bucket) after the optimizer stepped, and
+(an all-gather per bucket, run by the runtime: ``_gather``) after the
+optimizer stepped, and
 :meth:`Partition.clip` clips by the global norm of the gradients (a sum over
 every rank's pieces), never by a rank's local part.
 """
@@ -49,10 +50,6 @@ from gradsync.torch._sharded_step import ShardedStep
 #: What a collective on the state group raises when a member is lost (an
 #: elastic job recovers from it).
 LOST = (RuntimeError, StepFailedError)
-
-
-#: Buckets whose parameters are gathered at once after an optimizer step.
-GATHERS_IN_FLIGHT = 4
 
 
 def _reals(p):
@@ -142,6 +139,9 @@ class Partition:
         #: failure of a collective outside backward (clip, step); ``None``:
         #: not elastic, the failure is raised.
         self.recover = None
+        #: Where the parameters' gathers run (``_gather.ParameterGather``:
+        #: the runtime's), set by the wrapper once its hooks are attached.
+        self.gathering = None
         #: Checks that every rank makes once over the state group (that all
         #: built the same sharded optimizer), held until an elastic job's
         #: first step boundary, where a member lost meanwhile is recovered
@@ -321,42 +321,46 @@ class Partition:
     @torch.no_grad()
     def gather(self):
         """Every rank's pieces, updated by its optimizer, into every rank's
-        parameters: per bucket, each rank's partition is gathered (bucket
-        precision: float32, or float64 for float64 parameters, so half
-        types travel exactly) and unpacked into the members. Up to
-        :data:`GATHERS_IN_FLIGHT` buckets travel at once: packing the next
-        and unpacking the last overlap the collective."""
+        parameters: per bucket, this rank writes its pieces into its chunk
+        of the runtime's gather buffer (bucket precision: float32, or
+        float64 for float64 parameters, so half types travel exactly; zeros
+        past its partition), the runtime gathers every chunk
+        (``_gather.ParameterGather``), and each member reads its values
+        back."""
         if self.world == 1:
             return
-        flight = []
-        for b, layout in enumerate(self.buckets):
+        sizes = []
+        for layout in self.buckets:
             members = [self.params[i] for i in layout.members]
             wide = any(p.dtype in (torch.float64, torch.complex128) for p in members)
-            mine = self.chunk(b, lambda piece: piece.tensor, torch.float64 if wide else torch.float32)
-            flight.append((layout, self.states.start_all_gather(mine)))
-            if len(flight) >= GATHERS_IN_FLIGHT:
-                self._unpack(*flight.pop(0))
-        for layout, gathering in flight:
-            self._unpack(layout, gathering)
+            sizes.append((layout.chunk * self.world, wide))
+        buffers = self.gathering.buffers(sizes)
+        for b, (layout, whole) in enumerate(zip(self.buckets, buffers)):
+            self.fill_chunk(b, whole[self.rank * layout.chunk : (self.rank + 1) * layout.chunk],
+                            lambda piece: piece.tensor)
+        self.gathering.run()
+        for layout, whole in zip(self.buckets, buffers):
+            for i, v in zip(layout.members, whole[: layout.numel].split(layout.sizes)):
+                write_values(self.params[i], v)
 
     def chunk(self, b, value_of, dtype):
-        """This rank's chunk of bucket ``b`` (the all-gathers' unit, zeros
-        past its partition): each piece's ``value_of(piece)`` (a tensor of
-        the piece's length, or ``None`` for zeros) at its place, as ``dtype``."""
-        mine = torch.zeros(self.buckets[b].chunk, dtype=dtype)
+        """This rank's chunk of bucket ``b`` (a gather's unit) as a tensor
+        of its own, in ``dtype``: see :meth:`fill_chunk`."""
+        mine = torch.empty(self.buckets[b].chunk, dtype=dtype)
+        self.fill_chunk(b, mine, value_of)
+        return mine
+
+    def fill_chunk(self, b, out, value_of):
+        """``out`` := this rank's chunk of bucket ``b``: each piece's
+        ``value_of(piece)`` (a tensor of the piece's length, or ``None`` for
+        zeros) at its place, zeros past its partition."""
+        out.zero_()
         start = self.buckets[b].mine[0]
         for piece in self.of_bucket.get(b, ()):
             value = value_of(piece)
             if value is not None:
                 at = piece.start - start
-                mine[at : at + piece.length].copy_(value.reshape(-1))
-        return mine
-
-    def _unpack(self, layout, gathering):
-        """A bucket's gathered partitions into its members' values."""
-        full = gathering.wait()
-        for i, v in zip(layout.members, full[: layout.numel].split(layout.sizes)):
-            write_values(self.params[i], v)
+                out[at : at + piece.length].copy_(value.reshape(-1))
 
     @torch.no_grad()
     def refresh(self):

@@ -65,6 +65,7 @@ from gradsync._errors import ConfigError
 from gradsync._gloo import never_free
 from gradsync.torch import _amp, _shim, _torch_group
 from gradsync.torch._comm import TorchCommunicator
+from gradsync.torch._gather import ParameterGather
 from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
@@ -548,6 +549,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         sparse = SparseGrads([n for n, _ in self._sparse_named], [p for _, p in self._sparse_named], self._states,
                              self._rank)
         self._hooks = hooks
+        if self._partition is not None:
+            self._partition.gathering = ParameterGather(self._sync.session, arrivals.host_bucket, plane)
         self._sync.attach(TorchGrads(self._params, hooks, plane, sparse, self._partition))
 
     # ---- forward and the end of backward --------------------------------------------------

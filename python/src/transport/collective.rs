@@ -7,11 +7,12 @@ use gradsync_runtime::backend::CollectiveTag;
 use gradsync_runtime::Wire;
 use half::{bf16, f16};
 
-use crate::collectives::Words;
+use crate::collectives::{Op, Words};
 use crate::tensor_grads::Bucket;
 
 /// One collective as the runtime asks for it: `numel` `words` at `addr`,
-/// summed over every rank, then scaled by `factor`, by `deadline`.
+/// summed over every rank, then scaled by `factor`, by `deadline` (or
+/// reduce-scattered, or gathered: [`Op`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Collective {
     pub tag: CollectiveTag,
@@ -23,9 +24,11 @@ pub(crate) struct Collective {
     /// A device-plane bucket (the shim's `Bucket*`): summed on the data group,
     /// converted to the wire type by the shim; `addr` is unused.
     pub tensor: Option<usize>,
-    /// 0: an all-reduce. Otherwise a reduce-scatter in place over chunks of
-    /// this many values: each rank keeps the sum of its own
-    /// ([`gradsync_runtime::backend::partition`]; a sharded model's buckets).
+    /// What it does.
+    pub op: Op,
+    /// The chunk of a reduce-scatter or an all-gather, in values: each
+    /// rank's is the `rank`-th ([`gradsync_runtime::backend::partition`]);
+    /// an all-gather's are all this long. 0 for an all-reduce.
     pub chunk: usize,
 }
 
@@ -41,6 +44,7 @@ impl Collective {
             factor,
             deadline,
             tensor: None,
+            op: Op::AllReduce,
             chunk: 0,
         };
         match bucket {
@@ -60,6 +64,7 @@ impl Collective {
                 factor,
                 deadline,
                 tensor: Some(bucket.address()),
+                op: Op::AllReduce,
                 chunk: 0,
             },
         }
@@ -89,13 +94,21 @@ impl Collective {
             factor: 1.0,
             deadline,
             tensor: None,
+            op: Op::AllReduce,
             chunk: 0,
         }
     }
 
     /// This bucket reduce-scattered over `world` ranks instead of all-reduced.
     pub fn scattered(self, world: usize) -> Self {
-        Collective { chunk: gradsync_runtime::backend::partition(self.numel, 0, world).len().max(1), ..self }
+        let chunk = gradsync_runtime::backend::partition(self.numel, 0, world).len().max(1);
+        Collective { op: Op::ReduceScatter, chunk, ..self }
+    }
+
+    /// This bucket gathered over `world` ranks instead: it holds `world`
+    /// chunks of equal length, this rank's filled (exact: never scaled).
+    pub fn gathered(self, world: usize) -> Self {
+        Collective { op: Op::AllGather, chunk: self.numel / world.max(1), factor: 1.0, ..self }
     }
 }
 

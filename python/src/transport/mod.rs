@@ -277,6 +277,17 @@ impl Transport for BucketTransport {
         self.start(Collective::words(tag, words, deadline))
     }
 
+    /// On the data group (NCCL on the device plane, gloo on the host), in
+    /// the bucket's own type (never a narrower wire: parameters travel exact).
+    fn start_gather(&mut self, tag: CollectiveTag, bucket: &mut Bucket, deadline: Instant) -> Done {
+        if !self.engine.reduce_scatters() {
+            let why = "this framework's engine runs all-reduces only: train it unsharded".to_string();
+            return Err(CommError::Backend { rank: self.rank, tag, why });
+        }
+        let c = Collective::bucket(tag, bucket, 1.0, deadline).gathered(self.world);
+        self.start(c)
+    }
+
     fn wait_oldest(&mut self) -> Result<(), CommError> {
         // With a window of one, `start_*` ran the whole collective: nothing to wait for.
         if self.engine.in_flight() == 0 {

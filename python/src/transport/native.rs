@@ -84,9 +84,9 @@ impl Engine for NativeEngine {
         let timeout = c.time_left(Instant::now());
         let started = match (c.tensor, &self.plane) {
             (Some(bucket), Some(plane)) => {
-                self.gloo.start_tensor(c.tag, plane.address(), bucket, c.words, c.factor, c.chunk, timeout)
+                self.gloo.start_tensor(c.tag, plane.address(), bucket, c.words, c.factor, (c.op, c.chunk), timeout)
             }
-            _ => self.gloo.start(c.tag, c.addr, c.numel, c.words, c.factor, c.chunk, timeout),
+            _ => self.gloo.start(c.tag, c.addr, c.numel, c.words, c.factor, (c.op, c.chunk), timeout),
         };
         started.map_err(|e| self.failure(e))
     }

@@ -55,7 +55,11 @@ impl Engine for PythonEngine {
 
     /// Runs the whole collective.
     fn start(&mut self, c: &Collective) -> Result<(), Failure> {
-        debug_assert_eq!(c.chunk, 0, "the session refuses to partition on an engine that cannot reduce-scatter");
+        debug_assert_eq!(
+            c.op,
+            crate::collectives::Op::AllReduce,
+            "the session refuses to partition on an engine that cannot"
+        );
         let started = Instant::now();
         let timeout = c.time_left(started);
         let outcome = Python::attach(|py| {

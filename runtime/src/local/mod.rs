@@ -485,6 +485,24 @@ impl Transport for LocalEndpoint {
         Ok(())
     }
 
+    /// Exact bit for bit: each rank's chunk travels as its values' bit
+    /// patterns in a wrapping integer sum where every other rank adds zeros.
+    fn start_gather(&mut self, tag: CollectiveTag, bucket: &mut BucketBuf, deadline: Instant) -> Result<(), CommError> {
+        let numel = bucket.numel();
+        let chunk = numel / self.world;
+        let own = self.rank * chunk..(self.rank + 1) * chunk;
+        let mut words: Vec<u64> = bucket
+            .chunks(0, numel)
+            .flatten()
+            .enumerate()
+            .map(|(i, v)| if own.contains(&i) { u64::from(v.to_bits()) } else { 0 })
+            .collect();
+        self.all_reduce_u64(tag, &mut words, deadline)?;
+        let values: Vec<f32> = words.iter().map(|&w| f32::from_bits(w as u32)).collect();
+        bucket.write(0, &values, gradsync_actors::WriteMode::Set);
+        Ok(())
+    }
+
     fn reset(&mut self) {
         self.take_move();
         self.epoch += 1;

@@ -47,6 +47,7 @@ struct Rank {
 mod aborts;
 mod divisor;
 mod failures;
+mod gather;
 mod late;
 mod lifecycle;
 mod membership;

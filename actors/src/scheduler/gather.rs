@@ -1,0 +1,107 @@
+//! A sharded model's parameter gather, on the communicator like every other
+//! collective: between two steps the caller hands in one buffer per bucket
+//! (every rank's chunk of it back to back, its own filled by its optimizer),
+//! they go to the communicator in the order given, and come back together.
+//!
+//! ```text
+//! Gather { buffers, reply } ─▶ submit one Gather collective per buffer (tag: the open step)
+//!   Done(gather) ─▶ kept ─▶ all back? reply (buffers, Ok)
+//!   Done(failed) ─▶ kept ─▶ all back? reply (buffers, Err(first failure)); the scheduler is failed until a reset
+//! ```
+//!
+//! The gather runs between steps, so it never interleaves with a step's
+//! buckets: the caller sends it after `finish_step` returned and before the
+//! next backward's gradients arrive (every rank at the same point, as with
+//! the step itself). Asked while the scheduler is failed, it is refused at
+//! once with that failure, without a collective.
+
+use std::time::Instant;
+
+use super::step::Lifecycle;
+use super::Scheduler;
+use crate::comm::CommPayload;
+use crate::error::{CollectiveKind, CollectiveTag, CommError, SyncError};
+use crate::messages::{Gathered, Reply};
+use crate::store::GradStore;
+use crate::timeline::{Lane, TimelineEvent};
+
+/// Where a gather's buffers and outcome go.
+type Answer<B> = Reply<Gathered<B>>;
+
+/// A gather in progress: the buffers back so far, how many are still out,
+/// the first failure, and where to answer.
+#[derive(Debug)]
+pub(crate) struct Gathering<B> {
+    back: Vec<(usize, B)>,
+    out: usize,
+    failure: Option<SyncError>,
+    reply: Answer<B>,
+}
+
+impl<S: GradStore> Scheduler<S> {
+    /// Start gathering `buffers` (see the module docs).
+    pub(super) fn on_gather(&mut self, buffers: Vec<(usize, S::Bucket)>, reply: Answer<S::Bucket>) {
+        if let Lifecycle::Failed(failure) = &self.lifecycle {
+            let error = failure.error.clone();
+            return reply.send((buffers, Err(error)));
+        }
+        if self.gathering.is_some() {
+            let why = "a parameter gather was asked for while another was in progress".to_string();
+            return reply.send((buffers, Err(SyncError::Setting { setting: "gather", why })));
+        }
+        if let Some(&(index, _)) = buffers.iter().find(|(index, _)| *index >= self.plan.num_buckets()) {
+            let why = format!("bucket {index} asked for, and the plan has {}", self.plan.num_buckets());
+            return reply.send((buffers, Err(SyncError::Setting { setting: "gather", why })));
+        }
+        if buffers.is_empty() {
+            return reply.send((buffers, Ok(())));
+        }
+        self.gathering = Some(Gathering { back: Vec::new(), out: buffers.len(), failure: None, reply });
+        let timeout = self.cfg.collective_timeout;
+        for (index, buffer) in buffers {
+            let numel = self.store.bucket_numel(&buffer);
+            let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Gather { index, numel } };
+            self.submit(tag, CommPayload::Grads(buffer), 1.0, timeout);
+        }
+    }
+
+    /// A gather collective came back (successful or not).
+    pub(super) fn on_gathered(
+        &mut self,
+        tag: CollectiveTag,
+        buffer: S::Bucket,
+        result: Result<(), CommError>,
+        (started, finished): (Instant, Instant),
+    ) {
+        let CollectiveKind::Gather { index, .. } = tag.kind else { unreachable!("only gathers come here") };
+        let payload = CommPayload::<S>::Grads(buffer);
+        let bytes = payload.bytes(&self.store);
+        let CommPayload::Grads(buffer) = payload else { unreachable!("built above") };
+        let took = finished.saturating_duration_since(started);
+        crate::telemetry::collective(&self.rank_label, &tag.kind, bytes, took, &result);
+        if self.cfg.record_timeline {
+            let name = format!("all-gather bucket {index}");
+            self.step.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
+        }
+        let Some(gathering) = self.gathering.as_mut() else {
+            tracing::warn!(rank = self.cfg.rank, index, "a gather collective came back with no gather in progress");
+            return;
+        };
+        gathering.back.push((index, buffer));
+        gathering.out -= 1;
+        if let Err(e) = result {
+            gathering.failure.get_or_insert(e.into());
+        }
+        if gathering.out > 0 {
+            return;
+        }
+        let Gathering { back, failure, reply, .. } = self.gathering.take().expect("a gather in progress");
+        match failure {
+            None => reply.send((back, Ok(()))),
+            Some(error) => {
+                reply.send((back, Err(error.clone())));
+                self.fail(error);
+            }
+        }
+    }
+}

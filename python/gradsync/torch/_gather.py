@@ -1,0 +1,66 @@
+"""A sharded model's parameter gather, run by the runtime.
+
+After its optimizer stepped, each rank holds the updated values of its
+partition of every bucket; every rank needs every parameter whole before
+the next forward. The gather is a collective of the runtime's, like the
+buckets' reductions: on its communicator thread, on the data group (NCCL on
+the device plane, with no host copy; gloo on the host), under the
+collective deadline, its failures classified as a step's are
+(``StepFailedError``, which an elastic job recovers from), counted in the
+metrics and drawn on the timeline::
+
+    per bucket: buffer = [ chunk of rank 0 | chunk of rank 1 | ... ]   (the runtime's memory)
+    this rank writes its pieces into its own chunk ─▶ Session.gather ─▶ every chunk in place
+    ─▶ each member parameter reads its values from the buffer
+
+:class:`ParameterGather` owns the buffers (``gradsync._native.Gathers``,
+one per bucket, allocated again when the world changes) and the tensors
+over them; ``_partition.Partition.gather`` packs and unpacks.
+"""
+
+import torch
+
+
+class ParameterGather:
+    """The buffers and the call of a sharded wrapper's gathers.
+    ``session``: the wrapper's runtime session; ``host_tensor(addr, numel,
+    wide)``: a tensor over host memory the runtime owns (the C++ hooks'
+    ``host_bucket``); ``plane``: the communicator when the buckets live on
+    the device plane (its ``bucket_tensor`` and ``plane_stream``), else
+    ``None``."""
+
+    def __init__(self, session, host_tensor, plane=None):
+        self._session = session
+        self._host_tensor = host_tensor
+        self._plane = plane
+        #: ``(sizes, Gathers, tensors)`` of the last allocation.
+        self._held = None
+
+    def buffers(self, sizes):
+        """Per bucket, a tensor over its gather buffer. ``sizes``: per
+        bucket ``(values, float64)``; the same sizes give the same buffers
+        (allocated again when they change: another world size)."""
+        sizes = tuple(sizes)
+        held = self._held
+        if held is None or held[0] != sizes or held[1].lost:
+            gathers = self._session.gather_buffers([(b, n, wide) for b, (n, wide) in enumerate(sizes)])
+            tensors = []
+            for _, addr, numel, dtype, on_plane in gathers.entries():
+                if on_plane:
+                    tensors.append(self._plane.bucket_tensor(addr))
+                else:
+                    tensors.append(self._host_tensor(addr, numel, dtype == "float64"))
+            self._held = held = (sizes, gathers, tensors)
+        return held[2]
+
+    def run(self):
+        """Gather the buffers: each rank's chunk, written before, into
+        every rank's. On the device plane the plane's stream first waits
+        for the caller's (which wrote the chunk), and the caller's then
+        waits for it (the host does not block)."""
+        stream = self._plane.plane_stream() if self._plane is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        self._session.gather(self._held[1])
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)

@@ -1,0 +1,72 @@
+//! [`Gathers`]: a sharded wrapper's gather buffers, one per bucket, owned by
+//! the runtime's store (host memory, or tensors on the device plane) and
+//! lent to Python as tensors over their memory.
+//!
+//! ```text
+//! Session.gather_buffers(sizes) ─▶ Gathers (one buffer per bucket: `world` chunks of equal length)
+//! Python writes its own chunk into the views ─▶ Session.gather(gathers) ─▶ GradSync::gather (the communicator)
+//!                                                       ◀── every rank's chunk in place, the buffers back here
+//! ```
+//!
+//! The buffers move into the runtime for the gather and come back with its
+//! outcome, failed or not; only when the runtime is gone or stops
+//! answering do they not come back, and [`Gathers::lost`] then says the
+//! views must not be used again (the wrapper allocates new ones).
+
+use std::sync::Mutex;
+
+use pyo3::prelude::*;
+
+use crate::tensor_grads::Bucket;
+
+/// A gather buffer as Python reads it: bucket index, address, element
+/// count, element type, and whether the address is a device-plane
+/// bucket's (`_collectives.bucket_tensor`) rather than host memory.
+type Entry = (usize, usize, usize, &'static str, bool);
+
+/// One buffer per bucket of a sharded wrapper's plan (see the module docs).
+#[pyclass(module = "gradsync._native")]
+pub struct Gathers {
+    /// `(bucket index, buffer)`, in the order the gathers run; empty while
+    /// a gather has them (and for good once lost). Behind a lock only
+    /// because Python objects must be shareable between threads.
+    pub(crate) buffers: Mutex<Vec<(usize, Bucket)>>,
+    /// The buffers as Python reads them, fixed at allocation.
+    pub(crate) entries: Vec<Entry>,
+    /// A gather took the buffers and they never came back.
+    pub(crate) lost: bool,
+}
+
+impl Gathers {
+    /// The buffers `buffers`, lent to Python through their entries.
+    pub(crate) fn new(buffers: Vec<(usize, Bucket)>) -> Gathers {
+        let entries = buffers
+            .iter()
+            .map(|(index, bucket)| match bucket {
+                Bucket::Host(b) => (*index, b.piece(0).as_ptr() as usize, b.numel(), "float32", false),
+                Bucket::Wide(b) => (*index, b.piece(0).as_ptr() as usize, b.numel(), "float64", false),
+                Bucket::Plane(b) => {
+                    (*index, b.address(), b.numel(), if b.is_wide() { "float64" } else { "float32" }, true)
+                }
+            })
+            .collect();
+        Gathers { buffers: Mutex::new(buffers), entries, lost: false }
+    }
+}
+
+#[pymethods]
+impl Gathers {
+    /// `(bucket index, address, element count, element type, on the device
+    /// plane)` per buffer. The memory lives as long as this object, unless
+    /// :attr:`lost`.
+    fn entries(&self) -> Vec<Entry> {
+        self.entries.clone()
+    }
+
+    /// Whether a gather took the buffers and never gave them back (the
+    /// runtime stopped answering): their memory must not be used again.
+    #[getter]
+    fn lost(&self) -> bool {
+        self.lost
+    }
+}
