@@ -274,7 +274,9 @@ pub fn run_communicator<T: Transport>(
             let start = match &broken {
                 Some(e) => Err(e.clone()),
                 None => guarded(rank, job.tag, || match &mut payload {
-                    CommPayload::Grads(buf) if matches!(job.tag.kind, CollectiveKind::Gather { .. }) => {
+                    CommPayload::Grads(buf)
+                        if matches!(job.tag.kind, CollectiveKind::Gather { .. } | CollectiveKind::Norm { .. }) =>
+                    {
                         transport.start_gather(job.tag, buf, deadline)
                     }
                     CommPayload::Grads(buf) => transport.start_grads(job.tag, buf, job.factor, deadline),

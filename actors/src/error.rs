@@ -77,6 +77,13 @@ pub enum CollectiveKind {
         /// Values in the gathered buffer (every rank's chunk).
         numel: usize,
     },
+    /// The clip by a sharded model's global gradient norm: every rank's
+    /// partial norm (its partition's), gathered, so that every rank
+    /// combines the same values in rank order.
+    Norm {
+        /// Values gathered (one per rank).
+        numel: usize,
+    },
 }
 
 impl CollectiveKind {
@@ -90,6 +97,7 @@ impl CollectiveKind {
             CollectiveKind::Reset { .. } => "reset",
             CollectiveKind::Order { .. } => "order",
             CollectiveKind::Gather { .. } => "gather",
+            CollectiveKind::Norm { .. } => "norm",
         }
     }
 }
@@ -110,6 +118,7 @@ impl fmt::Display for CollectiveTag {
             CollectiveKind::Gather { index, numel } => {
                 write!(f, "step {} parameter gather of bucket {} ({} values)", self.step, index, numel)
             }
+            CollectiveKind::Norm { numel } => write!(f, "step {} gradient norm ({numel} values)", self.step),
         }
     }
 }

@@ -126,13 +126,14 @@ pub enum SchedMsg<S: GradStore = HostStore> {
         /// Where to answer: refused if it can no longer apply alike everywhere.
         reply: Reply<Result<(), SyncError>>,
     },
-    /// Gather a sharded model's parameters (after its optimizer stepped):
-    /// per bucket index, a buffer of every rank's chunk of it, this rank's
-    /// filled ([`crate::Transport::start_gather`]). Every rank sends the
-    /// same buckets in the same order, between steps.
+    /// Gather what a sharded model's update needs from every rank (its
+    /// parameters after its optimizer stepped, its partial gradient norms
+    /// for a clip): per [`GatherOf`], a buffer of every rank's chunk, this
+    /// rank's filled ([`crate::Transport::start_gather`]). Every rank sends
+    /// the same in the same order, between steps.
     Gather {
-        /// `(bucket index, buffer)`, in the order the collectives run.
-        buffers: Vec<(usize, S::Bucket)>,
+        /// What each buffer gathers, in the order the collectives run.
+        buffers: Vec<(GatherOf, S::Bucket)>,
         /// Where the buffers come back, in the same order, gathered or with
         /// the failure (their content then unspecified).
         reply: Reply<Gathered<S::Bucket>>,
@@ -214,9 +215,18 @@ pub struct FinishRequest<S: GradStore = HostStore> {
     pub reply: Reply<Result<StepResult<S>, SyncError>>,
 }
 
+/// What a gather buffer of [`SchedMsg::Gather`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatherOf {
+    /// Every rank's partition of this bucket of the plan (the parameters).
+    Bucket(usize),
+    /// Every rank's partial gradient norm (a clip by the global norm).
+    Norm,
+}
+
 /// What a [`SchedMsg::Gather`] answers: the buffers, always (they are the
 /// caller's memory), and the outcome.
-pub type Gathered<B> = (Vec<(usize, B)>, Result<(), SyncError>);
+pub type Gathered<B> = (Vec<(GatherOf, B)>, Result<(), SyncError>);
 
 /// A one-shot answer channel usable from blocking and from async callers.
 #[derive(Debug)]

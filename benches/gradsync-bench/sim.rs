@@ -252,6 +252,7 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                     | CollectiveKind::Control { len }
                     | CollectiveKind::Reset { len }
                     | CollectiveKind::Order { len } => len as f64 * 8.0,
+                    CollectiveKind::Norm { numel } => numel as f64 * 8.0,
                 };
                 let start = comm_free.max(now);
                 comm_free = start + ns(preset.allreduce(bytes, n));

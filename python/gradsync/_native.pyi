@@ -66,8 +66,9 @@ class Step:
 class Gathers:
     """A sharded wrapper's gather buffers, one per bucket, owned by the runtime."""
 
-    def entries(self) -> list[tuple[int, int, int, str, bool]]:
-        """``(bucket index, address, values, element type, on the device plane)`` per buffer."""
+    def entries(self) -> list[tuple[Optional[int], int, int, str, bool]]:
+        """``(bucket index or None for the norms, address, values, element
+        type, on the device plane)`` per buffer."""
     @property
     def lost(self) -> bool:
         """A gather took the buffers and never gave them back: do not use them again."""
@@ -117,9 +118,10 @@ class Session:
     def arrival_sink(self) -> ArrivalSink:
         """The entry through which ``gradsync.torch``'s C++ hooks hand gradients over."""
     def finish(self, step: int) -> Step: ...
-    def gather_buffers(self, sizes: list[tuple[int, int, bool]]) -> Gathers:
-        """Buffers for a sharded model's parameter gathers: per ``(bucket
-        index, values, float64)``, one of that many values where the buckets live."""
+    def gather_buffers(self, sizes: list[tuple[Optional[int], int, bool]]) -> Gathers:
+        """Buffers for a sharded model's gathers: per ``(bucket index,
+        values, float64)``, one of that many values where the buckets live
+        (a bucket index of ``None``: every rank's partial gradient norm)."""
     def gather(self, gathers: Gathers) -> None:
         """Gather every rank's chunk into ``gathers``' buffers (this rank's
         written first); waits with the interpreter released."""

@@ -1,6 +1,7 @@
-//! [`Gathers`]: a sharded wrapper's gather buffers, one per bucket, owned by
-//! the runtime's store (host memory, or tensors on the device plane) and
-//! lent to Python as tensors over their memory.
+//! [`Gathers`]: a sharded wrapper's gather buffers (one per bucket, or one
+//! for the partial gradient norms of a clip), owned by the runtime's store
+//! (host memory, or tensors on the device plane) and lent to Python as
+//! tensors over their memory.
 //!
 //! ```text
 //! Session.gather_buffers(sizes) ─▶ Gathers (one buffer per bucket: `world` chunks of equal length)
@@ -15,22 +16,23 @@
 
 use std::sync::Mutex;
 
+use gradsync_runtime::GatherOf;
 use pyo3::prelude::*;
 
 use crate::tensor_grads::Bucket;
 
-/// A gather buffer as Python reads it: bucket index, address, element
-/// count, element type, and whether the address is a device-plane
-/// bucket's (`_collectives.bucket_tensor`) rather than host memory.
-type Entry = (usize, usize, usize, &'static str, bool);
+/// A gather buffer as Python reads it: bucket index (`None`: the norms),
+/// address, element count, element type, and whether the address is a
+/// device-plane bucket's (`_collectives.bucket_tensor`) rather than host memory.
+type Entry = (Option<usize>, usize, usize, &'static str, bool);
 
 /// One buffer per bucket of a sharded wrapper's plan (see the module docs).
 #[pyclass(module = "gradsync._native")]
 pub struct Gathers {
-    /// `(bucket index, buffer)`, in the order the gathers run; empty while
-    /// a gather has them (and for good once lost). Behind a lock only
+    /// `(what, buffer)`, in the order the gathers run; empty while a
+    /// gather has them (and for good once lost). Behind a lock only
     /// because Python objects must be shareable between threads.
-    pub(crate) buffers: Mutex<Vec<(usize, Bucket)>>,
+    pub(crate) buffers: Mutex<Vec<(GatherOf, Bucket)>>,
     /// The buffers as Python reads them, fixed at allocation.
     pub(crate) entries: Vec<Entry>,
     /// A gather took the buffers and they never came back.
@@ -39,14 +41,19 @@ pub struct Gathers {
 
 impl Gathers {
     /// The buffers `buffers`, lent to Python through their entries.
-    pub(crate) fn new(buffers: Vec<(usize, Bucket)>) -> Gathers {
+    pub(crate) fn new(buffers: Vec<(GatherOf, Bucket)>) -> Gathers {
+        let index_of = |of: &GatherOf| match of {
+            GatherOf::Bucket(index) => Some(*index),
+            GatherOf::Norm => None,
+        };
         let entries = buffers
             .iter()
+            .map(|(of, bucket)| (index_of(of), bucket))
             .map(|(index, bucket)| match bucket {
-                Bucket::Host(b) => (*index, b.piece(0).as_ptr() as usize, b.numel(), "float32", false),
-                Bucket::Wide(b) => (*index, b.piece(0).as_ptr() as usize, b.numel(), "float64", false),
+                Bucket::Host(b) => (index, b.piece(0).as_ptr() as usize, b.numel(), "float32", false),
+                Bucket::Wide(b) => (index, b.piece(0).as_ptr() as usize, b.numel(), "float64", false),
                 Bucket::Plane(b) => {
-                    (*index, b.address(), b.numel(), if b.is_wide() { "float64" } else { "float32" }, true)
+                    (index, b.address(), b.numel(), if b.is_wide() { "float64" } else { "float32" }, true)
                 }
             })
             .collect();
@@ -56,8 +63,8 @@ impl Gathers {
 
 #[pymethods]
 impl Gathers {
-    /// `(bucket index, address, element count, element type, on the device
-    /// plane)` per buffer. The memory lives as long as this object, unless
+    /// `(bucket index or None for the norms, address, element count,
+    /// element type, on the device plane)` per buffer. The memory lives as long as this object, unless
     /// :attr:`lost`.
     fn entries(&self) -> Vec<Entry> {
         self.entries.clone()

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use gradsync_runtime::backend::{GradStore, Transport};
 use gradsync_runtime::{
-    ArrivalBatch, ChromeTrace, DType, Divisor, GradSync, Place, Rejection, StepReport as RustReport, StepResult, Token,
+    ArrivalBatch, ChromeTrace, DType, Divisor, GatherOf, GradSync, Place, Rejection, StepReport as RustReport,
+    StepResult, Token,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -284,18 +285,19 @@ impl Session {
         self.wrap(py, result)
     }
 
-    /// Buffers for a sharded model's parameter gathers: per `(bucket index,
-    /// values, float64)` of `sizes`, a buffer of that many values (every
-    /// rank's chunk of the bucket, back to back), where the buckets live.
-    fn gather_buffers(&self, py: Python<'_>, sizes: Vec<(usize, usize, bool)>) -> PyResult<Gathers> {
+    /// Buffers for a sharded model's gathers: per `(bucket index, values,
+    /// float64)` of `sizes`, a buffer of that many values (every rank's
+    /// chunk of the bucket, back to back; a bucket index of `None`: every
+    /// rank's partial gradient norm), where the buckets live.
+    fn gather_buffers(&self, py: Python<'_>, sizes: Vec<(Option<usize>, usize, bool)>) -> PyResult<Gathers> {
         let mut buffers = Vec::with_capacity(sizes.len());
         for (index, numel, wide) in sizes {
             let dtype = if wide { DType::F64 } else { DType::F32 };
             let bucket = self.store.alloc_bucket(numel, 1, dtype).map_err(|e| {
-                let why = format!("allocating the parameter gather's buffer for bucket {index}: {e}");
+                let why = format!("allocating a gather buffer of {numel} values: {e}");
                 errors::raise::<errors::ConfigError>(py, why, &[])
             })?;
-            buffers.push((index, bucket));
+            buffers.push((index.map_or(GatherOf::Norm, GatherOf::Bucket), bucket));
         }
         Ok(Gathers::new(buffers))
     }

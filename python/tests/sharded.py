@@ -17,6 +17,7 @@ propagate.
 """
 
 import copy
+import json
 
 import torch
 import torch.distributed as dist
@@ -353,6 +354,29 @@ def uneven_inputs(rank, world, immediate=False):
                 (_plain(reference, r, 0, data[s, r]) / (len(training) if immediate else world)).backward()
             ref_opt.step()
         return _diff(reference, wrapped)
+    finally:
+        wrapped.close()
+
+
+def runtime_collectives(rank, world, trace_dir):
+    """Two sharded steps with a clip by the global norm, the timeline
+    recorded: the names of its events (the first step's norm and gathers
+    are on the second step's communicator lane)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=0.0005, record_timeline=True)
+    opt = wrapped.shard_optimizer(torch.optim.SGD, lr=0.1)
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+            wrapped(x).sum().backward()
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5)
+            opt.step()
+        path = f"{trace_dir}/timeline-{rank}.json"
+        wrapped.write_timeline(path)
+        with open(path) as f:
+            return sorted({event["name"] for event in json.load(f)["traceEvents"]})
     finally:
         wrapped.close()
 

@@ -115,6 +115,14 @@ def test_a_dcp_checkpoint_of_a_process_group_subset_loads_on_another_world(world
         assert got["params"] == 0.0 and got["state"] == 0.0, f"rank {rank}: {got}"
 
 
+def test_the_gather_and_the_clip_norm_are_the_runtimes_collectives(world2, tmp_path):
+    """The parameter gather and the clip's norm run on the runtime's
+    communicator (on its timeline, beside the buckets), not on a group of
+    their own in Python."""
+    for rank, names in enumerate(world2.run(sharded.runtime_collectives, str(tmp_path))):
+        assert "gradient norm" in names and "all-gather bucket 0" in names, f"rank {rank}: {names}"
+
+
 def test_misuse_is_refused_with_what_to_do(world2):
     errors = world2.run(sharded.bad_input)
     for rank, by_case in enumerate(errors):

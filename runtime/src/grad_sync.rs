@@ -23,7 +23,9 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradsync_actors::messages::{FinishRequest, Place, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd};
+use gradsync_actors::messages::{
+    FinishRequest, GatherOf, Place, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd,
+};
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
     AbortReason, BuildError, Divisor, GradStore, HostStore, Interrupt, Outcome, ParamId, Plan, Progress, Step,
@@ -449,10 +451,11 @@ impl<S: GradStore> GradSync<S> {
         self.configure(Setting::Wire(wire))
     }
 
-    /// Gather a sharded model's parameters after its optimizer stepped:
-    /// each `(bucket index, buffer)` of `buffers` holds `world` equal chunks
-    /// back to back, this rank's (at `rank * chunk`) filled with its updated
-    /// partition; on return every rank's chunk is in place. The buffers
+    /// Gather what a sharded model's update needs from every rank: each
+    /// `(what, buffer)` of `buffers` holds `world` equal chunks back to
+    /// back, this rank's (at `rank * chunk`) filled (its updated partition
+    /// of a bucket after its optimizer stepped, or its partial gradient
+    /// norm for a clip); on return every rank's chunk is in place. The buffers
     /// come back into `buffers` in the same order whether the gather
     /// succeeded or not (it is left empty only when the runtime is gone or
     /// does not answer). A collective on the communicator thread like the
@@ -460,7 +463,7 @@ impl<S: GradStore> GradSync<S> {
     /// timeline); every rank calls it with the same buckets at the same
     /// point, between steps. A failure leaves the session failed until a
     /// reset, as a failed step does.
-    pub fn gather(&mut self, buffers: &mut Vec<(usize, S::Bucket)>) -> Result<(), SyncError> {
+    pub fn gather(&mut self, buffers: &mut Vec<(GatherOf, S::Bucket)>) -> Result<(), SyncError> {
         if let Some((failed, cause)) = &self.failed {
             return Err(SyncError::Poisoned { step: *failed, cause: cause.clone() });
         }

@@ -31,7 +31,7 @@ pub mod trace;
 
 pub use builder::GradSyncBuilder;
 pub use grad_sync::{GradSync, JoinReport, MembershipReset};
-pub use gradsync_actors::messages::Place;
+pub use gradsync_actors::messages::{GatherOf, Place};
 pub use gradsync_actors::{
     AbortPolicy, AbortReason, BuildError, DType, Divisor, GradView, Gradients, Outcome, ParamId, Payload, PayloadKind,
     Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Wire,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{build_world, on_ranks, Sent};
 use gradsync::backend::BucketBuf;
-use gradsync::{GradSync, SyncError};
+use gradsync::{GatherOf, GradSync, SyncError};
 
 /// Rank `rank`'s chunk of `chunk` values for bucket `b`: distinct bit
 /// patterns, a negative zero and a NaN with a payload among them.
@@ -26,14 +26,14 @@ fn chunk_of(rank: usize, b: usize, chunk: usize) -> Vec<f32> {
 }
 
 /// This rank's buffers for buckets `chunks.len()` buckets, its own chunk filled.
-fn buffers(rank: usize, world: usize, chunks: &[usize]) -> Vec<(usize, BucketBuf)> {
+fn buffers(rank: usize, world: usize, chunks: &[usize]) -> Vec<(GatherOf, BucketBuf)> {
     chunks
         .iter()
         .enumerate()
         .map(|(b, &chunk)| {
             let mut buf = BucketBuf::zeroed(chunk * world, 1);
             buf.write(rank * chunk, &chunk_of(rank, b, chunk), gradsync::backend::WriteMode::Set);
-            (b, buf)
+            (GatherOf::Bucket(b), buf)
         })
         .collect()
 }
@@ -60,11 +60,13 @@ fn every_rank_receives_every_chunk_bit_for_bit_between_steps() {
         Sent::inc(0, 0, vec![2.0; 4]).deliver(&sync, 1);
         Sent::inc(1, 0, vec![0.0; 4]).deliver(&sync, 1);
         let second = sync.finish_step(1).unwrap().gradients.unwrap().to_vec(common::pid(0)).unwrap();
-        (first, gathered.iter().map(|(b, buf)| (*b, bits(buf))).collect::<Vec<_>>(), second)
+        let gathered: Vec<_> = gathered.iter().map(|(of, buf)| (*of, bits(buf))).collect();
+        (first, gathered, second)
     });
     for (rank, (first, gathered, second)) in out.into_iter().enumerate() {
         assert_eq!((first, second), (vec![1.0; 4], vec![2.0; 4]), "rank {rank}: the steps around the gather");
-        for (b, got) in gathered {
+        for (of, got) in gathered {
+            let GatherOf::Bucket(b) = of else { panic!("rank {rank}: {of:?}") };
             let want: Vec<u32> = (0..world).flat_map(|r| chunk_of(r, b, chunks[b])).map(|v| v.to_bits()).collect();
             assert_eq!(got, want, "rank {rank} bucket {b}");
         }

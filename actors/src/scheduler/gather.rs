@@ -21,7 +21,7 @@ use super::step::Lifecycle;
 use super::Scheduler;
 use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag, CommError, SyncError};
-use crate::messages::{Gathered, Reply};
+use crate::messages::{GatherOf, Gathered, Reply};
 use crate::store::GradStore;
 use crate::timeline::{Lane, TimelineEvent};
 
@@ -32,7 +32,7 @@ type Answer<B> = Reply<Gathered<B>>;
 /// the first failure, and where to answer.
 #[derive(Debug)]
 pub(crate) struct Gathering<B> {
-    back: Vec<(usize, B)>,
+    back: Vec<(GatherOf, B)>,
     out: usize,
     failure: Option<SyncError>,
     reply: Answer<B>,
@@ -40,7 +40,7 @@ pub(crate) struct Gathering<B> {
 
 impl<S: GradStore> Scheduler<S> {
     /// Start gathering `buffers` (see the module docs).
-    pub(super) fn on_gather(&mut self, buffers: Vec<(usize, S::Bucket)>, reply: Answer<S::Bucket>) {
+    pub(super) fn on_gather(&mut self, buffers: Vec<(GatherOf, S::Bucket)>, reply: Answer<S::Bucket>) {
         if let Lifecycle::Failed(failure) = &self.lifecycle {
             let error = failure.error.clone();
             return reply.send((buffers, Err(error)));
@@ -49,7 +49,8 @@ impl<S: GradStore> Scheduler<S> {
             let why = "a parameter gather was asked for while another was in progress".to_string();
             return reply.send((buffers, Err(SyncError::Setting { setting: "gather", why })));
         }
-        if let Some(&(index, _)) = buffers.iter().find(|(index, _)| *index >= self.plan.num_buckets()) {
+        let outside = |of: &GatherOf| matches!(of, GatherOf::Bucket(index) if *index >= self.plan.num_buckets());
+        if let Some(&(GatherOf::Bucket(index), _)) = buffers.iter().find(|(of, _)| outside(of)) {
             let why = format!("bucket {index} asked for, and the plan has {}", self.plan.num_buckets());
             return reply.send((buffers, Err(SyncError::Setting { setting: "gather", why })));
         }
@@ -58,9 +59,13 @@ impl<S: GradStore> Scheduler<S> {
         }
         self.gathering = Some(Gathering { back: Vec::new(), out: buffers.len(), failure: None, reply });
         let timeout = self.cfg.collective_timeout;
-        for (index, buffer) in buffers {
+        for (of, buffer) in buffers {
             let numel = self.store.bucket_numel(&buffer);
-            let tag = CollectiveTag { step: self.step.step, kind: CollectiveKind::Gather { index, numel } };
+            let kind = match of {
+                GatherOf::Bucket(index) => CollectiveKind::Gather { index, numel },
+                GatherOf::Norm => CollectiveKind::Norm { numel },
+            };
+            let tag = CollectiveTag { step: self.step.step, kind };
             self.submit(tag, CommPayload::Grads(buffer), 1.0, timeout);
         }
     }
@@ -73,21 +78,28 @@ impl<S: GradStore> Scheduler<S> {
         result: Result<(), CommError>,
         (started, finished): (Instant, Instant),
     ) {
-        let CollectiveKind::Gather { index, .. } = tag.kind else { unreachable!("only gathers come here") };
+        let of = match tag.kind {
+            CollectiveKind::Gather { index, .. } => GatherOf::Bucket(index),
+            CollectiveKind::Norm { .. } => GatherOf::Norm,
+            _ => unreachable!("only gathers come here"),
+        };
         let payload = CommPayload::<S>::Grads(buffer);
         let bytes = payload.bytes(&self.store);
         let CommPayload::Grads(buffer) = payload else { unreachable!("built above") };
         let took = finished.saturating_duration_since(started);
         crate::telemetry::collective(&self.rank_label, &tag.kind, bytes, took, &result);
         if self.cfg.record_timeline {
-            let name = format!("all-gather bucket {index}");
+            let name = match of {
+                GatherOf::Bucket(index) => format!("all-gather bucket {index}"),
+                GatherOf::Norm => "gradient norm".to_string(),
+            };
             self.step.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
         }
         let Some(gathering) = self.gathering.as_mut() else {
-            tracing::warn!(rank = self.cfg.rank, index, "a gather collective came back with no gather in progress");
+            tracing::warn!(rank = self.cfg.rank, %tag, "a gather collective came back with no gather in progress");
             return;
         };
-        gathering.back.push((index, buffer));
+        gathering.back.push((of, buffer));
         gathering.out -= 1;
         if let Err(e) = result {
             gathering.failure.get_or_insert(e.into());

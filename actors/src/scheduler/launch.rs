@@ -193,7 +193,7 @@ impl<S: GradStore> Scheduler<S> {
         let CommDone { tag, payload, result, started, finished } = done;
         let payload = match (tag.kind, payload) {
             // (Answered whatever the step's state: the caller waits for it.)
-            (CollectiveKind::Gather { .. }, CommPayload::Grads(buffer)) => {
+            (CollectiveKind::Gather { .. } | CollectiveKind::Norm { .. }, CommPayload::Grads(buffer)) => {
                 return self.on_gathered(tag, buffer, result, (started, finished));
             }
             (_, payload) => payload,

@@ -54,7 +54,7 @@ def _unscale_(self, optimizer):
     if part is not None and not part.sharded_step.quiet:
         local = max((float(v.item()) for v in found.values()), default=0.0)
         try:
-            agreed = float(part.states.reduce(torch.tensor([local], dtype=torch.float64), "max")[0])
+            agreed = float(part.combine(torch.tensor(local, dtype=torch.float64), "max"))
         except LOST as error:
             if part.recover is None:
                 raise

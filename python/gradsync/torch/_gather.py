@@ -1,4 +1,4 @@
-"""A sharded model's parameter gather, run by the runtime.
+"""A sharded model's parameter gather (and its clip's norm), run by the runtime.
 
 After its optimizer stepped, each rank holds the updated values of its
 partition of every bucket; every rank needs every parameter whole before
@@ -15,7 +15,11 @@ metrics and drawn on the timeline::
 
 :class:`ParameterGather` owns the buffers (``gradsync._native.Gathers``,
 one per bucket, allocated again when the world changes) and the tensors
-over them; ``_partition.Partition.gather`` packs and unpacks.
+over them; ``_partition.Partition.gather`` packs and unpacks. The same
+engine gathers every rank's partial gradient norm for a clip by the global
+norm, and the found-inf flags of a ``GradScaler`` step
+(:meth:`ParameterGather.everyone`): each rank combines the same values in
+rank order, so the total is bitwise the same everywhere.
 """
 
 import torch
@@ -35,6 +39,8 @@ class ParameterGather:
         self._plane = plane
         #: ``(sizes, Gathers, tensors)`` of the last allocation.
         self._held = None
+        #: ``(world, Gathers, tensor)`` for every rank's partial norm.
+        self._norms = None
 
     def buffers(self, sizes):
         """Per bucket, a tensor over its gather buffer. ``sizes``: per
@@ -44,23 +50,46 @@ class ParameterGather:
         held = self._held
         if held is None or held[0] != sizes or held[1].lost:
             gathers = self._session.gather_buffers([(b, n, wide) for b, (n, wide) in enumerate(sizes)])
-            tensors = []
-            for _, addr, numel, dtype, on_plane in gathers.entries():
-                if on_plane:
-                    tensors.append(self._plane.bucket_tensor(addr))
-                else:
-                    tensors.append(self._host_tensor(addr, numel, dtype == "float64"))
-            self._held = held = (sizes, gathers, tensors)
+            self._held = held = (sizes, gathers, self._tensors(gathers))
         return held[2]
 
     def run(self):
-        """Gather the buffers: each rank's chunk, written before, into
-        every rank's. On the device plane the plane's stream first waits
-        for the caller's (which wrote the chunk), and the caller's then
-        waits for it (the host does not block)."""
+        """Gather the buffers of :meth:`buffers`: each rank's chunk, written
+        before, into every rank's."""
+        self._run(self._held[1])
+
+    def everyone(self, value, rank, world):
+        """Every rank's ``value`` (a float64 scalar tensor: a partial
+        gradient norm, a found-inf flag), as ``world`` float64 values in
+        rank order, on the buffers' device: gathered by the runtime
+        (``CollectiveKind::Norm``)."""
+        held = self._norms
+        if held is None or held[0] != world or held[1].lost:
+            gathers = self._session.gather_buffers([(None, world, True)])
+            self._norms = held = (world, gathers, self._tensors(gathers)[0])
+        _, gathers, values = held
+        values.zero_()
+        values[rank].copy_(value.reshape(()))
+        self._run(gathers)
+        return values.clone()
+
+    def _tensors(self, gathers):
+        """Tensors over ``gathers``' buffers."""
+        tensors = []
+        for _, addr, numel, dtype, on_plane in gathers.entries():
+            if on_plane:
+                tensors.append(self._plane.bucket_tensor(addr))
+            else:
+                tensors.append(self._host_tensor(addr, numel, dtype == "float64"))
+        return tensors
+
+    def _run(self, gathers):
+        """Gather ``gathers``. On the device plane the plane's stream first
+        waits for the caller's (which wrote this rank's chunk), and the
+        caller's then waits for it (the host does not block)."""
         stream = self._plane.plane_stream() if self._plane is not None else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        self._session.gather(self._held[1])
+        self._session.gather(gathers)
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)

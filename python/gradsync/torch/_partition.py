@@ -435,12 +435,22 @@ class Partition:
         grads = [piece.tensor.grad for piece in self.pieces
                  if piece.tensor.grad is not None and piece.param in indices]
         try:
-            return norm_of(grads, float(norm_type), self.states)
+            return norm_of(grads, float(norm_type), self.combine)
         except LOST as error:
             if self.recover is None:
                 raise
             self.recover(error)
             return torch.zeros((), dtype=torch.float64)
+
+    def combine(self, local, op):
+        """This rank's float64 scalar ``local`` combined over every rank by
+        ``op`` (``"sum"`` or ``"max"``): every rank's value gathered by the
+        runtime (``_gather``), then summed in rank order or maxed, the same
+        on every rank."""
+        if self.world == 1:
+            return local.reshape(())
+        everyone = self.gathering.everyone(local, self.rank, self.world)
+        return everyone.sum() if op == "sum" else everyone.max()
 
     def scale_by_norm(self, indices, max_norm, total):
         """Clip the parameters ``indices`` to ``max_norm`` given their total
@@ -467,11 +477,13 @@ class Partition:
                 piece.tensor.grad.clamp_(-value, value)
 
 
-def norm_of(grads, norm_type, states):
-    """The norm of order ``norm_type`` of every rank's ``grads`` (tensors; a
-    collective over ``states``), as a float64 tensor."""
+def norm_of(grads, norm_type, combine):
+    """The norm of order ``norm_type`` of every rank's ``grads`` (tensors),
+    as a float64 tensor. ``combine(local, op)``: this rank's float64 scalar
+    ``local`` combined over every rank by ``op`` (``"sum"`` or ``"max"``), a
+    collective."""
+    zero = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     if norm_type == math.inf:
-        local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-        return states.reduce(local.reshape(1).cpu(), "max")[0]
-    local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-    return states.reduce(local.reshape(1).cpu(), "sum")[0].pow(1.0 / norm_type)
+        return combine(max((g.abs().max().double() for g in grads), default=zero), "max")
+    local = sum((g.double().abs().pow(norm_type).sum() for g in grads), zero)
+    return combine(local, "sum").pow(1.0 / norm_type)

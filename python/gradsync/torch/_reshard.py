@@ -175,7 +175,7 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
             for lo, hi, source in bucket:
                 if source == rank:
                     grads.append(_values(pieces, lo, hi, lambda p: p.tensor.grad if p.param in wanted else None))
-        total = float(norm_of(grads, norm_type, states))
+        total = float(norm_of(grads, norm_type, lambda local, op: states.reduce(local.reshape(1).cpu(), op)[0]))
         coef = min(max_norm / (total + 1e-6), 1.0)
         step.settlement_clipped((total, coef))
     if step.holds and step.pending:

@@ -2,10 +2,11 @@
 //! given, answered once every buffer is back, failures kept until a reset.
 
 use super::*;
+use crate::messages::GatherOf;
 
 fn gather(r: &mut Rank, indices: &[usize]) -> mpsc::Receiver<crate::messages::Gathered<BucketBuf>> {
     let (tx, rx) = mpsc::sync_channel(1);
-    let buffers = indices.iter().map(|&b| (b, BucketBuf::zeroed(4, 1))).collect();
+    let buffers = indices.iter().map(|&b| (GatherOf::Bucket(b), BucketBuf::zeroed(4, 1))).collect();
     r.send(SchedMsg::Gather { buffers, reply: Reply::Blocking(tx) });
     rx
 }
@@ -27,7 +28,7 @@ fn a_gather_runs_one_collective_per_bucket_in_order_and_answers_once_all_are_bac
     r.done(second);
     let (back, outcome) = answer.try_recv().unwrap();
     assert_eq!(outcome, Ok(()));
-    assert_eq!(back.iter().map(|(b, _)| *b).collect::<Vec<_>>(), vec![1, 0]);
+    assert_eq!(back.iter().map(|(of, _)| *of).collect::<Vec<_>>(), vec![GatherOf::Bucket(1), GatherOf::Bucket(0)]);
     r.inc(1, 1, 1.0); // (the plan's first bucket holds the last parameter registered)
     assert_eq!(kind(&r.job()), CollectiveKind::Bucket { index: 0, numel: 2 }, "the next step goes on");
 }
