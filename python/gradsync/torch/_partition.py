@@ -47,8 +47,9 @@ from gradsync._native import held_ranges
 from gradsync._native import partition as partition_of
 from gradsync.torch._sharded_step import ShardedStep
 
-#: What a collective on the state group raises when a member is lost (an
-#: elastic job recovers from it).
+#: What a collective of the sharded step raises when a member is lost: the
+#: runtime's gather (``StepFailedError``) or one on the state group (an
+#: elastic job recovers from either).
 LOST = (RuntimeError, StepFailedError)
 
 
