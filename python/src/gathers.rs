@@ -42,19 +42,15 @@ pub struct Gathers {
 impl Gathers {
     /// The buffers `buffers`, lent to Python through their entries.
     pub(crate) fn new(buffers: Vec<(GatherOf, Bucket)>) -> Gathers {
-        let index_of = |of: &GatherOf| match of {
-            GatherOf::Bucket(index) => Some(*index),
-            GatherOf::Norm => None,
-        };
         let entries = buffers
             .iter()
-            .map(|(of, bucket)| (index_of(of), bucket))
-            .map(|(index, bucket)| match bucket {
-                Bucket::Host(b) => (index, b.piece(0).as_ptr() as usize, b.numel(), "float32", false),
-                Bucket::Wide(b) => (index, b.piece(0).as_ptr() as usize, b.numel(), "float64", false),
-                Bucket::Plane(b) => {
-                    (index, b.address(), b.numel(), if b.is_wide() { "float64" } else { "float32" }, true)
-                }
+            .map(|(of, bucket)| {
+                let index = match of {
+                    GatherOf::Bucket(index) => Some(*index),
+                    GatherOf::Norm => None,
+                };
+                let (address, numel, dtype) = bucket.lent().expect("a gather buffer is allocated in one piece");
+                (index, address, numel, dtype, matches!(bucket, Bucket::Plane(_)))
             })
             .collect();
         Gathers { buffers: Mutex::new(buffers), entries, lost: false }

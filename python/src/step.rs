@@ -119,15 +119,10 @@ impl Step {
         g.buckets()
             .map(|(bucket, members, start)| {
                 let members = members.iter().map(|p| p.index()).collect();
-                Ok(match bucket {
-                    Bucket::Plane(b) => {
-                        (b.address(), b.numel(), members, if b.is_wide() { "float64" } else { "float32" }, start)
-                    }
-                    host => {
-                        let piece = Self::host(host)?;
-                        (piece.address(), piece.len(), members, piece.dtype(), start)
-                    }
-                })
+                let (address, numel, dtype) = bucket
+                    .lent()
+                    .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("bucket memory is not contiguous"))?;
+                Ok((address, numel, members, dtype, start))
             })
             .collect()
     }
@@ -148,28 +143,4 @@ type BucketEntry = (usize, usize, Vec<usize>, &'static str, usize);
 enum Piece<'a> {
     Narrow(&'a [f32]),
     Wide(&'a [f64]),
-}
-
-impl Piece<'_> {
-    fn address(self) -> usize {
-        match self {
-            Piece::Narrow(v) => v.as_ptr() as usize,
-            Piece::Wide(v) => v.as_ptr() as usize,
-        }
-    }
-
-    fn len(self) -> usize {
-        match self {
-            Piece::Narrow(v) => v.len(),
-            Piece::Wide(v) => v.len(),
-        }
-    }
-
-    /// The element type, as torch names it.
-    fn dtype(self) -> &'static str {
-        match self {
-            Piece::Narrow(_) => "float32",
-            Piece::Wide(_) => "float64",
-        }
-    }
 }

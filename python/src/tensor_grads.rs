@@ -152,6 +152,21 @@ pub enum Bucket {
     Plane(PlaneBucket),
 }
 
+impl Bucket {
+    /// Where Python finds this bucket's memory: `(address, values, element
+    /// type as torch names it)`. On the device plane the address is the
+    /// shim's `Bucket*` (for `_collectives.bucket_tensor`); `None` for a
+    /// host bucket in several pieces.
+    pub fn lent(&self) -> Option<(usize, usize, &'static str)> {
+        match self {
+            Bucket::Host(b) if b.num_pieces() == 1 => Some((b.piece(0).as_ptr() as usize, b.numel(), "float32")),
+            Bucket::Wide(b) if b.num_pieces() == 1 => Some((b.piece(0).as_ptr() as usize, b.numel(), "float64")),
+            Bucket::Host(_) | Bucket::Wide(_) => None,
+            Bucket::Plane(b) => Some((b.address(), b.numel(), if b.is_wide() { "float64" } else { "float32" })),
+        }
+    }
+}
+
 /// The store of the torch binding (see the module docs): host buckets (as
 /// [`HostStore`]) with [`Grad`] payloads, or the device plane.
 #[derive(Debug, Clone, Copy, Default)]

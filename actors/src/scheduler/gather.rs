@@ -15,15 +15,12 @@
 //! the step itself). Asked while the scheduler is failed, it is refused at
 //! once with that failure, without a collective.
 
-use std::time::Instant;
-
 use super::step::Lifecycle;
 use super::Scheduler;
 use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag, CommError, SyncError};
 use crate::messages::{GatherOf, Gathered, Reply};
 use crate::store::GradStore;
-use crate::timeline::{Lane, TimelineEvent};
 
 /// Where a gather's buffers and outcome go.
 type Answer<B> = Reply<Gathered<B>>;
@@ -70,31 +67,13 @@ impl<S: GradStore> Scheduler<S> {
         }
     }
 
-    /// A gather collective came back (successful or not).
-    pub(super) fn on_gathered(
-        &mut self,
-        tag: CollectiveTag,
-        buffer: S::Bucket,
-        result: Result<(), CommError>,
-        (started, finished): (Instant, Instant),
-    ) {
+    /// A gather collective came back (successful or not; accounted for by `on_done`).
+    pub(super) fn on_gathered(&mut self, tag: CollectiveTag, buffer: S::Bucket, result: Result<(), CommError>) {
         let of = match tag.kind {
             CollectiveKind::Gather { index, .. } => GatherOf::Bucket(index),
             CollectiveKind::Norm { .. } => GatherOf::Norm,
             _ => unreachable!("only gathers come here"),
         };
-        let payload = CommPayload::<S>::Grads(buffer);
-        let bytes = payload.bytes(&self.store);
-        let CommPayload::Grads(buffer) = payload else { unreachable!("built above") };
-        let took = finished.saturating_duration_since(started);
-        crate::telemetry::collective(&self.rank_label, &tag.kind, bytes, took, &result);
-        if self.cfg.record_timeline {
-            let name = match of {
-                GatherOf::Bucket(index) => format!("all-gather bucket {index}"),
-                GatherOf::Norm => "gradient norm".to_string(),
-            };
-            self.step.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
-        }
         let Some(gathering) = self.gathering.as_mut() else {
             tracing::warn!(rank = self.cfg.rank, %tag, "a gather collective came back with no gather in progress");
             return;

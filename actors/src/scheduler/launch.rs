@@ -8,7 +8,7 @@ use super::Scheduler;
 use crate::arrival::{ParamId, PayloadKind, Token};
 use crate::bucket_buf::WriteMode;
 use crate::comm::{CommDone, CommPayload};
-use crate::error::{CollectiveKind, CollectiveTag};
+use crate::error::{CollectiveKind, CollectiveTag, CommError};
 use crate::messages::Readiness;
 use crate::policy::AbortPolicy;
 use crate::store::GradStore;
@@ -191,10 +191,12 @@ impl<S: GradStore> Scheduler<S> {
     /// A collective returned: account for it, then route it by kind.
     pub(super) fn on_done(&mut self, done: CommDone<S>) {
         let CommDone { tag, payload, result, started, finished } = done;
+        let bytes = payload.bytes(&self.store);
         let payload = match (tag.kind, payload) {
             // (Answered whatever the step's state: the caller waits for it.)
             (CollectiveKind::Gather { .. } | CollectiveKind::Norm { .. }, CommPayload::Grads(buffer)) => {
-                return self.on_gathered(tag, buffer, result, (started, finished));
+                self.account(tag, bytes, (started, finished), &result);
+                return self.on_gathered(tag, buffer, result);
             }
             (_, payload) => payload,
         };
@@ -206,16 +208,8 @@ impl<S: GradStore> Scheduler<S> {
             }
             return;
         }
-        let took = finished.saturating_duration_since(started);
-        self.step.comm_busy += took;
-        crate::telemetry::collective(&self.rank_label, &tag.kind, payload.bytes(&self.store), took, &result);
-        if self.cfg.record_timeline {
-            let name = match tag.kind {
-                CollectiveKind::Bucket { index, .. } => format!("all-reduce bucket {index}"),
-                kind => kind.label().to_string(),
-            };
-            self.step.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
-        }
+        self.step.comm_busy += finished.saturating_duration_since(started);
+        self.account(tag, bytes, (started, finished), &result);
         if let Lifecycle::Failed(_) = self.lifecycle {
             // A failed step's collectives: their buffers may be missing pieces,
             // so the reset allocates fresh ones instead.
@@ -234,6 +228,28 @@ impl<S: GradStore> Scheduler<S> {
             (CollectiveKind::Correction { .. }, CommPayload::Grads(buf)) => self.on_correction(&buf),
             (CollectiveKind::Order { .. }, CommPayload::Words(words)) => self.on_order(&words),
             (kind, _) => unreachable!("payload does not match collective {kind:?}"),
+        }
+    }
+
+    /// A returned collective into the metrics and, when recording, the
+    /// step's timeline (on the communicator's lane).
+    fn account(
+        &mut self,
+        tag: CollectiveTag,
+        bytes: usize,
+        (started, finished): (Instant, Instant),
+        result: &Result<(), CommError>,
+    ) {
+        let took = finished.saturating_duration_since(started);
+        crate::telemetry::collective(&self.rank_label, &tag.kind, bytes, took, result);
+        if self.cfg.record_timeline {
+            let name = match tag.kind {
+                CollectiveKind::Bucket { index, .. } => format!("all-reduce bucket {index}"),
+                CollectiveKind::Gather { index, .. } => format!("all-gather bucket {index}"),
+                CollectiveKind::Norm { .. } => "gradient norm".to_string(),
+                kind => kind.label().to_string(),
+            };
+            self.step.timeline.push(TimelineEvent::span(name, Lane::Communicator, started, finished));
         }
     }
 

@@ -99,13 +99,16 @@ class Piece:
 class BucketLayout:
     """One bucket of the plan: its element count, members (parameter
     indices, back to back in that order) and their element counts, and the
-    chunk each rank receives (``chunk`` values; this rank's is ``mine``)."""
+    chunk each rank receives (``chunk`` values; this rank's is ``mine``);
+    ``wide``: it travels in float64 (a float64 or complex128 member), else
+    float32, so half types travel exactly."""
 
     numel: int
     members: tuple
     sizes: tuple
     chunk: int
     mine: tuple
+    wide: bool
 
 
 class Partition:
@@ -167,7 +170,8 @@ class Partition:
             sizes = tuple(self.reals(self.params[i]) for i in members)
             (lo, hi, _), *buddy = held_ranges(numel, rank, world, self.buddy_stride)
             chunk = partition_of(numel, 0, world)[1]
-            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, (lo, hi)))
+            wide = any(self.params[i].dtype in (torch.float64, torch.complex128) for i in members)
+            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, (lo, hi), wide))
             self.pieces += self._pieces_of(b, members, sizes, (lo, hi), 0)
             for lo, hi, at in buddy:
                 self.buddy_pieces += self._pieces_of(b, members, sizes, (lo, hi), at)
@@ -323,19 +327,13 @@ class Partition:
     def gather(self):
         """Every rank's pieces, updated by its optimizer, into every rank's
         parameters: per bucket, this rank writes its pieces into its chunk
-        of the runtime's gather buffer (bucket precision: float32, or
-        float64 for float64 parameters, so half types travel exactly; zeros
-        past its partition), the runtime gathers every chunk
+        of the runtime's gather buffer (``BucketLayout.wide``'s precision;
+        zeros past its partition), the runtime gathers every chunk
         (``_gather.ParameterGather``), and each member reads its values
         back."""
         if self.world == 1:
             return
-        sizes = []
-        for layout in self.buckets:
-            members = [self.params[i] for i in layout.members]
-            wide = any(p.dtype in (torch.float64, torch.complex128) for p in members)
-            sizes.append((layout.chunk * self.world, wide))
-        buffers = self.gathering.buffers(sizes)
+        buffers = self.gathering.buffers([(layout.chunk * self.world, layout.wide) for layout in self.buckets])
         for b, (layout, whole) in enumerate(zip(self.buckets, buffers)):
             self.fill_chunk(b, whole[self.rank * layout.chunk : (self.rank + 1) * layout.chunk],
                             lambda piece: piece.tensor)

@@ -132,15 +132,12 @@ class StateBroadcast:
     def all_gather(self, mine):
         """Every rank's ``mine`` (a flat CPU tensor of the same length and
         dtype on every rank), back to back in rank order."""
-        return self.start_all_gather(mine).wait()
-
-    def start_all_gather(self, mine):
-        """:meth:`all_gather`, started: its ``wait()`` returns the result."""
         if self._world == 1:
-            return _Done(mine.clone())
+            return mine.clone()
         self._reap()
         out = torch.empty(self._world * mine.numel(), dtype=mine.dtype)
-        return _Gathering(self, self._group._allgather_base(out, mine), out)
+        self._wait(self._group._allgather_base(out, mine))
+        return out
 
     def all_gather_objects(self, value):
         """Every rank's picklable ``value``, as a list in rank order."""
@@ -181,27 +178,6 @@ class StateBroadcast:
         if self._world == 1:
             return
         self.broadcast(tensors, self.highest(is_last_joiner))
-
-
-class _Gathering:
-    """An all-gather in flight: ``wait()`` returns its result."""
-
-    def __init__(self, states, work, out):
-        self._states, self._work, self._out = states, work, out
-
-    def wait(self):
-        self._states._wait(self._work)
-        return self._out
-
-
-class _Done:
-    """A collective with nobody to wait for (a world of one)."""
-
-    def __init__(self, out):
-        self._out = out
-
-    def wait(self):
-        return self._out
 
 
 def meet(store, rank, world, timeout_s, abandon):
