@@ -125,6 +125,13 @@ class Session:
     def gather(self, gathers: Gathers) -> None:
         """Gather every rank's chunk into ``gathers``' buffers (this rank's
         written first); waits with the interpreter released."""
+    def gather_start(self, gathers: Gathers, index: int) -> None:
+        """Start gathering buffer ``index`` of ``gathers`` alone and return
+        at once (several may be in flight, started in the same order on
+        every rank)."""
+    def gather_wait(self, gathers: Gathers, index: int) -> None:
+        """Wait for the gather of buffer ``index`` that ``gather_start``
+        began; a failure raises as a failed step does."""
     def abort(self, step: int, reason: Union[str, int]) -> Step: ...
     def join(self) -> tuple[int, int]: ...
     def shadow_step(self) -> Step:

@@ -9,6 +9,16 @@
 //!                                                       ◀── every rank's chunk in place, the buffers back here
 //! ```
 //!
+//! A buffer may also travel alone: `Session.gather_start(gathers, i)` hands
+//! buffer `i` to the communicator and returns, `Session.gather_wait(gathers,
+//! i)` waits for it (so a caller packs the next bucket, or unpacks this one,
+//! while the others are in flight):
+//!
+//! ```text
+//! Held ─ gather_start ─▶ Out (PendingGather) ─ gather_wait ─▶ Held     (failed or not)
+//!                                            └──────────────▶ Lost     (the runtime never answered)
+//! ```
+//!
 //! The buffers move into the runtime for the gather and come back with its
 //! outcome, failed or not; only when the runtime is gone or stops
 //! answering do they not come back, and [`Gathers::lost`] then says the
@@ -16,7 +26,7 @@
 
 use std::sync::Mutex;
 
-use gradsync_runtime::GatherOf;
+use gradsync_runtime::{GatherOf, PendingGather};
 use pyo3::prelude::*;
 
 use crate::tensor_grads::Bucket;
@@ -26,16 +36,26 @@ use crate::tensor_grads::Bucket;
 /// device-plane bucket's (`_collectives.bucket_tensor`) rather than host memory.
 type Entry = (Option<usize>, usize, usize, &'static str, bool);
 
+/// Where one gather buffer is (see the module docs).
+#[derive(Debug)]
+pub(crate) enum Slot {
+    /// Here: Python reads and writes it.
+    Held(GatherOf, Bucket),
+    /// With the communicator, alone (`Session.gather_start`), until waited for.
+    Out(PendingGather<Bucket>),
+    /// With a gather that never answered (or being gathered with the others).
+    Gone,
+}
+
 /// One buffer per bucket of a sharded wrapper's plan (see the module docs).
 #[pyclass(module = "gradsync._native")]
 pub struct Gathers {
-    /// `(what, buffer)`, in the order the gathers run; empty while a
-    /// gather has them (and for good once lost). Behind a lock only
+    /// Each buffer, in the order the gathers run. Behind a lock only
     /// because Python objects must be shareable between threads.
-    pub(crate) buffers: Mutex<Vec<(GatherOf, Bucket)>>,
+    pub(crate) slots: Mutex<Vec<Slot>>,
     /// The buffers as Python reads them, fixed at allocation.
     pub(crate) entries: Vec<Entry>,
-    /// A gather took the buffers and they never came back.
+    /// A gather took buffers and they never came back.
     pub(crate) lost: bool,
 }
 
@@ -53,7 +73,13 @@ impl Gathers {
                 (index, address, numel, dtype, matches!(bucket, Bucket::Plane(_)))
             })
             .collect();
-        Gathers { buffers: Mutex::new(buffers), entries, lost: false }
+        let slots = buffers.into_iter().map(|(of, bucket)| Slot::Held(of, bucket)).collect();
+        Gathers { slots: Mutex::new(slots), entries, lost: false }
+    }
+
+    /// The slots, for the one caller that holds this object mutably.
+    pub(crate) fn slots(&mut self) -> &mut Vec<Slot> {
+        self.slots.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 use crate::arrivals::{ArrivalSink, SharedBatch, Sink};
 use crate::closing;
 use crate::errors::{self, dict, value};
-use crate::gathers::Gathers;
+use crate::gathers::{Gathers, Slot};
 use crate::membership::Membership;
 use crate::memory::Elem;
 use crate::params::Params;
@@ -307,16 +307,76 @@ impl Session {
     /// interpreter released; a failure raises as a failed step does.
     fn gather(&mut self, py: Python<'_>, gathers: &Bound<'_, Gathers>) -> PyResult<()> {
         let mut gathers = gathers.borrow_mut();
-        if gathers.lost {
-            let why = "these gather buffers were lost with an earlier gather: allocate new ones".to_string();
-            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+        usable(py, &gathers)?;
+        let slots = gathers.slots();
+        let mut buffers = Vec::with_capacity(slots.len());
+        for slot in slots.iter_mut() {
+            match std::mem::replace(slot, Slot::Gone) {
+                Slot::Held(of, bucket) => buffers.push((of, bucket)),
+                other => {
+                    *slot = other;
+                    for (slot, (of, bucket)) in slots.iter_mut().zip(buffers) {
+                        *slot = Slot::Held(of, bucket);
+                    }
+                    let why = "a gather of one of these buffers is in flight: wait for it first".to_string();
+                    return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+                }
+            }
         }
         let sync = self.sync(py)?;
-        let held = gathers.buffers.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut buffers = std::mem::take(held);
         let outcome = py.detach(|| sync.gather(&mut buffers));
-        gathers.lost = buffers.is_empty() && !gathers.entries.is_empty();
-        *gathers.buffers.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()) = buffers;
+        let slots = gathers.slots();
+        let lost = buffers.is_empty() && !slots.is_empty();
+        for (slot, (of, bucket)) in slots.iter_mut().zip(buffers) {
+            *slot = Slot::Held(of, bucket);
+        }
+        gathers.lost |= lost;
+        outcome.map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// Start gathering buffer `index` of `gathers` alone (this rank's chunk
+    /// written first) and return at once; :meth:`gather_wait` waits for it.
+    /// Several may be in flight; each rank starts the same ones in the same
+    /// order.
+    fn gather_start(&mut self, py: Python<'_>, gathers: &Bound<'_, Gathers>, index: usize) -> PyResult<()> {
+        let mut gathers = gathers.borrow_mut();
+        usable(py, &gathers)?;
+        let slot = slot_at(py, gathers.slots(), index)?;
+        let Slot::Held(of, bucket) = std::mem::replace(slot, Slot::Gone) else {
+            let why = format!("gather buffer {index} is already in flight");
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+        };
+        let sync = self.sync(py)?;
+        match sync.start_gather(vec![(of, bucket)]) {
+            Ok(pending) => {
+                *slot_at(py, gathers.slots(), index)? = Slot::Out(pending);
+                Ok(())
+            }
+            Err((mut back, e)) => {
+                let (of, bucket) = back.pop().expect("a refused gather gives its buffer back");
+                *slot_at(py, gathers.slots(), index)? = Slot::Held(of, bucket);
+                Err(errors::sync_error(py, &e))
+            }
+        }
+    }
+
+    /// Wait for the gather of buffer `index` that :meth:`gather_start`
+    /// began, with the interpreter released; a failure raises as a failed
+    /// step does (the buffer is back either way, unless the runtime never
+    /// answered: then :attr:`Gathers.lost`).
+    fn gather_wait(&mut self, py: Python<'_>, gathers: &Bound<'_, Gathers>, index: usize) -> PyResult<()> {
+        let mut gathers = gathers.borrow_mut();
+        let slot = slot_at(py, gathers.slots(), index)?;
+        let Slot::Out(pending) = std::mem::replace(slot, Slot::Gone) else {
+            let why = format!("gather buffer {index} is not in flight: start it with gather_start");
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+        };
+        let sync = self.sync(py)?;
+        let (mut back, outcome) = py.detach(|| sync.finish_gather(pending));
+        match back.pop() {
+            Some((of, bucket)) => *slot_at(py, gathers.slots(), index)? = Slot::Held(of, bucket),
+            None => gathers.lost = true,
+        }
         outcome.map_err(|e| errors::sync_error(py, &e))
     }
 
@@ -463,4 +523,22 @@ impl Drop for Session {
         // communicator thread may be waiting for it, so join elsewhere.
         closing::in_background(sync);
     }
+}
+
+/// Refuse buffers an earlier gather lost.
+fn usable(py: Python<'_>, gathers: &Gathers) -> PyResult<()> {
+    if gathers.lost {
+        let why = "these gather buffers were lost with an earlier gather: allocate new ones".to_string();
+        return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+    }
+    Ok(())
+}
+
+/// Slot `index` of `slots`, or an error naming how many there are.
+fn slot_at<'s>(py: Python<'_>, slots: &'s mut [Slot], index: usize) -> PyResult<&'s mut Slot> {
+    let count = slots.len();
+    slots.get_mut(index).ok_or_else(|| {
+        let why = format!("gather buffer {index} asked for, and there are {count}");
+        errors::raise::<errors::ConfigError>(py, why, &[])
+    })
 }

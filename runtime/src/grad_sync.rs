@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gradsync_actors::messages::{
-    FinishRequest, GatherOf, Place, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd,
+    FinishRequest, GatherOf, Gathered, Place, Reply, Resumption, SchedMsg, Setting, ShardMsg, StepEnd,
 };
 use gradsync_actors::wiring::{self, ActorConfig};
 use gradsync_actors::{
@@ -462,28 +462,60 @@ impl<S: GradStore> GradSync<S> {
     /// buckets' (the collective deadline, failures classified, metrics and
     /// timeline); every rank calls it with the same buckets at the same
     /// point, between steps. A failure leaves the session failed until a
-    /// reset, as a failed step does.
+    /// reset, as a failed step does. [`GradSync::start_gather`] and
+    /// [`GradSync::finish_gather`] are its two halves, for a caller with
+    /// work to do while it runs.
     pub fn gather(&mut self, buffers: &mut Vec<(GatherOf, S::Bucket)>) -> Result<(), SyncError> {
+        let pending = match self.start_gather(std::mem::take(buffers)) {
+            Ok(pending) => pending,
+            Err((back, error)) => {
+                *buffers = back;
+                return Err(error);
+            }
+        };
+        let (back, outcome) = self.finish_gather(pending);
+        *buffers = back;
+        outcome
+    }
+
+    /// Hand `buffers` to the communicator (see [`GradSync::gather`]) and
+    /// return at once: the gather runs behind any collective already
+    /// queued, and several may be in flight (none of the same bucket), each
+    /// answered as its own buffers come back, in the order they were
+    /// started. Refused, with the buffers, when the session is failed or
+    /// the actors are gone.
+    pub fn start_gather(
+        &mut self,
+        buffers: Vec<(GatherOf, S::Bucket)>,
+    ) -> Result<PendingGather<S::Bucket>, RefusedGather<S::Bucket>> {
         if let Some((failed, cause)) = &self.failed {
-            return Err(SyncError::Poisoned { step: *failed, cause: cause.clone() });
+            return Err((buffers, SyncError::Poisoned { step: *failed, cause: cause.clone() }));
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let asked = SchedMsg::Gather { buffers: std::mem::take(buffers), reply: Reply::Blocking(tx) };
+        let asked = SchedMsg::Gather { buffers, reply: Reply::Blocking(tx) };
         if let Err(tokio::sync::mpsc::error::SendError(SchedMsg::Gather { buffers: unsent, .. })) =
             self.sched.send(asked)
         {
-            *buffers = unsent;
-            return Err(SyncError::Closed);
+            return Err((unsent, SyncError::Closed));
         }
-        let step = self.hook.open_step();
-        let (back, outcome) = self.await_answer(&rx, step)?;
-        *buffers = back;
+        Ok(PendingGather { answer: rx, step: self.hook.open_step() })
+    }
+
+    /// Wait for a gather [`GradSync::start_gather`] began: its buffers
+    /// (empty only when the runtime is gone or does not answer within the
+    /// answer timeout) and its outcome. A failure leaves the session failed
+    /// until a reset.
+    pub fn finish_gather(&mut self, pending: PendingGather<S::Bucket>) -> Gathered<S::Bucket> {
+        let (back, outcome) = match self.await_answer(&pending.answer, pending.step) {
+            Ok(answer) => answer,
+            Err(error) => return (Vec::new(), Err(error)),
+        };
         if let Err(e) = &outcome {
-            if e.needs_reset() {
-                self.failed = Some((step, e.to_string()));
+            if e.needs_reset() && self.failed.is_none() {
+                self.failed = Some((pending.step, e.to_string()));
             }
         }
-        outcome
+        (back, outcome)
     }
 
     fn configure(&mut self, setting: Setting) -> Result<(), SyncError> {
@@ -522,6 +554,18 @@ impl<S: GradStore> GradSync<S> {
             std::sync::mpsc::RecvTimeoutError::Disconnected => SyncError::Closed,
         })
     }
+}
+
+/// A gather [`GradSync::start_gather`] refused: its buffers, and why.
+pub type RefusedGather<B> = (Vec<(GatherOf, B)>, SyncError);
+
+/// A gather handed to the communicator by [`GradSync::start_gather`] and
+/// not yet waited for: where its answer comes, and the step it ran after
+/// (for a timeout's error).
+#[derive(Debug)]
+pub struct PendingGather<B> {
+    answer: std::sync::mpsc::Receiver<Gathered<B>>,
+    step: Step,
 }
 
 /// Poll `future` on this thread until it completes or `timeout` passes,

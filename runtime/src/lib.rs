@@ -30,7 +30,7 @@ pub mod rendezvous;
 pub mod trace;
 
 pub use builder::GradSyncBuilder;
-pub use grad_sync::{GradSync, JoinReport, MembershipReset};
+pub use grad_sync::{GradSync, JoinReport, MembershipReset, PendingGather};
 pub use gradsync_actors::messages::{GatherOf, Place};
 pub use gradsync_actors::{
     AbortPolicy, AbortReason, BuildError, DType, Divisor, GradView, Gradients, Outcome, ParamId, Payload, PayloadKind,

@@ -73,6 +73,41 @@ fn every_rank_receives_every_chunk_bit_for_bit_between_steps() {
     }
 }
 
+/// Started one bucket at a time and waited for in order (how the torch
+/// wrapper pipelines its packing and unpacking with the gathers in flight),
+/// every chunk lands as with one gather of every bucket.
+#[test]
+fn gathers_started_one_by_one_and_waited_in_order_land_bit_for_bit() {
+    let world = 3;
+    let chunks = [4, 2, 3];
+    let syncs = build_world(world, &[4, 4, 4], |b| {
+        b.bucket_cap_bytes(16);
+    });
+    let out = on_ranks(syncs, |rank, mut sync: GradSync| {
+        let mut pending = Vec::new();
+        for buffer in buffers(rank, world, &chunks) {
+            pending.push(sync.start_gather(vec![buffer]).expect("started"));
+        }
+        pending
+            .into_iter()
+            .map(|p| {
+                let (mut back, outcome) = sync.finish_gather(p);
+                outcome.expect("the gather");
+                let (of, buf) = back.pop().expect("the buffer back");
+                (of, bits(&buf))
+            })
+            .collect::<Vec<_>>()
+    });
+    for (rank, gathered) in out.into_iter().enumerate() {
+        assert_eq!(gathered.len(), chunks.len());
+        for (b, (of, got)) in gathered.into_iter().enumerate() {
+            assert_eq!(of, GatherOf::Bucket(b), "rank {rank}: answered in the order started");
+            let want: Vec<u32> = (0..world).flat_map(|r| chunk_of(r, b, chunks[b])).map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "rank {rank} bucket {b}");
+        }
+    }
+}
+
 #[test]
 fn a_rank_that_never_gathers_fails_the_others_at_the_deadline_naming_it() {
     let syncs = build_world(3, &[4], |b| {

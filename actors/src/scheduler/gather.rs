@@ -2,10 +2,13 @@
 //! collective: between two steps the caller hands in one buffer per bucket
 //! (every rank's chunk of it back to back, its own filled by its optimizer),
 //! they go to the communicator in the order given, and come back together.
+//! Several gathers may be in flight (a caller that starts one per bucket
+//! and unpacks each as it lands), never two of the same bucket; each is
+//! answered when its own buffers are back.
 //!
 //! ```text
 //! Gather { buffers, reply } ─▶ submit one Gather collective per buffer (tag: the open step)
-//!   Done(gather) ─▶ kept ─▶ all back? reply (buffers, Ok)
+//!   Done(gather) ─▶ kept by the gather it belongs to ─▶ all its buffers back? reply (buffers, Ok)
 //!   Done(failed) ─▶ kept ─▶ all back? reply (buffers, Err(first failure)); the scheduler is failed until a reset
 //! ```
 //!
@@ -25,12 +28,13 @@ use crate::store::GradStore;
 /// Where a gather's buffers and outcome go.
 type Answer<B> = Reply<Gathered<B>>;
 
-/// A gather in progress: the buffers back so far, how many are still out,
-/// the first failure, and where to answer.
+/// A gather in progress: the buffers back so far, those still out, the
+/// first failure, and where to answer.
 #[derive(Debug)]
 pub(crate) struct Gathering<B> {
     back: Vec<(GatherOf, B)>,
-    out: usize,
+    /// What is still with the communicator, in submission order.
+    out: Vec<GatherOf>,
     failure: Option<SyncError>,
     reply: Answer<B>,
 }
@@ -42,8 +46,9 @@ impl<S: GradStore> Scheduler<S> {
             let error = failure.error.clone();
             return reply.send((buffers, Err(error)));
         }
-        if self.gathering.is_some() {
-            let why = "a parameter gather was asked for while another was in progress".to_string();
+        let in_flight = |of: &GatherOf| self.gathering.iter().any(|g| g.out.contains(of));
+        if let Some((of, _)) = buffers.iter().find(|(of, _)| in_flight(of)) {
+            let why = format!("a gather of {of:?} was asked for while one of it was in flight");
             return reply.send((buffers, Err(SyncError::Setting { setting: "gather", why })));
         }
         let outside = |of: &GatherOf| matches!(of, GatherOf::Bucket(index) if *index >= self.plan.num_buckets());
@@ -54,7 +59,8 @@ impl<S: GradStore> Scheduler<S> {
         if buffers.is_empty() {
             return reply.send((buffers, Ok(())));
         }
-        self.gathering = Some(Gathering { back: Vec::new(), out: buffers.len(), failure: None, reply });
+        let out = buffers.iter().map(|(of, _)| *of).collect();
+        self.gathering.push(Gathering { back: Vec::new(), out, failure: None, reply });
         let timeout = self.cfg.collective_timeout;
         for (of, buffer) in buffers {
             let numel = self.store.bucket_numel(&buffer);
@@ -74,19 +80,20 @@ impl<S: GradStore> Scheduler<S> {
             CollectiveKind::Norm { .. } => GatherOf::Norm,
             _ => unreachable!("only gathers come here"),
         };
-        let Some(gathering) = self.gathering.as_mut() else {
-            tracing::warn!(rank = self.cfg.rank, %tag, "a gather collective came back with no gather in progress");
+        let Some(at) = self.gathering.iter().position(|g| g.out.contains(&of)) else {
+            tracing::warn!(rank = self.cfg.rank, %tag, "a gather collective came back with no gather of it in progress");
             return;
         };
+        let gathering = &mut self.gathering[at];
         gathering.back.push((of, buffer));
-        gathering.out -= 1;
+        gathering.out.retain(|out| *out != of);
         if let Err(e) = result {
             gathering.failure.get_or_insert(e.into());
         }
-        if gathering.out > 0 {
+        if !gathering.out.is_empty() {
             return;
         }
-        let Gathering { back, failure, reply, .. } = self.gathering.take().expect("a gather in progress");
+        let Gathering { back, failure, reply, .. } = self.gathering.remove(at);
         match failure {
             None => reply.send((back, Ok(()))),
             Some(error) => {

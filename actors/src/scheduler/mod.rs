@@ -157,8 +157,8 @@ pub struct Scheduler<S: GradStore = HostStore> {
     /// Partitioned (reduce-scattered) buckets: the partitions a step keeps
     /// and the whole buffers between uses (`partition.rs`); `None` otherwise.
     partitions: Option<Partitions<S::Bucket>>,
-    /// A sharded model's parameter gather in progress (`gather.rs`).
-    gathering: Option<gather::Gathering<S::Bucket>>,
+    /// A sharded model's parameter gathers in flight, in the order they were asked for (`gather.rs`).
+    gathering: Vec<gather::Gathering<S::Bucket>>,
 }
 
 /// A reset held back: its proposal, membership and reply.
@@ -209,7 +209,7 @@ impl<S: GradStore> Scheduler<S> {
             deferred_reset: None,
             bucket_ends,
             partitions: None,
-            gathering: None,
+            gathering: Vec::new(),
         };
         if sched.cfg.partitioned {
             // Whole buffers are allocated as buckets fill (partition.rs).

@@ -56,3 +56,31 @@ fn a_failed_gather_gives_the_buffers_back_and_poisons_until_a_reset() {
     assert_eq!((back.len(), outcome), (1, Err(SyncError::Comm(gone))));
     r.no_job();
 }
+
+/// Invariant: gathers started one after another (one per bucket, as a
+/// caller that unpacks each as it lands starts them) are all in flight at
+/// once, each answered as soon as its own buffer is back, whatever order
+/// the others finish in; a second gather of a bucket still in flight is
+/// refused at once, without a collective.
+#[test]
+fn gathers_in_flight_together_are_each_answered_when_their_own_buffers_are_back() {
+    let mut r = rank_with(1, 0, &[2, 2, 2], 12, AbortPolicy::Skip, Divisor::Contributors);
+    r.agree_plan();
+    let first = gather(&mut r, &[2]);
+    let second = gather(&mut r, &[1, 0]);
+    let twice = gather(&mut r, &[1]);
+    let (back, outcome) = twice.try_recv().unwrap();
+    assert!(matches!(outcome, Err(SyncError::Setting { setting: "gather", .. })) && back.len() == 1);
+    let (a, b, c) = (r.job(), r.job(), r.job());
+    r.no_job();
+    assert_eq!(kind(&a), CollectiveKind::Gather { index: 2, numel: 4 });
+    r.done(b);
+    assert!(first.try_recv().is_err() && second.try_recv().is_err());
+    r.done(a);
+    let (back, outcome) = first.try_recv().unwrap();
+    assert_eq!((back.len(), outcome), (1, Ok(())));
+    assert!(second.try_recv().is_err(), "bucket 0 is still out");
+    r.done(c);
+    let (back, outcome) = second.try_recv().unwrap();
+    assert_eq!((back.len(), outcome), (2, Ok(())));
+}
