@@ -55,23 +55,23 @@ class scatter_on_gloo:
         self.on = on
 
     def __enter__(self):
-        from gradsync.torch import _sharding
+        from gradsync.torch.sharding import wrapper as _sharding
 
         self.before, _sharding.GLOO_REDUCE_SCATTER = _sharding.GLOO_REDUCE_SCATTER, self.on
         return self
 
     def __exit__(self, *exc):
-        from gradsync.torch import _sharding
+        from gradsync.torch.sharding import wrapper as _sharding
 
         _sharding.GLOO_REDUCE_SCATTER = self.before
         return False
 
 
-def _build(impl, model, world, **kwargs):
-    """``model`` under ``impl`` and its optimizer."""
+def _build(impl, model, world, optim=None, **kwargs):
+    """``model`` under ``impl`` and its optimizer (AdamW, with the options ``optim``)."""
     if impl == "gradsync":
         wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.001), **kwargs)
-        return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
+        return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=LR, **(optim or {}))
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -94,7 +94,7 @@ def _build(impl, model, world, **kwargs):
 
 
 def train(rank, world, impl, make, forward, batch, steps=4, aborts=(), policy="skip", micro=1, clip=None,
-          **wrap_kwargs):
+          optim=None, **wrap_kwargs):
     """Train ``make()`` for ``steps`` steps under ``impl`` on this rank's
     slice of a seeded batch and the reference on every rank's; returns an
     outcome with the largest parameter difference seen.
@@ -104,13 +104,16 @@ def train(rank, world, impl, make, forward, batch, steps=4, aborts=(), policy="s
     the run); ``aborts``: ``(rank, step)`` pairs where that rank aborts its
     step (an out-of-memory error) under ``policy``; ``micro``: micro-batches
     per step (all but the last under ``no_sync``); ``clip``: a max norm for
-    ``torch.nn.utils.clip_grad_norm_`` (both sides clip by it)."""
+    ``torch.nn.utils.clip_grad_norm_`` (both sides clip by it); ``optim``:
+    options of both sides' AdamW (``foreach``, ``fused``)."""
     torch.manual_seed(1234)
     base = make().double()
     reference = copy.deepcopy(base)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, **(optim or {}))
     if impl == "gradsync" and policy != "skip":
         wrap_kwargs["abort_policy"] = policy
+    if optim:
+        wrap_kwargs["optim"] = optim
     wrapped, opt = _build(impl, copy.deepcopy(base), world, **wrap_kwargs)
     data = torch.randn(steps, micro, world * batch, *make.shape, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(99))

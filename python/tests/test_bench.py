@@ -134,6 +134,18 @@ def test_sharded_memory_every_implementation(tmp_path):
     assert not [r for r in rows if r["impl"].startswith("gradsync") and "error" in r], rows
 
 
+def test_sharded_step_interleaved_with_the_gathers_share(tmp_path):
+    bench("sharded_step.py", "--worlds", "2", "--layers", "1", "--width", "32", "--tokens", "8", "--steps", "2",
+          "--warmup", "1", "--json", tmp_path / "steps.json")
+    rows = json.loads((tmp_path / "steps.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync-sharded-at-once", "gradsync", "ddp", "fsdp2"}
+    for row in rows:
+        assert row["step_s"] > 0, row
+        if row["impl"].startswith("gradsync-sharded"):
+            # The gather and the optimizer step are parts of the step.
+            assert 0 < row["gather_s"] + row["optimizer_s"] < row["step_s"], row
+
+
 def test_sharded_side_by_side_one_case(tmp_path):
     bench("sharded_side_by_side.py", "--cases", "checkpoint_once", "--deadline", "60", "--json", tmp_path / "p.json")
     (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]

@@ -1,5 +1,5 @@
 """The settlement of a change of members in a sharded elastic job
-(``gradsync.torch._reshard``), driven directly: who sends which values, and
+(``gradsync.torch.sharding.reshard``), driven directly: who sends which values, and
 what each survivor does with a step in flight, from what every member said.
 
 The other members are described by hand (``everyone``); this process holds a
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import gradsync
-from gradsync.torch._partition import Partition
-from gradsync.torch._reshard import _settle_step, runs, settle
-from gradsync.torch._sharded_optim import ShardedOptimizer
+from gradsync.torch.sharding.partition import Partition
+from gradsync.torch.sharding.reshard import _settle_step, runs, settle
+from gradsync.torch.sharding.optimizer import ShardedOptimizer
 
 
 class OneRank:

@@ -25,6 +25,14 @@ def test_reduce_scattered_on_gloo_too(world2, name):
     check(world2.run(case, "gradsync", name, scatter=True))
 
 
+@pytest.mark.parametrize("options", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_torchs_multi_tensor_and_fused_optimizers_step_the_pieces_exactly(world2, options):
+    # The pieces are a list of tensors (views of the parameters, cut where a
+    # partition meets one), so AdamW's foreach and fused kernels take them
+    # as they are; unused parameters must still be skipped.
+    check(world2.run(case, "gradsync", "unused_parameters", optim=options))
+
+
 @pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
 def test_device_plane_buckets_on_cpu_tensors(world2, scatter):
     # The device plane's code (buckets as torch tensors, partitions copied
@@ -136,7 +144,7 @@ def test_misuse_is_refused_with_what_to_do(world2):
 
 def test_sparse_sharding_is_refused_before_anything_starts():
     import gradsync
-    from gradsync.torch._sharding import refuse
+    from gradsync.torch.sharding.wrapper import refuse
 
     with pytest.raises(gradsync.ConfigError, match="sparse=False"):
         refuse({}, ["emb.weight"])

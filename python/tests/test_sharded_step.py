@@ -1,10 +1,10 @@
-"""The sharded step's state machine (``gradsync.torch._sharded_step``),
+"""The sharded step's state machine (``gradsync.torch.sharding.step``),
 driven message by message as a rank's step sends them: no process group,
 no model."""
 
 import pytest
 
-from gradsync.torch._sharded_step import Phase, ShardedStep
+from gradsync.torch.sharding.step import Phase, ShardedStep
 
 
 def test_an_applied_step_goes_received_clipped_stepped_gathered_and_counts_once():

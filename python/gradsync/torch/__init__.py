@@ -20,7 +20,7 @@ Lightning's ``ddp`` strategy) gets gradsync after one line::
 Models whose gradients and optimizer state should not be whole on every
 rank shard them (ZeRO-2): ``DistributedDataParallel(model,
 shard_gradients=True)`` and ``model.shard_optimizer(torch.optim.AdamW, ...)``
-(:class:`ShardedOptimizer`; see ``gradsync.torch._sharding``).
+(:class:`ShardedOptimizer`; see ``gradsync.torch.sharding.wrapper``).
 
 An elastic job (a lost rank does not end it; a replacement joins) is
 :class:`Elastic`, launched with ``python -m gradsync.launch`` (see
@@ -28,7 +28,7 @@ An elastic job (a lost rank does not end it; a replacement joins) is
 """
 
 from gradsync.torch._replace import ddp_replaced, replace_ddp, restore_ddp
-from gradsync.torch._sharded_optim import ELEMENTWISE, ShardedOptimizer, elementwise
+from gradsync.torch.sharding.optimizer import ELEMENTWISE, ShardedOptimizer, elementwise
 from gradsync.torch.ddp import DistributedDataParallel
 from gradsync.torch.elastic import Elastic, MembershipEvent
 

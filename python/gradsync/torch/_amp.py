@@ -7,7 +7,7 @@ steps in there (torch's method is wrapped once, when the first wrapper is
 built):
 
 * an optimizer over a sharded wrapper's parameters is converted to its
-  pieces first (``_sharding.sharded_optimizer_of``), so its gradients are
+  pieces first (``sharding.wrapper.sharded_optimizer_of``), so its gradients are
   found (unconverted, its parameters have no ``.grad`` and the scaler
   would find no gradient at all: "No inf checks were recorded");
 * sharded, each rank sees only its partition, so whether a gradient is
@@ -22,9 +22,9 @@ built):
 
 import torch
 
-from gradsync.torch import _clip
-from gradsync.torch._partition import LOST
-from gradsync.torch._sharding import sharded_optimizer_of
+from gradsync.torch.sharding import clip as _clip
+from gradsync.torch.sharding.norm import LOST
+from gradsync.torch.sharding.wrapper import sharded_optimizer_of
 
 # torch's GradScaler.unscale_, once wrapped.
 _TORCH_UNSCALE = None

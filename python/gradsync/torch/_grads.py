@@ -33,7 +33,7 @@ def reals(p):
 class TorchGrads:
     """The torch side of a wrapped model's gradients (see the module docs).
     ``plane``: the communicator when the buckets are on the device plane;
-    ``partition``: a sharded wrapper's ``_partition.Partition`` (the
+    ``partition``: a sharded wrapper's ``sharding.partition.Partition`` (the
     averages go to its pieces, ``.grad`` stays ``None``)."""
 
     def __init__(self, params, hooks, plane, sparse, partition=None):

@@ -65,14 +65,14 @@ from gradsync._errors import ConfigError
 from gradsync._gloo import never_free
 from gradsync.torch import _amp, _shim, _torch_group
 from gradsync.torch._comm import TorchCommunicator
-from gradsync.torch._gather import ParameterGather
+from gradsync.torch.sharding.gather import ParameterGather
 from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
-from gradsync.torch._sharding import Sharding
-from gradsync.torch._sharding import refuse as refuse_sharded
-from gradsync.torch._sharding import scatters, sharded_optimizer_of
+from gradsync.torch.sharding.wrapper import Sharding
+from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
+from gradsync.torch.sharding.wrapper import scatters, sharded_optimizer_of
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -107,7 +107,7 @@ _OPTIMIZER_HOOK = None
 def _check_before_optimizer_step(optimizer, args, kwargs):
     """An optimizer step must not apply gradients a wrapper never averaged;
     an optimizer over a sharded wrapper's parameters steps sharded (it is
-    taken over at its first step, ``_sharding.sharded_optimizer_of``)."""
+    taken over at its first step, ``sharding.wrapper.sharded_optimizer_of``)."""
     if getattr(optimizer, "_gradsync_facade", False):
         return  # (its inner optimizer's step comes through here)
     for ddp in list(_LIVE):
@@ -250,7 +250,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       bucket only (reduce-scattered on NCCL, all-reduced on gloo and in an
       elastic job, whose ranks keep a buddy's partition too), ``model.shard_optimizer(AdamW, ...)``
       builds the optimizer that steps it and all-gathers the parameters
-      (``gradsync.torch._sharding``). ``.grad`` stays ``None``; clip with
+      (``gradsync.torch.sharding.wrapper``). ``.grad`` stays ``None``; clip with
       ``model.clip_grad_norm_`` or ``torch.nn.utils.clip_grad_norm_``.
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost

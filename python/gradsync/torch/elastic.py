@@ -81,6 +81,7 @@ from gradsync.torch._job import (  # noqa: F401  (ENV_*, EXIT_* and exit_status:
     connect, env, exit_status, first_nodes, probe_host,
 )
 from gradsync.torch.etcd import is_etcd
+from gradsync.torch.sharding.wrapper import converted, sharded_optimizer_of
 
 log = logging.getLogger("gradsync.elastic")
 
@@ -117,8 +118,6 @@ def _sharded(obj):
     """``obj``'s ``ShardedOptimizer`` if it is one or was converted to one
     (its state moves with the members, not in a joiner's transfer), else
     ``None``."""
-    from gradsync.torch._sharding import converted
-
     return converted(obj)
 
 
@@ -246,8 +245,6 @@ class Elastic:
     def track(self, **objects):
         """Objects whose ``state_dict()`` a joiner receives (the wrapped
         model, the optimizer, an LR scheduler, a grad scaler ...), by name."""
-        from gradsync.torch._sharding import sharded_optimizer_of
-
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
@@ -604,7 +601,7 @@ class Elastic:
 
     def _pack(self):
         buf = io.BytesIO()
-        # A sharded optimizer's state moved with the change of members (``_reshard``).
+        # A sharded optimizer's state moved with the change of members (``sharding.reshard``).
         torch.save({"objects": {n: o.state_dict() for n, o in self._tracked.items() if not _sharded(o)},
                     "step": self.step, "applied": self.applied, "history": self.history}, buf)
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

@@ -5,7 +5,7 @@ gradients and optimizer state (the Trainer's own optimizer is converted at
 its first step), and its checkpoints hold the whole optimizer state, in
 torch's format, which the Trainer loads back on any world size: gradsync
 wraps the Trainer's save once a sharded wrapper is built
-(``_trainer_saves``). Nothing else is needed.
+(``sharding.trainer_saves``). Nothing else is needed.
 
 The callback below did that before, and still may be given (it then does
 nothing more). Importing this module needs ``transformers``.
@@ -13,7 +13,7 @@ nothing more). Importing this module needs ``transformers``.
 
 from transformers import TrainerCallback
 
-from gradsync.torch._trainer_saves import installed, sharded_under
+from gradsync.torch.sharding.trainer_saves import installed, sharded_under
 
 
 class ShardedCheckpoints(TrainerCallback):

@@ -1,6 +1,6 @@
 """A sharded optimizer's state in the two forms it leaves a rank in.
 
-Each rank's optimizer holds state for its pieces only (``_partition``).
+Each rank's optimizer holds state for its pieces only (``sharding.partition``).
 Outside, the state takes one of two forms:
 
 * **whole**, torch's own format (:func:`full_state`, :func:`load_full`):
@@ -15,14 +15,18 @@ Outside, the state takes one of two forms:
   size reads, for each rank's pieces, whichever saved pieces overlap them.
 
 Both take ``opt``, a ``ShardedOptimizer``: its ``inner`` optimizer (state
-keyed by piece tensors), its ``_partition`` and ``_states`` (the state group
+keyed by piece tensors), its ``sharding.partition`` and ``_states`` (the state group
 where the collectives travel), and its groups as ``entries`` (per group, a
 wrapper parameter index or a frozen tensor, in the order torch numbers them).
 """
 
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+)
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from gradsync._errors import ConfigError

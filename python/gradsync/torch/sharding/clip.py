@@ -35,7 +35,7 @@ from gradsync._errors import ConfigError
 
 log = logging.getLogger("gradsync.torch")
 
-# Sharded wrappers alive in this process (each has ``_sync`` and ``_partition``).
+# Sharded wrappers alive in this process (each has ``_sync`` and ``sharding.partition``).
 _SHARDED = weakref.WeakSet()
 # torch's own functions (the undecorated ones), by name, once redirected.
 _TORCH = {}

@@ -4,7 +4,7 @@ survivor ends on the same step.
 
 Each rank keeps its own partition of every bucket and its *buddy's* (the
 partition of the rank ``buddy_stride`` on, which the roster picks on
-another node when the job spans several; ``_partition``), and steps both
+another node when the job spans several; ``sharding.partition``), and steps both
 every step, so every partition lives on two ranks, and on two nodes. When the members change (a rank lost, a replacement
 admitted), :func:`settle` runs on every member of the new group, inside the
 wrapper's ``reconfigure`` (before the runtime agrees on the step to go on
@@ -42,10 +42,11 @@ on as usual, in the new layout.
 import torch
 
 from gradsync._errors import MembershipError
-from gradsync._native import partition as partition_of
 from gradsync._native import held_ranges
-from gradsync.torch._partition import norm_of, write_values
-from gradsync.torch._optim_state import kind_of
+from gradsync._native import partition as partition_of
+from gradsync.torch.sharding.layout import write_values
+from gradsync.torch.sharding.norm import norm_of
+from gradsync.torch.sharding.optim_state import kind_of
 
 
 def runs(numel, everyone):
@@ -98,7 +99,7 @@ def _entry_kinds(entry):
 
 @torch.no_grad()
 def settle(part, states, rank, world, mark=True, buddy_stride=None):
-    """Settle a change of members for ``part`` (a ``_partition.Partition``,
+    """Settle a change of members for ``part`` (a ``sharding.partition.Partition``,
     its optimizer built): this process is now ``rank`` of ``world`` on
     ``states`` (the new state group), keeping buddy copies ``buddy_stride``
     ranks on (``None``: the same stride). Every member calls it (collectives).

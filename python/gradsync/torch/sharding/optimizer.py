@@ -2,7 +2,7 @@
 
 Built by ``model.shard_optimizer(torch.optim.AdamW, lr=...)`` on a wrapper
 made with ``shard_gradients=True``. Each rank's optimizer holds state for
-its pieces only (``_partition``: the parts of parameters inside its
+its pieces only (``sharding.partition``: the parts of parameters inside its
 partition of each bucket), so optimizer memory per rank is about
 ``1 / world`` of an unsharded one. :meth:`ShardedOptimizer.step`:
 
@@ -33,7 +33,7 @@ unchanged; ``zero_grad()`` drops the pieces' gradients. ``state_dict()`` is
 the full, consolidated state in torch's format for the wrapped parameters
 (collect it with :meth:`ShardedOptimizer.consolidate_state_dict` first, as
 with torch's ``ZeroRedundancyOptimizer``), and ``load_state_dict`` takes
-such a full state on any world size (``_optim_state``).
+such a full state on any world size (``sharding.optim_state``).
 """
 
 import hashlib
@@ -42,9 +42,9 @@ import weakref
 import torch
 
 from gradsync._errors import ConfigError
-from gradsync.torch import _optim_state
-from gradsync.torch._partition import LOST
-from gradsync.torch._reshard import settle
+from gradsync.torch.sharding import optim_state
+from gradsync.torch.sharding.norm import LOST
+from gradsync.torch.sharding.reshard import settle
 
 #: Optimizer classes that update each element from that element's own
 #: gradient and state (so a slice of a parameter steps exactly as the whole
@@ -133,7 +133,7 @@ def _digest(optimizer_class, groups, defaults):
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """See the module docs. Build it with ``model.shard_optimizer(...)``:
-    ``partition`` is the wrapper's ``_partition.Partition``, ``names`` its
+    ``partition`` is the wrapper's ``sharding.partition.Partition``, ``names`` its
     parameters' names, ``states`` its state group; the remaining arguments
     are those of torch's optimizers (``params`` defaults to every parameter
     the wrapper synchronizes). ``adopt``: an optimizer of ``optimizer_class``
@@ -216,7 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {e for entries in self.entries for e in entries if isinstance(e, int)}
 
     def rebind(self, state):
-        """The partition was laid out anew (a change of members, ``_reshard``):
+        """The partition was laid out anew (a change of members, ``sharding.reshard``):
         step its pieces from now on, with ``state`` (piece tensor -> its
         state entry; a frozen tensor's state stays)."""
         frozen = [e for entries in self.entries for e in entries if not isinstance(e, int)]
@@ -242,6 +242,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
 
     def __getstate__(self):
+        """Refused: see the message."""
         raise TypeError("a ShardedOptimizer holds views of this process's parameters: save state_dict() instead")
 
     def step(self, closure=None):
@@ -264,7 +265,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         hold their values themselves read them from the parameters, and in
         an elastic job every member holds the step's averages before any
         steps them (a member lost now leaves no survivor a step ahead that
-        the others could not follow, ``_reshard``); a member lost here is
+        the others could not follow, ``sharding.reshard``); a member lost here is
         recovered from, and the step then finds nothing to step."""
         part = self._partition
         self._noop = part.sharded_step.stepping()
@@ -307,12 +308,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         their global norm (a collective); returns the norm."""
         return self._partition.clip(self.parameter_indices(), max_norm, norm_type, error_if_nonfinite)
 
-    # ---- the whole and the sharded state (``_optim_state``) ---------------------------------
+    # ---- the whole and the sharded state (``sharding.optim_state``) ---------------------------------
 
     def consolidate_state_dict(self, to=0):
         """Collect the full optimizer state on rank ``to`` (every rank calls
         it; -1: on every rank), for :meth:`state_dict`."""
-        full = _optim_state.full_state(self)
+        full = optim_state.full_state(self)
         self._consolidated = full if to in (-1, self._partition.rank) else None
 
     def state_dict(self):
@@ -336,20 +337,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a full state (from :meth:`state_dict`, or the unsharded
         optimizer's, over the same parameters in the same groups), on any
         world size: each rank takes its pieces' slices."""
-        _optim_state.load_full(self, state_dict)
+        optim_state.load_full(self, state_dict)
 
     def sharded_state_dict(self, template=None, group=None):
         """This rank's part of the state for ``torch.distributed.checkpoint``
-        (``gradsync.torch.checkpoint``; a collective, see ``_optim_state``),
+        (``gradsync.torch.checkpoint``; a collective, see ``sharding.optim_state``),
         its shards placed by rank of ``group`` (the wrapper's
         ``torch_group()``; ``None``: torch's default group)."""
-        return _optim_state.sharded_state_dict(self, template, group)
+        return optim_state.sharded_state_dict(self, template, group)
 
     def load_sharded_state_dict(self, state_dict):
         """Load :meth:`sharded_state_dict`'s form (filled by
         ``torch.distributed.checkpoint.load``): each piece takes its shard;
         in an elastic job the buddy copies then come from their owners."""
-        _optim_state.load_sharded(self, state_dict)
+        optim_state.load_sharded(self, state_dict)
         part = self._partition
         if part.buddy:
             settle(part, self._states, part.rank, part.world, mark=False)

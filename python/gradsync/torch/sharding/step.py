@@ -12,7 +12,7 @@ A step of a sharded wrapper goes through phases on every rank::
                                    whether or not a rank calls it)
 
 and an elastic job adds the settlement of a change of members
-(``_reshard.settle``), which may step the pending averages itself and then
+(``sharding.reshard.settle``), which may step the pending averages itself and then
 latches :attr:`ShardedStep.settled` until the next step boundary: the step's
 remaining collectives are not made (the settlement made them).
 

@@ -7,17 +7,17 @@ One line changes in a DDP script::
 
 An optimizer over a sharded wrapper's parameters is converted in place at
 its first step (the global step hooks in ``ddp``, :func:`sharded_optimizer_of`):
-its groups then step this rank's pieces (``_sharded_optim``); or build one
+its groups then step this rank's pieces (``sharding.optimizer``); or build one
 with ``model.shard_optimizer(torch.optim.AdamW, lr=1e-4)``. The runtime
 reduce-scatters every bucket (the same actors and decisions as unsharded:
 recompute, late arrivals, unused parameters, aborts), each rank receives
-the averages of its partition (``_partition``), its optimizer
-steps that partition only (``_sharded_optim``) and the updated parameters
+the averages of its partition (``sharding.partition``), its optimizer
+steps that partition only (``sharding.optimizer``) and the updated parameters
 are all-gathered. Parameters' ``.grad`` stay ``None``.
 
 Clipping by norm is a collective over every rank's partition:
 ``model.clip_grad_norm_(max_norm)``, or torch's own functions however they
-are reached (``_clip`` redirects them for a sharded wrapper's tensors).
+are reached (``sharding.clip`` redirects them for a sharded wrapper's tensors).
 """
 
 import sys
@@ -25,10 +25,11 @@ import sys
 import torch
 
 from gradsync._errors import ConfigError
-from gradsync.torch import _clip, _trainer_saves
-from gradsync.torch._partition import Partition
-from gradsync.torch._reshard import settle
-from gradsync.torch._sharded_optim import ShardedOptimizer
+from gradsync.torch.sharding import clip as _clip
+from gradsync.torch.sharding import trainer_saves
+from gradsync.torch.sharding.optimizer import ShardedOptimizer
+from gradsync.torch.sharding.partition import Partition
+from gradsync.torch.sharding.reshard import settle
 
 #: Whether a sharded wrapper's buckets are reduce-scattered on gloo too. Off:
 #: gloo's reduce-scatter costs more than its all-reduce (24 MB over 4 CPU
@@ -65,7 +66,7 @@ class Sharding:
         """Lay this rank's partition over the runtime's plan (after the
         session started); ``reals(p)``: values of ``p`` in a bucket. In an
         ``elastic`` job each rank keeps its buddy's partition too, on
-        another node when there is one (``_reshard``)."""
+        another node when there is one (``sharding.reshard``)."""
         self._partition = Partition(
             self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
             buddy_stride=0 if elastic is None else elastic.buddy_stride,
@@ -80,12 +81,12 @@ class Sharding:
         trainer = sys.modules.get("transformers.trainer")
         if trainer is not None and hasattr(trainer, "Trainer"):
             # HF Trainer's checkpoints then hold the whole optimizer state, with no callback.
-            _trainer_saves.install(trainer.Trainer)
+            trainer_saves.install(trainer.Trainer)
 
     def _settle_members(self, rank, world, buddy_stride):
         """A change of members (``reconfigure``): the partitions move to the
         new layout (buddy copies ``buddy_stride`` ranks on), losing nothing
-        (``_reshard.settle``). Returns whether this rank dropped a step it
+        (``sharding.reshard.settle``). Returns whether this rank dropped a step it
         had applied."""
         if self._partition is None:
             return False

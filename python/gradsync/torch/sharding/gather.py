@@ -13,9 +13,14 @@ metrics and drawn on the timeline::
     this rank writes its pieces into its own chunk ─▶ Session.gather ─▶ every chunk in place
     ─▶ each member parameter reads its values from the buffer
 
+Per bucket, pipelined (``start`` / ``wait``): bucket b+1 is packed while b
+is in flight, and b is unpacked while the later ones are::
+
+    pack 0, start 0, pack 1, start 1, ... ─▶ wait 0, unpack 0, wait 1, unpack 1, ...
+
 :class:`ParameterGather` owns the buffers (``gradsync._native.Gathers``,
 one per bucket, allocated again when the world changes) and the tensors
-over them; ``_partition.Partition.gather`` packs and unpacks. The same
+over them; ``sharding.partition.Partition.gather`` packs and unpacks. The same
 engine gathers every rank's partial gradient norm for a clip by the global
 norm, and the found-inf flags of a ``GradScaler`` step
 (:meth:`ParameterGather.everyone`): each rank combines the same values in
@@ -57,6 +62,25 @@ class ParameterGather:
         """Gather the buffers of :meth:`buffers`: each rank's chunk, written
         before, into every rank's."""
         self._run(self._held[1])
+
+    def start(self, b):
+        """Start gathering buffer ``b`` of :meth:`buffers` alone (this
+        rank's chunk written before) and return at once; several may be in
+        flight, in the same order on every rank. On the device plane the
+        plane's stream first waits for the caller's (which wrote the chunk)."""
+        stream = self._plane.plane_stream() if self._plane is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        self._session.gather_start(self._held[1], b)
+
+    def wait(self, b):
+        """Wait for the gather of buffer ``b`` that :meth:`start` began (a
+        failure raises as a failed step does); on the device plane the
+        caller's stream then waits for the plane's."""
+        self._session.gather_wait(self._held[1], b)
+        stream = self._plane.plane_stream() if self._plane is not None else None
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
 
     def everyone(self, value, rank, world):
         """Every rank's ``value`` (a float64 scalar tensor: a partial

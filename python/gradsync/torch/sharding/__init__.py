@@ -1,0 +1,21 @@
+"""Sharded gradients and optimizer state (ZeRO-2): ``shard_gradients=True``.
+
+What flows through it, one step::
+
+    the runtime reduces each bucket, keeps this rank's partition (and its buddy's)
+      └─▶ partition.Partition.receive: the averages as the pieces' .grad (layout: where pieces lie)
+      └─▶ clip: torch's clip functions, redirected to the global norm (clip; norm: over every rank's pieces)
+      └─▶ optimizer.ShardedOptimizer: the user's optimizer over this rank's pieces
+      └─▶ partition.Partition.gather: every rank's pieces into every parameter (gather: the runtime's)
+    step.ShardedStep says where that stands; reshard settles a change of members
+    (an elastic job); optim_state saves and loads the optimizer's state whole or
+    sharded; wrapper is the part of ``DistributedDataParallel`` that builds it
+    all, trainer_saves makes HF Trainer's checkpoints collect the state.
+
+One idea per module, imported in one direction: ``layout``, ``norm`` and
+``step`` import nothing of the package; ``partition`` imports them;
+``gather``, ``optim_state``, ``clip`` and ``trainer_saves`` stand alone;
+``reshard`` imports ``layout``, ``norm`` and ``optim_state``;
+``optimizer`` imports ``norm``, ``optim_state`` and ``reshard``; ``wrapper``
+imports what builds a sharded wrapper.
+"""

@@ -1,0 +1,181 @@
+"""Where this rank's pieces of a sharded wrapper's buckets lie.
+
+The runtime owns the rule (``gradsync._native.held_ranges``: this rank's
+partition of each bucket, its buddy's, and where each lands in the buffer
+the runtime lends for a step's averages; ``gradsync._native.partition``:
+every rank's chunk); :class:`Layout` reads it and cuts it at parameter
+boundaries into :class:`Piece` s, the unit the optimizer steps::
+
+    bucket b:   | p7 | p6 ........ | p5 | p4 .... |      members back to back
+    rank 0:     [=========)                            its partition
+    rank 1:               [=========)
+    pieces:     p7, p6[0:k] | p6[k:], p5[..] | ...     where a partition meets a parameter
+
+It needs no process group: given a plan and parameters it is the same on
+every rank, which is what lets each rank read every other rank's pieces
+(:meth:`Layout.every_piece`) without asking.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from gradsync._native import held_ranges
+from gradsync._native import partition as partition_of
+
+
+def as_reals(p):
+    """``p`` as reals (a complex tensor as its real and imaginary parts)."""
+    t = p.detach()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def flat_values(p):
+    """``p``'s values as one flat tensor in row-major order: sharing its
+    memory when ``p`` is contiguous, a copy otherwise."""
+    return as_reals(p).reshape(-1)
+
+
+def write_values(p, values):
+    """Write ``values`` (``p``'s elements as reals, row-major) into ``p``,
+    whatever its memory layout."""
+    t = as_reals(p)
+    if t.is_contiguous():
+        t.view(-1).copy_(values)
+    else:
+        t.copy_(values.view(t.shape))
+
+
+@dataclass
+class Piece:
+    """The part of parameter ``param`` (an index of the wrapper's parameters)
+    in this rank's partition of bucket ``bucket``: ``length`` values at
+    ``start`` in the bucket, at ``offset`` in the parameter's flat values.
+    ``tensor`` views them in the parameter's memory, or, when ``owned``
+    (a parameter that is not contiguous), holds them itself; a step's
+    averages of them lie at ``held_at`` in the buffer the runtime lends for
+    the bucket (its partition, then its buddy's)."""
+
+    param: int
+    bucket: int
+    start: int
+    length: int
+    offset: int
+    tensor: torch.Tensor
+    held_at: int
+    owned: bool = False
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket of the plan: its element count, members (parameter
+    indices, back to back in that order) and their element counts, and the
+    chunk each rank receives (``chunk`` values; this rank's is ``mine``);
+    ``wide``: it travels in float64 (a float64 or complex128 member), else
+    float32, so half types travel exactly."""
+
+    numel: int
+    members: tuple
+    sizes: tuple
+    chunk: int
+    mine: tuple
+    wide: bool
+
+
+class Layout:
+    """This rank's pieces of every bucket of ``plan`` (the session's
+    ``plan()``: per bucket its element count and member parameter indices)
+    over ``params`` (the wrapper's parameters in registration order), for
+    ``rank`` of ``world``; ``reals(p)``: how many values of a bucket ``p``
+    takes; ``buddy_stride``: rank ``r`` also keeps rank ``(r +
+    buddy_stride) % world``'s partition (an elastic job: a lost rank's
+    partition lives on at its buddy, on another node when there is one);
+    0: no buddy copies."""
+
+    def __init__(self, plan, params, rank, world, reals, buddy_stride=0):
+        self.params = params
+        self.plan = plan
+        self.reals = reals
+        self.buddy_stride = buddy_stride
+        self.lay_out(rank, world)
+
+    @property
+    def buddy(self):
+        """Whether this rank keeps a buddy partition besides its own."""
+        return self.buddy_stride > 0
+
+    def lay_out(self, rank, world, buddy_stride=None):
+        """This rank's pieces for ``rank`` of ``world`` (and its buddy's,
+        ``buddy_stride`` ranks on: the roster's, after a change of members)."""
+        self.rank, self.world = rank, world
+        if buddy_stride is not None and self.buddy:
+            self.buddy_stride = buddy_stride
+        self.buckets = []
+        self.pieces = []
+        self.buddy_pieces = []
+        for b, (numel, members) in enumerate(self.plan):
+            sizes = tuple(self.reals(self.params[i]) for i in members)
+            (lo, hi, _), *buddy = held_ranges(numel, rank, world, self.buddy_stride)
+            chunk = partition_of(numel, 0, world)[1]
+            wide = any(self.params[i].dtype in (torch.float64, torch.complex128) for i in members)
+            self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, (lo, hi), wide))
+            self.pieces += self._pieces_of(b, members, sizes, (lo, hi), 0)
+            for lo, hi, at in buddy:
+                self.buddy_pieces += self._pieces_of(b, members, sizes, (lo, hi), at)
+        #: Per parameter index, and per bucket, its pieces on this rank (its own partition's).
+        self.of_param, self.of_bucket = {}, {}
+        for piece in self.pieces:
+            self.of_param.setdefault(piece.param, []).append(piece)
+            self.of_bucket.setdefault(piece.bucket, []).append(piece)
+        #: Per parameter index: its pieces in the buddy partition this rank keeps.
+        self.buddy_of_param = {}
+        for piece in self.buddy_pieces:
+            self.buddy_of_param.setdefault(piece.param, []).append(piece)
+        #: Per bucket: every piece this rank holds of it, its own and its buddy's.
+        self.held_of_bucket = {}
+        for piece in self.every_held_piece():
+            self.held_of_bucket.setdefault(piece.bucket, []).append(piece)
+        #: Per tensor id, the parameter index it stands for: the parameters
+        #: and every piece this rank holds (what ``sharding.clip`` recognises in a
+        #: library's call with an optimizer's parameters).
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.index_of.update((id(piece.tensor), piece.param) for piece in self.every_held_piece())
+        #: The pieces that hold their values themselves (parameters that are not contiguous).
+        self.owned = [piece for piece in self.every_held_piece() if piece.owned]
+
+    def _pieces_of(self, b, members, sizes, span, held_at):
+        """The pieces of bucket ``b`` inside ``span`` (a range of it), whose
+        averages lie at ``held_at`` on in the step's buffer."""
+        pieces = []
+        offset = 0
+        for i, size in zip(members, sizes):
+            lo, hi = max(offset, span[0]), min(offset + size, span[1])
+            if lo < hi:
+                p = self.params[i]
+                owned = not p.is_contiguous()
+                tensor = flat_values(p)[lo - offset : hi - offset]
+                pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor.clone() if owned else tensor,
+                                    held_at + lo - span[0], owned))
+            offset += size
+        return pieces
+
+    def every_held_piece(self):
+        """This rank's pieces and then its buddy's (what its optimizer steps)."""
+        return self.pieces + self.buddy_pieces
+
+    def every_piece(self, i):
+        """Every rank's pieces of parameter ``i``: ``(rank, offset in the
+        parameter, length)``, by offset (the layout is the same on every rank)."""
+        out = []
+        for layout in self.buckets:
+            if i not in layout.members:
+                continue
+            at = layout.members.index(i)
+            start = sum(layout.sizes[:at])
+            size = layout.sizes[at]
+            for rank in range(self.world):
+                lo, hi = partition_of(layout.numel, rank, self.world)
+                lo, hi = max(lo, start), min(hi, start + size)
+                if lo < hi:
+                    out.append((rank, lo - start, hi - lo))
+        return sorted(out, key=lambda piece: piece[1])

@@ -1,0 +1,297 @@
+"""A sharded model's gradients: each rank's partition of every bucket.
+
+With ``shard_gradients=True`` rank ``r`` keeps the average of its
+*partition* of each bucket only: NCCL reduce-scatters the bucket; gloo
+all-reduces it (cheaper there than its reduce-scatter) and the runtime
+keeps the partition, as it does in an elastic job, whose ranks also keep
+their buddy's partition (``actors/src/scheduler/partition.rs``). Where the
+partitions meet the parameters is the :class:`~gradsync.torch.sharding.layout.Layout`
+(pieces); a :class:`Partition` is that layout plus a step's life::
+
+    backward ─▶ the runtime keeps this rank's partition of each bucket
+    receive  ─▶ each piece's .grad: its averages (a view of the step's memory, on loan until dropped)
+    clip     ─▶ the global norm over every rank's pieces (the runtime's gather of partial norms)
+    optimizer.step() over the pieces (views of the parameters: updated in place)
+    gather   ─▶ every rank's updated pieces into every rank's parameters (the runtime's all-gather)
+
+``.grad`` of the parameters stays ``None``: no rank holds a whole gradient
+after backward. Where the step stands is :class:`~gradsync.torch.sharding.step.ShardedStep`.
+"""
+
+import torch
+
+from gradsync._errors import ConfigError
+from gradsync.torch.sharding.layout import Layout, as_reals, flat_values, write_values
+from gradsync.torch.sharding.norm import Clipping
+from gradsync.torch.sharding.step import ShardedStep
+
+
+class Partition(Layout, Clipping):
+    """This rank's partition of every bucket of a sharded wrapper's plan
+    (see the module docs). ``plan``: the session's ``plan()``; ``params``:
+    the wrapper's parameters in registration order; ``reals(p)``: how many
+    values of the bucket ``p`` takes; ``states``: the wrapper's state group
+    (``_states.StateBroadcast``), where the all-gathers and norms travel;
+    ``names``: the parameters' names, for errors."""
+
+    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0):
+        super().__init__(plan, params, rank, world, reals, buddy_stride)
+        self.names = names
+        #: The state group of the current membership (``_states.StateBroadcast``).
+        self.states = states
+        #: The sharded optimizer built last over this partition (a weak
+        #: reference): a rank out of data steps it for the others (``join``).
+        self.optimizer = None
+        #: Ranks that had joined (run out of data) in the last step.
+        self.joined = []
+        #: Where this rank's sharded step stands (``sharding.step``: its one
+        #: writer; everything here and elsewhere calls its verbs).
+        self.sharded_step = ShardedStep()
+        #: An elastic job's recovery (``Elastic.recover``), called with a
+        #: failure of a collective outside backward (clip, step); ``None``:
+        #: not elastic, the failure is raised.
+        self.recover = None
+        #: Whether :meth:`gather` pipelines its buckets (start each as soon
+        #: as it is packed, unpack each while the later ones are in flight);
+        #: off, one gather of every bucket (the benchmarks' baseline).
+        self.pipelined = True
+        #: Where the parameters' gathers run (``sharding.gather.ParameterGather``:
+        #: the runtime's), set by the wrapper once its hooks are attached.
+        self.gathering = None
+        #: Checks that every rank makes once over the state group (that all
+        #: built the same sharded optimizer), held until an elastic job's
+        #: first step boundary, where a member lost meanwhile is recovered
+        #: from (a list until then); ``None``: made at once.
+        self.start_checks = None
+
+    # ---- a step's averages ------------------------------------------------------------------
+
+    def receive(self, bucket_tensors, result, unused):
+        """A finished step's averages into the pieces' ``.grad``:
+        ``bucket_tensors`` are the step's partitions of the buckets (tensors
+        over its memory, in launch order), ``result`` the runtime's step (the loan the views
+        keep alive), ``unused`` the parameters no rank used (their pieces
+        get no gradient, as the parameter would get none unsharded). A piece
+        whose gradient was not cleared since the last step accumulates, as
+        ``.grad`` does. Returns whether views of ``result`` were lent."""
+        unused = set(unused)
+        lent = False
+        bases = []
+        for tensor in bucket_tensors:
+            # One base per bucket over its memory (not a view: the pieces'
+            # views must have it as their base), carrying the loan.
+            base = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            base.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
+            base._gradsync_step = result
+            bases.append(base)
+        for piece in self.every_held_piece():
+            if piece.param in unused:
+                continue
+            average = bases[piece.bucket][piece.held_at : piece.held_at + piece.length]
+            held = piece.tensor.grad
+            if held is not None:
+                # Not cleared since the last step: add, into a tensor of its own.
+                if getattr(held, "_base", None) is not None:
+                    held = held.clone()
+                held.add_(average.to(held.dtype))
+                piece.tensor.grad = held
+            elif average.dtype == piece.tensor.dtype:
+                piece.tensor.grad = average
+                lent = True
+            else:
+                piece.tensor.grad = average.to(piece.tensor.dtype)
+        report = result.report
+        self.sharded_step.received(owed=report.step if any(r == self.rank for r, _ in report.aborted) else None)
+        return lent
+
+    def step_joined(self):
+        """This rank ran out of data and shadowed the others' step: step its
+        partition with that step's averages and take part in the gather, as
+        the others do in their ``optimizer.step()``."""
+        optimizer = self.optimizer() if self.optimizer is not None else None
+        if optimizer is None:
+            raise ConfigError(
+                "a rank out of data (join) must step its partition for the others, and no sharded optimizer was "
+                "built: build it with model.shard_optimizer(...) before training"
+            )
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def zero_grad(self, set_to_none=True):
+        """The pieces' gradients dropped (``set_to_none``) or zeroed."""
+        for piece in self.every_held_piece():
+            if set_to_none:
+                piece.tensor.grad = None
+            elif piece.tensor.grad is not None:
+                piece.tensor.grad.zero_()
+
+    def clear(self):
+        """No piece keeps a gradient (what it held was applied, or must not be)."""
+        for piece in self.every_held_piece():
+            piece.tensor.grad = None
+        self.sharded_step.cleared()
+
+    def skip(self):
+        """The step ended skipped on every rank: nothing of it is applied,
+        and the collectives of an update are not made (``ShardedStep.skipped``)."""
+        self.clear()
+        self.sharded_step.skipped_everywhere()
+
+    def refuse_if_owed(self, before):
+        """A rank that aborted a step the others applied (partial policy)
+        must step its partition before its next step (``before`` names what
+        began it): the others wait for it in the parameter gather."""
+        step = self.sharded_step.take_owed()
+        if step is None:
+            return
+        raise ConfigError(
+            f"rank {self.rank} aborted step {step}, which the other ranks applied (abort_policy='partial': the "
+            f"aborting rank receives their average too), and then began a {before} without optimizer.step(): with "
+            "shard_gradients=True every rank steps its partition of each applied step and the others wait for it "
+            "in the parameter gather. Call optimizer.step() after abort_step under the partial policy, as after "
+            "any applied step (or use abort_policy='skip', where nobody steps a step some rank aborted)"
+        )
+
+    # ---- after the optimizer stepped ---------------------------------------------------------
+
+    @torch.no_grad()
+    def gather(self):
+        """Every rank's pieces, updated by its optimizer, into every rank's
+        parameters: per bucket, this rank writes its pieces into its chunk
+        of the runtime's gather buffer (``BucketLayout.wide``'s precision;
+        zeros past its partition), the runtime gathers every chunk
+        (``sharding.gather.ParameterGather``), and each member reads back
+        the values other ranks stepped (its part in this rank's partition is
+        the piece the optimizer stepped in place). Pipelined: each bucket's
+        gather starts as soon as its chunk is written, and a bucket is read
+        back while the later ones are in flight; the copies of a bucket are
+        one batched copy (``torch._foreach_copy_``: a few kernels on a GPU,
+        not one per parameter). Every gather is done when this returns."""
+        if self.world == 1:
+            return
+        gathering = self.gathering
+        buffers = gathering.buffers([(layout.chunk * self.world, layout.wide) for layout in self.buckets])
+        if not self.pipelined:
+            self._gather_at_once(buffers)
+            return
+        out = []  # buckets in flight, in the order started
+        try:
+            for b, whole in enumerate(buffers):
+                self._pack(b, whole)
+                gathering.start(b)
+                out.append(b)
+            for b, whole in enumerate(buffers):
+                out.remove(b)
+                gathering.wait(b)
+                self._unpack(b, whole)
+        finally:
+            # On a failure, every buffer still out comes back before it is
+            # raised (they are the runtime's memory, reused by the next gather).
+            for b in out:
+                try:
+                    gathering.wait(b)
+                except Exception:  # the first failure is the one raised
+                    continue
+
+    def _gather_at_once(self, buffers):
+        """:meth:`gather` without the pipeline: every chunk written, one
+        gather of every bucket, every parameter read back (what
+        ``pipelined=False`` measures against)."""
+        for b, whole in enumerate(buffers):
+            self._pack(b, whole)
+        self.gathering.run()
+        for b, whole in enumerate(buffers):
+            self._unpack(b, whole)
+
+    def _pack(self, b, whole):
+        """This rank's pieces of bucket ``b`` into its chunk of ``whole``
+        (the bucket's gather buffer), in one batched copy."""
+        layout = self.buckets[b]
+        into, values = [], []
+        self._chunk_copies(b, whole[self.rank * layout.chunk : (self.rank + 1) * layout.chunk],
+                           lambda piece: piece.tensor, into, values)
+        if into:
+            torch._foreach_copy_(into, values)
+
+    def _unpack(self, b, whole):
+        """Bucket ``b``'s gathered values ``whole`` into its members, in
+        one batched copy (see :meth:`_theirs_copies`)."""
+        into, values = [], []
+        self._theirs_copies(self.buckets[b], whole, into, values)
+        if into:
+            torch._foreach_copy_(into, values)
+
+    def _theirs_copies(self, layout, whole, into, values):
+        """The copies that write bucket ``layout``'s gathered values
+        ``whole`` into its member parameters, except what this rank's own
+        pieces hold already (views of those parameters): appended to
+        ``into`` (destinations) and ``values``. A parameter whose pieces
+        hold their values themselves (not contiguous) is written whole, here."""
+        lo, hi = layout.mine
+        start = 0
+        for i, size in zip(layout.members, layout.sizes):
+            p = self.params[i]
+            end = start + size
+            if not p.is_contiguous():
+                write_values(p, whole[start:end])
+            else:
+                flat = as_reals(p).view(-1)
+                # Before this rank's partition, and after it.
+                for a, z in ((start, min(end, lo)), (max(start, hi), end)):
+                    if a < z:
+                        into.append(flat[a - start : z - start])
+                        values.append(whole[a:z])
+            start = end
+
+    def chunk(self, b, value_of, dtype):
+        """This rank's chunk of bucket ``b`` (a gather's unit) as a tensor
+        of its own, in ``dtype``: see :meth:`fill_chunk`."""
+        mine = torch.empty(self.buckets[b].chunk, dtype=dtype)
+        self.fill_chunk(b, mine, value_of)
+        return mine
+
+    def fill_chunk(self, b, out, value_of):
+        """``out`` := this rank's chunk of bucket ``b``: each piece's
+        ``value_of(piece)`` (a tensor of the piece's length, or ``None`` for
+        zeros) at its place, zeros past its partition."""
+        into, values = [], []
+        self._chunk_copies(b, out, value_of, into, values)
+        if into:
+            torch._foreach_copy_(into, values)
+
+    def _chunk_copies(self, b, out, value_of, into, values):
+        """The copies that make ``out`` this rank's chunk of bucket ``b``
+        (see :meth:`fill_chunk`), appended to ``into`` and ``values``; the
+        parts no piece writes are zeroed here."""
+        lo, hi = self.buckets[b].mine
+        out[hi - lo :].zero_()
+        for piece in self.of_bucket.get(b, ()):
+            value = value_of(piece)
+            at = piece.start - lo
+            if value is None:
+                out[at : at + piece.length].zero_()
+            else:
+                into.append(out[at : at + piece.length])
+                values.append(value.reshape(-1))
+
+    @torch.no_grad()
+    def refresh(self):
+        """The pieces that hold their values themselves read them from their
+        parameters (before an optimizer step: whatever changed the
+        parameters since, a load or a broadcast, is what the step updates)."""
+        for piece in self.owned:
+            piece.tensor.copy_(flat_values(self.params[piece.param])[piece.offset : piece.offset + piece.length])
+
+    @torch.no_grad()
+    def write_owned(self):
+        """The pieces that hold their values themselves, just stepped, into
+        their parameters (so a parameter always holds what this rank stepped,
+        whether or not the gather that follows completes)."""
+        by_param = {}
+        for piece in self.owned:
+            by_param.setdefault(piece.param, []).append(piece)
+        for i, pieces in by_param.items():
+            flat = flat_values(self.params[i])
+            for piece in pieces:
+                flat[piece.offset : piece.offset + piece.length].copy_(piece.tensor)
+            write_values(self.params[i], flat)
