@@ -41,6 +41,7 @@ SIM = ROOT / "docs" / "data" / "sim.json"
 ELASTIC = ROOT / "docs" / "data" / "elastic.json"
 HOST = ROOT / "docs" / "data" / "host"
 SHARDED_MEMORY = ROOT / "docs" / "data" / "sharded" / "memory.json"
+SHARDED_STEPS = ROOT / "docs" / "data" / "sharded" / "steps.json"
 SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
 SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
 PYTEST = ROOT / "target" / "pytest"
@@ -376,6 +377,17 @@ def sharded_elastic() -> str:
     return "\n".join(out)
 
 
+#: The sharded benchmarks' configurations, as the tables name them.
+SHARDED_NAMES = {
+    "gradsync-sharded": "gradsync, `shard_gradients=True`",
+    "gradsync-sharded-at-once": "the same, one gather of every bucket (not pipelined)",
+    "gradsync": "gradsync",
+    "ddp": "torch DDP (`gradient_as_bucket_view`)",
+    "zero1": "torch DDP + `ZeroRedundancyOptimizer`",
+    "fsdp2": "torch FSDP2 (`fully_shard` per block)",
+}
+
+
 def sharded_memory() -> str:
     """Memory per rank and step time, sharded against its peers, from
     ``benches/torch/sharded_memory.py --json``."""
@@ -383,13 +395,7 @@ def sharded_memory() -> str:
         raise Missing(f"{SHARDED_MEMORY.relative_to(ROOT)} is missing: run benches/torch/sharded_memory.py --json")
     run = json.loads(SHARDED_MEMORY.read_text())
     meta = run["meta"]
-    names = {
-        "gradsync-sharded": "gradsync, `shard_gradients=True`",
-        "gradsync": "gradsync",
-        "ddp": "torch DDP (`gradient_as_bucket_view`)",
-        "zero1": "torch DDP + `ZeroRedundancyOptimizer`",
-        "fsdp2": "torch FSDP2 (`fully_shard` per block)",
-    }
+    names = SHARDED_NAMES
     mb = 1 << 20
     out = [f"{meta['model']}; {meta['machine']}, torch {meta['torch']}: `{meta['command']}`. Largest over the "
            "ranks, MB; the goal is (gradients + optimizer state of the whole model) / world + one bucket.\n",
@@ -403,6 +409,28 @@ def sharded_memory() -> str:
         both = (row["grads"] + row["optimizer"]) / mb
         out.append(f"| {row['world']} | {name} | {row['params'] / mb:.1f} | {row['grads'] / mb:.1f} | "
                    f"{row['optimizer'] / mb:.1f} | {both:.1f} ({row['goal'] / mb:.1f}) | {row['step_s'] * 1e3:.0f} |")
+    return "\n".join(out)
+
+
+def sharded_steps() -> str:
+    """Step time of the sharded wrapper against gradsync, DDP and FSDP2,
+    interleaved in the same processes, with the gather's and the
+    optimizer's share (``benches/torch/sharded_step.py --json``)."""
+    if not SHARDED_STEPS.is_file():
+        raise Missing(f"{SHARDED_STEPS.relative_to(ROOT)} is missing: run benches/torch/sharded_step.py --json")
+    run = json.loads(SHARDED_STEPS.read_text())
+    meta = run["meta"]
+    names = SHARDED_NAMES
+    out = [f"{meta['model']}; {meta['machine']}, torch {meta['torch']}: `{meta['command']}`. Median over "
+           f"{meta['steps']} rounds, the largest over the ranks, ms.\n",
+           "| world | wrapper | step | against DDP | of it: the parameter gather | of it: the optimizer step |",
+           "|---|---|---|---|---|---|"]
+    ddp = {row["world"]: row["step_s"] for row in run["rows"] if row["impl"] == "ddp"}
+    for row in run["rows"]:
+        ratio = f"{row['step_s'] / ddp[row['world']]:.2f}x" if row["world"] in ddp else ""
+        parts = [f"{row[k] * 1e3:.0f}" if k in row else "" for k in ("gather_s", "optimizer_s")]
+        out.append(f"| {row['world']} | {names.get(row['impl'], row['impl'])} | {row['step_s'] * 1e3:.0f} | "
+                   f"{ratio} | {parts[0]} | {parts[1]} |")
     return "\n".join(out)
 
 
@@ -497,6 +525,7 @@ GENERATORS = {
     "lost-host": lambda: lost_host(),
     "host-time": host_time,
     "sharded-memory": sharded_memory,
+    "sharded-steps": sharded_steps,
     "sharded-elastic": sharded_elastic,
 }
 

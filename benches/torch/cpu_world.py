@@ -2,7 +2,11 @@
 loopback (gloo), each running ``target(rank, world, port, *args, results)``
 and putting ``(rank, value)`` on ``results``."""
 
+import json
+import os
+import platform
 import socket
+import sys
 
 import torch.multiprocessing as mp
 
@@ -34,3 +38,19 @@ def spawn(target, world, args, deadline):
             p.kill()
             p.join()
     return got, dead
+
+
+def write_json(path, rows, **meta):
+    """The run's ``rows`` and what it ran on (the command, this machine,
+    torch's version, and ``meta``) as JSON at ``path``, for docs/gen.py."""
+    import torch
+
+    meta = {
+        "command": "python " + os.path.relpath(os.path.abspath(sys.argv[0])) + " " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU ranks over gloo (loopback)",
+        "torch": torch.__version__,
+        **meta,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -24,9 +24,7 @@ over the ranks. Storages are counted once (a view and its base are one).
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +35,7 @@ import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import spawn  # noqa: E402
+from cpu_world import spawn, write_json  # noqa: E402
 IMPLS = ("gradsync-sharded", "gradsync", "ddp", "zero1", "fsdp2")
 CAP_MB = 4
 
@@ -98,7 +96,8 @@ def _state_tensors(optimizer):
     return [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def _build(impl, model, world):
+def build(impl, model, world):
+    """``model`` under ``impl`` (one of :data:`IMPLS`) and its optimizer."""
     from gradsync.torch import DistributedDataParallel as GradsyncDDP
 
     if impl == "gradsync-sharded":
@@ -134,7 +133,7 @@ def _rank(rank, world, port, impl, args, results):
     torch.manual_seed(0)
     model = Stack(args.layers, args.width)
     whole = sum(p.numel() for p in model.parameters()) * 4
-    wrapped, optimizer = _build(impl, model, world)
+    wrapped, optimizer = build(impl, model, world)
     g = torch.Generator().manual_seed(rank)
     times = []
     for _ in range(args.steps):
@@ -202,17 +201,9 @@ def main():
                   f"{r['optimizer'] / mb:.1f} MB, grads + optimizer {(r['grads'] + r['optimizer']) / mb:.1f} MB "
                   f"(goal {goal / mb:.1f}), step {r['step_s'] * 1e3:.0f} ms", flush=True)
     if args.json:
-        meta = {
-            "command": "python benches/torch/sharded_memory.py " + " ".join(sys.argv[1:]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU ranks over gloo (loopback)",
-            "torch": torch.__version__,
-            "model": f"{args.layers} blocks of width {args.width}, tied embedding (vocab 1024); "
-                     f"{args.batch} x {args.tokens} tokens per rank, AdamW, bucket cap {CAP_MB} MB",
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
+        write_json(args.json, rows,
+                   model=f"{args.layers} blocks of width {args.width}, tied embedding (vocab 1024); "
+                         f"{args.batch} x {args.tokens} tokens per rank, AdamW, bucket cap {CAP_MB} MB")
 
 if __name__ == "__main__":
     main()

@@ -15,9 +15,7 @@ the tests write.
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
@@ -25,7 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import spawn  # noqa: E402
+from cpu_world import spawn, write_json  # noqa: E402
 
 
 def _rank(rank, world, port, impl, name, results):
@@ -86,15 +84,7 @@ def main():
             print(f"{name}, {impl}: {row[impl]}", flush=True)
         rows.append(row)
     if args.json:
-        meta = {
-            "command": "python benches/torch/sharded_side_by_side.py " + " ".join(sys.argv[1:]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU ranks over gloo (loopback)",
-            "torch": torch.__version__,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
+        write_json(args.json, rows)
 
 if __name__ == "__main__":
     main()
