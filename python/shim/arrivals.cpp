@@ -287,15 +287,9 @@ class Ledger {
   // views were lent (then the loan must not be released).
   bool write_back(const std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& buckets, const py::object& loan,
                   const std::vector<int64_t>& unused_list) {
-    if (plane_stream_) {
-      c10::impl::VirtualGuardImpl impl(plane_stream_->device_type());
-      stream_waits(impl.getStream(plane_stream_->device()), *plane_stream_);
-    }
-    std::vector<bool> unused(params_.size(), false);
-    for (int64_t i : unused_list) {
-      unused.at(static_cast<size_t>(i)) = true;
-    }
-    bool may_lend = !lent_.has_value() || (*lent_)().is_none();
+    wait_for_plane();
+    std::vector<bool> unused = unused_mask(unused_list);
+    bool may_lend = may_lend_now();
     bool lent = false;
     std::vector<int64_t> sizes;
     for (const auto& [bucket, members] : buckets) {
@@ -310,12 +304,7 @@ class Ledger {
         sizes.push_back(reals(params_[i]));
         lends = lends || (may_lend && viewable_[i] && !out_[i].defined() && !unused[i]);
       }
-      at::Tensor base = bucket;
-      if (lends) {
-        // One base per bucket over its storage, carrying the loan.
-        base = at::empty({0}, bucket.options()).set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
-        py::cast(base).attr("_gradsync_step") = loan;
-      }
+      at::Tensor base = lends ? loan_base(bucket, loan) : bucket;
       int64_t total = 0;
       for (int64_t size : sizes) {
         total += size;
@@ -345,11 +334,71 @@ class Ledger {
         at::Tensor target = grad.is_complex() ? at::view_as_real(grad) : grad;
         target.copy_(slices[k].view(target.sizes()));
       }
-      if (lends && !bucket.is_cpu()) {
-        // The caching allocator must not reuse the bucket's memory before
-        // what the caller queued on its stream has read the views.
-        c10::impl::VirtualGuardImpl impl(bucket.device().type());
-        base.record_stream(impl.getStream(bucket.device()));
+      if (lends) {
+        keep_for_stream(base);
+      }
+    }
+    if (lent) {
+      lent_ = py::weakref(loan);
+    }
+    return lent;
+  }
+
+  // A sharded wrapper's pieces (gradsync/torch/sharding/layout.py), per
+  // bucket in launch order: each piece's tensor (whose .grad receives its
+  // averages), where its averages lie in the bucket's lent partition, how
+  // many, and its parameter's index. Set again whenever the layout changes.
+  void set_pieces(std::vector<std::vector<std::tuple<at::Tensor, int64_t, int64_t, int64_t>>> pieces) {
+    pieces_ = std::move(pieces);
+  }
+
+  // A finished sharded step's averages into the pieces' .grad, under the
+  // same loan guard as write_back: `buckets`, each bucket's partition (what
+  // this rank keeps, its buddy's after its own), in launch order; `loan` and
+  // `unused` as for write_back. A piece whose .grad was not cleared since
+  // the last step adds into a tensor of its own (as .grad accumulates); one
+  // of the partition's type is lent a view while no earlier step is on loan,
+  // else given a copy. Returns whether views were lent.
+  bool write_pieces(const std::vector<at::Tensor>& buckets, const py::object& loan,
+                    const std::vector<int64_t>& unused_list) {
+    TORCH_CHECK(buckets.size() == pieces_.size(), "gradsync: a sharded step has ", buckets.size(),
+                " buckets and the layout ", pieces_.size());
+    wait_for_plane();
+    std::vector<bool> unused = unused_mask(unused_list);
+    bool may_lend = may_lend_now();
+    bool lent = false;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const at::Tensor& bucket = buckets[b];
+      bool lends = false;
+      for (const auto& [tensor, at, length, param] : pieces_[b]) {
+        lends = lends || (may_lend && !unused.at(static_cast<size_t>(param)) && !tensor.grad().defined() &&
+                          tensor.scalar_type() == bucket.scalar_type());
+      }
+      at::Tensor base = lends ? loan_base(bucket, loan) : bucket;
+      for (const auto& [tensor, at, length, param] : pieces_[b]) {
+        if (unused.at(static_cast<size_t>(param))) {
+          continue;
+        }
+        TORCH_CHECK(at + length <= base.numel(), "gradsync: a piece runs past its bucket's partition");
+        at::Tensor average = base.narrow(0, at, length);
+        at::Tensor held = tensor.grad();
+        at::Tensor piece = tensor;  // (a handle: .grad is set on the same tensor)
+        if (held.defined()) {
+          // Not cleared since the last step: add, into a tensor of its own.
+          if (held.is_view()) {
+            held = held.clone();
+          }
+          held.add_(average.to(held.scalar_type()));
+          piece.mutable_grad() = held;
+        } else if (lends && tensor.scalar_type() == bucket.scalar_type()) {
+          piece.mutable_grad() = average;
+          lent = true;
+        } else {
+          piece.mutable_grad() = average.to(tensor.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+        }
+      }
+      if (lends) {
+        keep_for_stream(base);
       }
     }
     if (lent) {
@@ -534,6 +583,46 @@ class Ledger {
     ++arrivals_;
   }
 
+  // The caller's stream waits for the device plane's (its reductions wrote the buckets).
+  void wait_for_plane() const {
+    if (plane_stream_) {
+      c10::impl::VirtualGuardImpl impl(plane_stream_->device_type());
+      stream_waits(impl.getStream(plane_stream_->device()), *plane_stream_);
+    }
+  }
+
+  // Per parameter: whether no rank used it this step (`unused_list`: their indices).
+  std::vector<bool> unused_mask(const std::vector<int64_t>& unused_list) const {
+    std::vector<bool> unused(params_.size(), false);
+    for (int64_t i : unused_list) {
+      unused.at(static_cast<size_t>(i)) = true;
+    }
+    return unused;
+  }
+
+  // The one loan guard: a step's memory is lent as views only while no
+  // earlier step's is (never more than one extra set of buckets alive).
+  bool may_lend_now() const {
+    return !lent_.has_value() || (*lent_)().is_none();
+  }
+
+  // One base per bucket over its storage, carrying the loan (views of it keep `loan` alive).
+  static at::Tensor loan_base(const at::Tensor& bucket, const py::object& loan) {
+    at::Tensor base =
+        at::empty({0}, bucket.options()).set_(bucket.storage(), bucket.storage_offset(), {bucket.numel()}, {1});
+    py::cast(base).attr("_gradsync_step") = loan;
+    return base;
+  }
+
+  // The caching allocator must not reuse a lent bucket's memory before what
+  // the caller queued on its stream has read the views.
+  static void keep_for_stream(const at::Tensor& base) {
+    if (!base.is_cpu()) {
+      c10::impl::VirtualGuardImpl impl(base.device().type());
+      base.record_stream(impl.getStream(base.device()));
+    }
+  }
+
   // Gradients on a device are copied to host memory before they are handed
   // over (a CUDA model with buckets="host").
   bool staging_;
@@ -580,6 +669,8 @@ class Ledger {
   bool sync_ = false;
   // The last step lent as views (a weak reference: alive while a view is).
   std::optional<py::weakref> lent_;
+  // A sharded wrapper's pieces per bucket (set_pieces); empty otherwise.
+  std::vector<std::vector<std::tuple<at::Tensor, int64_t, int64_t, int64_t>>> pieces_;
 };
 
 }  // namespace
@@ -604,6 +695,10 @@ PYBIND11_MODULE(_arrivals, m) {
       .def("reached", &Ledger::reached, "Backward reached the model (a forward recomputed inside it).")
       .def("write_back", &Ledger::write_back, py::arg("buckets"), py::arg("loan"), py::arg("unused"),
            "Write a finished step's averages into .grad; returns whether views of the loan were lent.")
+      .def("set_pieces", &Ledger::set_pieces, py::arg("pieces"),
+           "A sharded wrapper's pieces per bucket: (tensor, where in the partition, length, parameter index).")
+      .def("write_pieces", &Ledger::write_pieces, py::arg("buckets"), py::arg("loan"), py::arg("unused"),
+           "Write a finished sharded step's averages into the pieces' .grad; returns whether views were lent.")
       .def_property_readonly("open_task", &Ledger::open_task,
                              "A backward task that reached the model and is still running (None: none).")
       .def_property_readonly("arrivals", &Ledger::arrivals, "Gradients handed over this step.");

@@ -322,6 +322,40 @@ def runtime_memory(rank, world, steps=3, cap_mb=0.01):
     return out
 
 
+def loans(rank, world, steps=4):
+    """Which steps' piece gradients are views of the runtime's memory (a
+    loan) when a program keeps step 1's gradients alive past its
+    ``zero_grad()`` (as a logger holding them would), and the largest
+    difference from one process. Returns ``{"lent": [per step], "diff"}``."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model = GradsyncDDP(copy.deepcopy(base), shard_gradients=True, bucket_cap_mb=0.0001)
+    opt = model.shard_optimizer(torch.optim.SGD, lr=0.1)
+    lent, kept, worst = [], None, 0.0
+    try:
+        for step in range(steps):
+            data = torch.randn(world * 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            ref_opt.zero_grad()
+            reference(data).pow(2).mean().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            model(data[rank * 2 : (rank + 1) * 2]).pow(2).mean().backward()
+            grads = [t.grad for g in opt.param_groups for t in g["params"] if t.grad is not None]
+            lent.append(any(getattr(g._base, "_gradsync_step", None) is not None for g in grads))
+            if step == 1:
+                kept = grads  # alive past the next zero_grad: step 1's memory stays on loan
+            if step == 2:
+                kept = None
+            grads = None  # (this step's own references gone before the next write-back)
+            opt.step()
+            worst = max(worst, _diff(reference, model))
+    finally:
+        model.close()
+    return {"lent": lent, "diff": worst}
+
+
 def uneven_inputs(rank, world, immediate=False):
     """Rank ``r`` has ``2 + 2 * (world - 1 - r)`` batches (rank 0 the most).
     Under ``with model.join()`` (DDP's divisor: the world size) or with

@@ -85,6 +85,16 @@ def test_an_optimizer_built_before_wrapping_is_taken_over_with_its_schedule(worl
         assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
 
 
+def test_a_sharded_step_is_lent_only_while_no_earlier_step_is_on_loan(world2):
+    # The C++ write-back's one loan guard, as unsharded: step 1's gradients
+    # kept alive past zero_grad keep its memory on loan, so step 2's
+    # averages are copies (never two steps' partitions lent at once); once
+    # dropped, step 3 is lent again. Exact throughout.
+    for rank, out in enumerate(world2.run(sharded.loans)):
+        assert out["lent"] == [True, True, False, True], f"rank {rank}: {out}"
+        assert out["diff"] <= sharded.ATOL, f"rank {rank}: {out}"
+
+
 def test_the_runtime_keeps_partitions_not_whole_buckets(world2):
     # Unsharded, a whole set of buckets (two while a step's gradients are on
     # loan); sharded, the partitions (the plan's bytes / world) and one

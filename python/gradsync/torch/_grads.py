@@ -73,8 +73,11 @@ class TorchGrads:
             )
         for p in self._params:
             p.grad = None
-        self._partition.joined = list(result.report.joined)
-        return self._partition.receive([t for t, _, _ in buckets], result, result.report.unused_everywhere)
+        part = self._partition
+        part.joined = list(result.report.joined)
+        lent = self.hooks.write_pieces([t for t, _, _ in buckets], result, part.targets)
+        part.received(result)
+        return lent
 
     def joined_step(self, result):
         """This rank is out of data and shadowed ``result``'s step: it sends

@@ -77,6 +77,8 @@ class Hooks:
             staging=staging, device_plane=device_plane, plane_stream=plane_stream,
         )
         self._host_bucket = arrivals.host_bucket
+        #: The sharded layout's targets the C++ side holds (``write_pieces``).
+        self._targets = None
 
     def record(self):
         """A fresh record for the runtime's next step."""
@@ -106,6 +108,17 @@ class Hooks:
         released: the views release it when they die)."""
         buckets = [(tensor, members) for tensor, members, _start in self.buckets(result, plane)]
         return self._ledger.write_back(buckets, result, list(result.report.unused_everywhere))
+
+    def write_pieces(self, tensors, result, targets):
+        """Put a sharded step ``result``'s averages into its pieces' ``.grad``
+        (in C++, under the same loan guard as :meth:`write_back`):
+        ``tensors``, each bucket's partition; ``targets``, the layout's
+        (``sharding.layout.Layout.targets``, handed to the C++ side again
+        when the layout changed). Returns whether views were lent."""
+        if targets is not self._targets:
+            self._ledger.set_pieces(targets)
+            self._targets = targets
+        return self._ledger.write_pieces(tensors, result, list(result.report.unused_everywhere))
 
     def buckets(self, result, plane):
         """``result``'s buckets as ``(tensor over its memory, members, start)``,

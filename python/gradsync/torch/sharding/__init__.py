@@ -3,7 +3,7 @@
 What flows through it, one step::
 
     the runtime reduces each bucket, keeps this rank's partition (and its buddy's)
-      └─▶ partition.Partition.receive: the averages as the pieces' .grad (layout: where pieces lie)
+      └─▶ the C++ write-back (Ledger.write_pieces): the averages as the pieces' .grad (layout.targets)
       └─▶ clip: torch's clip functions, redirected to the global norm (clip; norm: over every rank's pieces)
       └─▶ optimizer.ShardedOptimizer: the user's optimizer over this rank's pieces
       └─▶ partition.Partition.gather: every rank's pieces into every parameter (gather: the runtime's)

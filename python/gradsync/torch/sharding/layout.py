@@ -142,6 +142,12 @@ class Layout:
         self.index_of.update((id(piece.tensor), piece.param) for piece in self.every_held_piece())
         #: The pieces that hold their values themselves (parameters that are not contiguous).
         self.owned = [piece for piece in self.every_held_piece() if piece.owned]
+        #: Per bucket, where a step's averages go: ``(piece tensor, where in
+        #: the bucket's lent partition, length, parameter index)`` for every
+        #: piece held (the C++ write-back's form: ``Ledger.set_pieces``); a
+        #: new list at every lay-out, so its holder sees a change by identity.
+        self.targets = [[(piece.tensor, piece.held_at, piece.length, piece.param)
+                         for piece in self.held_of_bucket.get(b, ())] for b in range(len(self.buckets))]
 
     def _pieces_of(self, b, members, sizes, span, held_at):
         """The pieces of bucket ``b`` inside ``span`` (a range of it), whose

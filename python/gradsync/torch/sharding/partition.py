@@ -9,7 +9,8 @@ partitions meet the parameters is the :class:`~gradsync.torch.sharding.layout.La
 (pieces); a :class:`Partition` is that layout plus a step's life::
 
     backward ─▶ the runtime keeps this rank's partition of each bucket
-    receive  ─▶ each piece's .grad: its averages (a view of the step's memory, on loan until dropped)
+    write-back (C++, Ledger.write_pieces) ─▶ each piece's .grad: its averages (a view of the step's
+             memory while no earlier step is on loan, else a copy); received ─▶ the step moves on
     clip     ─▶ the global norm over every rank's pieces (the runtime's gather of partial norms)
     optimizer.step() over the pieces (views of the parameters: updated in place)
     gather   ─▶ every rank's updated pieces into every rank's parameters (the runtime's all-gather)
@@ -66,43 +67,13 @@ class Partition(Layout, Clipping):
 
     # ---- a step's averages ------------------------------------------------------------------
 
-    def receive(self, bucket_tensors, result, unused):
-        """A finished step's averages into the pieces' ``.grad``:
-        ``bucket_tensors`` are the step's partitions of the buckets (tensors
-        over its memory, in launch order), ``result`` the runtime's step (the loan the views
-        keep alive), ``unused`` the parameters no rank used (their pieces
-        get no gradient, as the parameter would get none unsharded). A piece
-        whose gradient was not cleared since the last step accumulates, as
-        ``.grad`` does. Returns whether views of ``result`` were lent."""
-        unused = set(unused)
-        lent = False
-        bases = []
-        for tensor in bucket_tensors:
-            # One base per bucket over its memory (not a view: the pieces'
-            # views must have it as their base), carrying the loan.
-            base = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-            base.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
-            base._gradsync_step = result
-            bases.append(base)
-        for piece in self.every_held_piece():
-            if piece.param in unused:
-                continue
-            average = bases[piece.bucket][piece.held_at : piece.held_at + piece.length]
-            held = piece.tensor.grad
-            if held is not None:
-                # Not cleared since the last step: add, into a tensor of its own.
-                if getattr(held, "_base", None) is not None:
-                    held = held.clone()
-                held.add_(average.to(held.dtype))
-                piece.tensor.grad = held
-            elif average.dtype == piece.tensor.dtype:
-                piece.tensor.grad = average
-                lent = True
-            else:
-                piece.tensor.grad = average.to(piece.tensor.dtype)
+    def received(self, result):
+        """The runtime's step ``result`` was written into the pieces'
+        ``.grad`` (by the C++ write-back, ``Ledger.write_pieces``, over
+        :attr:`targets`): the sharded step moves on, owing its partition's
+        update if this rank aborted a step the others applied."""
         report = result.report
         self.sharded_step.received(owed=report.step if any(r == self.rank for r, _ in report.aborted) else None)
-        return lent
 
     def step_joined(self):
         """This rank ran out of data and shadowed the others' step: step its
