@@ -309,20 +309,17 @@ impl Session {
         let mut gathers = gathers.borrow_mut();
         usable(py, &gathers)?;
         let slots = gathers.slots();
-        let mut buffers = Vec::with_capacity(slots.len());
-        for slot in slots.iter_mut() {
-            match std::mem::replace(slot, Slot::Gone) {
-                Slot::Held(of, bucket) => buffers.push((of, bucket)),
-                other => {
-                    *slot = other;
-                    for (slot, (of, bucket)) in slots.iter_mut().zip(buffers) {
-                        *slot = Slot::Held(of, bucket);
-                    }
-                    let why = "a gather of one of these buffers is in flight: wait for it first".to_string();
-                    return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
-                }
-            }
+        if slots.iter().any(|slot| !matches!(slot, Slot::Held(..))) {
+            let why = "a gather of one of these buffers is in flight: wait for it first".to_string();
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
         }
+        let mut buffers: Vec<_> = slots
+            .iter_mut()
+            .filter_map(|slot| match std::mem::replace(slot, Slot::Gone) {
+                Slot::Held(of, bucket) => Some((of, bucket)),
+                _ => None,
+            })
+            .collect();
         let sync = self.sync(py)?;
         let outcome = py.detach(|| sync.gather(&mut buffers));
         let slots = gathers.slots();

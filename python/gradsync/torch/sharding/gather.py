@@ -66,21 +66,15 @@ class ParameterGather:
     def start(self, b):
         """Start gathering buffer ``b`` of :meth:`buffers` alone (this
         rank's chunk written before) and return at once; several may be in
-        flight, in the same order on every rank. On the device plane the
-        plane's stream first waits for the caller's (which wrote the chunk)."""
-        stream = self._plane.plane_stream() if self._plane is not None else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        flight, in the same order on every rank."""
+        self._plane_waits()
         self._session.gather_start(self._held[1], b)
 
     def wait(self, b):
         """Wait for the gather of buffer ``b`` that :meth:`start` began (a
-        failure raises as a failed step does); on the device plane the
-        caller's stream then waits for the plane's."""
+        failure raises as a failed step does)."""
         self._session.gather_wait(self._held[1], b)
-        stream = self._plane.plane_stream() if self._plane is not None else None
-        if stream is not None:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self._caller_waits()
 
     def everyone(self, value, rank, world):
         """Every rank's ``value`` (a float64 scalar tensor: a partial
@@ -108,12 +102,21 @@ class ParameterGather:
         return tensors
 
     def _run(self, gathers):
-        """Gather ``gathers``. On the device plane the plane's stream first
-        waits for the caller's (which wrote this rank's chunk), and the
-        caller's then waits for it (the host does not block)."""
+        """Gather ``gathers``, between the two stream waits."""
+        self._plane_waits()
+        self._session.gather(gathers)
+        self._caller_waits()
+
+    def _plane_waits(self):
+        """On the device plane, the plane's stream waits for the caller's
+        (which wrote this rank's chunk) before a gather."""
         stream = self._plane.plane_stream() if self._plane is not None else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        self._session.gather(gathers)
+
+    def _caller_waits(self):
+        """On the device plane, the caller's stream waits for the plane's
+        after a gather (the host does not block)."""
+        stream = self._plane.plane_stream() if self._plane is not None else None
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)

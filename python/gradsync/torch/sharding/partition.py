@@ -176,29 +176,18 @@ class Partition(Layout, Clipping):
 
     def _pack(self, b, whole):
         """This rank's pieces of bucket ``b`` into its chunk of ``whole``
-        (the bucket's gather buffer), in one batched copy."""
-        layout = self.buckets[b]
-        into, values = [], []
-        self._chunk_copies(b, whole[self.rank * layout.chunk : (self.rank + 1) * layout.chunk],
-                           lambda piece: piece.tensor, into, values)
-        if into:
-            torch._foreach_copy_(into, values)
+        (the bucket's gather buffer)."""
+        chunk = self.buckets[b].chunk
+        self.fill_chunk(b, whole[self.rank * chunk : (self.rank + 1) * chunk], lambda piece: piece.tensor)
 
     def _unpack(self, b, whole):
-        """Bucket ``b``'s gathered values ``whole`` into its members, in
-        one batched copy (see :meth:`_theirs_copies`)."""
-        into, values = [], []
-        self._theirs_copies(self.buckets[b], whole, into, values)
-        if into:
-            torch._foreach_copy_(into, values)
-
-    def _theirs_copies(self, layout, whole, into, values):
-        """The copies that write bucket ``layout``'s gathered values
-        ``whole`` into its member parameters, except what this rank's own
-        pieces hold already (views of those parameters): appended to
-        ``into`` (destinations) and ``values``. A parameter whose pieces
-        hold their values themselves (not contiguous) is written whole, here."""
+        """Bucket ``b``'s gathered values ``whole`` into its member
+        parameters, in one batched copy, except what this rank's own pieces
+        hold already (views of those parameters). A parameter whose pieces
+        hold their values themselves (not contiguous) is written whole."""
+        layout = self.buckets[b]
         lo, hi = layout.mine
+        into, values = [], []
         start = 0
         for i, size in zip(layout.members, layout.sizes):
             p = self.params[i]
@@ -213,6 +202,8 @@ class Partition(Layout, Clipping):
                         into.append(flat[a - start : z - start])
                         values.append(whole[a:z])
             start = end
+        if into:
+            torch._foreach_copy_(into, values)
 
     def chunk(self, b, value_of, dtype):
         """This rank's chunk of bucket ``b`` (a gather's unit) as a tensor
@@ -224,18 +215,10 @@ class Partition(Layout, Clipping):
     def fill_chunk(self, b, out, value_of):
         """``out`` := this rank's chunk of bucket ``b``: each piece's
         ``value_of(piece)`` (a tensor of the piece's length, or ``None`` for
-        zeros) at its place, zeros past its partition."""
-        into, values = [], []
-        self._chunk_copies(b, out, value_of, into, values)
-        if into:
-            torch._foreach_copy_(into, values)
-
-    def _chunk_copies(self, b, out, value_of, into, values):
-        """The copies that make ``out`` this rank's chunk of bucket ``b``
-        (see :meth:`fill_chunk`), appended to ``into`` and ``values``; the
-        parts no piece writes are zeroed here."""
+        zeros) at its place, zeros past its partition; one batched copy."""
         lo, hi = self.buckets[b].mine
         out[hi - lo :].zero_()
+        into, values = [], []
         for piece in self.of_bucket.get(b, ()):
             value = value_of(piece)
             at = piece.start - lo
@@ -244,6 +227,8 @@ class Partition(Layout, Clipping):
             else:
                 into.append(out[at : at + piece.length])
                 values.append(value.reshape(-1))
+        if into:
+            torch._foreach_copy_(into, values)
 
     @torch.no_grad()
     def refresh(self):
