@@ -16,7 +16,7 @@
 //!
 //! ```text
 //! Held ─ gather_start ─▶ Out (PendingGather) ─ gather_wait ─▶ Held     (failed or not)
-//!                                            └──────────────▶ Lost     (the runtime never answered)
+//!                                            └──────────────▶ Gone     (the runtime never answered: `lost`)
 //! ```
 //!
 //! The buffers move into the runtime for the gather and come back with its
