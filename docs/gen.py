@@ -343,11 +343,12 @@ def sharded_side_by_side() -> str:
     if SHARDED_PEERS.is_file():
         peers = {r["case"]: r for r in json.loads(SHARDED_PEERS.read_text())["rows"]}
     out = ["| case (2 ranks) | torch FSDP2 | torch DDP + ZeroRedundancyOptimizer | gradsync, "
-           "`shard_gradients=True` (max abs parameter diff from one process) |", "|---|---|---|---|"]
+           "`shard_gradients=True` | gradsync, `shard_parameters=True` (max abs parameter diff from one process) |",
+           "|---|---|---|---|---|"]
     for row in rows:
         peer = peers.get(row["case"], {})
         out.append(f"| {row['case']} | {peer.get('fsdp2', '—')} | {peer.get('zero1', '—')} | "
-                   f"{row['gradsync']} |")
+                   f"{row['gradsync']} | {row.get('params', '—')} |")
     if SHARDED_PEERS.is_file():
         meta = json.loads(SHARDED_PEERS.read_text())["meta"]
         out.append(f"\nThe peers' columns: {meta['machine']}, torch {meta['torch']}, `{meta['command']}`.")

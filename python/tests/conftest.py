@@ -78,10 +78,12 @@ def side_by_side():
 
 @pytest.fixture
 def side_by_side_sharded():
-    """Record a row of the sharded table: ``record(case, gradsync_outcome)``."""
+    """Record a row of the sharded table: ``record(case, gradsync_outcome,
+    params_outcome)`` (``shard_gradients=True``, ``shard_parameters=True``;
+    a row run under the first only: "—")."""
 
-    def record(case, gradsync):
-        SHARDED_ROWS.append({"case": case, "gradsync": gradsync})
+    def record(case, gradsync, params="—"):
+        SHARDED_ROWS.append({"case": case, "gradsync": gradsync, "params": params})
 
     return record
 
@@ -98,10 +100,11 @@ def render_table(rows):
 
 def render_sharded(rows):
     lines = [
-        "| case (2 ranks) | gradsync, shard_gradients=True (max abs parameter diff from one process) |",
-        "|---|---|",
+        "| case (2 ranks) | gradsync, shard_gradients=True | gradsync, shard_parameters=True "
+        "(max abs parameter diff from one process) |",
+        "|---|---|---|",
     ]
-    lines += [f"| {row['case']} | {row['gradsync']} |" for row in rows]
+    lines += [f"| {row['case']} | {row['gradsync']} | {row['params']} |" for row in rows]
     return "\n".join(lines) + "\n"
 
 

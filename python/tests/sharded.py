@@ -67,10 +67,15 @@ class scatter_on_gloo:
         return False
 
 
+#: gradsync's sharded settings by ``impl``: gradients and optimizer state
+#: (ZeRO-2), or the parameters too (ZeRO-3).
+SETTINGS = {"gradsync": {"shard_gradients": True}, "gradsync-params": {"shard_parameters": True}}
+
+
 def _build(impl, model, world, optim=None, **kwargs):
     """``model`` under ``impl`` and its optimizer (AdamW, with the options ``optim``)."""
-    if impl == "gradsync":
-        wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.001), **kwargs)
+    if impl in SETTINGS:
+        wrapped = GradsyncDDP(model, **SETTINGS[impl], bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.001), **kwargs)
         return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=LR, **(optim or {}))
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -110,14 +115,14 @@ def train(rank, world, impl, make, forward, batch, steps=4, aborts=(), policy="s
     base = make().double()
     reference = copy.deepcopy(base)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, **(optim or {}))
-    if impl == "gradsync" and policy != "skip":
+    if impl in SETTINGS and policy != "skip":
         wrap_kwargs["abort_policy"] = policy
     if optim:
         wrap_kwargs["optim"] = optim
     wrapped, opt = _build(impl, copy.deepcopy(base), world, **wrap_kwargs)
     data = torch.randn(steps, micro, world * batch, *make.shape, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(99))
-    with Outcome(impl if impl == "gradsync" else "ddp", wrapped) as outcome:
+    with Outcome("gradsync" if impl in SETTINGS else "ddp", wrapped) as outcome:
         for step in range(steps):
             aborting = {r for r, s in aborts if s == step}
             counted = [r for r in range(world) if r not in aborting]
@@ -146,8 +151,14 @@ def train(rank, world, impl, make, forward, batch, steps=4, aborts=(), policy="s
                 norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
                 assert abs(float(norm) - float(ref_norm)) <= 1e-9 * max(1.0, float(ref_norm)), (norm, ref_norm)
             opt.step()
-            outcome.record(_diff(reference, wrapped))
+            with _whole(wrapped):
+                outcome.record(_diff(reference, wrapped))
     return outcome.result
+
+
+def _whole(wrapped):
+    """A block where ``wrapped``'s parameters are whole (every rank enters it)."""
+    return wrapped.whole_parameters() if hasattr(wrapped, "whole_parameters") else _nothing()
 
 
 class _nothing:
@@ -418,12 +429,12 @@ def runtime_collectives(rank, world, trace_dir):
         wrapped.close()
 
 
-def dcp_save(rank, world, path, steps=3, members=None):
+def dcp_save(rank, world, path, steps=3, members=None, impl="gradsync"):
     """Train the twice-checkpointed model ``steps`` steps sharded, save it
     with ``gradsync.torch.checkpoint`` to ``path``, and return (the
     wrapper's rank 0) the consolidated optimizer state and the parameters
     it saved. ``members``: the processes of a ``process_group`` to wrap on
-    (the others only make the group)."""
+    (the others only make the group); ``impl``: which sharding (:data:`SETTINGS`)."""
     from gradsync.torch import checkpoint
 
     make, forward = CASES["checkpoint_twice_reentrant"]
@@ -433,7 +444,7 @@ def dcp_save(rank, world, path, steps=3, members=None):
         if rank not in members:
             return None
         rank = members.index(rank)
-    wrapped = GradsyncDDP(make().double(), shard_gradients=True, bucket_cap_mb=0.001, process_group=group)
+    wrapped = GradsyncDDP(make().double(), **SETTINGS[impl], bucket_cap_mb=0.001, process_group=group)
     opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
     try:
         for step in range(steps):
@@ -443,29 +454,33 @@ def dcp_save(rank, world, path, steps=3, members=None):
             opt.step()
         checkpoint.save(path, wrapped, opt)
         opt.consolidate_state_dict(to=0)
-        if rank == 0:
-            return {"optimizer": opt.state_dict(), "params": [p.detach().clone() for p in wrapped.parameters()]}
-        return None
+        with wrapped.whole_parameters():
+            params = [p.detach().clone() for p in wrapped.parameters()]
+        return {"optimizer": opt.state_dict(), "params": params} if rank == 0 else None
     finally:
         wrapped.close()
 
 
-def dcp_load(rank, world, path, saved):
-    """Load ``path`` into a fresh sharded wrapper on this world size and
-    compare with what was ``saved``: returns the largest difference of the
-    parameters and of the consolidated optimizer state, and whether the
-    step counts and groups match."""
+def dcp_load(rank, world, path, saved, impl="gradsync"):
+    """Load ``path`` into a fresh sharded wrapper (``impl``: which sharding)
+    on this world size and compare with what was ``saved``: returns the
+    largest difference of the parameters and of the consolidated optimizer
+    state, and whether the step counts and groups match."""
     from gradsync.torch import checkpoint
 
     make, _ = CASES["checkpoint_twice_reentrant"]
     torch.manual_seed(77)  # other initial values: the load must replace them
-    wrapped = GradsyncDDP(make().double(), shard_gradients=True, bucket_cap_mb=0.001)
+    wrapped = GradsyncDDP(make().double(), **SETTINGS[impl], bucket_cap_mb=0.001)
     opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=0.5)
     try:
+        if impl == "gradsync-params":
+            # Released parameters (after a step's end, as a resumed job's are) take the loaded values too.
+            wrapped._partition.residence.release()
         checkpoint.load(path, wrapped, opt)
         opt.consolidate_state_dict(to=-1)
         got, want = opt.state_dict(), saved["optimizer"]
-        params = max((a - b).abs().max().item() for a, b in zip(wrapped.parameters(), saved["params"]))
+        with wrapped.whole_parameters():
+            params = max((a - b).abs().max().item() for a, b in zip(wrapped.parameters(), saved["params"]))
         state = 0.0
         same_keys = sorted(got["state"]) == sorted(want["state"])
         steps_equal = True

@@ -12,9 +12,10 @@ GPU machine ``scripts/gpu/run`` runs it.
 * stream ordering: gradients produced late, on the default stream and on a
   side stream, with ``optimizer.step()`` queued right after ``backward()``
   (no host synchronization anywhere): bitwise equal to plain training;
-* sharded gradients and optimizer state (``shard_gradients=True``): the
-  sharded side-by-side cases, exact against one process, their buckets
-  reduce-scattered by NCCL;
+* sharded gradients and optimizer state (``shard_gradients=True``), and
+  sharded parameters (``shard_parameters=True``): the sharded side-by-side
+  cases, exact against one process, their buckets reduce-scattered and
+  their parameters all-gathered by NCCL, a rank's out-of-memory abort too;
 * memory: peak and held allocated memory against torch DDP's, with and
   without ``gradient_as_bucket_view``, written to
   ``target/pytest/gpu-memory.json`` (gradsync holds what DDP's bucket view
@@ -96,9 +97,17 @@ def test_optimizer_step_right_after_backward_sees_the_average(gpus, side_stream)
 
 # (The HF GPT-2 case needs transformers, which the GPU machine may lack.)
 @pytest.mark.parametrize("name", [name for name in sharded.CASES if not name.startswith("hf_")])
-def test_sharded_cases(gpus, name):
-    """Sharded gradients and optimizer state on the device plane, exact against one process."""
-    sharded.check(on_gpu(gpus, sharded.case, "gradsync", name))
+@pytest.mark.parametrize("impl", ["gradsync", "gradsync-params"], ids=["shard_gradients", "shard_parameters"])
+def test_sharded_cases(gpus, impl, name):
+    """Sharded gradients and optimizer state (and parameters) on the device plane, exact against one process."""
+    sharded.check(on_gpu(gpus, sharded.case, impl, name))
+
+
+@pytest.mark.parametrize("policy", ["skip", "partial"])
+def test_sharded_parameters_survive_an_out_of_memory_rank(gpus, policy):
+    """A rank that aborts before its forward still takes part in the step's gather (NCCL would hang otherwise)."""
+    sharded.check(on_gpu(gpus, sharded.case, "gradsync-params", "checkpoint_twice_reentrant",
+                         aborts=[(WORLD - 1, 1)], policy=policy))
 
 
 def test_peak_memory_against_ddp():

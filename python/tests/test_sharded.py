@@ -13,9 +13,12 @@ from sharded import CASES, case, check
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_training_matches_one_process(world2, side_by_side_sharded, name):
+    # Gradients and optimizer state sharded (ZeRO-2), then the parameters too (ZeRO-3).
     ours = world2.run(case, "gradsync", name)
     check(ours)
-    side_by_side_sharded(sharded.label(name), sharded.describe(ours[0]))
+    params = world2.run(case, "gradsync-params", name)
+    check(params)
+    side_by_side_sharded(sharded.label(name), sharded.describe(ours[0]), sharded.describe(params[0]))
 
 
 @pytest.mark.parametrize("name", ["checkpoint_twice_reentrant", "rank_dependent_control_flow"])

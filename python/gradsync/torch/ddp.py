@@ -252,6 +252,14 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       builds the optimizer that steps it and all-gathers the parameters
       (``gradsync.torch.sharding.wrapper``). ``.grad`` stays ``None``; clip with
       ``model.clip_grad_norm_`` or ``torch.nn.utils.clip_grad_norm_``.
+    * ``shard_parameters``: ``True`` shards the parameters too (ZeRO-3, first
+      step): each rank keeps its pieces of every parameter in memory of
+      their own; a parameter is whole from the forward that needs it (every
+      rank gathers every bucket there) to the step's end, and released
+      (an empty tensor) between steps (``gradsync.torch.sharding.parameters``).
+      Read or write every parameter between steps inside
+      ``with model.whole_parameters():`` (every rank). Not yet with
+      ``elastic`` or ``join``.
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
       rank does not end the job, a replacement joins it (see
@@ -270,7 +278,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
     GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic",
-                         "shard_gradients")
+                         "shard_gradients", "shard_parameters")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -326,7 +334,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         wire = check_wire(settings.get("wire_dtype", "float32"))
         self.module = module
         self._select_parameters(module)
-        sharded = bool(settings.get("shard_gradients", False))
+        shard_parameters = bool(settings.get("shard_parameters", False))
+        sharded = shard_parameters or bool(settings.get("shard_gradients", False))
         if sharded:
             refuse_sharded(settings, [n for n, _ in self._sparse_named])
         # DDP's plain attributes, which libraries read (Lightning reads
@@ -386,7 +395,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
         if sharded:
-            self._start_sharding(reals, elastic)
+            self._start_sharding(reals, elastic, parameters=shard_parameters)
         self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
@@ -565,6 +574,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         grad_enabled = torch.is_grad_enabled()
         if self._partition is not None and grad_enabled:
             self._partition.refuse_if_owed("forward")
+        self._assemble()
         was_pending = sync.record is not None and sync.record.sync_pending
         synced = sync.before_forward(grad_enabled)
         if synced and not was_pending:

@@ -56,7 +56,23 @@ class ParameterGather:
         if held is None or held[0] != sizes or held[1].lost:
             gathers = self._session.gather_buffers([(b, n, wide) for b, (n, wide) in enumerate(sizes)])
             self._held = held = (sizes, gathers, self._tensors(gathers))
+            # On the device plane the buffers were zeroed on the plane's
+            # stream: the caller's writes into them come after that.
+            self._caller_waits()
         return held[2]
+
+    def drop(self):
+        """Give the buffers of :meth:`buffers` back to the runtime (the next
+        call allocates them again): parameter sharding does not keep the
+        whole model's worth between its gathers. Nothing may hold a tensor
+        of :meth:`buffers` past this. On the device plane the plane's
+        stream first waits for the caller's, whose copies out of the
+        buffers may still be queued: the caching allocator hands freed
+        memory to the next allocation on the plane's stream, which then
+        comes after them."""
+        if self._held is not None:
+            self._plane_waits()
+        self._held = None
 
     def run(self):
         """Gather the buffers of :meth:`buffers`: each rank's chunk, written
@@ -85,6 +101,7 @@ class ParameterGather:
         if held is None or held[0] != world or held[1].lost:
             gathers = self._session.gather_buffers([(None, world, True)])
             self._norms = held = (world, gathers, self._tensors(gathers)[0])
+            self._caller_waits()
         _, gathers, values = held
         values.zero_()
         values[rank].copy_(value.reshape(()))

@@ -90,13 +90,21 @@ class Layout:
     takes; ``buddy_stride``: rank ``r`` also keeps rank ``(r +
     buddy_stride) % world``'s partition (an elastic job: a lost rank's
     partition lives on at its buddy, on another node when there is one);
-    0: no buddy copies."""
+    0: no buddy copies; ``own_all``: every piece holds its values itself
+    (parameter sharding, where the parameters' memory is released between
+    uses), not only those of parameters that are not contiguous."""
 
-    def __init__(self, plan, params, rank, world, reals, buddy_stride=0):
+    def __init__(self, plan, params, rank, world, reals, buddy_stride=0, own_all=False):
         self.params = params
         self.plan = plan
         self.reals = reals
         self.buddy_stride = buddy_stride
+        #: Whether every piece holds its values itself (see the class docs).
+        self.own_all = own_all
+        #: Per parameter, its whole shape and dtype as a tensor without data
+        #: (``meta``): what the parameter looks like whether or not its
+        #: memory is released (parameter sharding).
+        self.forms = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
         self.lay_out(rank, world)
 
     @property
@@ -158,7 +166,7 @@ class Layout:
             lo, hi = max(offset, span[0]), min(offset + size, span[1])
             if lo < hi:
                 p = self.params[i]
-                owned = not p.is_contiguous()
+                owned = self.own_all or not p.is_contiguous()
                 tensor = flat_values(p)[lo - offset : hi - offset]
                 pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor.clone() if owned else tensor,
                                     held_at + lo - span[0], owned))

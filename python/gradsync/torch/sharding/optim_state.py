@@ -87,8 +87,8 @@ def full_state(opt):
             full = opt._states.all_gather(mine)[: layout.numel].split(layout.sizes)
             for i, values in zip(layout.members, full):
                 if i in number:
-                    p = part.params[i]
-                    like = torch.view_as_real(p.detach()) if p.is_complex() else p.detach()
+                    p = part.forms[i]
+                    like = torch.view_as_real(p) if p.is_complex() else p
                     state.setdefault(number[i], {})[key] = values.to(like.dtype).reshape(like.shape).clone()
     present, scalars = present_and_scalars(opt, number)
     for n, values in scalars.items():
@@ -151,7 +151,7 @@ def load_full(opt, state_dict):
             loaded[entry_of] = {k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()}
             continue
         i = entry_of
-        p = part.params[i]
+        p = part.forms[i]
         for piece in part.of_param.get(i, []) + part.buddy_of_param.get(i, []):
             entry = {}
             for key, value in values.items():
@@ -251,7 +251,7 @@ def sharded_state_dict(opt, template=None, group=None):
     state = {}
     for n, keys in entries.items():
         i = flat[n]
-        p = part.params[i]
+        p = part.forms[i]
         mine = {piece.offset: piece for piece in part.of_param.get(i, ())}
         if template is not None and not mine:
             # Nothing of it to load here. (A ShardedTensor without a local
@@ -276,7 +276,7 @@ def sharded_state_dict(opt, template=None, group=None):
                     held = opt.inner.state.get(piece.tensor, {}).get(key) if template is None else None
                     local = held.reshape(-1) if held is not None else torch.zeros(length, dtype=dtype)
                 pieces.append((owner, offset, length, local))
-            out[key] = flat_sharded(pieces, reals(p), dtype, p.device, part.rank, group)
+            out[key] = flat_sharded(pieces, reals(p), dtype, part.params[i].device, part.rank, group)
     return {"state": state, "param_groups": groups_by_number(opt)}
 
 

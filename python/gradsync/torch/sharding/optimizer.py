@@ -271,7 +271,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._noop = part.sharded_step.stepping()
         if self._quiet or self._noop:
             return
-        part.refresh()
+        if part.residence is None:  # (released parameters hold nothing to read: the pieces are the values)
+            part.refresh()
         if part.sharded_step.settled or part.recover is None:
             return
         try:
@@ -283,11 +284,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def after_step(self):
         """Called by the global step post-hook after the inner optimizer
         stepped: count the step, and gather every rank's pieces into the
-        parameters (a member lost here is recovered from in an elastic job)."""
+        parameters (a member lost here is recovered from in an elastic job);
+        under parameter sharding the next forward gathers them instead."""
         part = self._partition
         if self._quiet or part.sharded_step.settled or self._noop:
             return
         part.sharded_step.stepped()
+        if part.residence is not None:
+            return  # parameter sharding: the next forward gathers the pieces
         part.write_owned()
         try:
             part.gather()

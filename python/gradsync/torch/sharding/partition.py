@@ -35,8 +35,8 @@ class Partition(Layout, Clipping):
     (``_states.StateBroadcast``), where the all-gathers and norms travel;
     ``names``: the parameters' names, for errors."""
 
-    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0):
-        super().__init__(plan, params, rank, world, reals, buddy_stride)
+    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0, own_all=False):
+        super().__init__(plan, params, rank, world, reals, buddy_stride, own_all)
         self.names = names
         #: The state group of the current membership (``_states.StateBroadcast``).
         self.states = states
@@ -59,6 +59,11 @@ class Partition(Layout, Clipping):
         #: Where the parameters' gathers run (``sharding.gather.ParameterGather``:
         #: the runtime's), set by the wrapper once its hooks are attached.
         self.gathering = None
+        #: Under parameter sharding (``shard_parameters=True``), where the
+        #: parameters' whole values stand (``sharding.parameters.ShardedParameters``):
+        #: released at the end of each step, gathered by the next forward;
+        #: ``None``: the parameters are always whole (ZeRO-2).
+        self.residence = None
         #: Checks that every rank makes once over the state group (that all
         #: built the same sharded optimizer), held until an elastic job's
         #: first step boundary, where a member lost meanwhile is recovered
@@ -74,6 +79,8 @@ class Partition(Layout, Clipping):
         update if this rank aborted a step the others applied."""
         report = result.report
         self.sharded_step.received(owed=report.step if any(r == self.rank for r, _ in report.aborted) else None)
+        if self.residence is not None:
+            self.residence.release()
 
     def step_joined(self):
         """This rank ran out of data and shadowed the others' step: step its
@@ -107,6 +114,8 @@ class Partition(Layout, Clipping):
         and the collectives of an update are not made (``ShardedStep.skipped``)."""
         self.clear()
         self.sharded_step.skipped_everywhere()
+        if self.residence is not None:
+            self.residence.release()
 
     def refuse_if_owed(self, before):
         """A rank that aborted a step the others applied (partial policy)
@@ -126,7 +135,7 @@ class Partition(Layout, Clipping):
     # ---- after the optimizer stepped ---------------------------------------------------------
 
     @torch.no_grad()
-    def gather(self):
+    def gather(self, everything=False, before_unpack=None):
         """Every rank's pieces, updated by its optimizer, into every rank's
         parameters: per bucket, this rank writes its pieces into its chunk
         of the runtime's gather buffer (``BucketLayout.wide``'s precision;
@@ -137,24 +146,30 @@ class Partition(Layout, Clipping):
         gather starts as soon as its chunk is written, and a bucket is read
         back while the later ones are in flight; the copies of a bucket are
         one batched copy (``torch._foreach_copy_``: a few kernels on a GPU,
-        not one per parameter). Every gather is done when this returns."""
+        not one per parameter). Every gather is done when this returns.
+        ``everything``: every value is read back, this rank's own too (the
+        parameters were released and hold nothing of it: parameter sharding);
+        ``before_unpack(b)`` is called before bucket ``b`` is read back (once
+        its gather is in flight: what allocates the parameters then)."""
         if self.world == 1:
             return
         gathering = self.gathering
-        buffers = gathering.buffers([(layout.chunk * self.world, layout.wide) for layout in self.buckets])
+        buffers = gathering.buffers(self.gather_sizes())
+        before_unpack = before_unpack or (lambda b: None)
         if not self.pipelined:
-            self._gather_at_once(buffers)
+            self._gather_at_once(buffers, everything, before_unpack)
             return
         out = []  # buckets in flight, in the order started
         try:
             for b, whole in enumerate(buffers):
-                self._pack(b, whole)
+                self.pack(b, whole)
                 gathering.start(b)
                 out.append(b)
             for b, whole in enumerate(buffers):
+                before_unpack(b)
                 out.remove(b)
                 gathering.wait(b)
-                self._unpack(b, whole)
+                self._unpack(b, whole, everything)
         finally:
             # On a failure, every buffer still out comes back before it is
             # raised (they are the runtime's memory, reused by the next gather).
@@ -164,29 +179,34 @@ class Partition(Layout, Clipping):
                 except Exception:  # the first failure is the one raised
                     continue
 
-    def _gather_at_once(self, buffers):
+    def _gather_at_once(self, buffers, everything, before_unpack):
         """:meth:`gather` without the pipeline: every chunk written, one
         gather of every bucket, every parameter read back (what
         ``pipelined=False`` measures against)."""
         for b, whole in enumerate(buffers):
-            self._pack(b, whole)
+            self.pack(b, whole)
         self.gathering.run()
         for b, whole in enumerate(buffers):
-            self._unpack(b, whole)
+            before_unpack(b)
+            self._unpack(b, whole, everything)
 
-    def _pack(self, b, whole):
+    def gather_sizes(self):
+        """Per bucket, its gather buffer's ``(values, float64)``."""
+        return [(layout.chunk * self.world, layout.wide) for layout in self.buckets]
+
+    def pack(self, b, whole):
         """This rank's pieces of bucket ``b`` into its chunk of ``whole``
         (the bucket's gather buffer)."""
         chunk = self.buckets[b].chunk
         self.fill_chunk(b, whole[self.rank * chunk : (self.rank + 1) * chunk], lambda piece: piece.tensor)
 
-    def _unpack(self, b, whole):
+    def _unpack(self, b, whole, everything=False):
         """Bucket ``b``'s gathered values ``whole`` into its member
         parameters, in one batched copy, except what this rank's own pieces
-        hold already (views of those parameters). A parameter whose pieces
-        hold their values themselves (not contiguous) is written whole."""
+        hold already (views of those parameters), unless ``everything``. A
+        parameter that is not contiguous is written whole."""
         layout = self.buckets[b]
-        lo, hi = layout.mine
+        lo, hi = (0, 0) if everything else layout.mine
         into, values = [], []
         start = 0
         for i, size in zip(layout.members, layout.sizes):

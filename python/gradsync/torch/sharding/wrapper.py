@@ -20,6 +20,7 @@ Clipping by norm is a collective over every rank's partition:
 are reached (``sharding.clip`` redirects them for a sharded wrapper's tensors).
 """
 
+import contextlib
 import sys
 
 import torch
@@ -28,6 +29,7 @@ from gradsync._errors import ConfigError
 from gradsync.torch.sharding import clip as _clip
 from gradsync.torch.sharding import trainer_saves
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
+from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.partition import Partition
 from gradsync.torch.sharding.reshard import settle
 
@@ -55,6 +57,12 @@ def refuse(settings, sparse_names):
             f"shard_gradients=True and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
             "build the embeddings with sparse=False"
         )
+    if settings.get("shard_parameters") and settings.get("elastic") is not None:
+        raise ConfigError(
+            "shard_parameters=True in an elastic job is not built yet: a lost rank's pieces of the parameters need "
+            "buddy copies, which come in a later step. Use shard_gradients=True in an elastic job (its parameters "
+            "are whole on every rank, its gradients and optimizer state sharded with buddies)"
+        )
 
 
 class Sharding:
@@ -62,15 +70,23 @@ class Sharding:
 
     _partition = None
 
-    def _start_sharding(self, reals, elastic):
+    def _start_sharding(self, reals, elastic, parameters=False):
         """Lay this rank's partition over the runtime's plan (after the
         session started); ``reals(p)``: values of ``p`` in a bucket. In an
         ``elastic`` job each rank keeps its buddy's partition too, on
-        another node when there is one (``sharding.reshard``)."""
+        another node when there is one (``sharding.reshard``).
+        ``parameters``: the parameters are sharded too (their pieces own
+        their values; ``sharding.parameters``)."""
         self._partition = Partition(
             self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
-            buddy_stride=0 if elastic is None else elastic.buddy_stride,
+            buddy_stride=0 if elastic is None else elastic.buddy_stride, own_all=parameters,
         )
+        if parameters:
+            self._partition.residence = ShardedParameters(self._partition)
+            refuse = self._partition.residence.refuse_if_released
+            # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
+            self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()"))
+            self.module.register_load_state_dict_pre_hook(lambda *_: refuse("load_state_dict()"))
         if elastic is not None:
             self._partition.recover = elastic.recover
             if not elastic.joining:  # (a joiner's optimizer is checked by the members' fingerprint)
@@ -82,6 +98,10 @@ class Sharding:
         if trainer is not None and hasattr(trainer, "Trainer"):
             # HF Trainer's checkpoints then hold the whole optimizer state, with no callback.
             trainer_saves.install(trainer.Trainer)
+        strategies = sys.modules.get("lightning.pytorch.strategies.ddp")
+        if parameters and strategies is not None and hasattr(strategies, "DDPStrategy"):
+            # Lightning's checkpoints then hold whole parameters.
+            trainer_saves.install_lightning(strategies.DDPStrategy)
 
     def _settle_members(self, rank, world, buddy_stride):
         """A change of members (``reconfigure``): the partitions move to the
@@ -109,8 +129,59 @@ class Sharding:
 
     @property
     def sharded(self):
-        """Whether gradients are sharded (``shard_gradients=True``)."""
+        """Whether gradients are sharded (``shard_gradients=True``, or ``shard_parameters=True``)."""
         return self._partition is not None
+
+    @property
+    def parameters_sharded(self):
+        """Whether parameters are sharded too (``shard_parameters=True``)."""
+        return self._partition is not None and self._partition.residence is not None
+
+    def refuse_join(self):
+        """Refuse uneven inputs (``join``) with sharded parameters, before
+        any rank runs out of data (see the message)."""
+        if self.parameters_sharded:
+            raise ConfigError(
+                "join (uneven inputs) with shard_parameters=True is not built yet: a rank out of data would have to "
+                "take part in the others' parameter gathers, which it cannot foresee. Give every rank the same "
+                "number of batches (drop_last=True), or use shard_gradients=True, where join works"
+            )
+
+    def abort_step(self, reason="out_of_memory"):
+        """``StepControls.abort_step``; with sharded parameters, a rank that
+        aborts before its first forward of the step still takes part in the
+        step's parameter gather, as the others' forwards do (nobody waits
+        for it)."""
+        if self.parameters_sharded:
+            self._sync.refuse_if_closed()
+            self._partition.residence.take_part()
+        return super().abort_step(reason)
+
+    def _assemble(self):
+        """Before a forward: parameter-sharded, the released parameters
+        gathered whole (every rank's forward does it at the same point)."""
+        if self._partition is not None and self._partition.residence is not None:
+            self._sync.refuse_if_closed()
+            self._partition.residence.assemble()
+
+    @contextlib.contextmanager
+    def whole_parameters(self):
+        """Within the block every parameter holds its whole values (a
+        collective: every rank enters it at the same point), for what reads
+        or writes every parameter between steps: ``state_dict()``, an
+        evaluation by hand, ``load_state_dict()``. What is written into the
+        parameters inside is kept. On a wrapper whose parameters are not
+        sharded it does nothing."""
+        residence = self._partition.residence if self._partition is not None else None
+        if residence is None or residence.whole:
+            yield self
+            return
+        self._sync.refuse_if_closed()
+        residence.assemble()
+        try:
+            yield self
+        finally:
+            residence.release()
 
     def shard_optimizer(self, optimizer_class, params=None, **defaults):
         """The optimizer for a sharded wrapper: ``optimizer_class`` (an
@@ -190,6 +261,7 @@ class Sharding:
         in their parameter gather, until every rank has joined."""
         if self._partition is None:
             return super().join_now()
+        self.refuse_join()
         self._sync.refuse_if_closed()
         first, steps = self._sync.current_step, 0
         while True:

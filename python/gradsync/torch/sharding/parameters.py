@@ -1,0 +1,128 @@
+"""Parameter sharding (ZeRO-3), first step: where a parameter's whole values stand.
+
+With ``shard_parameters=True`` each rank keeps its pieces of every
+parameter in memory of their own (``Layout(own_all=True)``: about ``1 /
+world`` of the parameters), and a parameter's whole values exist only
+from the forward that needs them to the end of the step::
+
+    the step ends (its averages are in the pieces' .grad, or it was skipped)
+      └─▶ release: each piece reads its parameter (what the program wrote into a whole
+          parameter is kept), then every parameter's memory is released
+    optimizer.step() ─▶ steps the pieces; the parameters stay released, nothing is gathered
+    the next forward (training or eval, every rank)
+      └─▶ assemble: every bucket gathered, pipelined (the runtime's all-gather,
+          ``Partition.gather(everything=True)``), into fresh whole parameters;
+          the gather's buffers go back to the runtime at once
+
+What this step does not do yet (the issue's later steps): units of
+modules gathered one at a time before their forward and again before their
+backward, released in between, which needs gathers during backward on a
+lane of their own. Until then the parameters are whole through forward and
+backward, as under ``shard_gradients=True``, and released between steps.
+
+A released parameter is an empty tensor (``numel() == 0``) of its dtype
+and device: the same ``Parameter`` object, so the optimizer, the hooks and
+tied weights keep it; reading it gives nothing, and ``state_dict()`` and
+``load_state_dict()`` of the wrapped module are refused then with what to
+do (``model.whole_parameters()``, a collective every rank enters).
+"""
+
+import torch
+
+from gradsync._errors import ConfigError
+
+
+class ShardedParameters:
+    """The whole values of a parameter-sharded wrapper's parameters: whole
+    or released (see the module docs). ``partition``: the wrapper's
+    ``sharding.partition.Partition`` (its pieces own their values). Starts
+    whole: the parameters as the program built and loaded them.
+
+    Every rank takes part in one gather per step, whatever its own step
+    does: at its first forward, or, when it aborts the step before any
+    forward (``abort_step``), there (:meth:`take_part`); so one rank's
+    out-of-memory error never leaves the others waiting in a gather."""
+
+    def __init__(self, partition):
+        self._partition = partition
+        #: Per parameter: its shape and strides when whole (what a gather allocates again).
+        self._forms = [(tuple(p.shape), tuple(p.stride())) for p in partition.params]
+        #: Whether every parameter holds its whole values now (read back
+        #: from every rank's pieces, or as the program built them).
+        self.whole = True
+        #: Whether this rank took part in the gather since the parameters were released.
+        self.gathered = True
+
+    @torch.no_grad()
+    def release(self):
+        """The step ended: the pieces read their parameters (when whole),
+        then every parameter's memory is released (each an empty tensor)."""
+        part = self._partition
+        if self.whole:
+            part.refresh()
+        for p in part.params:
+            if p.numel():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.whole = self.gathered = False
+
+    @torch.no_grad()
+    def assemble(self):
+        """Every rank's pieces into whole parameters (a collective: every
+        rank calls it at the same point, as each forward does). Each
+        bucket's parameters are allocated once its gather is in flight.
+        Nothing to do when the parameters are whole."""
+        if self.whole:
+            return
+        if self.gathered:
+            raise ConfigError(
+                "this rank's parameters were gathered for this step and could not all be read back (an error "
+                "during the gather, out of memory most likely); the other ranks will not gather again. Call "
+                "model.abort_step() and go on with the next step"
+            )
+        part = self._partition
+        self.gathered = True
+        try:
+            part.gather(everything=True, before_unpack=self._allocate)
+        finally:
+            # The buffers held the whole model again: back to the runtime until the next gather.
+            part.gathering.drop()
+        self.whole = True
+        part.sharded_step.gathered()
+
+    def _allocate(self, b):
+        """Whole memory for bucket ``b``'s parameters."""
+        part = self._partition
+        for i in part.buckets[b].members:
+            p = part.params[i]
+            if not p.numel():
+                shape, stride = self._forms[i]
+                p.data = torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device)
+
+    @torch.no_grad()
+    def take_part(self):
+        """This rank aborts a step before its first forward: it takes part
+        in the step's gather as the others' forwards do, reading nothing
+        back (the parameters stay released)."""
+        if self.gathered:
+            return
+        part = self._partition
+        self.gathered = True
+        try:
+            buffers = part.gathering.buffers(part.gather_sizes())
+            for b, whole in enumerate(buffers):
+                part.pack(b, whole)
+            del buffers, whole
+            part.gathering.run()
+        finally:
+            part.gathering.drop()
+
+    def refuse_if_released(self, what):
+        """Refuse ``what`` (reading or writing every parameter: a state
+        dict) while the parameters are released, saying what to do."""
+        if self.whole:
+            return
+        raise ConfigError(
+            f"{what} while the parameters are released: with shard_parameters=True each rank holds only its pieces "
+            "between a step's end and the next forward. Enter `with model.whole_parameters():` on every rank "
+            "(a collective) and call it inside; what is written into the parameters there is kept"
+        )

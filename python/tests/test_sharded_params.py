@@ -1,0 +1,68 @@
+"""Parameter sharding (``shard_parameters=True``, ZeRO-3's first step): the
+parameters are whole from a forward to the step's end and released between
+steps, each rank holding its pieces only; training stays exact through
+aborts, accumulation and clipping; what a program writes into whole
+parameters is kept; state dicts between steps and uneven inputs are refused
+with what to do. Every case of the sharded table runs under it too
+(``test_sharded.py``)."""
+
+import pytest
+
+import sharded
+import sharded_params
+from gradsync import ConfigError
+from gradsync.torch.sharding.wrapper import refuse
+from sharded import case, check
+
+
+def test_parameters_are_released_between_steps_and_whole_in_forward(world2):
+    for rank, seen in enumerate(world2.run(sharded_params.residence)):
+        assert seen["after_backward"] == [0, 0, 0], f"rank {rank}: parameters not released at the step's end"
+        assert seen["after_step"] == [0, 0, 0], f"rank {rank}: the optimizer step gathered the parameters"
+        assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+        assert seen["eval"] <= 1e-12, f"rank {rank}: the evaluation forward read other values ({seen['eval']})"
+        assert not seen["gathered_again"], f"rank {rank}: the training forward gathered whole parameters again"
+        assert seen["state_diff"] <= sharded.ATOL, f"rank {rank}: whole_parameters() state dict off"
+        assert seen["after_writes"] <= sharded.ATOL, f"rank {rank}: a write into whole parameters was lost"
+        for what in ("state_dict", "load_state_dict"):
+            assert seen[what] is not None and "whole_parameters" in seen[what], f"rank {rank}: {what}: {seen[what]}"
+    held = [seen["held"] for seen in world2.run(sharded_params.residence, steps=1)]
+    # Each rank holds its partition: together, every parameter once.
+    assert sum(held) == seen["whole"] and max(held) <= seen["whole"] // 2 + 64, held
+
+
+@pytest.mark.parametrize("policy", ["skip", "partial"])
+def test_an_out_of_memory_rank_is_exact_under_either_policy(world2, policy):
+    check(world2.run(case, "gradsync-params", "checkpoint_twice_reentrant", aborts=[(1, 1)], policy=policy))
+
+
+def test_no_sync_accumulation_and_clipping_are_exact(world2):
+    check(world2.run(case, "gradsync-params", "shared_weight_between_segments", micro=2))
+    check(world2.run(case, "gradsync-params", "checkpoint_twice_reentrant", clip=0.05))
+
+
+def test_reduce_scattered_on_gloo_too(world2):
+    check(world2.run(case, "gradsync-params", "rank_dependent_control_flow", scatter=True))
+
+
+def test_uneven_inputs_and_elastic_jobs_are_refused_with_what_to_do(world2):
+    for message in world2.run(sharded_params.join_refused):
+        assert message is not None and "drop_last" in message, message
+    with pytest.raises(ConfigError, match="shard_gradients=True in an elastic job"):
+        refuse({"shard_parameters": True, "elastic": object()}, [])
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
+def test_device_plane_buckets_on_cpu_tensors(world2, scatter):
+    # What runs on a GPU, less NCCL: the gathers into the plane's buffers, the parameters allocated again.
+    check(world2.run(case, "gradsync-params", "checkpoint_twice_weight_sharing", buckets="device", scatter=scatter))
+
+
+def test_a_dcp_checkpoint_of_two_ranks_loads_on_three(world2, world3, tmp_path):
+    # gradsync.torch.checkpoint gathers the parameters whole to save them, and each rank's pieces take the
+    # loaded values (its parameters released before the load, as a resumed job's are after a step).
+    path = str(tmp_path / "ckpt")
+    saved = world2.run(sharded.dcp_save, path, impl="gradsync-params")[0]
+    for rank, got in enumerate(world3.run(sharded.dcp_load, path, saved, impl="gradsync-params")):
+        assert got["keys"] and got["steps"], f"rank {rank}: {got}"
+        assert got["params"] == 0.0 and got["state"] == 0.0, f"rank {rank}: {got}"
