@@ -24,6 +24,7 @@ optimizer, gradient clipping and learning rate, and prints an equivalence line.
 """
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -51,6 +52,9 @@ def parse():
                         "optimizer state with the replay's)")
     parser.add_argument("--shard", action="store_true",
                         help="gradsync sharded (ZeRO-2): replace_ddp(shard_gradients=True); nothing else changes")
+    parser.add_argument("--shard-parameters", action="store_true",
+                        help="gradsync with the parameters sharded too (ZeRO-3): replace_ddp(shard_parameters=True); "
+                        "the script reads the parameters after training inside model.whole_parameters()")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per rank, NCCL (gradsync's buckets on the GPU)")
     return parser.parse_args()
@@ -129,7 +133,7 @@ def main():
 
         # The one line: Accelerate's DDP becomes gradsync's (sharded: the Trainer's optimizer then steps this
         # rank's partition, converted at its first step, and its checkpoints hold the whole state).
-        gradsync.torch.replace_ddp(shard_gradients=args.shard)
+        gradsync.torch.replace_ddp(shard_gradients=args.shard, shard_parameters=args.shard_parameters)
 
     model = tiny_gpt2()
     initial = copy.deepcopy(model)
@@ -168,9 +172,13 @@ def main():
             first = (str(e).strip().splitlines() or [""])[0]
             print(f"rank {rank}: {args.impl} failed: {type(e).__name__}: {first}", flush=True)
             sys.exit(1)
-        saved = None
+        saved = saved_model = None
         if args.save and rank == 0:
-            saved = torch.load(os.path.join(out, f"checkpoint-{args.steps}", "optimizer.pt"), weights_only=False)
+            last = os.path.join(out, f"checkpoint-{args.steps}")
+            saved = torch.load(os.path.join(last, "optimizer.pt"), weights_only=False)
+            from safetensors.torch import load_file
+
+            saved_model = load_file(os.path.join(last, "model.safetensors"))
     wrapped = trainer.model_wrapped
     kind = f"{type(wrapped).__module__}.{type(wrapped).__name__}"
     if rank == 0:
@@ -179,8 +187,12 @@ def main():
             if "loss" in entry:
                 print(f"step {entry['step']:4d}  loss {entry['loss']:.4f}", flush=True)
         print(f"trained {result.global_step} steps, final train loss {result.training_loss:.4f}", flush=True)
+    # The trained parameters: with sharded parameters every rank gathers them whole to read them (a collective).
+    with getattr(wrapped, "whole_parameters", contextlib.nullcontext)():
+        finals = [p.detach().clone() for p in model.parameters()]
+        named = {n: p.detach().clone() for n, p in model.named_parameters()}
     # Every rank holds the same parameters.
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.reshape(-1) for p in finals])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     batches = [None] * world
@@ -190,7 +202,7 @@ def main():
         print(f"replicas: max |param_r - param_0| = {spread:.1e}", flush=True)
         decay = set(trainer.get_decay_parameter_names(model))
         reference, losses, reference_opt = replay(initial, batches, args, lr, max_grad_norm, flat.device, decay)
-        diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+        diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), finals))
         print(f"reference (one process, every rank's batches): loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         print("reference losses:", " ".join(f"{x:.4f}" for x in losses), flush=True)
         state_ok = True
@@ -202,6 +214,11 @@ def main():
             state_ok = sorted(saved["state"]) == sorted(want) and off <= TOLERANCE
             print(f"checkpointed optimizer state: {len(saved['state'])} parameters, max |state - reference| = "
                   f"{off:.2e}", flush=True)
+        if saved_model is not None:
+            # The checkpoint's weights are the trained parameters, whole (tied ones saved once).
+            off = max((saved_model[n] - named[n]).abs().max().item() for n in saved_model)
+            state_ok = state_ok and sorted(saved_model) == sorted(n for n in named if n in saved_model) and off == 0.0
+            print(f"checkpointed model: {len(saved_model)} tensors, max |saved - param| = {off:.1e}", flush=True)
         verdict = "OK" if diff <= TOLERANCE and spread == 0.0 and state_ok else "MISMATCH"
         print(f"equivalence: max |param - reference| = {diff:.2e} (tolerance {TOLERANCE:.0e}) {verdict}", flush=True)
         if verdict != "OK":

@@ -9,6 +9,7 @@ scripts do, before any gradsync wrapper exists in the process: a sharded
 run must still clip by the global norm through that reference.
 """
 
+import contextlib
 import copy
 import math
 
@@ -25,9 +26,12 @@ ATOL32 = 1e-5
 
 
 def _diff(a, b):
-    """Largest parameter difference of two modules (a wrapper or not)."""
-    a, b = getattr(a, "module", a), getattr(b, "module", b)
-    return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+    """Largest parameter difference of two modules (a wrapper or not; one
+    whose parameters are sharded gathers them: every rank calls it)."""
+    whole = getattr(a, "whole_parameters", contextlib.nullcontext)
+    with whole():
+        a, b = getattr(a, "module", a), getattr(b, "module", b)
+        return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
 class TinyGPT(nn.Module):
@@ -251,7 +255,8 @@ def channels_last(rank, world, steps=3, **wrap):
                 (reference(data[step, r].contiguous(memory_format=torch.channels_last)).square().mean()
                  / world).backward()
             ref_opt.step()
-        kept = model.module[0].weight.is_contiguous(memory_format=torch.channels_last)
+        with getattr(model, "whole_parameters", contextlib.nullcontext)():
+            kept = model.module[0].weight.is_contiguous(memory_format=torch.channels_last)
         return {"params": _diff(model, reference), "channels_last": kept}
     finally:
         model.close()

@@ -68,7 +68,9 @@ def test_hf_trainer_with_reentrant_checkpointing(side_by_side):
 
 
 def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
-    """``replace_ddp(shard_gradients=True)``: the Trainer's own AdamW (built
+    """``replace_ddp(shard_gradients=True)``, then ``shard_parameters=True``
+    (its saves gather the parameters; the model's weights in the checkpoint
+    are whole): the Trainer's own AdamW (built
     before Accelerate wraps the model) is converted at its first step,
     Accelerate's clipping takes the global norm, the Trainer's
     ``model.zero_grad()`` clears the partitions; its checkpoints (one half
@@ -77,16 +79,21 @@ def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
     raised a ConfigError asking for a callback). Parameters and saved state
     equal the one-process replay's."""
     pytest.importorskip("transformers")
-    code, out = torchrun(REPO / "examples" / "torch" / "hf_trainer.py", "--steps", "8", "--shard", "--adamw", "--save")
-    assert code == 0, out[-4000:]
-    assert "replicas: max |param_r - param_0| = 0.0e+00" in out, out[-3000:]
-    diff = float(re.search(r"equivalence: max \|param - reference\| = (\S+)", out).group(1))
-    state = float(re.search(r"checkpointed optimizer state: \d+ parameters, max \|state - reference\| = (\S+)",
-                            out).group(1))
-    assert diff <= 1e-4 and state <= 1e-4 and "MISMATCH" not in out, out[-3000:]
+    cells = []
+    for setting in ("--shard", "--shard-parameters"):
+        code, out = torchrun(REPO / "examples" / "torch" / "hf_trainer.py", "--steps", "8", setting, "--adamw",
+                             "--save")
+        assert code == 0, out[-4000:]
+        assert "replicas: max |param_r - param_0| = 0.0e+00" in out, out[-3000:]
+        diff = float(re.search(r"equivalence: max \|param - reference\| = (\S+)", out).group(1))
+        state = float(re.search(r"checkpointed optimizer state: \d+ parameters, max \|state - reference\| = (\S+)",
+                                out).group(1))
+        # The checkpoint's weights are whole (shard_parameters: the save gathers them).
+        assert "max |saved - param| = 0.0e+00" in out, out[-3000:]
+        assert diff <= 1e-4 and state <= 1e-4 and "MISMATCH" not in out, out[-3000:]
+        cells.append(f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")
     side_by_side_sharded("HF Trainer, GPT-2, reentrant gradient checkpointing, clipping, AdamW, a checkpoint, "
-                         "replace_ddp(shard_gradients=True)",
-                         f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")
+                         "replace_ddp(shard_gradients=True) or replace_ddp(shard_parameters=True)", *cells)
 
 
 def test_fabric_sharded_clips_by_the_global_norm_with_accumulation(side_by_side_sharded):
@@ -116,19 +123,25 @@ def test_lightning_sharded_with_a_checkpoint(side_by_side_sharded, impl):
     norm must be the global one; it was each rank's own, silently 1.5e-3
     off the replay); ``trainer.save_checkpoint`` writes the whole optimizer
     state (Lightning consolidates optimizers that can), equal to the
-    replay's."""
+    replay's. Then with ``shard_parameters=True``: the checkpoint's weights
+    are whole, and the module holds the trained weights after ``fit``."""
     pytest.importorskip("lightning")
-    code, out = torchrun(REPO / "python" / "tests" / "scripts" / "lightning_ddp.py", "--impl", impl, "--shard",
-                         "--clip")
-    assert code == 0, out[-4000:]
-    assert "replicas: 0.0e+00" in out, out[-3000:]
-    diff = float(re.search(r"reference: (\S+)", out).group(1))
-    state = float(re.search(r"checkpointed optimizer state: (\S+)", out).group(1))
-    assert diff <= 1e-5 and state <= 1e-5, out[-3000:]
+    cells = []
+    for setting in ("--shard", "--shard-parameters"):
+        code, out = torchrun(REPO / "python" / "tests" / "scripts" / "lightning_ddp.py", "--impl", impl, setting,
+                             "--clip")
+        assert code == 0, out[-4000:]
+        assert "replicas: 0.0e+00" in out, out[-3000:]
+        diff = float(re.search(r"reference: (\S+)", out).group(1))
+        state = float(re.search(r"checkpointed optimizer state: (\S+)", out).group(1))
+        # The checkpoint's weights are the trained parameters (shard_parameters: gathered for it).
+        assert "checkpointed weights: 0.0e+00" in out, out[-3000:]
+        assert diff <= 1e-5 and state <= 1e-5, out[-3000:]
+        cells.append(f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")
     if impl == "strategy":
-        side_by_side_sharded("Lightning, GradsyncDDPStrategy(shard_gradients=True), a block checkpointed twice "
-                             "(reentrant), gradient_clip_val, accumulate_grad_batches=2, save_checkpoint",
-                             f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")
+        side_by_side_sharded("Lightning, GradsyncDDPStrategy(shard_gradients=True or shard_parameters=True), a "
+                             "block checkpointed twice (reentrant), gradient_clip_val, accumulate_grad_batches=2, "
+                             "save_checkpoint", *cells)
 
 
 @pytest.mark.parametrize("impl", ["replace", "strategy"])

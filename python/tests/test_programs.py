@@ -4,7 +4,8 @@ clipping through a reference to torch's function taken at import, a
 GradScaler loop, an out-of-memory rank that goes on to its next batch, a
 frozen layer in the optimizer, a ``channels_last`` model, a sharded
 checkpoint of a small model (one bucket) on the same and another world
-size. Each failed before the fix that made it pass (issue 53)."""
+size. Each failed before the fix that made it pass (issue 53). The same
+programs run with ``shard_parameters=True`` too."""
 
 import pytest
 
@@ -72,3 +73,24 @@ def test_a_sharded_checkpoint_of_one_bucket_loads_on_the_same_and_another_world(
         data.unlink()
     for message in world2.run(programs.checkpoint_load_error, path):
         assert message.startswith("CheckpointError: ranks [0, 1]: reading the sharded checkpoint"), message
+
+
+PARAMETERS = {"shard_parameters": True}
+
+
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad_scaler"])
+def test_the_programs_train_exactly_with_sharded_parameters(world2, scaler):
+    # The same programs with shard_parameters=True as the only change (they read
+    # the parameters after training inside whole_parameters()).
+    for rank, got in enumerate(world2.run(programs.nanogpt, scaler=scaler, **PARAMETERS)):
+        assert got["norms"] < 1e-5 and got["params"] < programs.ATOL32, f"rank {rank}: {got}"
+    for rank, got in enumerate(world2.run(programs.out_of_memory, timeout=60, scaler=scaler, **PARAMETERS)):
+        assert got["outcomes"] == ["applied", "applied", "skipped", "applied", "applied"], got
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
+    if scaler:
+        return
+    for rank, got in enumerate(world2.run(programs.frozen_layer, **PARAMETERS)):
+        assert got["params"] < programs.ATOL32 and got["state_as_torch"], f"rank {rank}: {got}"
+    for rank, got in enumerate(world2.run(programs.channels_last, **PARAMETERS)):
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
+        assert got["channels_last"], "the parameters gathered again keep the memory format the user chose"

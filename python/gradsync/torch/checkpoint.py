@@ -67,8 +67,15 @@ def save(checkpoint_id, model, optimizer):
     """Write ``model`` (a sharded ``DistributedDataParallel``) and its
     ``optimizer`` (any optimizer over its parameters, converted) to
     ``checkpoint_id`` (a directory); in an elastic job, where the job
-    stands too. Every rank of the wrapper calls it."""
+    stands too. Every rank of the wrapper calls it. With sharded parameters
+    they are gathered whole for it, and released after."""
     optimizer = _sharded(model, optimizer)
+    with model.whole_parameters():
+        _save(checkpoint_id, model, optimizer)
+
+
+def _save(checkpoint_id, model, optimizer):
+    """:func:`save`, the parameters whole."""
     group = model.torch_group()
     state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict(group=group)}
     elastic = model._sync.elastic
@@ -82,8 +89,15 @@ def load(checkpoint_id, model, optimizer):
     """Read ``checkpoint_id`` (written by :func:`save`, on any world size)
     into ``model`` and ``optimizer``; an elastic job then goes on at the
     step after the saved one (call it before ``elastic.steps``). Every rank
-    of the wrapper calls it."""
+    of the wrapper calls it. With sharded parameters each rank's pieces
+    take the loaded values."""
     optimizer = _sharded(model, optimizer)
+    with model.whole_parameters():
+        _load(checkpoint_id, model, optimizer)
+
+
+def _load(checkpoint_id, model, optimizer):
+    """:func:`load`, the parameters whole."""
     group = model.torch_group()
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
     saved = {fqn[len("model."):] for fqn in metadata.state_dict_metadata if fqn.startswith("model.")}

@@ -12,6 +12,7 @@ prints the wrapper's class, the spread between replicas, and the difference
 from a one-process replay of every rank's batches."""
 
 import argparse
+import contextlib
 import copy
 import os
 import tempfile
@@ -62,10 +63,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=["ddp", "replace", "strategy"], required=True)
     parser.add_argument("--shard", action="store_true", help="gradsync's shard_gradients=True")
+    parser.add_argument("--shard-parameters", action="store_true", help="gradsync's shard_parameters=True")
     parser.add_argument("--clip", action="store_true", help="gradient_clip_val and accumulate_grad_batches=2")
     args = parser.parse_args()
     micro = ACCUMULATE if args.clip else 1
+    args.shard = args.shard or args.shard_parameters
     impl, sharded = args.impl, ({"shard_gradients": True} if args.shard else {})
+    if args.shard_parameters:
+        sharded = {"shard_parameters": True}
     strategy = "ddp"
     if impl == "replace":
         import gradsync.torch
@@ -94,7 +99,8 @@ def main():
         path = os.path.join(tempfile.gettempdir(), f"gradsync-lightning-{os.environ.get('MASTER_PORT')}.ckpt")
         trainer.save_checkpoint(path)
         if trainer.global_rank == 0:
-            saved = torch.load(path, weights_only=False)["optimizer_states"][0]
+            checkpoint = torch.load(path, weights_only=False)
+            saved, saved_weights = checkpoint["optimizer_states"][0], checkpoint["state_dict"]
             os.remove(path)
     replayed = {}
 
@@ -113,7 +119,13 @@ def main():
         replayed["state"] = opt.state_dict()
         return ref.parameters()
 
-    report(model.wrapper, model.parameters(), replay, model.seen)
+    # With sharded parameters every rank gathers them whole to read them (a collective).
+    with getattr(trainer.strategy.model, "whole_parameters", contextlib.nullcontext)():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report(model.wrapper, params.values(), replay, model.seen)
+    if saved is not None:
+        off = max((saved_weights[n] - p).abs().max().item() for n, p in params.items())
+        print(f"checkpointed weights: {off:.1e} from the parameters", flush=True)
     if saved is not None:
         want = replayed["state"]["state"]
         diff = max((saved["state"][n]["momentum_buffer"] - want[n]["momentum_buffer"]).abs().max().item()

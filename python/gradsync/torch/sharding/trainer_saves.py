@@ -8,16 +8,25 @@ a collective. Every rank does call ``Trainer._save_optimizer_and_scheduler``
 process that imported ``transformers.trainer``, that method is wrapped
 (:func:`install`): every rank first collects the whole state (torch's
 format) on the ranks that save, and drops it after the save. The Trainer
-loads it back with ``optimizer.load_state_dict`` on any world size. This
-module imports nothing of ``transformers``: it is given the class.
+loads it back with ``optimizer.load_state_dict`` on any world size.
+Likewise ``Trainer.save_model``, which every rank calls: with sharded
+parameters it runs inside ``whole_parameters()``, so the model's
+``state_dict()`` on the saving rank is whole. This module imports nothing
+of ``transformers``: it is given the class.
 """
 
+import contextlib
 import functools
+import logging
 
 import torch
 
+log = logging.getLogger("gradsync")
+
 # The Trainer classes whose save was wrapped.
 _WRAPPED = set()
+# The Lightning strategy classes whose checkpoint and teardown were wrapped.
+_LIGHTNING = set()
 
 
 def sharded_under(optimizer):
@@ -50,7 +59,50 @@ def install(trainer_class):
             sharded.drop_consolidated()
 
     trainer_class._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
+    if hasattr(trainer_class, "save_model"):
+        trainer_class.save_model = _whole_while(trainer_class.save_model, "model_wrapped")
     _WRAPPED.add(trainer_class)
+
+
+def _whole_while(method, wrapper):
+    """``method`` (every rank calls it) run with the parameters of the
+    wrapper at attribute ``wrapper`` of its object whole meanwhile, when
+    they are sharded: gathered on every rank, released after."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        whole = getattr(getattr(self, wrapper, None), "whole_parameters", None)
+        with whole() if whole is not None else contextlib.nullcontext():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+def install_lightning(strategy_class):
+    """Lightning with sharded parameters: every rank calls
+    ``strategy_class.lightning_module_state_dict`` for a checkpoint (rank 0
+    writes); it is wrapped (once) to run inside the wrapper's
+    ``whole_parameters()``. And every rank calls its ``teardown`` at the
+    end of ``fit``, which unwraps the module: there the parameters are
+    gathered whole first, so the module holds the trained weights after
+    ``fit`` as it does under Lightning's DDP."""
+    if strategy_class in _LIGHTNING or not hasattr(strategy_class, "lightning_module_state_dict"):
+        return
+    teardown = strategy_class.teardown
+
+    @functools.wraps(teardown)
+    def whole_teardown(self, *args, **kwargs):
+        assemble = getattr(getattr(self, "model", None), "_assemble", None)
+        if assemble is not None:
+            try:
+                assemble()
+            except Exception as error:  # (a failed job tears down too: its own error is the one to see)
+                log.warning("gradsync: the parameters could not be gathered whole at teardown: %s", error)
+        return teardown(self, *args, **kwargs)
+
+    strategy_class.teardown = whole_teardown
+    strategy_class.lightning_module_state_dict = _whole_while(strategy_class.lightning_module_state_dict, "model")
+    _LIGHTNING.add(strategy_class)
 
 
 def installed():
