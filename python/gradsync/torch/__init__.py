@@ -20,7 +20,9 @@ Lightning's ``ddp`` strategy) gets gradsync after one line::
 Models whose gradients and optimizer state should not be whole on every
 rank shard them (ZeRO-2): ``DistributedDataParallel(model,
 shard_gradients=True)`` and ``model.shard_optimizer(torch.optim.AdamW, ...)``
-(:class:`ShardedOptimizer`; see ``gradsync.torch.sharding.wrapper``).
+(:class:`ShardedOptimizer`; see ``gradsync.torch.sharding.wrapper``);
+``shard_parameters=True`` shards the parameters too, released between steps
+(``gradsync.torch.sharding.parameters``).
 
 An elastic job (a lost rank does not end it; a replacement joins) is
 :class:`Elastic`, launched with ``python -m gradsync.launch`` (see
