@@ -82,6 +82,42 @@ def stalled_rank(rank, world, timeout_s, stalled=1):
     }
 
 
+def stalled_rank_sharded(rank, world, timeout_s, setting, stalled=1):
+    """:func:`stalled_rank` sharded (``setting``: ``"shard_gradients"`` or
+    ``"shard_parameters"``), with AdamW over the wrapper's parameters: step
+    1 fails on every rank, every rank resets, and step 2 trains exactly as
+    one process that skips step 1. Returns the largest parameter
+    difference and the error's class."""
+    model = mlp()
+    wrapped = DDP(copy.deepcopy(model), timeout=timeout_s, bucket_cap_mb=0.0005, **{setting: True})
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    error = None
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            if step == 1 and rank == stalled:
+                time.sleep(timeout_s * 1.5)
+            try:
+                wrapped(batch(step, rank)).sum().backward()
+            except gradsync.StepFailedError as e:
+                error = e
+                wrapped.reset()
+                continue
+            opt.step()
+            if step != 1:
+                ref_opt.zero_grad()
+                for r in range(world):
+                    (ref(batch(step, r)).sum() / world).backward()
+                ref_opt.step()
+        with wrapped.whole_parameters():
+            diff = max((p - q).abs().max().item() for p, q in zip(wrapped.parameters(), ref.parameters()))
+    finally:
+        wrapped.close()
+    return {"error": type(error).__name__, "max_diff": diff}
+
+
 def desync(rank, world, odd=2):
     """Rank ``odd`` wraps a model with one more layer than the others."""
     torch.manual_seed(43)

@@ -2,6 +2,8 @@
 answering (named within the deadline + 20%), a rank that dies, ranks whose
 models differ, and uneven inputs."""
 
+import pytest
+
 import faults
 
 
@@ -11,6 +13,16 @@ def test_out_of_memory_on_one_rank_under_the_partial_policy(world3):
         assert out["aborted"] == [(2, "out_of_memory")]
         assert out["contributors"] == 2
         assert out["max_diff"] < 1e-5, f"rank {rank}: off by {out['max_diff']} (the aborting rank's 1000s must be retracted)"
+
+
+@pytest.mark.parametrize("setting", ["shard_gradients", "shard_parameters"])
+def test_a_sharded_job_recovers_from_a_failed_step_with_reset(fresh_world, setting):
+    # The reset dropped a sharded scheduler's partitions: the next step lent whole buckets
+    # and the wrapper stopped on "a sharded step's buckets are not its plan's".
+    out = fresh_world(2).run(faults.stalled_rank_sharded, 2.0, setting, timeout=90)
+    for rank, o in enumerate(out):
+        assert o["error"] in ("TimeoutError", "CommunicationError"), o
+        assert o["max_diff"] < 1e-9, f"rank {rank}: after reset, off by {o['max_diff']}"
 
 
 def test_a_stalled_rank_is_named_within_the_deadline_and_reset_recovers(fresh_world):

@@ -104,11 +104,13 @@ impl<S: GradStore> Scheduler<S> {
         }
         // A plan rebuild cut short by the failure: keep the plan in force.
         self.order.pending = false;
-        if let (Some(parts), Some(place)) = (self.partitions.take(), membership) {
-            // The partitions follow the new ranks.
-            let (moved, freed) = parts.moved(&self.plan, place.rank, place.world, self.cfg.buddy_stride);
-            self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
-            self.partitions = Some(moved);
+        if let Some(place) = membership {
+            // The partitions follow the new ranks (a plain reset keeps them where they are).
+            if let Some(parts) = self.partitions.take() {
+                let (moved, freed) = parts.moved(&self.plan, place.rank, place.world, self.cfg.buddy_stride);
+                self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
+                self.partitions = Some(moved);
+            }
         }
         if let Some(parts) = self.partitions.as_mut() {
             // Whole buffers are allocated as buckets fill; the failed step's partitions are void.

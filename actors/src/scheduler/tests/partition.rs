@@ -111,3 +111,32 @@ fn a_single_rank_keeps_one_partition_with_buddies_on() {
         crate::scheduler::partition::Partitions::<()>::new(&r.sched.plan, 0, 1, 1).moved(&r.sched.plan, 1, 3, 1);
     assert_eq!(moved.held[0], vec![2..4, 4..4], "rank 1 of 3: its own chunk, then rank 2's (empty)");
 }
+
+/// A failed partitioned step and a plain reset (no change of members): the
+/// next step still keeps and lends this rank's partition. (The reset took
+/// the partitions away, and the step after it lent whole buckets.)
+#[test]
+fn a_plain_reset_keeps_the_partitions() {
+    let mut r = partitioned_rank();
+    r.agree_plan();
+    r.inc(0, 0, 1.0);
+    r.inc(0, 1, 2.0);
+    let bucket = r.job();
+    let timeout = CommError::Timeout { rank: 1, tag: bucket.tag, missing: vec![0], waited: Duration::from_secs(5) };
+    r.fail(bucket, timeout);
+    let (tx, agreed) = mpsc::sync_channel(1);
+    r.send(SchedMsg::Reset { proposed: 1, membership: None, reply: Reply::Blocking(tx) });
+    let agreement = r.job();
+    r.done(agreement);
+    assert_eq!(agreed.try_recv().unwrap(), Ok(Resumption { step: 1, redo: None }));
+    r.epoch = 1;
+    r.inc(1, 0, 1.0);
+    r.inc(1, 1, 2.0);
+    let bucket = r.job();
+    r.done(bucket);
+    let (answer, control) = r.finish_to_control(1, &[0, 1]);
+    r.control(control, &[peer(0, RankStatus::Finished, &[false, false], &[true, true])]);
+    let result = answer.try_recv().unwrap().unwrap();
+    let (part, members, start) = result.gradients.as_ref().expect("applied").buckets().next().unwrap();
+    assert_eq!((members, start, part.numel()), (&[r.p(1), r.p(0)][..], 2, 2), "this rank's partition, p0's");
+}
