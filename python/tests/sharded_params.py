@@ -37,12 +37,12 @@ def residence(rank, world, steps=3):
     """A parameter-sharded wrapper through ``steps`` steps next to one
     process over the whole batch, with the optimizer built as scripts build
     it (torch's AdamW over ``model.parameters()``, after wrapping). Returns
-    what each phase saw: the parameters' element counts after backward and
-    after the step, this rank's piece values, the refusals of a state dict
-    between steps, an evaluation forward's output against the reference's,
-    whether the next training forward gathered again, the largest parameter
-    difference, and the state dict read inside ``whole_parameters()``
-    against the reference's."""
+    what each phase saw: the parameters' element counts after backward,
+    after the step and after an evaluation forward, this rank's piece
+    values, the refusals of a state dict between steps, the evaluation's
+    output against the reference's, whether a forward without gradients
+    inside a step gathered again, the largest parameter difference, and the
+    state dict read inside ``whole_parameters()`` against the reference's."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
@@ -65,27 +65,30 @@ def residence(rank, world, steps=3):
         seen["whole"] = sum(p.numel() for p in reference.parameters())
         seen["state_dict"] = _refused(wrapped.state_dict)
         seen["load_state_dict"] = _refused(lambda: wrapped.module.load_state_dict(reference.state_dict()))
-        # An evaluation forward between steps gathers; the training forward after it does not again.
+        # An evaluation forward between steps gathers and releases again; a forward without
+        # gradients inside a step (after the training forward) neither gathers nor releases.
         with torch.no_grad():
             x = _batch(steps, rank, world)
             seen["eval"] = (wrapped(x) - reference(x)).abs().max().item()
-        before = [p.data_ptr() for p in wrapped.parameters()]
+        seen["after_eval"] = sum(p.numel() for p in wrapped.parameters())
         loss = nn.functional.mse_loss(wrapped(x), torch.zeros(4, 20))
+        before = [p.data_ptr() for p in wrapped.parameters()]
+        with torch.no_grad():
+            wrapped(x)
         seen["gathered_again"] = before != [p.data_ptr() for p in wrapped.parameters()]
+        # What is written into whole parameters is kept: while they are whole after a forward,
+        # and inside whole_parameters() (released before it).
+        with torch.no_grad():
+            wrapped.module[2].bias.add_(1.0)
+            reference[2].bias.add_(1.0)
         loss.backward()
         opt.zero_grad()
-        # What is written into whole parameters is kept: inside whole_parameters() (released
-        # before it), and while they are whole after a forward.
         with wrapped.whole_parameters(), torch.no_grad():
             wrapped.module[0].weight.mul_(0.5)
             state = wrapped.module.state_dict()
         with torch.no_grad():
             reference[0].weight.mul_(0.5)
-            wrapped(x)
-            wrapped.module[2].bias.add_(1.0)
-            reference[2].bias.add_(1.0)
-        seen["state_diff"] = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()
-                                 if k != "2.bias")
+        seen["state_diff"] = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
         for step in range(steps + 1, steps + 3):
             ref_opt.zero_grad()
             nn.functional.mse_loss(reference(_batch(step, None, world)), torch.zeros(world * 4, 20)).backward()
@@ -96,6 +99,52 @@ def residence(rank, world, steps=3):
         with wrapped.whole_parameters():
             seen["after_writes"] = max((a - b).abs().max().item()
                                        for a, b in zip(reference.parameters(), wrapped.module.parameters()))
+    finally:
+        wrapped.close()
+    return seen
+
+
+def out_of_memory_while_gathering(rank, world, steps=4, oom=(1, 2)):
+    """Rank ``oom[0]`` runs out of memory at step ``oom[1]`` while its
+    forward allocates the parameters (its gather already under way): it
+    calls ``abort_step`` and goes on, as the guide's loop does. Returns the
+    step outcomes, the largest parameter difference from one process that
+    skips that step, and the message of a forward retried without the
+    abort (on the rank that ran out)."""
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    residence = wrapped._partition.residence
+    allocate = residence._allocate
+    seen = {"outcomes": [], "retry": None}
+
+    def out_of_memory(b):
+        raise torch.OutOfMemoryError("CPU out of memory (a test's, allocating the parameters)")
+
+    try:
+        for step in range(steps):
+            if step != oom[1]:
+                ref_opt.zero_grad()
+                nn.functional.mse_loss(reference(_batch(step, None, world)), torch.zeros(world * 4, 20)).backward()
+                ref_opt.step()
+            opt.zero_grad()
+            if (rank, step) == oom:
+                residence._allocate = out_of_memory
+            try:
+                loss = nn.functional.mse_loss(wrapped(_batch(step, rank, world)), torch.zeros(4, 20))
+            except torch.OutOfMemoryError:
+                residence._allocate = allocate
+                seen["retry"] = _refused(lambda: wrapped(_batch(step, rank, world)))
+                report = wrapped.abort_step("out_of_memory")
+                seen["outcomes"].append(report.outcome)
+                continue
+            loss.backward()
+            seen["outcomes"].append(wrapped.last_report.outcome)
+            opt.step()
+        with wrapped.whole_parameters():
+            seen["params"] = max((a - b).abs().max().item()
+                                 for a, b in zip(reference.parameters(), wrapped.module.parameters()))
     finally:
         wrapped.close()
     return seen

@@ -21,7 +21,8 @@ def test_parameters_are_released_between_steps_and_whole_in_forward(world2):
         assert seen["after_step"] == [0, 0, 0], f"rank {rank}: the optimizer step gathered the parameters"
         assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
         assert seen["eval"] <= 1e-12, f"rank {rank}: the evaluation forward read other values ({seen['eval']})"
-        assert not seen["gathered_again"], f"rank {rank}: the training forward gathered whole parameters again"
+        assert seen["after_eval"] == 0, f"rank {rank}: the evaluation forward left the parameters whole"
+        assert not seen["gathered_again"], f"rank {rank}: a forward inside the step gathered again"
         assert seen["state_diff"] <= sharded.ATOL, f"rank {rank}: whole_parameters() state dict off"
         assert seen["after_writes"] <= sharded.ATOL, f"rank {rank}: a write into whole parameters was lost"
         for what in ("state_dict", "load_state_dict"):
@@ -34,6 +35,16 @@ def test_parameters_are_released_between_steps_and_whole_in_forward(world2):
 @pytest.mark.parametrize("policy", ["skip", "partial"])
 def test_an_out_of_memory_rank_is_exact_under_either_policy(world2, policy):
     check(world2.run(case, "gradsync-params", "checkpoint_twice_reentrant", aborts=[(1, 1)], policy=policy))
+
+
+def test_an_out_of_memory_error_while_the_parameters_are_allocated_skips_the_step(world2):
+    # Rank 1's gather is under way when it runs out of memory: every gather completes, the
+    # step is skipped everywhere, training goes on exactly; a retried forward is told to abort.
+    results = world2.run(sharded_params.out_of_memory_while_gathering, timeout=60)
+    for rank, seen in enumerate(results):
+        assert seen["outcomes"] == ["applied", "applied", "skipped", "applied"], f"rank {rank}: {seen}"
+        assert seen["params"] <= sharded.ATOL, f"rank {rank}: parameters off by {seen['params']}"
+    assert results[1]["retry"] is not None and "abort_step" in results[1]["retry"], results[1]
 
 
 def test_no_sync_accumulation_and_clipping_are_exact(world2):

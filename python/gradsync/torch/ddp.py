@@ -256,7 +256,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       step): each rank keeps its pieces of every parameter in memory of
       their own; a parameter is whole from the forward that needs it (every
       rank gathers every bucket there) to the step's end, and released
-      (an empty tensor) between steps (``gradsync.torch.sharding.parameters``).
+      (an empty tensor) between steps (``gradsync.torch.sharding.parameters``);
+      a forward without gradients (an evaluation) releases what it gathered.
       Read or write every parameter between steps inside
       ``with model.whole_parameters():`` (every rank). Not yet with
       ``elastic`` or ``join``.
@@ -574,7 +575,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         grad_enabled = torch.is_grad_enabled()
         if self._partition is not None and grad_enabled:
             self._partition.refuse_if_owed("forward")
-        self._assemble()
+        gathered = self._assemble()
         was_pending = sync.record is not None and sync.record.sync_pending
         synced = sync.before_forward(grad_enabled)
         if synced and not was_pending:
@@ -596,6 +597,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             output = self.module(*inputs, **kwargs)
         finally:
             _TORCH_DDP._active_ddp_module = previous
+        self._release_after(gathered, grad_enabled)
         # DDP's rule for the next forward's buffer broadcast: only after a
         # forward that asked for a synchronized backward (under grad, outside
         # no_sync); so after a no_sync micro-batch or an eval forward, the

@@ -157,12 +157,30 @@ class Sharding:
             self._partition.residence.take_part()
         return super().abort_step(reason)
 
+    def reset(self):
+        """``StepControls.reset``; with sharded parameters every rank then
+        releases them, whatever the failed step left (gathered or not), so
+        that every rank's next forward gathers."""
+        step = super().reset()
+        if self.parameters_sharded:
+            self._partition.residence.release()
+        return step
+
     def _assemble(self):
         """Before a forward: parameter-sharded, the released parameters
-        gathered whole (every rank's forward does it at the same point)."""
-        if self._partition is not None and self._partition.residence is not None:
-            self._sync.refuse_if_closed()
-            self._partition.residence.assemble()
+        gathered whole (every rank's forward does it at the same point).
+        Returns whether it gathered."""
+        if self._partition is None or self._partition.residence is None or self._partition.residence.whole:
+            return False
+        self._sync.refuse_if_closed()
+        self._partition.residence.assemble()
+        return True
+
+    def _release_after(self, gathered, grad_enabled):
+        """After a forward: one without gradients (an evaluation) that
+        gathered the parameters releases them again (no backward needs them)."""
+        if gathered and not grad_enabled:
+            self._partition.residence.release()
 
     @contextlib.contextmanager
     def whole_parameters(self):
