@@ -150,6 +150,54 @@ def out_of_memory_while_gathering(rank, world, steps=4, oom=(1, 2)):
     return seen
 
 
+class Mixed(nn.Module):
+    """Parameters of every kind a layout meets: complex, bfloat16, not
+    contiguous (a transposed view), frozen, unused everywhere, and a
+    linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.z = nn.Parameter(torch.randn(6, dtype=torch.complex64))
+        self.h = nn.Parameter(torch.randn(5, 4).to(torch.bfloat16))
+        self.t = nn.Parameter(torch.randn(4, 3).t())
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.lin = nn.Linear(3, 3)
+        self.never = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        y = self.lin(x @ self.t.t()) + self.frozen
+        return y.sum() + (self.z.abs() ** 2).sum() + self.h.float().sum() * 0.5
+
+
+def mixed_parameters(rank, world, steps=3):
+    """:class:`Mixed` under ``shard_parameters=True`` and SGD next to one
+    process: per parameter, its element count between steps, its largest
+    difference, dtype and strides once gathered."""
+    reference = Mixed()
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    try:
+        for step in range(steps):
+            x = torch.randn(world * 2, 4, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            wrapped(x[rank * 2 : (rank + 1) * 2]).backward()
+            for r in range(world):
+                (reference(x[r * 2 : (r + 1) * 2]) / world).backward()
+            opt.step()
+            ref_opt.step()
+        seen = {n: {"between": p.numel()} for n, p in wrapped.module.named_parameters()}
+        with wrapped.whole_parameters():
+            for (n, p), q in zip(wrapped.module.named_parameters(), reference.parameters()):
+                seen[n].update(diff=(p.detach() - q.detach()).abs().max().item(), dtype=p.dtype,
+                               stride=p.stride(), want=(q.dtype, q.stride()))
+        return seen
+    finally:
+        wrapped.close()
+
+
 def join_refused(rank, world):
     """``model.join()`` on a parameter-sharded wrapper: the message every rank gets."""
     wrapped = GradsyncDDP(_model(), shard_parameters=True)

@@ -32,6 +32,15 @@ def test_parameters_are_released_between_steps_and_whole_in_forward(world2):
     assert sum(held) == seen["whole"] and max(held) <= seen["whole"] // 2 + 64, held
 
 
+def test_complex_half_transposed_frozen_and_unused_parameters_come_back_as_they_were(world2):
+    for rank, seen in enumerate(world2.run(sharded_params.mixed_parameters)):
+        for name, got in seen.items():
+            assert got["diff"] == 0.0, f"rank {rank}: {name} off by {got['diff']}"
+            assert (got["dtype"], got["stride"]) == got["want"], f"rank {rank}: {name} came back as {got}"
+            # A frozen parameter is not synchronized: it stays whole.
+            assert (got["between"] > 0) == (name == "frozen"), f"rank {rank}: {name}: {got['between']} between steps"
+
+
 @pytest.mark.parametrize("policy", ["skip", "partial"])
 def test_an_out_of_memory_rank_is_exact_under_either_policy(world2, policy):
     check(world2.run(case, "gradsync-params", "checkpoint_twice_reentrant", aborts=[(1, 1)], policy=policy))
