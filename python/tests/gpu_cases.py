@@ -1,7 +1,9 @@
 """What only a GPU can check of the device plane, run on every rank of a
 test world (``test_gpu.py``): stream ordering and memory against DDP.
 
-Each rank uses GPU ``rank``. Every rank trains on the same batch, so the
+Each rank uses GPU ``rank`` (modulo the GPUs there: more ranks than GPUs
+share them, as ``cases.share_gpus`` sets NCCL up for; the memory
+comparison runs one rank per GPU). Every rank trains on the same batch, so the
 average over the ranks is each rank's own gradient and a model trained
 without any wrapper is the reference, bitwise at world 1.
 """
@@ -13,6 +15,7 @@ import torch._dynamo  # noqa: F401  (torch's DDP reads torch._dynamo.utils, impo
 import torch.distributed as dist
 import torch.nn as nn
 
+from cases import share_gpus
 from gradsync.torch import DistributedDataParallel as GradsyncDDP
 
 
@@ -31,6 +34,18 @@ class Slow(torch.autograd.Function):
         return g
 
 
+def _device_of(rank, world):
+    """This rank's GPU, made current: GPU ``rank`` modulo the GPUs there
+    (ranks sharing one get NCCL's settings for it, ``cases.share_gpus``).
+    Indexing by rank alone failed on rank 1 of 2 sharing one GPU, and left
+    rank 0 waiting in its collective."""
+    gpus = torch.cuda.device_count()
+    if world > gpus:
+        share_gpus()
+    torch.cuda.set_device(rank % gpus)
+    return torch.device("cuda", rank % gpus)
+
+
 def _layers(dev, width=2048, depth=4):
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(dev)
@@ -41,8 +56,7 @@ def stream_order(rank, world, side_stream, steps=4):
     ``optimizer.step()`` queued right after ``backward()`` with no host
     synchronization, on the default stream or on a side stream (gradients
     produced there). Returns the largest parameter difference at the end."""
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
+    dev = _device_of(rank, world)
     base = _layers(dev)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     wrapped = GradsyncDDP(model, bucket_cap_mb=8)
