@@ -382,6 +382,7 @@ def sharded_elastic() -> str:
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
     "gradsync-sharded-at-once": "the same, one gather of every bucket (not pipelined)",
+    "gradsync-params": "gradsync, `shard_parameters=True`",
     "gradsync": "gradsync",
     "ddp": "torch DDP (`gradient_as_bucket_view`)",
     "zero1": "torch DDP + `ZeroRedundancyOptimizer`",
@@ -399,17 +400,22 @@ def sharded_memory() -> str:
     names = SHARDED_NAMES
     mb = 1 << 20
     out = [f"{meta['model']}; {meta['machine']}, torch {meta['torch']}: `{meta['command']}`. Largest over the "
-           "ranks, MB; the goal is (gradients + optimizer state of the whole model) / world + one bucket.\n",
-           "| world | wrapper | parameters | gradients | optimizer state | gradients + optimizer (goal) | step, ms |",
-           "|---|---|---|---|---|---|---|"]
+           "ranks, MB, after a step; the goal is (gradients + optimizer state of the whole model) / world + one "
+           "bucket. Peak: the most the three held together at the end of a forward, after a backward or after "
+           "an optimizer step.\n",
+           "| world | wrapper | parameters | gradients | optimizer state | gradients + optimizer (goal) | "
+           "peak in a step | step, ms |",
+           "|---|---|---|---|---|---|---|---|"]
     for row in run["rows"]:
         name = names.get(row["impl"], row["impl"])
         if "error" in row:
-            out.append(f"| {row['world']} | {name} | | | | raises `{row['error']}` | |")
+            out.append(f"| {row['world']} | {name} | | | | raises `{row['error']}` | | |")
             continue
         both = (row["grads"] + row["optimizer"]) / mb
+        peak = f"{row['peak'] / mb:.1f}" if "peak" in row else "—"
         out.append(f"| {row['world']} | {name} | {row['params'] / mb:.1f} | {row['grads'] / mb:.1f} | "
-                   f"{row['optimizer'] / mb:.1f} | {both:.1f} ({row['goal'] / mb:.1f}) | {row['step_s'] * 1e3:.0f} |")
+                   f"{row['optimizer'] / mb:.1f} | {both:.1f} ({row['goal'] / mb:.1f}) | {peak} | "
+                   f"{row['step_s'] * 1e3:.0f} |")
     return "\n".join(out)
 
 

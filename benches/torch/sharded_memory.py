@@ -16,8 +16,14 @@ every rank counts, in bytes:
   (``Session.memory_bytes``),
 * ``optimizer``: the optimizer state it holds;
 
-and the median step time (forward, backward, optimizer step) over the
-steps after the first. The goal line is ``(grads + optimizer) / world + one
+``params`` counts what holds parameter values: the parameters (released
+ones hold nothing), gradsync's pieces where they own their values
+(``shard_parameters=True``) and the runtime's parameter-gather buffers
+while they are held (``shard_gradients=True`` keeps them between steps).
+``peak`` is the largest sum of the three seen at the end of a forward,
+after a backward and after an optimizer step (FSDP2: its unsharded
+parameters counted while allocated); and the median step time (forward,
+backward, optimizer step) over the steps after the first. The goal line is ``(grads + optimizer) / world + one
 bucket`` of the whole model's float32 bytes. Every number is the largest
 over the ranks. Storages are counted once (a view and its base are one).
 """
@@ -36,7 +42,7 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_world import spawn, write_json  # noqa: E402
-IMPLS = ("gradsync-sharded", "gradsync", "ddp", "zero1", "fsdp2")
+IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync", "ddp", "zero1", "fsdp2")
 CAP_MB = 4
 
 
@@ -100,8 +106,9 @@ def build(impl, model, world):
     """``model`` under ``impl`` (one of :data:`IMPLS`) and its optimizer."""
     from gradsync.torch import DistributedDataParallel as GradsyncDDP
 
-    if impl == "gradsync-sharded":
-        wrapped = GradsyncDDP(model, shard_gradients=True, bucket_cap_mb=CAP_MB)
+    if impl in ("gradsync-sharded", "gradsync-params"):
+        setting = "shard_parameters" if impl == "gradsync-params" else "shard_gradients"
+        wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB, **{setting: True})
         return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=1e-4)
     if impl == "gradsync":
         wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB)
@@ -126,6 +133,39 @@ def build(impl, model, world):
     raise ValueError(impl)
 
 
+def _parameter_memory(model, wrapped):
+    """What holds parameter values now: the parameters, gradsync's pieces
+    and parameter-gather buffers, FSDP2's unsharded parameters."""
+    tensors = list(model.parameters())
+    partition = getattr(wrapped, "_partition", None)
+    if partition is not None:
+        tensors += [piece.tensor for piece in partition.every_held_piece()]
+        held = partition.gathering._held if partition.gathering is not None else None
+        if held is not None:
+            tensors += list(held[2])
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None and unsharded.untyped_storage().nbytes():
+                tensors.append(unsharded)
+    return tensors
+
+
+def _gradient_memory(impl, model, wrapped):
+    """Gradient memory now: ``.grad`` tensors (not views of gradsync's
+    buckets) and the runtime's buckets and partitions."""
+    runtime = wrapped.memory_bytes if impl.startswith("gradsync") else 0
+    grads = [p.grad for p in model.parameters()
+             if p.grad is not None and getattr(p.grad._base, "_gradsync_step", None) is None]
+    partition = getattr(wrapped, "_partition", None)
+    if partition is not None:
+        grads += [piece.tensor.grad for piece in partition.every_held_piece() if piece.tensor.grad is not None
+                  and getattr(piece.tensor.grad._base, "_gradsync_step", None) is None]
+    return _bytes(grads) + runtime
+
+
 def _rank(rank, world, port, impl, args, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -134,6 +174,14 @@ def _rank(rank, world, port, impl, args, results):
     model = Stack(args.layers, args.width)
     whole = sum(p.numel() for p in model.parameters()) * 4
     wrapped, optimizer = build(impl, model, world)
+    peak = [0]
+
+    def sample(*_):
+        held = (_bytes(_parameter_memory(model, wrapped)) + _gradient_memory(impl, model, wrapped)
+                + _bytes(_state_tensors(optimizer)))
+        peak[0] = max(peak[0], held)
+
+    model.register_forward_hook(sample)
     g = torch.Generator().manual_seed(rank)
     times = []
     for _ in range(args.steps):
@@ -142,16 +190,17 @@ def _rank(rank, world, port, impl, args, results):
         optimizer.zero_grad()
         logits = wrapped(ids)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)).backward()
-        optimizer.step()
         times.append(time.perf_counter() - began)
-    params = list(model.parameters())
-    runtime = wrapped.memory_bytes if impl.startswith("gradsync") else 0
-    # gradsync's .grad may be views of its buckets (counted in `runtime`).
-    grads = [p.grad for p in params if p.grad is not None and getattr(p.grad._base, "_gradsync_step", None) is None]
+        sample()
+        began = time.perf_counter()
+        optimizer.step()
+        times[-1] += time.perf_counter() - began
+        sample()
     out = {
-        "params": _bytes(params),
-        "grads": _bytes(grads) + runtime,
+        "params": _bytes(_parameter_memory(model, wrapped)),
+        "grads": _gradient_memory(impl, model, wrapped),
         "optimizer": _bytes(_state_tensors(optimizer)),
+        "peak": peak[0],
         "step_s": statistics.median(times[1:]),
         "whole": whole,
     }
@@ -199,7 +248,8 @@ def main():
             mb = 1 << 20
             print(f"  params {r['params'] / mb:.1f} MB, grads {r['grads'] / mb:.1f} MB, optimizer "
                   f"{r['optimizer'] / mb:.1f} MB, grads + optimizer {(r['grads'] + r['optimizer']) / mb:.1f} MB "
-                  f"(goal {goal / mb:.1f}), step {r['step_s'] * 1e3:.0f} ms", flush=True)
+                  f"(goal {goal / mb:.1f}), peak in a step {r['peak'] / mb:.1f} MB, step {r['step_s'] * 1e3:.0f} ms",
+                  flush=True)
     if args.json:
         write_json(args.json, rows,
                    model=f"{args.layers} blocks of width {args.width}, tied embedding (vocab 1024); "
