@@ -24,6 +24,27 @@ def _batch(step, rank, world):
     return x if rank is None else x[rank * 4 : (rank + 1) * 4]
 
 
+def _loss(model, step, rank, world):
+    """``model``'s loss on rank ``rank``'s batch of ``step`` (every rank's
+    when ``rank`` is ``None``: the one-process reference, averaged as the
+    wrapper averages)."""
+    rows = 4 if rank is not None else world * 4
+    return nn.functional.mse_loss(model(_batch(step, rank, world)), torch.zeros(rows, 20))
+
+
+def _reference_step(reference, ref_opt, step, world):
+    """One step of the one-process reference over every rank's batch."""
+    ref_opt.zero_grad()
+    _loss(reference, step, None, world).backward()
+    ref_opt.step()
+
+
+def _diff(reference, wrapped):
+    """Largest parameter difference, ``wrapped``'s gathered whole (every rank calls it)."""
+    with wrapped.whole_parameters():
+        return max((a - b).abs().max().item() for a, b in zip(reference.parameters(), wrapped.module.parameters()))
+
+
 def _refused(call):
     """The message of the ``ConfigError`` that ``call()`` raises (``None`` if it does not)."""
     try:
@@ -50,17 +71,13 @@ def residence(rank, world, steps=3):
     seen = {"after_backward": [], "after_step": [], "worst": 0.0}
     try:
         for step in range(steps):
-            ref_opt.zero_grad()
-            nn.functional.mse_loss(reference(_batch(step, None, world)), torch.zeros(world * 4, 20)).backward()
-            ref_opt.step()
+            _reference_step(reference, ref_opt, step, world)
             opt.zero_grad()
-            nn.functional.mse_loss(wrapped(_batch(step, rank, world)), torch.zeros(4, 20)).backward()
+            _loss(wrapped, step, rank, world).backward()
             seen["after_backward"].append(sum(p.numel() for p in wrapped.parameters()))
             opt.step()
             seen["after_step"].append(sum(p.numel() for p in wrapped.parameters()))
-            with wrapped.whole_parameters():
-                for a, b in zip(reference.parameters(), wrapped.module.parameters()):
-                    seen["worst"] = max(seen["worst"], (a - b).abs().max().item())
+            seen["worst"] = max(seen["worst"], _diff(reference, wrapped))
         seen["held"] = sum(piece.tensor.numel() for piece in wrapped._partition.pieces)
         seen["whole"] = sum(p.numel() for p in reference.parameters())
         seen["state_dict"] = _refused(wrapped.state_dict)
@@ -71,7 +88,7 @@ def residence(rank, world, steps=3):
             x = _batch(steps, rank, world)
             seen["eval"] = (wrapped(x) - reference(x)).abs().max().item()
         seen["after_eval"] = sum(p.numel() for p in wrapped.parameters())
-        loss = nn.functional.mse_loss(wrapped(x), torch.zeros(4, 20))
+        loss = _loss(wrapped, steps, rank, world)
         before = [p.data_ptr() for p in wrapped.parameters()]
         with torch.no_grad():
             wrapped(x)
@@ -90,15 +107,11 @@ def residence(rank, world, steps=3):
             reference[0].weight.mul_(0.5)
         seen["state_diff"] = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
         for step in range(steps + 1, steps + 3):
-            ref_opt.zero_grad()
-            nn.functional.mse_loss(reference(_batch(step, None, world)), torch.zeros(world * 4, 20)).backward()
-            ref_opt.step()
+            _reference_step(reference, ref_opt, step, world)
             opt.zero_grad()
-            nn.functional.mse_loss(wrapped(_batch(step, rank, world)), torch.zeros(4, 20)).backward()
+            _loss(wrapped, step, rank, world).backward()
             opt.step()
-        with wrapped.whole_parameters():
-            seen["after_writes"] = max((a - b).abs().max().item()
-                                       for a, b in zip(reference.parameters(), wrapped.module.parameters()))
+        seen["after_writes"] = _diff(reference, wrapped)
     finally:
         wrapped.close()
     return seen
@@ -125,14 +138,12 @@ def out_of_memory_while_gathering(rank, world, steps=4, oom=(1, 2)):
     try:
         for step in range(steps):
             if step != oom[1]:
-                ref_opt.zero_grad()
-                nn.functional.mse_loss(reference(_batch(step, None, world)), torch.zeros(world * 4, 20)).backward()
-                ref_opt.step()
+                _reference_step(reference, ref_opt, step, world)
             opt.zero_grad()
             if (rank, step) == oom:
                 residence._allocate = out_of_memory
             try:
-                loss = nn.functional.mse_loss(wrapped(_batch(step, rank, world)), torch.zeros(4, 20))
+                loss = _loss(wrapped, step, rank, world)
             except torch.OutOfMemoryError:
                 residence._allocate = allocate
                 seen["retry"] = _refused(lambda: wrapped(_batch(step, rank, world)))
@@ -142,9 +153,7 @@ def out_of_memory_while_gathering(rank, world, steps=4, oom=(1, 2)):
             loss.backward()
             seen["outcomes"].append(wrapped.last_report.outcome)
             opt.step()
-        with wrapped.whole_parameters():
-            seen["params"] = max((a - b).abs().max().item()
-                                 for a, b in zip(reference.parameters(), wrapped.module.parameters()))
+        seen["params"] = _diff(reference, wrapped)
     finally:
         wrapped.close()
     return seen

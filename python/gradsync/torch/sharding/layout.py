@@ -101,10 +101,10 @@ class Layout:
         self.buddy_stride = buddy_stride
         #: Whether every piece holds its values itself (see the class docs).
         self.own_all = own_all
-        #: Per parameter, its whole shape and dtype as a tensor without data
-        #: (``meta``): what the parameter looks like whether or not its
-        #: memory is released (parameter sharding).
-        self.forms = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
+        #: Per parameter, its whole shape, strides and dtype as a tensor
+        #: without data (``meta``): what the parameter looks like whether or
+        #: not its memory is released (parameter sharding allocates it so again).
+        self.forms = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta") for p in params]
         self.lay_out(rank, world)
 
     @property

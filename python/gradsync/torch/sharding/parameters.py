@@ -45,8 +45,6 @@ class ShardedParameters:
 
     def __init__(self, partition):
         self._partition = partition
-        #: Per parameter: its shape and strides when whole (what a gather allocates again).
-        self._forms = [(tuple(p.shape), tuple(p.stride())) for p in partition.params]
         #: Whether every parameter holds its whole values now (read back
         #: from every rank's pieces, or as the program built them).
         self.whole = True
@@ -93,10 +91,9 @@ class ShardedParameters:
         """Whole memory for bucket ``b``'s parameters."""
         part = self._partition
         for i in part.buckets[b].members:
-            p = part.params[i]
+            p, form = part.params[i], part.forms[i]
             if not p.numel():
-                shape, stride = self._forms[i]
-                p.data = torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device)
+                p.data = torch.empty_strided(form.shape, form.stride(), dtype=form.dtype, device=p.device)
 
     @torch.no_grad()
     def take_part(self):
@@ -108,10 +105,7 @@ class ShardedParameters:
         part = self._partition
         self.gathered = True
         try:
-            buffers = part.gathering.buffers(part.gather_sizes())
-            for b, whole in enumerate(buffers):
-                part.pack(b, whole)
-            del buffers, whole
+            part.pack_every(part.gathering.buffers(part.gather_sizes()))
             part.gathering.run()
         finally:
             part.gathering.drop()

@@ -183,8 +183,7 @@ class Partition(Layout, Clipping):
         """:meth:`gather` without the pipeline: every chunk written, one
         gather of every bucket, every parameter read back (what
         ``pipelined=False`` measures against)."""
-        for b, whole in enumerate(buffers):
-            self.pack(b, whole)
+        self.pack_every(buffers)
         self.gathering.run()
         for b, whole in enumerate(buffers):
             before_unpack(b)
@@ -193,6 +192,11 @@ class Partition(Layout, Clipping):
     def gather_sizes(self):
         """Per bucket, its gather buffer's ``(values, float64)``."""
         return [(layout.chunk * self.world, layout.wide) for layout in self.buckets]
+
+    def pack_every(self, buffers):
+        """This rank's pieces into its chunk of every bucket's gather buffer."""
+        for b, whole in enumerate(buffers):
+            self.pack(b, whole)
 
     def pack(self, b, whole):
         """This rank's pieces of bucket ``b`` into its chunk of ``whole``
