@@ -84,6 +84,13 @@ pub enum CollectiveKind {
         /// Values gathered (one per rank).
         numel: usize,
     },
+    /// A round of parameter sharding's gather lane: every rank's count of
+    /// ranks needing each gather unit, summed, so that every rank gathers
+    /// the union of what any rank needs (its tag's step: the lane's round).
+    Needs {
+        /// One word per unit, and one for the ranks at their step's end.
+        len: usize,
+    },
 }
 
 impl CollectiveKind {
@@ -98,6 +105,7 @@ impl CollectiveKind {
             CollectiveKind::Order { .. } => "order",
             CollectiveKind::Gather { .. } => "gather",
             CollectiveKind::Norm { .. } => "norm",
+            CollectiveKind::Needs { .. } => "needs",
         }
     }
 }
@@ -119,6 +127,7 @@ impl fmt::Display for CollectiveTag {
                 write!(f, "step {} parameter gather of bucket {} ({} values)", self.step, index, numel)
             }
             CollectiveKind::Norm { numel } => write!(f, "step {} gradient norm ({numel} values)", self.step),
+            CollectiveKind::Needs { len } => write!(f, "gather round {} ({len} words)", self.step),
         }
     }
 }

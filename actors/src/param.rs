@@ -319,7 +319,7 @@ mod tests {
 
     fn plan(n: usize) -> Plan {
         let specs = (0..n)
-            .map(|i| ParamSpec { name: format!("p{i}"), numel: 2, dtype: DType::F32, expected_arrivals: None })
+            .map(|i| ParamSpec { name: format!("p{i}"), numel: 2, dtype: DType::F32, expected_arrivals: None, unit: 0 })
             .collect();
         Plan::build(specs, 1 << 20)
     }

@@ -66,6 +66,10 @@ pub struct ParamSpec {
     /// Declared number of distinct arrivals per step, if the caller knows it.
     /// `None` means learned (start at 1, then what recent steps showed).
     pub expected_arrivals: Option<u32>,
+    /// The gather unit it belongs to (parameter sharding gathers a unit's
+    /// buckets together): a bucket never holds two units' parameters. 0 for
+    /// every parameter when nothing is gathered by unit.
+    pub unit: u32,
 }
 
 /// Parameters in registration order, with unique names. Hands out the
@@ -91,7 +95,7 @@ impl Registry {
         }
         let id = ParamId::from_index(self.params.len());
         self.names.insert(name.clone(), id);
-        self.params.push(ParamSpec { name, numel, dtype, expected_arrivals: None });
+        self.params.push(ParamSpec { name, numel, dtype, expected_arrivals: None, unit: 0 });
         Ok(id)
     }
 
@@ -102,6 +106,16 @@ impl Registry {
             why: format!("parameter {param} was not registered with this builder"),
         })?;
         spec.expected_arrivals = Some(count);
+        Ok(())
+    }
+
+    /// Put `param` in gather unit `unit`: no bucket holds parameters of two units.
+    pub fn set_unit(&mut self, param: ParamId, unit: u32) -> Result<(), BuildError> {
+        let spec = self.params.get_mut(param.index()).ok_or(BuildError::InvalidSetting {
+            setting: "unit",
+            why: format!("parameter {param} was not registered with this builder"),
+        })?;
+        spec.unit = unit;
         Ok(())
     }
 
@@ -343,6 +357,10 @@ impl Plan {
                 // (Only other types: plans of float32 parameters keep their fingerprints.)
                 h.write(spec.dtype.code());
             }
+            if spec.unit != 0 {
+                // (Likewise: ranks that cut the model into other units disagree.)
+                h.write(0x756e_6974_0000_0000 | u64::from(spec.unit));
+            }
             for chunk in spec.name.as_bytes().chunks(8) {
                 let mut word = [0u8; 8];
                 word[..chunk.len()].copy_from_slice(chunk);
@@ -412,7 +430,7 @@ pub const TAIL_TAPER: u32 = 3;
 /// [`TAIL_TAPER`] buckets at a half, a quarter, an eighth of it (cut from the
 /// end, so the first bucket holds what is left over). A parameter larger
 /// than its bucket's cap gets a bucket of its own, and a bucket holds one
-/// element type.
+/// element type and one gather unit.
 fn fill(params: &[ParamSpec], order: &[ParamId], cap: usize) -> Vec<Vec<ParamId>> {
     let cap_of = |from_end: usize| {
         let shift = TAIL_TAPER.saturating_sub(from_end as u32);
@@ -424,8 +442,11 @@ fn fill(params: &[ParamSpec], order: &[ParamId], cap: usize) -> Vec<Vec<ParamId>
     for &p in order.iter().rev() {
         let spec = &params[p.index()];
         let bytes = spec.numel * spec.dtype.size();
-        let other_type = current.last().is_some_and(|q: &ParamId| params[q.index()].dtype != spec.dtype);
-        if !current.is_empty() && (other_type || current_bytes + bytes > cap_of(buckets.len())) {
+        let other_kind = current.last().is_some_and(|q: &ParamId| {
+            let last = &params[q.index()];
+            last.dtype != spec.dtype || last.unit != spec.unit
+        });
+        if !current.is_empty() && (other_kind || current_bytes + bytes > cap_of(buckets.len())) {
             current.reverse();
             buckets.push(std::mem::take(&mut current));
             current_bytes = 0;
@@ -467,7 +488,13 @@ mod tests {
         numels
             .iter()
             .enumerate()
-            .map(|(i, &n)| ParamSpec { name: format!("p{i}"), numel: n, dtype: DType::F32, expected_arrivals: None })
+            .map(|(i, &n)| ParamSpec {
+                name: format!("p{i}"),
+                numel: n,
+                dtype: DType::F32,
+                expected_arrivals: None,
+                unit: 0,
+            })
             .collect()
     }
 
@@ -588,6 +615,28 @@ mod tests {
         renamed[0].numel = 3;
         renamed[1].numel = 4;
         assert_ne!(a.fingerprint(), Plan::build(renamed, 1 << 20).fingerprint(), "names are part of the plan");
+    }
+
+    #[test]
+    fn a_bucket_never_holds_two_units_and_units_join_the_fingerprint() {
+        let mut units = specs(&[2, 2, 2, 2, 2]);
+        for (spec, unit) in units.iter_mut().zip([0, 1, 1, 2, 2]) {
+            spec.unit = unit;
+        }
+        let plan = Plan::build(units.clone(), 1 << 20);
+        let buckets: Vec<Vec<usize>> =
+            (0..plan.num_buckets()).map(|b| plan.bucket_params(b).iter().map(|p| p.index()).collect()).collect();
+        assert_eq!(buckets, vec![vec![4, 3], vec![2, 1], vec![0]], "cut where the unit changes, even under the cap");
+        let one_unit = Plan::build(specs(&[2, 2, 2, 2, 2]), 1 << 20);
+        assert_eq!(one_unit.num_buckets(), 1, "without units the cap alone cuts");
+        units[0].unit = 1;
+        let moved = Plan::build(units, 1 << 20);
+        assert_ne!(plan.fingerprint(), moved.fingerprint(), "ranks that cut other units disagree");
+        let mut r = Registry::default();
+        let a = r.add("a".into(), 2, DType::F32).unwrap();
+        r.set_unit(a, 3).unwrap();
+        assert_eq!(r.specs()[0].unit, 3);
+        assert!(r.set_unit(ParamId::from_index(9), 1).is_err());
     }
 
     #[test]

@@ -122,6 +122,7 @@ fn virtual_plan(model: &ModelSpec, cap: usize, declared: Option<&[u32]>) -> (Pla
             numel: 1,
             dtype: DType::F32,
             expected_arrivals: real.expected_arrivals(p),
+            unit: 0,
         })
         .collect();
     (Plan::from_layout(specs, membership, cap), bytes)
@@ -251,7 +252,8 @@ fn simulate(model: &ModelSpec, preset: &Preset, n: usize, cfg: &SimCfg, policy: 
                     CollectiveKind::Plan { len }
                     | CollectiveKind::Control { len }
                     | CollectiveKind::Reset { len }
-                    | CollectiveKind::Order { len } => len as f64 * 8.0,
+                    | CollectiveKind::Order { len }
+                    | CollectiveKind::Needs { len } => len as f64 * 8.0,
                     CollectiveKind::Norm { numel } => numel as f64 * 8.0,
                 };
                 let start = comm_free.max(now);

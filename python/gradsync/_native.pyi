@@ -73,6 +73,26 @@ class Gathers:
     def lost(self) -> bool:
         """A gather took the buffers and never gave them back: do not use them again."""
 
+class Lane:
+    """Parameter sharding's gather lane: a communicator thread of its own
+    over ``communicator`` (a group apart from the session's), so gathers in
+    forward and backward never queue behind the step's reductions."""
+
+    def __init__(self, communicator: Communicator, rank: int, world: int, *, timeout_s: float = ...,
+                 in_flight: int = ...) -> None: ...
+    def needs(self, words: list[int]) -> list[int]:
+        """Open a round: ``words`` summed over every rank."""
+    def buffers(self, sizes: list[tuple[int, int, bool]]) -> Gathers:
+        """Gather buffers in the lane's store: per ``(bucket, values, float64)``."""
+    def start(self, gathers: Gathers, index: int) -> None:
+        """Start gathering buffer ``index`` (this rank's chunk written)."""
+    def wait(self, gathers: Gathers, index: int) -> None:
+        """Wait for the oldest gather started, buffer ``index``."""
+    def reset(self) -> None:
+        """After a failure, on every rank: a new epoch of the lane's group."""
+    def close(self) -> None:
+        """Stop the lane's thread."""
+
 class Session:
     """One rank's gradient synchronizer over ``communicator``."""
 
@@ -98,6 +118,7 @@ class Session:
         partitioned: bool = ...,
         reduce_scatter: bool = ...,
         buddy_stride: int = ...,
+        units: Optional[list[int]] = ...,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

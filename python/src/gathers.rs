@@ -43,6 +43,8 @@ pub(crate) enum Slot {
     Held(GatherOf, Bucket),
     /// With the communicator, alone (`Session.gather_start`), until waited for.
     Out(PendingGather<Bucket>),
+    /// With the gather lane (`Lane.start`), until waited for.
+    Lane,
     /// With a gather that never answered (or being gathered with the others).
     Gone,
 }

@@ -28,7 +28,8 @@
 //! `params` and `memory` (gradient memory by address), `tensor_grads`
 //! (the store: payloads that are tensors held in place, on either plane),
 //! `plane` (the device plane's operations), `given` (a gradient as the C++
-//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `membership` (an elastic
+//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `lane` (parameter sharding's
+//! gather lane), `membership` (an elastic
 //! job's membership protocol over torch's store), `transport` (the
 //! communicator thread's engines, and failures classified once) and
 //! `collectives` (the shim's table), `errors`, `closing`.
@@ -40,6 +41,7 @@ mod errors;
 mod etcd;
 mod gathers;
 mod given;
+mod lane;
 mod membership;
 mod memory;
 mod params;
@@ -105,6 +107,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     m.add_class::<step::Step>()?;
     m.add_class::<gathers::Gathers>()?;
+    m.add_class::<lane::Lane>()?;
     m.add_class::<report::StepReport>()?;
     m.add_class::<arrivals::ArrivalSink>()?;
     m.add_class::<membership::Membership>()?;

@@ -130,7 +130,8 @@ impl Session {
     #[pyo3(signature = (communicator, rank, world, names, numels, dtypes, *, bucket_cap_bytes = 25 << 20,
                         timeout_s = 300.0, abort_policy = "skip", divisor = None, record_timeline = false,
                         param_shards = 1, in_flight = 2, reorder_buckets = true, wire_dtype = "float32",
-                        membership = None, partitioned = false, reduce_scatter = true, buddy_stride = 0))]
+                        membership = None, partitioned = false, reduce_scatter = true, buddy_stride = 0,
+                        units = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -153,6 +154,7 @@ impl Session {
         partitioned: bool,
         reduce_scatter: bool,
         buddy_stride: usize,
+        units: Option<Vec<u32>>,
     ) -> PyResult<Session> {
         if names.len() != numels.len() || names.len() != dtypes.len() {
             let why = "names, numels and dtypes must have one entry per parameter".to_string();
@@ -180,6 +182,15 @@ impl Session {
             let reduced = if e == Elem::F64 { DType::F64 } else { DType::F32 };
             ids.push(b.param(name.clone(), numel, reduced).map_err(|e| errors::build_error(py, &e))?);
             elem.push(e);
+        }
+        if let Some(units) = &units {
+            if units.len() != ids.len() {
+                let why = format!("units: {} given for {} parameters (one per parameter)", units.len(), ids.len());
+                return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+            }
+            for (&id, &unit) in ids.iter().zip(units) {
+                b.unit(id, unit).map_err(|e| errors::build_error(py, &e))?;
+            }
         }
         let divisor = match divisor {
             Some(d) => settings::divisor(py, &d)?,

@@ -89,6 +89,13 @@ impl GradSyncBuilder {
         Ok(self)
     }
 
+    /// Put `param` in gather unit `unit` (parameter sharding gathers a
+    /// unit's buckets together): no bucket holds two units' parameters.
+    pub fn unit(&mut self, param: ParamId, unit: u32) -> Result<&mut Self, BuildError> {
+        self.registry.set_unit(param, unit)?;
+        Ok(self)
+    }
+
     /// Upper bound of a bucket in bytes (default 25 MiB, like DDP); the last
     /// buckets of the plan hold a half, a quarter and an eighth of it, so
     /// little is left to reduce after backward ([`gradsync_actors::plan::TAIL_TAPER`]).

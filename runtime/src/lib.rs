@@ -23,6 +23,7 @@ mod builder;
 pub mod cuda;
 mod grad_sync;
 mod hook;
+mod lane;
 pub mod local;
 pub mod membership;
 pub mod metrics;
@@ -37,6 +38,7 @@ pub use gradsync_actors::{
     Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Wire,
 };
 pub use hook::{ArrivalBatch, GradHook};
+pub use lane::GatherLane;
 pub use local::{LocalEndpoint, LocalMover, LocalWorld};
 pub use trace::ChromeTrace;
 

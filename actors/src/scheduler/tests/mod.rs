@@ -70,7 +70,13 @@ fn rank_configured(
     let specs = numels
         .iter()
         .enumerate()
-        .map(|(i, &n)| ParamSpec { name: format!("p{i}"), numel: n, dtype: DType::F32, expected_arrivals: None })
+        .map(|(i, &n)| ParamSpec {
+            name: format!("p{i}"),
+            numel: n,
+            dtype: DType::F32,
+            expected_arrivals: None,
+            unit: 0,
+        })
         .collect();
     let plan = Arc::new(Plan::build(specs, cap));
     let cfg = SchedulerConfig {
