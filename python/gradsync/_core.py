@@ -143,7 +143,9 @@ class SyncSettings:
     sharded gradients), whether their collective is then a
     reduce-scatter (``reduce_scatter``; else an all-reduce) and whether each
     rank ``r`` also keeps rank ``(r + buddy_stride) % world``'s partition
-    (``buddy_stride`` above 0: an elastic sharded job; its roster's)."""
+    (``buddy_stride`` above 0: an elastic sharded job; its roster's), and
+    each parameter's gather unit (``units``, parameter sharding: no bucket
+    holds two units' parameters; ``None``: one unit)."""
 
     bucket_cap_bytes: int
     timeout_s: float
@@ -153,6 +155,7 @@ class SyncSettings:
     partitioned: bool = False
     reduce_scatter: bool = True
     buddy_stride: int = 0
+    units: Optional[list] = None
 
 
 def check_wire(wire, refused=None):
@@ -200,6 +203,7 @@ class ModelSync:
             partitioned=settings.partitioned,
             reduce_scatter=settings.reduce_scatter,
             buddy_stride=settings.buddy_stride,
+            units=settings.units,
         )
         self.names = replica.names
         self.wire = settings.wire_dtype
@@ -213,6 +217,8 @@ class ModelSync:
         self.manual_finalization = False
         #: Why later use is refused, once closed or retired.
         self.closed_why: Optional[str] = None
+        #: What else stops with the runtime (called once, at :meth:`close`).
+        self.on_close = []
         #: The report of the last step that ended.
         self.last_report: Optional[StepReport] = None
         #: An elastic job's :class:`Membership` (``gradsync.torch.Elastic``):
@@ -399,5 +405,7 @@ class ModelSync:
         self.closed_why = why
         if self.framework is not None:
             self.framework.remove_hooks()
+        for stop in self.on_close:
+            stop()
         self._communicator.abandon()
         self.session.close()

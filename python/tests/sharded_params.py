@@ -54,7 +54,7 @@ def _refused(call):
     return None
 
 
-def residence(rank, world, steps=3):
+def residence(rank, world, steps=3, units=True):
     """A parameter-sharded wrapper through ``steps`` steps next to one
     process over the whole batch, with the optimizer built as scripts build
     it (torch's AdamW over ``model.parameters()``, after wrapping). Returns
@@ -63,10 +63,12 @@ def residence(rank, world, steps=3):
     values, the refusals of a state dict between steps, the evaluation's
     output against the reference's, whether a forward without gradients
     inside a step gathered again, the largest parameter difference, and the
-    state dict read inside ``whole_parameters()`` against the reference's."""
+    state dict read inside ``whole_parameters()`` against the reference's.
+    ``units``: ``shard_parameters``'s value (``True``: each linear layer a
+    unit; ``[]``: one unit, the whole model, gathered once per step)."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
     seen = {"after_backward": [], "after_step": [], "worst": 0.0}
     try:
@@ -93,11 +95,13 @@ def residence(rank, world, steps=3):
         with torch.no_grad():
             wrapped(x)
         seen["gathered_again"] = before != [p.data_ptr() for p in wrapped.parameters()]
-        # What is written into whole parameters is kept: while they are whole after a forward,
-        # and inside whole_parameters() (released before it).
-        with torch.no_grad():
-            wrapped.module[2].bias.add_(1.0)
-            reference[2].bias.add_(1.0)
+        # Between its forward and its backward a unit's parameters are empty;
+        # gathered once per step, they are whole, and what is written into them is kept.
+        seen["between"] = wrapped.module[2].bias.numel()
+        if not units:
+            with torch.no_grad():
+                wrapped.module[2].bias.add_(1.0)
+                reference[2].bias.add_(1.0)
         loss.backward()
         opt.zero_grad()
         with wrapped.whole_parameters(), torch.no_grad():

@@ -1,6 +1,7 @@
-"""Parameter sharding (``shard_parameters=True``, ZeRO-3's first step): the
-parameters are whole from a forward to the step's end and released between
-steps, each rank holding its pieces only; training stays exact through
+"""Parameter sharding (``shard_parameters=True``, ZeRO-3): a unit's
+parameters are whole while its forward or backward runs (or, gathered once
+per step, from a forward to the step's end) and released between steps,
+each rank holding its pieces only; training stays exact through
 aborts, accumulation and clipping; what a program writes into whole
 parameters is kept; state dicts between steps and uneven inputs are refused
 with what to do. Every case of the sharded table runs under it too
@@ -15,8 +16,10 @@ from gradsync.torch.sharding.wrapper import refuse
 from sharded import case, check
 
 
-def test_parameters_are_released_between_steps_and_whole_in_forward(world2):
-    for rank, seen in enumerate(world2.run(sharded_params.residence)):
+@pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
+def test_parameters_are_released_between_steps_and_whole_in_forward(world2, units):
+    for rank, seen in enumerate(world2.run(sharded_params.residence, units=units)):
+        assert seen["between"] == (0 if units else 24), f"rank {rank}: a unit's bias held {seen['between']} values"
         assert seen["after_backward"] == [0, 0, 0], f"rank {rank}: parameters not released at the step's end"
         assert seen["after_step"] == [0, 0, 0], f"rank {rank}: the optimizer step gathered the parameters"
         assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
@@ -27,7 +30,7 @@ def test_parameters_are_released_between_steps_and_whole_in_forward(world2):
         assert seen["after_writes"] <= sharded.ATOL, f"rank {rank}: a write into whole parameters was lost"
         for what in ("state_dict", "load_state_dict"):
             assert seen[what] is not None and "whole_parameters" in seen[what], f"rank {rank}: {what}: {seen[what]}"
-    held = [seen["held"] for seen in world2.run(sharded_params.residence, steps=1)]
+    held = [seen["held"] for seen in world2.run(sharded_params.residence, steps=1, units=units)]
     # Each rank holds its partition: together, every parameter once.
     assert sum(held) == seen["whole"] and max(held) <= seen["whole"] // 2 + 64, held
 

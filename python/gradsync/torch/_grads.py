@@ -47,6 +47,10 @@ class TorchGrads:
         return self.hooks.record()
 
     def hand_over_held(self, record):
+        residence = self._partition.residence if self._partition is not None else None
+        if residence is not None:
+            # Before the step's own collectives: the others' last gathers of it.
+            residence.serve()
         self.hooks.hand_over_held(record)
 
     def write_back(self, result, record):

@@ -70,6 +70,7 @@ from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
+from gradsync.torch.sharding.units import choose as choose_units
 from gradsync.torch.sharding.wrapper import Sharding
 from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
 from gradsync.torch.sharding.wrapper import scatters, sharded_optimizer_of
@@ -252,15 +253,20 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       builds the optimizer that steps it and all-gathers the parameters
       (``gradsync.torch.sharding.wrapper``). ``.grad`` stays ``None``; clip with
       ``model.clip_grad_norm_`` or ``torch.nn.utils.clip_grad_norm_``.
-    * ``shard_parameters``: ``True`` shards the parameters too (ZeRO-3, first
-      step): each rank keeps its pieces of every parameter in memory of
-      their own; a parameter is whole from the forward that needs it (every
-      rank gathers every bucket there) to the step's end, and released
-      (an empty tensor) between steps (``gradsync.torch.sharding.parameters``);
-      a forward without gradients (an evaluation) releases what it gathered.
-      Read or write every parameter between steps inside
-      ``with model.whole_parameters():`` (every rank). Not yet with
-      ``elastic`` or ``join``.
+    * ``shard_parameters``: ``True`` shards the parameters too (ZeRO-3):
+      each rank keeps its pieces of every parameter in memory of their own,
+      and a *unit* of modules (each block of the model's largest
+      ``ModuleList`` or ``Sequential``; or the modules given, as
+      ``shard_parameters=[block, ...]``) is whole only while its forward or
+      backward runs, gathered on a lane of its own in rounds every rank
+      joins, so no rank's own forward can hang the others
+      (``gradsync.torch.sharding.units``); the rest of the model (the root
+      unit) is whole from the forward to the step's end. A model with no
+      such blocks is gathered whole once per step
+      (``gradsync.torch.sharding.parameters``). Between steps each parameter
+      is an empty tensor: read or write them there inside ``with
+      model.whole_parameters():`` (every rank). Not yet with ``elastic`` or
+      ``join``.
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
       rank does not end the job, a replacement joins it (see
@@ -335,8 +341,11 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         wire = check_wire(settings.get("wire_dtype", "float32"))
         self.module = module
         self._select_parameters(module)
-        shard_parameters = bool(settings.get("shard_parameters", False))
-        sharded = shard_parameters or bool(settings.get("shard_gradients", False))
+        shard_parameters = settings.get("shard_parameters", False)
+        # (An empty list of units is one unit, the whole model.)
+        wanted = shard_parameters is not None and shard_parameters is not False
+        units = choose_units(module, self._params, shard_parameters) if wanted else None
+        sharded = wanted or bool(settings.get("shard_gradients", False))
         if sharded:
             refuse_sharded(settings, [n for n, _ in self._sparse_named])
         # DDP's plain attributes, which libraries read (Lightning reads
@@ -389,15 +398,17 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
                                SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded,
                                             reduce_scatter=scatters(path, self._device),
                                             buddy_stride=elastic.buddy_stride if sharded and elastic else 0,
-                                            **options),
+                                            units=units[0] if units and len(units[1]) > 1 else None, **options),
                                membership=None if elastic is None else elastic.membership)
         if elastic is not None:
             self._sync.elastic = elastic
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
         if sharded:
-            self._start_sharding(reals, elastic, parameters=shard_parameters)
+            self._start_sharding(reals, elastic, parameters=units)
         self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
+        if units and len(units[1]) > 1:
+            self._open_lane(collectives, arrivals, comm.plane_device)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
         _LIVE.add(self)

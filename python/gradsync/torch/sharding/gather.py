@@ -137,3 +137,68 @@ class ParameterGather:
         stream = self._plane.plane_stream() if self._plane is not None else None
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+class LaneGather(ParameterGather):
+    """The gathers of parameter sharding by units (``sharding.units``), on
+    the gather lane (``gradsync._native.Lane``: a communicator of its own
+    beside the session's, so a gather inside backward never waits behind
+    the step's reductions). ``communicator``: the lane's own
+    ``_comm.TorchCommunicator`` (its plane's stream orders the device
+    copies); one round at a time::
+
+        needs(words) ─▶ every rank's words summed
+        gather(buckets): pack each ─▶ start each ─▶ wait each, oldest first ─▶ unpack ─▶ buffers dropped
+    """
+
+    def __init__(self, lane, communicator, host_tensor, plane=None):
+        super().__init__(None, host_tensor, plane)
+        self._lane = lane
+        self.communicator = communicator
+
+    def needs(self, words):
+        """Open a round: ``words`` summed over every rank."""
+        return self._lane.needs(words)
+
+    def reset(self):
+        """After a failed step, on every rank: a new epoch of the lane."""
+        self._lane.reset()
+
+    def close(self):
+        """Stop the lane: a collective still waiting fails at once."""
+        self.communicator.abandon()
+        self._lane.close()
+
+    def gather(self, partition, buckets, before_unpack):
+        """Gather ``buckets`` of ``partition`` (this rank's pieces packed
+        into its chunk of each), pipelined: all started, then each waited
+        for in order and unpacked into its parameters when
+        ``before_unpack(b)`` says so. Every gather started is waited for,
+        whatever fails; the buffers go back at the end."""
+        sizes = [(b, partition.buckets[b].chunk * partition.world, partition.buckets[b].wide) for b in buckets]
+        gathers = self._lane.buffers(sizes)
+        buffers = self._tensors(gathers)
+        self._caller_waits()
+        self._held = (None, gathers, buffers)
+        started = []
+        try:
+            for i, b in enumerate(buckets):
+                partition.pack(b, buffers[i])
+                self._plane_waits()
+                self._lane.start(gathers, i)
+                started.append(i)
+            while started:
+                i = started[0]
+                keep = before_unpack(buckets[i])
+                started.pop(0)
+                self._lane.wait(gathers, i)
+                self._caller_waits()
+                if keep:
+                    partition.unpack(buckets[i], buffers[i])
+        finally:
+            for i in started:
+                try:
+                    self._lane.wait(gathers, i)
+                except Exception:  # the first failure is the one raised
+                    continue
+            self.drop()

@@ -68,9 +68,10 @@ class ShardedParameters:
         """Every rank's pieces into whole parameters (a collective: every
         rank calls it at the same point, as each forward does). Each
         bucket's parameters are allocated once its gather is in flight.
-        Nothing to do when the parameters are whole."""
+        Nothing to do when the parameters are whole. Returns whether it
+        gathered."""
         if self.whole:
-            return
+            return False
         if self.gathered:
             raise ConfigError(
                 "this rank's parameters were gathered for this step and could not all be read back (an error "
@@ -86,6 +87,11 @@ class ShardedParameters:
             part.gathering.drop()
         self.whole = True
         part.sharded_step.gathered()
+        return True
+
+    def assemble_all(self):
+        """Every parameter whole (``whole_parameters``): :meth:`assemble`."""
+        return self.assemble()
 
     def _allocate(self, b):
         """Whole memory for bucket ``b``'s parameters."""
@@ -94,6 +100,18 @@ class ShardedParameters:
             p, form = part.params[i], part.forms[i]
             if not p.numel():
                 p.data = torch.empty_strided(form.shape, form.stride(), dtype=form.dtype, device=p.device)
+
+    def forget(self):
+        """After a failed step's reset (every rank): released, whatever
+        the failed step left."""
+        self.release()
+
+    def forward_ended(self):
+        """Nothing: the parameters stay whole until the step ends."""
+
+    def serve(self):
+        """Nothing to serve: one gather per step, made by every rank's
+        first forward (or :meth:`take_part`)."""
 
     @torch.no_grad()
     def take_part(self):

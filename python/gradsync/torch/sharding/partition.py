@@ -19,6 +19,8 @@ partitions meet the parameters is the :class:`~gradsync.torch.sharding.layout.La
 after backward. Where the step stands is :class:`~gradsync.torch.sharding.step.ShardedStep`.
 """
 
+import contextlib
+
 import torch
 
 from gradsync._errors import ConfigError
@@ -203,6 +205,16 @@ class Partition(Layout, Clipping):
         (the bucket's gather buffer)."""
         chunk = self.buckets[b].chunk
         self.fill_chunk(b, whole[self.rank * chunk : (self.rank + 1) * chunk], lambda piece: piece.tensor)
+
+    def unpack(self, b, whole):
+        """Bucket ``b``'s gathered values ``whole`` into every one of its
+        member parameters (they were released: parameter sharding). Their
+        version counters stay as they were: a parameter refilled before
+        its backward is the one autograd saved, not a modified one."""
+        with contextlib.ExitStack() as preserved:
+            for i in self.buckets[b].members:
+                preserved.enter_context(torch.autograd._unsafe_preserve_version_counter(self.params[i]))
+            self._unpack(b, whole, everything=True)
 
     def _unpack(self, b, whole, everything=False):
         """Bucket ``b``'s gathered values ``whole`` into its member

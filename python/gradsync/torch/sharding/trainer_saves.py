@@ -92,7 +92,7 @@ def install_lightning(strategy_class):
 
     @functools.wraps(teardown)
     def whole_teardown(self, *args, **kwargs):
-        assemble = getattr(getattr(self, "model", None), "_assemble", None)
+        assemble = getattr(getattr(self, "model", None), "_gather_whole", None)
         if assemble is not None:
             try:
                 assemble()

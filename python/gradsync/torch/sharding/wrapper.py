@@ -31,6 +31,10 @@ from gradsync.torch.sharding import trainer_saves
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.partition import Partition
+from gradsync.torch.sharding.units import UnitResidence
+from gradsync.torch._comm import TorchCommunicator
+from gradsync.torch.sharding.gather import LaneGather
+from gradsync._native import Lane
 from gradsync.torch.sharding.reshard import settle
 
 #: Whether a sharded wrapper's buckets are reduce-scattered on gloo too. Off:
@@ -57,7 +61,7 @@ def refuse(settings, sparse_names):
             f"shard_gradients=True and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
             "build the embeddings with sparse=False"
         )
-    if settings.get("shard_parameters") and settings.get("elastic") is not None:
+    if settings.get("shard_parameters") not in (None, False) and settings.get("elastic") is not None:
         raise ConfigError(
             "shard_parameters=True in an elastic job is not built yet: a lost rank's pieces of the parameters need "
             "buddy copies, which come in a later step. Use shard_gradients=True in an elastic job (its parameters "
@@ -76,13 +80,18 @@ class Sharding:
         ``elastic`` job each rank keeps its buddy's partition too, on
         another node when there is one (``sharding.reshard``).
         ``parameters``: the parameters are sharded too (their pieces own
-        their values; ``sharding.parameters``)."""
+        their values): ``sharding.units.choose``'s ``(units, names,
+        modules)``; with more than one unit they are gathered a unit at a
+        time (``sharding.units``, once :meth:`_open_lane` gave them their
+        lane), else whole once per step (``sharding.parameters``)."""
         self._partition = Partition(
             self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
             buddy_stride=0 if elastic is None else elastic.buddy_stride, own_all=parameters,
         )
         if parameters:
-            self._partition.residence = ShardedParameters(self._partition)
+            units, names, modules = parameters
+            self._partition.residence = (UnitResidence(self._partition, units, names, modules)
+                                         if len(names) > 1 else ShardedParameters(self._partition))
             refuse = self._partition.residence.refuse_if_released
             # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
             self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()"))
@@ -102,6 +111,22 @@ class Sharding:
         if parameters and strategies is not None and hasattr(strategies, "DDPStrategy"):
             # Lightning's checkpoints then hold whole parameters.
             trainer_saves.install_lightning(strategies.DDPStrategy)
+
+    def _open_lane(self, collectives, arrivals, plane_device):
+        """The gather lane of parameter sharding by units: a communicator
+        of its own (its group under this wrapper's prefix, its device
+        plane's stream and NCCL communicator) and the runtime's ``Lane``
+        thread over it; closed with the wrapper."""
+        comm = TorchCommunicator(
+            store=self._store, prefix=f"{self._prefix}/lane", rank=self._rank, world=self._world,
+            timeout_s=self._timeout_s, shim=collectives, plane_device=plane_device,
+        )
+        lane = Lane(comm, self._rank, self._world, timeout_s=self._timeout_s)
+        gathering = LaneGather(lane, comm, arrivals.host_bucket, comm if plane_device is not None else None)
+        self._partition.residence.lane = gathering
+        self._sync.on_close.append(gathering.close)
+        self._sync.on_close.append(self._partition.residence.remove_hooks)
+        self._partition.residence.agree()
 
     def _settle_members(self, rank, world, buddy_stride):
         """A change of members (``reconfigure``): the partitions move to the
@@ -163,7 +188,7 @@ class Sharding:
         that every rank's next forward gathers."""
         step = super().reset()
         if self.parameters_sharded:
-            self._partition.residence.release()
+            self._partition.residence.forget()
         return step
 
     def _assemble(self):
@@ -173,14 +198,25 @@ class Sharding:
         if self._partition is None or self._partition.residence is None or self._partition.residence.whole:
             return False
         self._sync.refuse_if_closed()
-        self._partition.residence.assemble()
-        return True
+        return self._partition.residence.assemble()
+
+    def _gather_whole(self):
+        """Every parameter whole from now on (a collective), when sharded
+        and released: what a framework that unwraps the module calls."""
+        residence = self._partition.residence if self._partition is not None else None
+        if residence is not None and not residence.whole:
+            self._sync.refuse_if_closed()
+            residence.assemble_all()
 
     def _release_after(self, gathered, grad_enabled):
         """After a forward: one without gradients (an evaluation) that
         gathered the parameters releases them again (no backward needs them)."""
+        if self._partition is None or self._partition.residence is None:
+            return
         if gathered and not grad_enabled:
             self._partition.residence.release()
+        else:
+            self._partition.residence.forward_ended()
 
     @contextlib.contextmanager
     def whole_parameters(self):
@@ -195,7 +231,7 @@ class Sharding:
             yield self
             return
         self._sync.refuse_if_closed()
-        residence.assemble()
+        residence.assemble_all()
         try:
             yield self
         finally:

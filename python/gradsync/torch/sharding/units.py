@@ -1,0 +1,476 @@
+"""Parameter sharding by units: whole parameters only while a unit's forward or backward needs them.
+
+A *unit* is a group of modules whose parameters are gathered together:
+by default every block of the model's largest ``ModuleList`` or
+``Sequential`` (a transformer's layers), or the modules the program lists
+(``shard_parameters=[block, ...]``), as ``fully_shard`` is applied per
+block; the *root unit* holds every parameter no listed module holds
+(embeddings, the final norm, the head). A bucket never holds two units'
+parameters (the runtime's plan cuts at a unit's edge), so a unit's gather
+is whole buckets. Each rank keeps its pieces of every parameter
+(``Layout(own_all=True)``) and::
+
+    the wrapper's forward begins ─▶ the root unit gathered; whole until the step ends
+    a unit's forward begins  ─▶ gathered (with the units whose parameters it shares), held
+    its forward ends         ─▶ released (storage resized to nothing) unless a backward will need it
+    its backward begins      ─▶ gathered again (a hook on its outputs' gradients)
+    its backward ends        ─▶ released (a hook on its inputs' gradients)
+    a forward recomputed inside backward (checkpointing) holds and releases the same way
+    the step ends            ─▶ every rank serves the others' last rounds, then every parameter released
+
+Reference counts (forwards running, backwards pending) decide a release,
+so a unit called twice, recomputed once or twice, or sharing a weight with
+another is never freed while anything still needs it.
+
+**Rounds, so that no rank's own forward can hang the others.** Gathers
+run on the gather lane (``gradsync._native.Lane``: a communicator of its
+own, so they never queue behind the step's reductions). Each gather is
+part of a *round*: every rank sends the units it needs now (one word per
+unit), the words are summed, and every rank gathers the union in unit
+order, keeping what it needs and dropping the rest. A rank needs a round
+only when a unit it needs is not whole; a rank at its step's end (or an
+evaluation's end, or an abort) *serves*: it joins rounds asking for
+nothing until a round where nobody asks for anything. So a module used on
+some ranks only, a rank-dependent number of forwards, unused parameters,
+tied weights across units or one rank's out-of-memory error all end in
+the same rounds on every rank::
+
+    rank 0: round {unit 1} ─ round {unit 2} ─ serve: round {unit 3} (rank 1's) ─ round {} ─▶ finish
+    rank 1: round {unit 1} ───────────────── round {unit 3} (its own) ────────── round {} ─▶ finish
+
+A unit's parameters between its uses hold their shape with no memory
+(``untyped_storage().resize_(0)``, as FSDP does): the tensors autograd
+saved of them (a transposed weight) share that storage, so a release
+really frees it and the gather before backward refills it. Reading such a
+parameter outside its unit's forward and backward reads freed memory:
+keep code that reads parameters (a penalty over every weight) inside the
+model's forward, or in ``model.whole_parameters()`` between steps. Between
+steps every parameter is an empty tensor (``sharding.parameters``).
+"""
+
+import zlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gradsync._errors import ConfigError
+from gradsync.torch.sharding.layout import flat_values
+from gradsync.torch.sharding.parameters import ShardedParameters
+
+
+def choose(module, params, listed):
+    """Each parameter's unit (a list parallel to ``params``, the wrapper's
+    parameters) and each unit's name: ``listed`` modules (``True``: the
+    children of the largest ``ModuleList`` or ``Sequential``); unit 0 is
+    the root (what no listed module holds). A parameter two units hold
+    belongs to the first; listed modules must not nest."""
+    if listed is True:
+        listed = _blocks(module)
+    elif isinstance(listed, torch.nn.Module) and not isinstance(listed, (torch.nn.ModuleList, torch.nn.Sequential)):
+        listed = [listed]
+    elif isinstance(listed, (list, tuple, torch.nn.ModuleList, torch.nn.Sequential)):
+        listed = list(listed)
+    else:
+        raise ConfigError(
+            f"shard_parameters={listed!r}: give True (each block of the model's largest ModuleList or Sequential "
+            "is a unit) or the modules to gather one at a time (a list, or a ModuleList of blocks)"
+        )
+    names = {id(m): n for n, m in module.named_modules()}
+    for m in listed:
+        if not isinstance(m, torch.nn.Module) or id(m) not in names:
+            raise ConfigError(
+                f"shard_parameters: {type(m).__name__} is not a submodule of the wrapped model; list the modules "
+                "to gather one at a time (e.g. model.transformer.h), or pass True for the model's blocks"
+            )
+    for i, m in enumerate(listed):
+        inner = {id(s) for s in m.modules()} - {id(m)}
+        for other in listed[i + 1:]:
+            if id(other) in inner or id(m) in {id(s) for s in other.modules()}:
+                raise ConfigError(
+                    f"shard_parameters: units {names[id(m)]!r} and {names[id(other)]!r} nest; list modules "
+                    "that do not contain each other"
+                )
+    owner = {}
+    for u, m in enumerate(listed, start=1):
+        for p in m.parameters():
+            owner.setdefault(id(p), u)
+    units = [owner.get(id(p), 0) for p in params]
+    return units, ["(root)"] + [names[id(m)] for m in listed], list(listed)
+
+
+def _blocks(module):
+    """The children of the largest ``ModuleList`` or ``Sequential`` (by
+    parameters) that has at least two children with parameters; with no
+    such list, the model's own children that have parameters (if at least
+    two); else none: one unit, the whole model."""
+    best, most = [], 0
+    for m in module.modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            children = [c for c in m.children() if any(True for _ in c.parameters())]
+            size = sum(p.numel() for c in children for p in c.parameters())
+            if len(children) >= 2 and size > most:
+                best, most = children, size
+    if not best:
+        children = [c for c in module.children() if any(True for _ in c.parameters())]
+        best = children if len(children) >= 2 else []
+    return best
+
+
+class Unit:
+    """One unit: its modules' parameters (indices into the partition's),
+    its buckets, the units a forward of it needs whole (itself, and those
+    owning a weight it shares), and its counts."""
+
+    def __init__(self, index, name):
+        self.index = index
+        self.name = name
+        #: Its parameters, by index into ``Partition.params``.
+        self.params = []
+        #: The buckets that hold them (no bucket holds another unit's).
+        self.buckets = []
+        #: Units that must be whole while it runs: itself first.
+        self.needs = [index]
+        #: Whether its parameters hold their values now.
+        self.whole = False
+        #: Forwards of units needing it that are running now.
+        self.forwards = 0
+        #: The forwards (``_Call``) whose backward needs it whole now.
+        self.holds = []
+        #: Its forwards running now, innermost last.
+        self.calls = []
+        #: Its recomputations inside backward begun and not seen to end.
+        self.recomputes = []
+
+
+class UnitResidence(ShardedParameters):
+    """``ShardedParameters`` gathered a unit at a time (see the module
+    docs). ``units``: each parameter's unit (``choose``); ``modules``: the
+    listed modules, unit ``u`` is ``modules[u - 1]``. Its :attr:`lane` is
+    set by the wrapper once its hooks exist."""
+
+    def __init__(self, partition, units, names, modules):
+        super().__init__(partition)
+        #: The gather lane (``sharding.gather.LaneGather``).
+        self.lane = None
+        self.units = [Unit(u, name) for u, name in enumerate(names)]
+        for i, u in enumerate(units):
+            self.units[u].params.append(i)
+        for b, layout in enumerate(partition.buckets):
+            self.units[units[layout.members[0]]].buckets.append(b)
+        index = {id(p): i for i, p in enumerate(partition.params)}
+        for unit, m in zip(self.units[1:], modules):
+            for p in m.parameters():
+                owner = units[index[id(p)]] if id(p) in index else unit.index
+                if owner not in unit.needs:
+                    unit.needs.append(owner)
+        #: Per parameter: the bytes of its storage when whole (to regrow it).
+        self._nbytes = [0] * len(partition.params)
+        #: Per parameter released inside the step: its emptied whole tensor,
+        #: whose storage grows back before its backward (``None``: none).
+        self._kept = [None] * len(partition.params)
+        #: Whether this rank served the others' rounds since the last release.
+        self._served = False
+        #: What the gathers did since the wrapper was built, for tests and
+        #: benchmarks: rounds joined (serving included), gathers of each
+        #: unit kept by this rank, and the most units but the root whole at once.
+        self.counts = {"rounds": 0, "gathers": [0] * len(self.units), "most_whole": 0}
+        self._handles = []
+        for unit, m in zip(self.units[1:], modules):
+            for entry in _entries(m):
+                self._handles.append(entry.register_forward_pre_hook(self._before_forward(unit), with_kwargs=True))
+                self._handles.append(entry.register_forward_hook(self._after_forward(unit)))
+
+    # ---- what the wrapper calls -------------------------------------------------------------
+
+    def agree(self):
+        """Check on the lane, once, that every rank cut the model into the
+        same units (the rounds' words mean units; a rank with others would
+        gather other buckets): :class:`ConfigError` on every rank if not."""
+        digest = zlib.crc32(repr([(u.name, len(u.params), u.buckets) for u in self.units]).encode())
+        mine = [len(self.units), len(self.units) ** 2, digest, digest * digest]
+        world = self._partition.world
+        summed = self.lane.needs(mine)
+        if summed != [world * w % (1 << 64) for w in mine]:
+            raise ConfigError(
+                f"rank {self._partition.rank}: the ranks cut the model into different units for shard_parameters "
+                f"(this rank: {[u.name for u in self.units[1:]]}); give every rank the same modules (or True)"
+            )
+
+    @torch.no_grad()
+    def assemble(self):
+        """The wrapper's forward begins: the root unit gathered (kept whole
+        until the step ends), or, when gradsync was asked for every
+        parameter whole (``gathered`` cleared by ``whole_parameters``),
+        every unit. Returns whether it gathered."""
+        if self.whole:
+            return False
+        if self.gathered:
+            raise ConfigError(
+                "this rank's parameters could not all be read back in this step's gathers (out of memory most "
+                "likely); the other ranks went on. Call model.abort_step() and go on with the next step"
+            )
+        root = self.units[0]
+        if root.whole:
+            return False
+        self._round({u for u in root.needs if not self.units[u].whole})
+        return True
+
+    @torch.no_grad()
+    def assemble_all(self):
+        """Every unit whole (``whole_parameters``): one round asking for all."""
+        self._round({u.index for u in self.units if not u.whole}, everything=True)
+        self.whole = True
+
+    @torch.no_grad()
+    def release(self):
+        """The step (or an evaluation, or ``whole_parameters``) ended: serve
+        the others' last rounds, the pieces of whole units read their
+        parameters, then every parameter is an empty tensor."""
+        self.serve()
+        part = self._partition
+        whole = {i for unit in self.units if unit.whole or self.whole for i in unit.params}
+        for piece in part.owned:
+            if piece.param in whole and part.params[piece.param].numel():
+                values = flat_values(part.params[piece.param])
+                piece.tensor.copy_(values[piece.offset : piece.offset + piece.length])
+        for unit in self.units:
+            unit.whole, unit.forwards, unit.holds, unit.calls, unit.recomputes = False, 0, [], [], []
+        for i in range(len(part.params)):
+            self._empty(i, inside_step=False)
+        self._kept = [None] * len(part.params)
+        self.whole = self.gathered = self._served = False
+
+    def take_part(self):
+        """This rank aborts its step: it serves the others' rounds."""
+        self.serve()
+
+    def serve(self):
+        """Join rounds asking for nothing until nobody asks for anything
+        (once per step: every rank does it where its step ends)."""
+        if self._served or self._partition.world == 1:
+            return
+        self._served = True
+        while self._round(set(), serving=True):
+            pass
+
+    def forget(self):
+        """After a failed step's reset (every rank): the lane starts a new
+        epoch and nothing is owed to anyone's rounds."""
+        self.lane.reset()
+        self._served = True
+        self.release()
+
+    def remove_hooks(self):
+        """Take the units' hooks off their modules (the wrapper closed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- hooks --------------------------------------------------------------------------------
+
+    def _before_forward(self, unit):
+        def hook(module, args, kwargs):
+            if self.whole or self._partition.world == 1:
+                return None
+            self._ensure(unit)
+            call = _Call(unit, recompute=torch._C._current_graph_task_id() != -1)
+            if call.recompute:
+                # Recomputed inside backward (checkpointing): held until the
+                # unit's backward ends; a non-reentrant checkpoint may stop
+                # the recomputation early, so its forward's end is not waited for.
+                self._hold(call)
+                unit.recomputes.append(call)
+            else:
+                for u in unit.needs:
+                    self.units[u].forwards += 1
+                unit.calls.append(call)
+            if not torch.is_grad_enabled():
+                return None
+            flat, spec = tree_flatten((args, kwargs))
+            at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not at:
+                return None  # (its backward's end is not seen: it is released at the step's end)
+            through = _BackwardEnds.apply(lambda: self._after_backward(call), *[flat[i] for i in at])
+            for i, t in zip(at, through):
+                flat[i] = t
+            return tree_unflatten(flat, spec)
+        return hook
+
+    def _after_forward(self, unit):
+        def hook(module, args, output):
+            if self.whole or self._partition.world == 1:
+                return None
+            if torch._C._current_graph_task_id() != -1:
+                call = unit.recomputes.pop() if unit.recomputes else None
+            else:
+                call = unit.calls.pop() if unit.calls else None
+                if call is not None:
+                    for u in unit.needs:
+                        self.units[u].forwards -= 1
+            if call is None:
+                return None
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if torch.is_grad_enabled():
+                for t in outputs:
+                    t.register_hook(self._before_backward(call))
+            return None
+        return hook
+
+    def _before_backward(self, call):
+        def hook(grad):
+            if not self.whole:
+                self._ensure(call.unit)
+                self._hold(call)
+            return grad
+        return hook
+
+    def _after_backward(self, call):
+        """A forward's backward ended (its inputs' gradients are computed):
+        its hold goes, and with it every hold of the unit's recomputations
+        (their saved tensors were read by now)."""
+        unit = call.unit
+        for u in unit.needs:
+            held = self.units[u].holds
+            held[:] = [c for c in held if c is not call and not (c.recompute and c.unit is unit)]
+        unit.recomputes.clear()
+
+    def forward_ended(self):
+        """The wrapper's forward returned: the units nothing holds are released."""
+        self._release_unused(range(1, len(self.units)))
+
+    def _ensure(self, unit):
+        """``unit`` and the units it shares weights with whole (a round if
+        one is not), after every other unit nothing holds is released: a
+        unit stays whole after its forward or backward until another unit
+        is needed (so the modules of a block that is never called itself,
+        a ``ModuleDict``, share one gather)."""
+        self._release_unused(u for u in range(1, len(self.units)) if u not in unit.needs)
+        missing = {u for u in unit.needs if not self.units[u].whole}
+        if missing:
+            with torch.no_grad():
+                self._round(missing)
+
+    def _hold(self, call):
+        """``call``'s backward needs its units whole until it ends."""
+        for u in call.unit.needs:
+            held = self.units[u].holds
+            if not any(c is call for c in held):
+                held.append(call)
+
+    # ---- gathering and releasing -------------------------------------------------------------
+
+    def _round(self, wanted, serving=False, everything=False):
+        """One round (see the module docs): ``wanted`` units asked for, the
+        union of every rank's gathered; those this rank wanted kept whole
+        (``everything``: all of them, for ``whole_parameters``). Returns
+        whether anybody asked for anything."""
+        counts = self.lane.needs([1 if u.index in wanted else 0 for u in self.units])
+        asked = [u for u, count in zip(self.units, counts) if count]
+        if not serving:
+            self._served = False
+        if not asked:
+            return False
+        buckets = [b for u in asked for b in u.buckets]
+        keep = {b for u in asked if u.index in wanted and not u.whole for b in u.buckets}
+        failure = None
+
+        def before_unpack(b):
+            nonlocal failure
+            if b in keep and failure is None:
+                try:
+                    self._allocate(b)
+                except torch.OutOfMemoryError as error:  # the round still completes on every rank
+                    failure = error
+            return b in keep and failure is None
+
+        self.lane.gather(self._partition, buckets, before_unpack)
+        if failure is not None:
+            self.gathered = True  # (assemble refuses until abort_step)
+            raise failure
+        for u in asked:
+            if u.index in wanted:
+                u.whole = True
+                self.counts["gathers"][u.index] += 1
+        self.counts["rounds"] += 1
+        if not everything:
+            whole = sum(u.whole for u in self.units[1:])
+            self.counts["most_whole"] = max(self.counts["most_whole"], whole)
+        return True
+
+    def _allocate(self, b):
+        """Bucket ``b``'s parameters given their memory again: the storage a
+        release inside the step emptied grows back to its size (the tensors
+        autograd saved of the parameter see it again), else a new one."""
+        part = self._partition
+        for i in part.buckets[b].members:
+            p, kept = part.params[i], self._kept[i]
+            if p.numel():
+                continue
+            if kept is not None:
+                kept.untyped_storage().resize_(self._nbytes[i])
+                p.data = kept
+            else:
+                form = part.forms[i]
+                p.data = torch.empty_strided(form.shape, form.stride(), dtype=form.dtype, device=p.device)
+                self._nbytes[i] = p.untyped_storage().nbytes()
+
+    def _empty(self, i, inside_step):
+        """Parameter ``i`` released: an empty tensor. ``inside_step``: its
+        storage is emptied too (freed, though autograd's saved tensors hold
+        it) and remembered, to grow back before its backward; between steps
+        it is only let go (a state dict taken before may still read it)."""
+        p = self._partition.params[i]
+        if not p.numel():
+            return
+        whole = p.data
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if inside_step:
+            whole.untyped_storage().resize_(0)
+            self._kept[i] = whole
+
+    def _release_unused(self, indices):
+        """Release the units among ``indices`` nothing holds any more (never
+        the root before the step's end)."""
+        for u in indices:
+            unit = self.units[u]
+            if u == 0 or not unit.whole or unit.forwards > 0 or unit.holds:
+                continue
+            for i in unit.params:
+                self._empty(i, inside_step=True)
+            unit.whole = False
+
+
+def _entries(module):
+    """Where a unit's forward is seen: the module itself, or, for a
+    container that is never called (``ModuleDict``, ``ModuleList``), its
+    submodules that are."""
+    if type(module).forward is not torch.nn.Module.forward:
+        return [module]
+    return [e for child in module.children() for e in _entries(child)]
+
+
+class _Call:
+    """One forward of a unit: what its backward holds. ``recompute``: run
+    inside a backward (a checkpoint's recomputation)."""
+
+    __slots__ = ("unit", "recompute")
+
+    def __init__(self, unit, recompute):
+        self.unit = unit
+        self.recompute = recompute
+
+
+class _BackwardEnds(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once every gradient
+    of those inputs is computed: the unit's backward has ended."""
+
+    @staticmethod
+    def forward(ctx, ended, *tensors):
+        ctx.ended = ended
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.ended()
+        return (None, *grads)
+

@@ -1,0 +1,139 @@
+"""Parameter sharding by units, run on every rank of a test world: how
+often each unit is gathered, how many are whole at once, and what a rank
+whose forward differs from the others' does to the rounds."""
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from gradsync import ConfigError
+from gradsync.torch import DistributedDataParallel as GradsyncDDP
+
+LR = 1e-2
+WIDTH = 12
+
+
+class Stack(nn.Module):
+    """An embedding-like input layer, four blocks in a ``ModuleList`` (the
+    units), a head; each block optionally checkpointed (``"reentrant"`` or
+    ``"non_reentrant"``); ``extra_on``: a fifth block run only on that
+    rank (a module some ranks never use)."""
+
+    def __init__(self, recompute=None, extra_on=None, rank=0):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)) for _ in range(4)
+        )
+        self.extra = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 4)
+        self.recompute, self.extra_on, self.rank = recompute, extra_on, rank
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.recompute is None:
+                h = h + block(h)
+            else:
+                h = h + checkpoint(block, h, use_reentrant=self.recompute == "reentrant")
+        if self.extra_on == self.rank:
+            h = self.extra(h)
+        return self.head(h)
+
+
+def _batch(step, rank, world):
+    x = torch.randn(world * 3, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+    return x if rank is None else x[rank * 3 : (rank + 1) * 3]
+
+
+def training(rank, world, recompute=None, steps=3):
+    """``steps`` steps of :class:`Stack` under ``shard_parameters=True``
+    next to one process over the whole batch. Returns the units' names,
+    the largest parameter difference, the gathers of each unit this rank
+    kept in forward and backward, the most units whole at once, and whether each block's
+    parameters were empty after backward."""
+    reference = Stack(recompute).double()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    residence = wrapped._partition.residence
+    worst = 0.0
+    gathers = [0] * len(residence.units)
+    try:
+        for step in range(steps):
+            ref_opt.zero_grad()
+            reference(_batch(step, None, world)).square().mean().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            before = list(residence.counts["gathers"])
+            loss = wrapped(_batch(step, rank, world)).square().mean()
+            # A unit's parameters are empty between its forward and its backward.
+            between = [p.numel() for p in wrapped.module.blocks.parameters()]
+            loss.backward()
+            gathers = [g + now - then for g, now, then in zip(gathers, residence.counts["gathers"], before)]
+            opt.step()
+            with wrapped.whole_parameters():
+                worst = max(worst, max((a - b).abs().max().item()
+                                       for a, b in zip(reference.parameters(), wrapped.module.parameters())))
+        return {
+            "names": [u.name for u in residence.units],
+            "worst": worst,
+            "gathers": gathers,
+            "most_whole": residence.counts["most_whole"],
+            "between": sum(between),
+        }
+    finally:
+        wrapped.close()
+
+
+def extra_on_one_rank(rank, world, steps=3):
+    """A block run by rank 0 only: rank 1 serves its gathers at its step's
+    end. The average is every rank's gradient, summed, over the world (the
+    extra block's from rank 0 alone). Returns the largest difference from
+    that reference and the gathers of the extra block this rank kept."""
+    reference = [Stack(extra_on=0, rank=r).double() for r in range(world)]
+    model = copy.deepcopy(reference[rank])
+    wrapped = GradsyncDDP(model, shard_parameters=[*model.blocks, model.extra], bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    residence = wrapped._partition.residence
+    worst = 0.0
+    kept = 0
+    try:
+        extra = [u.name for u in residence.units].index("extra")
+        for step in range(steps):
+            for r, model in enumerate(reference):
+                model.zero_grad()
+                model(_batch(step, r, world)).square().mean().backward()
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in reference)):
+                    grads = [p.grad for p in ps if p.grad is not None]
+                    mean = sum(grads) / world
+                    for p in ps:
+                        p -= LR * mean
+            opt.zero_grad()
+            before = residence.counts["gathers"][extra]
+            wrapped(_batch(step, rank, world)).square().mean().backward()
+            kept += residence.counts["gathers"][extra] - before
+            opt.step()
+            with wrapped.whole_parameters():
+                worst = max(worst, max((a - b).abs().max().item()
+                                       for a, b in zip(reference[rank].parameters(), wrapped.module.parameters())))
+        return {"worst": worst, "extra_gathers": kept}
+    finally:
+        wrapped.close()
+
+
+def units_differ(rank, world):
+    """Rank 0 gathers by blocks, rank 1 by two other modules: wrapping is
+    refused on every rank. Returns the error this rank saw."""
+    model = Stack().double()
+    try:
+        wrapped = GradsyncDDP(model, shard_parameters=list(model.blocks) if rank == 0 else [model.inp, model.head],
+                              bucket_cap_mb=0.001, timeout=20)
+    except ConfigError as error:
+        return str(error)
+    wrapped.close()
+    return None

@@ -1,0 +1,65 @@
+"""Parameter sharding by units (``shard_parameters=True`` on a model with
+blocks): each block is gathered for its forward and again for its backward
+and released in between, never twice needlessly under either
+checkpointing; a block some ranks never run is gathered by the others'
+rounds without a hang; units that differ across ranks, or that nest, or
+are not the model's, are refused."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sharded
+import sharded_units
+from gradsync import ConfigError
+from gradsync.torch.sharding.units import choose
+
+
+@pytest.mark.parametrize("recompute", [None, "reentrant", "non_reentrant"])
+def test_each_block_is_gathered_for_its_forward_and_its_backward_only(world2, recompute):
+    steps = 3
+    for rank, seen in enumerate(world2.run(sharded_units.training, recompute=recompute, steps=steps)):
+        assert seen["names"] == ["(root)", "blocks.0", "blocks.1", "blocks.2", "blocks.3"], seen["names"]
+        assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+        # Forward, then backward (the recomputation inside it reuses the backward's gather,
+        # or, reentrant, is the gather its backward uses), each step after the first (the
+        # model is whole as built until the first step ends).
+        assert seen["gathers"][1:5] == [2 * (steps - 1)] * 4, f"rank {rank}: {seen['gathers']}"
+        assert seen["most_whole"] == 1, f"rank {rank}: {seen['most_whole']} blocks whole at once"
+        assert seen["between"] == 0, f"rank {rank}: the blocks held values between forward and backward"
+
+
+def test_a_block_one_rank_never_runs_is_gathered_by_the_others_rounds(world2):
+    seen = world2.run(sharded_units.extra_on_one_rank)
+    for rank, got in enumerate(seen):
+        assert got["worst"] <= sharded.ATOL, f"rank {rank}: off by {got['worst']}"
+    # Rank 0 kept the extra block twice a step (after the first); rank 1 only served those gathers.
+    assert [got["extra_gathers"] for got in seen] == [4, 0], seen
+
+
+def test_units_that_differ_across_ranks_are_refused_on_every_rank_when_wrapping(world2):
+    errors = world2.run(sharded_units.units_differ)
+    for rank, error in enumerate(errors):
+        assert error is not None and "different units" in error and f"rank {rank}" in error, f"rank {rank}: {error}"
+
+
+def test_units_must_be_the_models_modules_and_must_not_nest():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    params = list(model.parameters())
+    # The largest list by parameters: the model itself, here.
+    units, names, _ = choose(model, params, True)
+    assert names == ["(root)", "0", "1"] and units == [1, 1, 2, 2, 2, 2], (names, units)
+    units, names, _ = choose(model, params, list(model[1]))
+    assert names == ["(root)", "1.0", "1.1"] and units == [0, 0, 1, 1, 2, 2], (names, units)
+    assert choose(model, params, [])[1] == ["(root)"]
+    with pytest.raises(ConfigError, match="nest"):
+        choose(model, params, [model[1], model[1][0]])
+    with pytest.raises(ConfigError, match="not a submodule"):
+        choose(model, params, [nn.Linear(2, 2)])
+    with pytest.raises(ConfigError, match="give True"):
+        choose(model, params, "blocks")
+    # A weight two units hold belongs to the first.
+    shared = nn.Linear(2, 2)
+    tied = nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared, nn.Linear(2, 2))])
+    units, names, _ = choose(tied, list(tied.parameters()), True)
+    assert units == [1, 1, 2, 2], units
