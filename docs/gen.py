@@ -401,8 +401,11 @@ def sharded_memory() -> str:
     mb = 1 << 20
     out = [f"{meta['model']}; {meta['machine']}, torch {meta['torch']}: `{meta['command']}`. Largest over the "
            "ranks, MB, after a step; the goal is (gradients + optimizer state of the whole model) / world + one "
-           "bucket. Peak: the most the three held together at the end of a forward, after a backward or after "
-           "an optimizer step.\n",
+           "bucket. Peak: the most the three held together in a step after the first, sampled at the start of "
+           "each block's forward and backward, at the end of the forward, after every gather of "
+           "`shard_parameters=True`, after the backward and after the optimizer step; its goal for "
+           "`shard_parameters=True` is (parameters + gradients + optimizer state) / world + two blocks + one "
+           "bucket.\n",
            "| world | wrapper | parameters | gradients | optimizer state | gradients + optimizer (goal) | "
            "peak in a step | step, ms |",
            "|---|---|---|---|---|---|---|---|"]
@@ -413,6 +416,8 @@ def sharded_memory() -> str:
             continue
         both = (row["grads"] + row["optimizer"]) / mb
         peak = f"{row['peak'] / mb:.1f}" if "peak" in row else "—"
+        if row["impl"] == "gradsync-params" and "peak_goal" in row:
+            peak += f" ({row['peak_goal'] / mb:.1f})"
         out.append(f"| {row['world']} | {name} | {row['params'] / mb:.1f} | {row['grads'] / mb:.1f} | "
                    f"{row['optimizer'] / mb:.1f} | {both:.1f} ({row['goal'] / mb:.1f}) | {peak} | "
                    f"{row['step_s'] * 1e3:.0f} |")

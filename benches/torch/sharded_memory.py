@@ -20,11 +20,14 @@ every rank counts, in bytes:
 ones hold nothing), gradsync's pieces where they own their values
 (``shard_parameters=True``) and the runtime's parameter-gather buffers
 while they are held (``shard_gradients=True`` keeps them between steps).
-``peak`` is the largest sum of the three seen at the end of a forward,
-after a backward and after an optimizer step (FSDP2: its unsharded
-parameters counted while allocated); and the median step time (forward,
+``peak`` is the largest sum of the three seen at the start of each block's
+forward and backward, at the end of the model's forward, after a backward, after an optimizer step and,
+under ``shard_parameters=True``, after every gather of a unit (FSDP2: its
+unsharded parameters counted while allocated), in the steps after the
+first (which runs with the model as built); and the median step time (forward,
 backward, optimizer step) over the steps after the first. The goal line is ``(grads + optimizer) / world + one
-bucket`` of the whole model's float32 bytes. Every number is the largest
+bucket`` of the whole model's float32 bytes; the peak's (parameter
+sharding's) ``(params + grads + optimizer) / world + two blocks + one bucket``. Every number is the largest
 over the ranks. Storages are counted once (a view and its base are one).
 """
 
@@ -173,6 +176,7 @@ def _rank(rank, world, port, impl, args, results):
     torch.manual_seed(0)
     model = Stack(args.layers, args.width)
     whole = sum(p.numel() for p in model.parameters()) * 4
+    block_bytes = max(sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4
     wrapped, optimizer = build(impl, model, world)
     peak = [0]
 
@@ -182,9 +186,20 @@ def _rank(rank, world, port, impl, args, results):
         peak[0] = max(peak[0], held)
 
     model.register_forward_hook(sample)
+    for block in model.blocks:
+        # (Registered after wrapping: FSDP2's and gradsync's release hooks ran before these.)
+        block.register_forward_pre_hook(sample)
+        block.register_full_backward_pre_hook(sample)
+    residence = getattr(getattr(wrapped, "_partition", None), "residence", None)
+    if hasattr(residence, "after_round"):
+        residence.after_round = sample
     g = torch.Generator().manual_seed(rank)
     times = []
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if step == 1:
+            # The peak of a step after the first: the first runs with the model as built
+            # (whole, under shard_parameters=True too) and builds the optimizer state.
+            peak[0] = 0
         ids = torch.randint(0, 1024, (args.batch, args.tokens), generator=g)
         began = time.perf_counter()
         optimizer.zero_grad()
@@ -203,6 +218,7 @@ def _rank(rank, world, port, impl, args, results):
         "peak": peak[0],
         "step_s": statistics.median(times[1:]),
         "whole": whole,
+        "block": block_bytes,
     }
     if hasattr(wrapped, "close"):
         wrapped.close()
@@ -243,12 +259,15 @@ def main():
                 rows.append({"world": world, "impl": impl, "error": why})
                 continue
             goal = (r["whole"] + 2 * r["whole"]) / world + CAP_MB * (1 << 20)
-            row = {"world": world, "impl": impl, **r, "goal": goal}
+            # Parameter sharding's: everything / world, two blocks whole, one bucket.
+            peak_goal = 4 * r["whole"] / world + 2 * r["block"] + CAP_MB * (1 << 20)
+            row = {"world": world, "impl": impl, **r, "goal": goal, "peak_goal": peak_goal}
             rows.append(row)
             mb = 1 << 20
             print(f"  params {r['params'] / mb:.1f} MB, grads {r['grads'] / mb:.1f} MB, optimizer "
                   f"{r['optimizer'] / mb:.1f} MB, grads + optimizer {(r['grads'] + r['optimizer']) / mb:.1f} MB "
-                  f"(goal {goal / mb:.1f}), peak in a step {r['peak'] / mb:.1f} MB, step {r['step_s'] * 1e3:.0f} ms",
+                  f"(goal {goal / mb:.1f}), peak in a step {r['peak'] / mb:.1f} MB (ZeRO-3 goal {peak_goal / mb:.1f}), "
+                  f"step {r['step_s'] * 1e3:.0f} ms",
                   flush=True)
     if args.json:
         write_json(args.json, rows,

@@ -49,17 +49,20 @@ def _batch(step, rank, world):
     return x if rank is None else x[rank * 3 : (rank + 1) * 3]
 
 
-def training(rank, world, recompute=None, steps=3):
+def training(rank, world, recompute=None, steps=3, prefetch=True):
     """``steps`` steps of :class:`Stack` under ``shard_parameters=True``
     next to one process over the whole batch. Returns the units' names,
     the largest parameter difference, the gathers of each unit this rank
-    kept in forward and backward, the most units whole at once, and whether each block's
-    parameters were empty after backward."""
+    kept in forward and backward, the most units whole at once, the rounds
+    opened ahead of a unit's use, and the blocks' values held between
+    forward and backward. ``prefetch``: gather the next block (by the last
+    step's order) while the current one computes."""
     reference = Stack(recompute).double()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
     opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
     residence = wrapped._partition.residence
+    residence.prefetch = prefetch
     worst = 0.0
     gathers = [0] * len(residence.units)
     try:
@@ -83,6 +86,7 @@ def training(rank, world, recompute=None, steps=3):
             "worst": worst,
             "gathers": gathers,
             "most_whole": residence.counts["most_whole"],
+            "prefetched": residence.counts["prefetched"],
             "between": sum(between),
         }
     finally:

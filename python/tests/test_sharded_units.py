@@ -15,17 +15,24 @@ from gradsync import ConfigError
 from gradsync.torch.sharding.units import choose
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("recompute", [None, "reentrant", "non_reentrant"])
-def test_each_block_is_gathered_for_its_forward_and_its_backward_only(world2, recompute):
+def test_each_block_is_gathered_for_its_forward_and_its_backward_only(world2, recompute, prefetch):
     steps = 3
-    for rank, seen in enumerate(world2.run(sharded_units.training, recompute=recompute, steps=steps)):
+    for rank, seen in enumerate(world2.run(sharded_units.training, recompute=recompute, steps=steps,
+                                           prefetch=prefetch)):
         assert seen["names"] == ["(root)", "blocks.0", "blocks.1", "blocks.2", "blocks.3"], seen["names"]
         assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
         # Forward, then backward (the recomputation inside it reuses the backward's gather,
         # or, reentrant, is the gather its backward uses), each step after the first (the
         # model is whole as built until the first step ends).
         assert seen["gathers"][1:5] == [2 * (steps - 1)] * 4, f"rank {rank}: {seen['gathers']}"
-        assert seen["most_whole"] == 1, f"rank {rank}: {seen['most_whole']} blocks whole at once"
+        # The block running, and (prefetched) the next one.
+        assert seen["most_whole"] == (2 if prefetch else 1), f"rank {rank}: {seen['most_whole']} blocks whole"
+        # Once a whole step's order is known (the first runs whole as built, the second
+        # learns it), every block is gathered ahead: four in forward (the first while
+        # the root computes), three in backward (the last block is still whole).
+        assert seen["prefetched"] == (7 * (steps - 2) if prefetch else 0), f"rank {rank}: {seen['prefetched']}"
         assert seen["between"] == 0, f"rank {rank}: the blocks held values between forward and backward"
 
 

@@ -148,7 +148,8 @@ class LaneGather(ParameterGather):
     copies); one round at a time::
 
         needs(words) ─▶ every rank's words summed
-        gather(buckets): pack each ─▶ start each ─▶ wait each, oldest first ─▶ unpack ─▶ buffers dropped
+        start(buckets): pack each ─▶ start each      (the caller computes meanwhile: a prefetch)
+        finish(flight): wait each, oldest first ─▶ unpack ─▶ buffers dropped
     """
 
     def __init__(self, lane, communicator, host_tensor, plane=None):
@@ -169,36 +170,65 @@ class LaneGather(ParameterGather):
         self.communicator.abandon()
         self._lane.close()
 
-    def gather(self, partition, buckets, before_unpack):
-        """Gather ``buckets`` of ``partition`` (this rank's pieces packed
-        into its chunk of each), pipelined: all started, then each waited
-        for in order and unpacked into its parameters when
-        ``before_unpack(b)`` says so. Every gather started is waited for,
-        whatever fails; the buffers go back at the end."""
+    def start(self, partition, buckets):
+        """Start gathering ``buckets`` of ``partition`` (this rank's pieces
+        packed into its chunk of each) and return the round in flight for
+        :meth:`finish`; the caller computes meanwhile (a prefetch). A
+        failure to start waits for what did start before it is raised."""
         sizes = [(b, partition.buckets[b].chunk * partition.world, partition.buckets[b].wide) for b in buckets]
         gathers = self._lane.buffers(sizes)
         buffers = self._tensors(gathers)
         self._caller_waits()
-        self._held = (None, gathers, buffers)
-        started = []
+        flight = _Flight(list(buckets), gathers, buffers)
         try:
             for i, b in enumerate(buckets):
                 partition.pack(b, buffers[i])
                 self._plane_waits()
                 self._lane.start(gathers, i)
-                started.append(i)
-            while started:
-                i = started[0]
-                keep = before_unpack(buckets[i])
-                started.pop(0)
-                self._lane.wait(gathers, i)
+                flight.started.append(i)
+        except BaseException:
+            self._settle(flight)
+            raise
+        return flight
+
+    def finish(self, flight, partition, before_unpack):
+        """Wait for each gather of ``flight`` in order and unpack it into
+        its parameters when ``before_unpack(b)`` says so. Every gather is
+        waited for, whatever fails; the buffers go back at the end."""
+        try:
+            while flight.started:
+                i = flight.started[0]
+                keep = before_unpack(flight.buckets[i])
+                flight.started.pop(0)
+                self._lane.wait(flight.gathers, i)
                 self._caller_waits()
                 if keep:
-                    partition.unpack(buckets[i], buffers[i])
+                    partition.unpack(flight.buckets[i], flight.buffers[i])
         finally:
-            for i in started:
-                try:
-                    self._lane.wait(gathers, i)
-                except Exception:  # the first failure is the one raised
-                    continue
-            self.drop()
+            self._settle(flight)
+
+    def _settle(self, flight):
+        """Wait for what is still out of ``flight`` (the first failure is
+        the one raised elsewhere), then give its buffers back after the
+        caller's copies out of them."""
+        for i in flight.started:
+            try:
+                self._lane.wait(flight.gathers, i)
+            except Exception:  # the first failure is the one raised
+                continue
+        flight.started.clear()
+        self._plane_waits()
+        flight.gathers = flight.buffers = None
+
+
+class _Flight:
+    """A round's gathers in flight on the lane: its buckets, buffers, and
+    the indices started and not yet waited for."""
+
+    __slots__ = ("buckets", "gathers", "buffers", "started")
+
+    def __init__(self, buckets, gathers, buffers):
+        self.buckets = buckets
+        self.gathers = gathers
+        self.buffers = buffers
+        self.started = []

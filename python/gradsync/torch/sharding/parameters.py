@@ -52,9 +52,11 @@ class ShardedParameters:
         self.gathered = True
 
     @torch.no_grad()
-    def release(self):
-        """The step ended: the pieces read their parameters (when whole),
-        then every parameter's memory is released (each an empty tensor)."""
+    def release(self, step_ended=True):
+        """The step ended (or an evaluation, or ``whole_parameters``: not
+        ``step_ended``, which changes nothing here): the pieces read their
+        parameters (when whole), then every parameter's memory is released
+        (each an empty tensor)."""
         part = self._partition
         if self.whole:
             part.refresh()

@@ -140,6 +140,8 @@ class Unit:
         self.calls = []
         #: Its recomputations inside backward begun and not seen to end.
         self.recomputes = []
+        #: Gathered ahead (a prefetch) and not used yet: not released.
+        self.reserved = False
 
 
 class UnitResidence(ShardedParameters):
@@ -172,8 +174,18 @@ class UnitResidence(ShardedParameters):
         self._served = False
         #: What the gathers did since the wrapper was built, for tests and
         #: benchmarks: rounds joined (serving included), gathers of each
-        #: unit kept by this rank, and the most units but the root whole at once.
-        self.counts = {"rounds": 0, "gathers": [0] * len(self.units), "most_whole": 0}
+        #: unit kept by this rank, the most units but the root whole at
+        #: once, and the rounds opened ahead of the unit's use (prefetches).
+        self.counts = {"rounds": 0, "gathers": [0] * len(self.units), "most_whole": 0, "prefetched": 0}
+        #: Called after every round that gathered (a benchmark's memory sample), or ``None``.
+        self.after_round = None
+        #: Whether the next unit (by the last step's order) is gathered
+        #: while the current one computes.
+        self.prefetch = True
+        #: The units this rank needed in this step, in order; the last step's.
+        self._order, self._learned = [], []
+        #: The prefetch round in flight (``_open``'s), or ``None``.
+        self._prefetching = None
         self._handles = []
         for unit, m in zip(self.units[1:], modules):
             for entry in _entries(m):
@@ -213,6 +225,8 @@ class UnitResidence(ShardedParameters):
         if root.whole:
             return False
         self._round({u for u in root.needs if not self.units[u].whole})
+        with torch.no_grad():
+            self._prefetch()
         return True
 
     @torch.no_grad()
@@ -222,11 +236,17 @@ class UnitResidence(ShardedParameters):
         self.whole = True
 
     @torch.no_grad()
-    def release(self):
-        """The step (or an evaluation, or ``whole_parameters``) ended: serve
-        the others' last rounds, the pieces of whole units read their
-        parameters, then every parameter is an empty tensor."""
+    def release(self, step_ended=True):
+        """The step (or, not ``step_ended``, an evaluation or
+        ``whole_parameters``) ended: serve the others' last rounds, the
+        pieces of whole units read their parameters, then every parameter
+        is an empty tensor. A step's order of units is what the next step
+        prefetches by."""
         self.serve()
+        self._finish_prefetch()
+        if step_ended and self._order:
+            self._learned = self._order
+        self._order = []
         part = self._partition
         whole = {i for unit in self.units if unit.whole or self.whole for i in unit.params}
         for piece in part.owned:
@@ -235,6 +255,7 @@ class UnitResidence(ShardedParameters):
                 piece.tensor.copy_(values[piece.offset : piece.offset + piece.length])
         for unit in self.units:
             unit.whole, unit.forwards, unit.holds, unit.calls, unit.recomputes = False, 0, [], [], []
+            unit.reserved = False
         for i in range(len(part.params)):
             self._empty(i, inside_step=False)
         self._kept = [None] * len(part.params)
@@ -256,9 +277,10 @@ class UnitResidence(ShardedParameters):
     def forget(self):
         """After a failed step's reset (every rank): the lane starts a new
         epoch and nothing is owed to anyone's rounds."""
+        self._prefetching = None
         self.lane.reset()
         self._served = True
-        self.release()
+        self.release(step_ended=False)
 
     def remove_hooks(self):
         """Take the units' hooks off their modules (the wrapper closed)."""
@@ -344,11 +366,16 @@ class UnitResidence(ShardedParameters):
         unit stays whole after its forward or backward until another unit
         is needed (so the modules of a block that is never called itself,
         a ``ModuleDict``, share one gather)."""
-        self._release_unused(u for u in range(1, len(self.units)) if u not in unit.needs)
-        missing = {u for u in unit.needs if not self.units[u].whole}
-        if missing:
-            with torch.no_grad():
+        with torch.no_grad():
+            self._finish_prefetch()
+            self._release_unused(u for u in range(1, len(self.units)) if u not in unit.needs)
+            missing = {u for u in unit.needs if not self.units[u].whole}
+            if missing:
                 self._round(missing)
+            for u in unit.needs:
+                self.units[u].reserved = False
+            self._order.append(unit.index)
+            self._prefetch()
 
     def _hold(self, call):
         """``call``'s backward needs its units whole until it ends."""
@@ -364,13 +391,32 @@ class UnitResidence(ShardedParameters):
         union of every rank's gathered; those this rank wanted kept whole
         (``everything``: all of them, for ``whole_parameters``). Returns
         whether anybody asked for anything."""
+        flight = self._open(wanted, serving)
+        if flight is None:
+            return False
+        self._close(flight, everything)
+        return True
+
+    def _open(self, wanted, serving=False):
+        """A round's first half: the needs summed, every unit any rank asked
+        for started on the lane (after a prefetch in flight is finished:
+        one round at a time). ``None`` when nobody asked for anything."""
+        self._finish_prefetch()
         counts = self.lane.needs([1 if u.index in wanted else 0 for u in self.units])
         asked = [u for u, count in zip(self.units, counts) if count]
         if not serving:
             self._served = False
         if not asked:
-            return False
-        buckets = [b for u in asked for b in u.buckets]
+            return None
+        flight = self.lane.start(self._partition, [b for u in asked for b in u.buckets])
+        return (asked, set(wanted), flight)
+
+    def _close(self, opened, everything=False):
+        """A round's second half: each gather waited for; what this rank
+        asked for allocated, read back and whole. An out-of-memory error
+        while allocating is raised after the round completes (every rank's
+        gathers go on)."""
+        asked, wanted, flight = opened
         keep = {b for u in asked if u.index in wanted and not u.whole for b in u.buckets}
         failure = None
 
@@ -383,7 +429,7 @@ class UnitResidence(ShardedParameters):
                     failure = error
             return b in keep and failure is None
 
-        self.lane.gather(self._partition, buckets, before_unpack)
+        self.lane.finish(flight, self._partition, before_unpack)
         if failure is not None:
             self.gathered = True  # (assemble refuses until abort_step)
             raise failure
@@ -392,10 +438,35 @@ class UnitResidence(ShardedParameters):
                 u.whole = True
                 self.counts["gathers"][u.index] += 1
         self.counts["rounds"] += 1
+        if self.after_round is not None:
+            self.after_round()
         if not everything:
             whole = sum(u.whole for u in self.units[1:])
             self.counts["most_whole"] = max(self.counts["most_whole"], whole)
-        return True
+
+    def _prefetch(self):
+        """Start the round of the unit this rank will need next, by the
+        order of the last step (it computes meanwhile). Nothing when the
+        step so far left that order, or the next unit is whole."""
+        if not self.prefetch or self._prefetching is not None:
+            return
+        at = len(self._order)
+        if at >= len(self._learned) or self._order != self._learned[:at]:
+            return
+        unit = self.units[self._learned[at]]
+        missing = {u for u in unit.needs if not self.units[u].whole}
+        if not missing:
+            return
+        for u in missing:
+            self.units[u].reserved = True
+        self._prefetching = self._open(missing)
+        self.counts["prefetched"] += 1
+
+    def _finish_prefetch(self):
+        """The prefetch in flight, if any, waited for and read back."""
+        opened, self._prefetching = self._prefetching, None
+        if opened is not None:
+            self._close(opened)
 
     def _allocate(self, b):
         """Bucket ``b``'s parameters given their memory again: the storage a
@@ -433,7 +504,7 @@ class UnitResidence(ShardedParameters):
         the root before the step's end)."""
         for u in indices:
             unit = self.units[u]
-            if u == 0 or not unit.whole or unit.forwards > 0 or unit.holds:
+            if u == 0 or not unit.whole or unit.forwards > 0 or unit.holds or unit.reserved:
                 continue
             for i in unit.params:
                 self._empty(i, inside_step=True)

@@ -214,7 +214,7 @@ class Sharding:
         if self._partition is None or self._partition.residence is None:
             return
         if gathered and not grad_enabled:
-            self._partition.residence.release()
+            self._partition.residence.release(step_ended=False)
         else:
             self._partition.residence.forward_ended()
 
@@ -235,7 +235,7 @@ class Sharding:
         try:
             yield self
         finally:
-            residence.release()
+            residence.release(step_ended=False)
 
     def shard_optimizer(self, optimizer_class, params=None, **defaults):
         """The optimizer for a sharded wrapper: ``optimizer_class`` (an
