@@ -12,7 +12,7 @@ import torch.nn as nn
 import sharded
 import sharded_units
 from gradsync import ConfigError
-from gradsync.torch.sharding.units import choose
+from gradsync.torch.sharding.unit_modules import choose
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])

@@ -70,7 +70,7 @@ from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
-from gradsync.torch.sharding.units import choose as choose_units
+from gradsync.torch.sharding.unit_modules import choose as choose_units
 from gradsync.torch.sharding.wrapper import Sharding
 from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
 from gradsync.torch.sharding.wrapper import scatters, sharded_optimizer_of
@@ -262,7 +262,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       joins, so no rank's own forward can hang the others
       (``gradsync.torch.sharding.units``); the rest of the model (the root
       unit) is whole from the forward to the step's end. A model with no
-      such blocks is gathered whole once per step
+      such blocks (or ``shard_parameters=[]``) is gathered whole once per step
       (``gradsync.torch.sharding.parameters``). Between steps each parameter
       is an empty tensor: read or write them there inside ``with
       model.whole_parameters():`` (every rank). Not yet with ``elastic`` or

@@ -11,41 +11,47 @@ is whole buckets. Each rank keeps its pieces of every parameter
 (``Layout(own_all=True)``) and::
 
     the wrapper's forward begins ─▶ the root unit gathered; whole until the step ends
-    a unit's forward begins  ─▶ gathered (with the units whose parameters it shares), held
-    its forward ends         ─▶ released (storage resized to nothing) unless a backward will need it
-    its backward begins      ─▶ gathered again (a hook on its outputs' gradients)
-    its backward ends        ─▶ released (a hook on its inputs' gradients)
-    a forward recomputed inside backward (checkpointing) holds and releases the same way
+    a unit's forward begins  ─▶ every other unit nothing holds released; this one gathered
+                                (with the units whose weights it shares); the next one's
+                                round started (a prefetch, by the last step's order)
+    its backward begins      ─▶ gathered again (a hook on its outputs' gradients), held
+    its backward ends        ─▶ the hold goes (a hook on its inputs' gradients)
+    a forward recomputed inside backward (checkpointing) is held until its unit's backward ends
     the step ends            ─▶ every rank serves the others' last rounds, then every parameter released
 
-Reference counts (forwards running, backwards pending) decide a release,
-so a unit called twice, recomputed once or twice, or sharing a weight with
-another is never freed while anything still needs it.
+A unit stays whole after its forward or backward until another unit is
+needed, so the modules of a block never called itself (a ``ModuleDict``,
+whose submodules carry the hooks) share one gather. Counts (forwards
+running, backwards held, recomputations) decide a release, so a unit
+called twice, recomputed once or twice, or sharing a weight with another
+is never freed while anything still needs it.
 
 **Rounds, so that no rank's own forward can hang the others.** Gathers
 run on the gather lane (``gradsync._native.Lane``: a communicator of its
 own, so they never queue behind the step's reductions). Each gather is
 part of a *round*: every rank sends the units it needs now (one word per
 unit), the words are summed, and every rank gathers the union in unit
-order, keeping what it needs and dropping the rest. A rank needs a round
-only when a unit it needs is not whole; a rank at its step's end (or an
-evaluation's end, or an abort) *serves*: it joins rounds asking for
-nothing until a round where nobody asks for anything. So a module used on
-some ranks only, a rank-dependent number of forwards, unused parameters,
+order, keeping what it asked for. A rank opens a round only when a unit
+it needs is not whole (or to prefetch one); a rank at its step's end (or
+an evaluation's end, or an abort) *serves*: it joins rounds asking for
+nothing until a round where nobody asks for anything. Each rank's rounds
+pair one for one, so a module used on some ranks only, unused parameters,
 tied weights across units or one rank's out-of-memory error all end in
-the same rounds on every rank::
+the same rounds on every rank (here unit 3 runs on rank 1 only)::
 
-    rank 0: round {unit 1} ─ round {unit 2} ─ serve: round {unit 3} (rank 1's) ─ round {} ─▶ finish
-    rank 1: round {unit 1} ───────────────── round {unit 3} (its own) ────────── round {} ─▶ finish
+    rank 0: round {1} ─ round {2} ─ serve: round {} ─ round {} ─▶ the step's collectives
+    rank 1: round {1} ─ round {2} ─ round {3}       ─ serve: round {} ─▶ the step's collectives
+    round 3 gathers unit 3 on both ranks (rank 0 keeps nothing of it); in round 4 nobody asks
 
-A unit's parameters between its uses hold their shape with no memory
-(``untyped_storage().resize_(0)``, as FSDP does): the tensors autograd
-saved of them (a transposed weight) share that storage, so a release
-really frees it and the gather before backward refills it. Reading such a
-parameter outside its unit's forward and backward reads freed memory:
-keep code that reads parameters (a penalty over every weight) inside the
-model's forward, or in ``model.whole_parameters()`` between steps. Between
-steps every parameter is an empty tensor (``sharding.parameters``).
+Between its uses a unit's parameters are empty tensors (a stray read gets
+nothing, never freed memory), and the storage they had is resized to
+nothing (as FSDP does): the tensors autograd saved of them (a transposed
+weight) share it, so a release really frees it, and the gather before
+backward grows the same storage back and refills it (under
+``_unsafe_preserve_version_counter``: autograd sees the tensor it saved).
+Code that reads parameters outside their unit's forward and backward (a
+penalty over every weight) belongs in the model's forward, or between
+steps in ``model.whole_parameters()``.
 """
 
 import zlib
@@ -56,64 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradsync._errors import ConfigError
 from gradsync.torch.sharding.layout import flat_values
 from gradsync.torch.sharding.parameters import ShardedParameters
-
-
-def choose(module, params, listed):
-    """Each parameter's unit (a list parallel to ``params``, the wrapper's
-    parameters) and each unit's name: ``listed`` modules (``True``: the
-    children of the largest ``ModuleList`` or ``Sequential``); unit 0 is
-    the root (what no listed module holds). A parameter two units hold
-    belongs to the first; listed modules must not nest."""
-    if listed is True:
-        listed = _blocks(module)
-    elif isinstance(listed, torch.nn.Module) and not isinstance(listed, (torch.nn.ModuleList, torch.nn.Sequential)):
-        listed = [listed]
-    elif isinstance(listed, (list, tuple, torch.nn.ModuleList, torch.nn.Sequential)):
-        listed = list(listed)
-    else:
-        raise ConfigError(
-            f"shard_parameters={listed!r}: give True (each block of the model's largest ModuleList or Sequential "
-            "is a unit) or the modules to gather one at a time (a list, or a ModuleList of blocks)"
-        )
-    names = {id(m): n for n, m in module.named_modules()}
-    for m in listed:
-        if not isinstance(m, torch.nn.Module) or id(m) not in names:
-            raise ConfigError(
-                f"shard_parameters: {type(m).__name__} is not a submodule of the wrapped model; list the modules "
-                "to gather one at a time (e.g. model.transformer.h), or pass True for the model's blocks"
-            )
-    for i, m in enumerate(listed):
-        inner = {id(s) for s in m.modules()} - {id(m)}
-        for other in listed[i + 1:]:
-            if id(other) in inner or id(m) in {id(s) for s in other.modules()}:
-                raise ConfigError(
-                    f"shard_parameters: units {names[id(m)]!r} and {names[id(other)]!r} nest; list modules "
-                    "that do not contain each other"
-                )
-    owner = {}
-    for u, m in enumerate(listed, start=1):
-        for p in m.parameters():
-            owner.setdefault(id(p), u)
-    units = [owner.get(id(p), 0) for p in params]
-    return units, ["(root)"] + [names[id(m)] for m in listed], list(listed)
-
-
-def _blocks(module):
-    """The children of the largest ``ModuleList`` or ``Sequential`` (by
-    parameters) that has at least two children with parameters; with no
-    such list, the model's own children that have parameters (if at least
-    two); else none: one unit, the whole model."""
-    best, most = [], 0
-    for m in module.modules():
-        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
-            children = [c for c in m.children() if any(True for _ in c.parameters())]
-            size = sum(p.numel() for c in children for p in c.parameters())
-            if len(children) >= 2 and size > most:
-                best, most = children, size
-    if not best:
-        children = [c for c in module.children() if any(True for _ in c.parameters())]
-        best = children if len(children) >= 2 else []
-    return best
+from gradsync.torch.sharding.unit_modules import entries
 
 
 class Unit:
@@ -188,7 +137,7 @@ class UnitResidence(ShardedParameters):
         self._prefetching = None
         self._handles = []
         for unit, m in zip(self.units[1:], modules):
-            for entry in _entries(m):
+            for entry in entries(m):
                 self._handles.append(entry.register_forward_pre_hook(self._before_forward(unit), with_kwargs=True))
                 self._handles.append(entry.register_forward_hook(self._after_forward(unit)))
 
@@ -509,15 +458,6 @@ class UnitResidence(ShardedParameters):
             for i in unit.params:
                 self._empty(i, inside_step=True)
             unit.whole = False
-
-
-def _entries(module):
-    """Where a unit's forward is seen: the module itself, or, for a
-    container that is never called (``ModuleDict``, ``ModuleList``), its
-    submodules that are."""
-    if type(module).forward is not torch.nn.Module.forward:
-        return [module]
-    return [e for child in module.children() for e in _entries(child)]
 
 
 class _Call:

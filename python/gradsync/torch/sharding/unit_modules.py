@@ -1,0 +1,80 @@
+"""Which modules are parameter sharding's units (``shard_parameters=``),
+and where each unit's forward is seen.
+
+``True`` takes the children of the model's largest ``ModuleList`` or
+``Sequential`` (by parameters; a transformer's layers; with none, one
+unit); a list names the modules; ``[]`` is one unit, the whole model. Unit 0, the root, holds every parameter no unit
+holds; a parameter two units hold belongs to the first::
+
+    choose(model, params, True) ─▶ (each parameter's unit, the units' names, the unit modules)
+    entries(unit module)        ─▶ the modules whose forward hooks gather it
+"""
+
+import torch
+
+from gradsync._errors import ConfigError
+
+
+def choose(module, params, listed):
+    """Each parameter's unit (a list parallel to ``params``, the wrapper's
+    parameters) and each unit's name: ``listed`` modules (``True``: the
+    children of the largest ``ModuleList`` or ``Sequential``); unit 0 is
+    the root (what no listed module holds). A parameter two units hold
+    belongs to the first; listed modules must not nest."""
+    if listed is True:
+        listed = _blocks(module)
+    elif isinstance(listed, torch.nn.Module) and not isinstance(listed, (torch.nn.ModuleList, torch.nn.Sequential)):
+        listed = [listed]
+    elif isinstance(listed, (list, tuple, torch.nn.ModuleList, torch.nn.Sequential)):
+        listed = list(listed)
+    else:
+        raise ConfigError(
+            f"shard_parameters={listed!r}: give True (each block of the model's largest ModuleList or Sequential "
+            "is a unit) or the modules to gather one at a time (a list, or a ModuleList of blocks)"
+        )
+    names = {id(m): n for n, m in module.named_modules()}
+    for m in listed:
+        if not isinstance(m, torch.nn.Module) or id(m) not in names:
+            raise ConfigError(
+                f"shard_parameters: {type(m).__name__} is not a submodule of the wrapped model; list the modules "
+                "to gather one at a time (e.g. model.transformer.h), or pass True for the model's blocks"
+            )
+    for i, m in enumerate(listed):
+        inner = {id(s) for s in m.modules()} - {id(m)}
+        for other in listed[i + 1:]:
+            if id(other) in inner or id(m) in {id(s) for s in other.modules()}:
+                raise ConfigError(
+                    f"shard_parameters: units {names[id(m)]!r} and {names[id(other)]!r} nest; list modules "
+                    "that do not contain each other"
+                )
+    owner = {}
+    for u, m in enumerate(listed, start=1):
+        for p in m.parameters():
+            owner.setdefault(id(p), u)
+    units = [owner.get(id(p), 0) for p in params]
+    return units, ["(root)"] + [names[id(m)] for m in listed], list(listed)
+
+
+def _blocks(module):
+    """The children of the largest ``ModuleList`` or ``Sequential`` (by
+    parameters) that has at least two children with parameters; else none:
+    one unit, the whole model (the model's own children are not taken: a
+    root forward that reads a child's weight itself, a tied head, would
+    read it released)."""
+    best, most = [], 0
+    for m in module.modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            children = [c for c in m.children() if any(True for _ in c.parameters())]
+            size = sum(p.numel() for c in children for p in c.parameters())
+            if len(children) >= 2 and size > most:
+                best, most = children, size
+    return best
+
+
+def entries(module):
+    """Where a unit's forward is seen: the module itself, or, for a
+    container that is never called (``ModuleDict``, ``ModuleList``), its
+    submodules that are."""
+    if type(module).forward is not torch.nn.Module.forward:
+        return [module]
+    return [e for child in module.children() for e in entries(child)]
