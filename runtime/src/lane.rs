@@ -267,21 +267,25 @@ mod tests {
 
     #[test]
     fn a_missing_rank_fails_the_round_within_the_deadline_and_a_reset_recovers() {
+        let deadline = Duration::from_secs(2);
         let endpoints = LocalWorld::connect(2).unwrap();
         let mut endpoints = endpoints.into_iter();
         let (first, second) = (endpoints.next().unwrap(), endpoints.next().unwrap());
+        let (failed_tx, failed_rx) = crossbeam_channel::bounded(1);
         std::thread::scope(|s| {
             let late = s.spawn(move || {
-                let mut lane: GatherLane<HostStore> = GatherLane::start(second, Duration::from_millis(300)).unwrap();
-                // Rank 1 skips the first round, then resets with rank 0.
-                std::thread::sleep(Duration::from_millis(600));
+                let mut lane: GatherLane<HostStore> = GatherLane::start(second, deadline).unwrap();
+                // Rank 1 skips the first round; once rank 0's failed, both reset.
+                failed_rx.recv().unwrap();
                 lane.reset().unwrap();
                 lane.needs(vec![2]).unwrap()
             });
-            let mut lane: GatherLane<HostStore> = GatherLane::start(first, Duration::from_millis(300)).unwrap();
+            let mut lane: GatherLane<HostStore> = GatherLane::start(first, deadline).unwrap();
             let began = Instant::now();
             let error = lane.needs(vec![1]).unwrap_err();
-            assert!(began.elapsed() < Duration::from_secs(3), "the deadline was honoured: {:?}", began.elapsed());
+            let waited = began.elapsed();
+            failed_tx.send(()).unwrap();
+            assert!(waited >= deadline && waited < deadline * 3, "the deadline was honoured: {waited:?}");
             assert!(matches!(error, SyncError::Comm(_)), "{error}");
             assert!(error.to_string().contains("gather round 1"), "the error names the round: {error}");
             lane.reset().unwrap();
