@@ -313,15 +313,11 @@ impl<S: GradStore> ParamShard<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arrival::DType;
     use crate::plan::ParamSpec;
     use tokio::sync::mpsc::unbounded_channel;
 
     fn plan(n: usize) -> Plan {
-        let specs = (0..n)
-            .map(|i| ParamSpec { name: format!("p{i}"), numel: 2, dtype: DType::F32, expected_arrivals: None, unit: 0 })
-            .collect();
-        Plan::build(specs, 1 << 20)
+        Plan::build(ParamSpec::numbered(&vec![2; n]), 1 << 20)
     }
 
     fn arrival(step: Step, p: usize, t: u64, v: f32, inc: bool) -> ShardMsg {

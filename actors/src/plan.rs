@@ -72,6 +72,20 @@ pub struct ParamSpec {
     pub unit: u32,
 }
 
+impl ParamSpec {
+    /// A parameter of `numel` elements of `dtype`, its arrivals learned, in unit 0.
+    pub fn new(name: impl Into<String>, numel: usize, dtype: DType) -> Self {
+        ParamSpec { name: name.into(), numel, dtype, expected_arrivals: None, unit: 0 }
+    }
+
+    /// Float32 parameters `p0`, `p1`, ... of `numels` elements (what the
+    /// crate's tests plan over).
+    #[cfg(test)]
+    pub(crate) fn numbered(numels: &[usize]) -> Vec<ParamSpec> {
+        numels.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), n, DType::F32)).collect()
+    }
+}
+
 /// Parameters in registration order, with unique names. Hands out the
 /// [`ParamId`]s and builds the [`Plan`].
 #[derive(Debug, Clone, Default)]
@@ -95,7 +109,7 @@ impl Registry {
         }
         let id = ParamId::from_index(self.params.len());
         self.names.insert(name.clone(), id);
-        self.params.push(ParamSpec { name, numel, dtype, expected_arrivals: None, unit: 0 });
+        self.params.push(ParamSpec::new(name, numel, dtype));
         Ok(id)
     }
 
@@ -485,17 +499,7 @@ mod tests {
     use super::*;
 
     fn specs(numels: &[usize]) -> Vec<ParamSpec> {
-        numels
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| ParamSpec {
-                name: format!("p{i}"),
-                numel: n,
-                dtype: DType::F32,
-                expected_arrivals: None,
-                unit: 0,
-            })
-            .collect()
+        ParamSpec::numbered(numels)
     }
 
     /// One data-driven case: parameter sizes, cap in bytes, expected buckets as member lists.

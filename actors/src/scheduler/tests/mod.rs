@@ -13,7 +13,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::control::{mirror_vote, ControlVote, RankStatus};
 use super::reorder::positions_of;
 use super::{Scheduler, SchedulerConfig};
-use crate::arrival::{DType, ParamId, PayloadKind, Step, Token};
+use crate::arrival::{ParamId, PayloadKind, Step, Token};
 use crate::bucket_buf::{BucketBuf, WriteMode};
 use crate::comm::{CommDone, CommJob, CommPayload};
 use crate::error::{CollectiveKind, CollectiveTag, CommError, Rejection, SyncError};
@@ -67,18 +67,7 @@ fn rank_configured(
     divisor: Divisor,
     edit: impl FnOnce(&mut SchedulerConfig),
 ) -> Rank {
-    let specs = numels
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| ParamSpec {
-            name: format!("p{i}"),
-            numel: n,
-            dtype: DType::F32,
-            expected_arrivals: None,
-            unit: 0,
-        })
-        .collect();
-    let plan = Arc::new(Plan::build(specs, cap));
+    let plan = Arc::new(Plan::build(ParamSpec::numbered(numels), cap));
     let cfg = SchedulerConfig {
         rank,
         world,
