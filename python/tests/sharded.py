@@ -367,17 +367,20 @@ def loans(rank, world, steps=4):
     return {"lent": lent, "diff": worst}
 
 
-def uneven_inputs(rank, world, immediate=False):
+def uneven_inputs(rank, world, immediate=False, micro=1, **settings):
     """Rank ``r`` has ``2 + 2 * (world - 1 - r)`` batches (rank 0 the most).
     Under ``with model.join()`` (DDP's divisor: the world size) or with
     ``model.join_now()`` at the end of each rank's data (divisor: the ranks
     that contributed), a rank out of data keeps stepping its partition for
-    the others. Returns the largest parameter difference from the reference."""
+    the others (and, with sharded parameters, serves their gathers).
+    ``micro``: micro-batches per step, all but the last under ``no_sync``;
+    ``settings``: the wrapper's (default ``shard_gradients=True``). Returns
+    the largest parameter difference from the reference."""
     torch.manual_seed(21)
-    base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 12)).double()
+    base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 12)).double()
     reference = copy.deepcopy(base)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(base), shard_gradients=True, bucket_cap_mb=0.001)
+    wrapped = GradsyncDDP(copy.deepcopy(base), bucket_cap_mb=0.001, **(settings or {"shard_gradients": True}))
     opt = wrapped.shard_optimizer(torch.optim.AdamW, lr=LR)
     counts = [2 + 2 * (world - 1 - r) for r in range(world)]
     data = torch.randn(max(counts), world, 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
@@ -385,7 +388,9 @@ def uneven_inputs(rank, world, immediate=False):
         def train(batches):
             for x in batches:
                 opt.zero_grad()
-                _plain(wrapped, rank, 0, x).backward()
+                for m, chunk in enumerate(x.chunk(micro)):
+                    with (wrapped.no_sync() if m < micro - 1 else _nothing()):
+                        (_plain(wrapped, rank, 0, chunk) / micro).backward()
                 opt.step()
 
         mine = [data[s, rank] for s in range(counts[rank])]
@@ -399,9 +404,11 @@ def uneven_inputs(rank, world, immediate=False):
             training = [r for r in range(world) if s < counts[r]]
             ref_opt.zero_grad()
             for r in training:
-                (_plain(reference, r, 0, data[s, r]) / (len(training) if immediate else world)).backward()
+                for chunk in data[s, r].chunk(micro):
+                    (_plain(reference, r, 0, chunk) / micro / (len(training) if immediate else world)).backward()
             ref_opt.step()
-        return _diff(reference, wrapped)
+        with wrapped.whole_parameters():
+            return _diff(reference, wrapped)
     finally:
         wrapped.close()
 

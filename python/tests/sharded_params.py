@@ -209,12 +209,3 @@ def mixed_parameters(rank, world, steps=3):
         return seen
     finally:
         wrapped.close()
-
-
-def join_refused(rank, world):
-    """``model.join()`` on a parameter-sharded wrapper: the message every rank gets."""
-    wrapped = GradsyncDDP(_model(), shard_parameters=True)
-    try:
-        return _refused(wrapped.join)
-    finally:
-        wrapped.close()

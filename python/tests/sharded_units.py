@@ -49,17 +49,23 @@ def _batch(step, rank, world):
     return x if rank is None else x[rank * 3 : (rank + 1) * 3]
 
 
-def training(rank, world, recompute=None, steps=3, prefetch=True):
+def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False):
     """``steps`` steps of :class:`Stack` under ``shard_parameters=True``
     next to one process over the whole batch. Returns the units' names,
     the largest parameter difference, the gathers of each unit this rank
     kept in forward and backward, the most units whole at once, the rounds
     opened ahead of a unit's use, and the blocks' values held between
     forward and backward. ``prefetch``: gather the next block (by the last
-    step's order) while the current one computes."""
+    step's order) while the current one computes. ``compiled``: each
+    block ``torch.compile``d before wrapping, as torchtitan compiles its
+    layers (aot_eager: compiled autograd graphs, no C++ compiler)."""
     reference = Stack(recompute).double()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
+    model = copy.deepcopy(reference)
+    if compiled:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="aot_eager")
+    wrapped = GradsyncDDP(model, shard_parameters=True, bucket_cap_mb=0.001)
     opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
     residence = wrapped._partition.residence
     residence.prefetch = prefetch
@@ -88,6 +94,8 @@ def training(rank, world, recompute=None, steps=3, prefetch=True):
             "most_whole": residence.counts["most_whole"],
             "prefetched": residence.counts["prefetched"],
             "between": sum(between),
+            # Graphs dynamo compiled in this process (the blocks', when ``compiled``).
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         }
     finally:
         wrapped.close()

@@ -3,8 +3,8 @@ parameters are whole while its forward or backward runs (or, gathered once
 per step, from a forward to the step's end) and released between steps,
 each rank holding its pieces only; training stays exact through
 aborts, accumulation and clipping; what a program writes into whole
-parameters is kept; state dicts between steps and uneven inputs are refused
-with what to do. Every case of the sharded table runs under it too
+parameters is kept; state dicts between steps are refused with what to do; uneven
+inputs (``join``) are exact. Every case of the sharded table runs under it too
 (``test_sharded.py``)."""
 
 import pytest
@@ -68,9 +68,20 @@ def test_reduce_scattered_on_gloo_too(world2):
     check(world2.run(case, "gradsync-params", "rank_dependent_control_flow", scatter=True))
 
 
-def test_uneven_inputs_and_elastic_jobs_are_refused_with_what_to_do(world2):
-    for message in world2.run(sharded_params.join_refused):
-        assert message is not None and "drop_last" in message, message
+@pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
+@pytest.mark.parametrize("immediate,micro", [(False, 1), (True, 1), (False, 2)],
+                         ids=["join-context", "join_now", "join-context-no_sync"])
+def test_uneven_inputs_a_rank_out_of_data_serves_the_gathers_and_steps_its_partition(world3, units, immediate,
+                                                                                       micro):
+    # Rank 2 runs out after 2 steps, rank 1 after 4, rank 0 trains 6: the joined ranks take part in the
+    # others' gathers (asking for nothing) and step their pieces; with no_sync micro-batches every one of
+    # them gathers, so the joined ranks are told at a step's first forward. Exact, no hang.
+    results = world3.run(sharded.uneven_inputs, immediate=immediate, micro=micro, shard_parameters=units, timeout=90)
+    for rank, diff in enumerate(results):
+        assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
+
+
+def test_elastic_jobs_are_refused_with_what_to_do():
     with pytest.raises(ConfigError, match="shard_gradients=True in an elastic job"):
         refuse({"shard_parameters": True, "elastic": object()}, [])
 

@@ -10,7 +10,10 @@ contributes zeros to that step through the runtime's ``shadow_step``. When
 every rank has joined, :meth:`ShadowStep.post_hook` gives every rank the
 last joiner's parameters and buffers. Buffers broadcast before a forward
 come from the highest rank still training, the joined ranks taking part
-from :meth:`ShadowStep.main_hook`.
+from :meth:`ShadowStep.main_hook`. With sharded parameters the main hook
+also serves the other ranks' parameter gathers of that step (a joined rank
+asks for nothing), which is why every rank's first forward of a step tells
+the joined ones, ``no_sync`` micro-batches included.
 """
 
 from torch.distributed.algorithms.join import JoinHook
@@ -25,13 +28,18 @@ class ShadowStep(JoinHook):
 
     def main_hook(self):
         # The buffer broadcast of the others' forward first (when DDP's rule
-        # sends one), then their step's collectives.
+        # sends one), their parameter gathers (sharded parameters), then
+        # their step's collectives.
         self.ddp._broadcast_buffers_now(joined=True)
+        self.ddp._shadow_gathers()
         self.ddp._sync.shadow_step()
 
     def post_hook(self, is_last_joiner):
         # Ranks that joined early skipped optimizer steps: take the last
-        # joiner's parameters and buffers, as DDP does.
+        # joiner's parameters and buffers, as DDP does. Sharded parameters
+        # live in every rank's pieces, which each rank kept stepping (and a
+        # released parameter holds nothing to send): not those.
         ddp = self.ddp
-        ddp._states.from_last_joiner(ddp._model_states(), is_last_joiner)
+        pieces = {id(p) for p in ddp._params} if ddp.parameters_sharded else set()
+        ddp._states.from_last_joiner([t for t in ddp._model_states() if id(t) not in pieces], is_last_joiner)
         ddp._sync.set_divisor("contributors")

@@ -98,7 +98,6 @@ class DdpSurface:
         the world size (``divide_by_initial_world_size=True``, the default)
         or by the ranks that contributed; on a rank whose inputs ran out, each
         of the hook's calls shadows one step of the other ranks."""
-        self.refuse_join()
         divide = bool(kwargs.get("divide_by_initial_world_size", True))
         self._sync.set_divisor("world" if divide else "contributors")
         return ShadowStep(self)

@@ -265,8 +265,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       such blocks (or ``shard_parameters=[]``) is gathered whole once per step
       (``gradsync.torch.sharding.parameters``). Between steps each parameter
       is an empty tensor: read or write them there inside ``with
-      model.whole_parameters():`` (every rank). Not yet with ``elastic`` or
-      ``join``.
+      model.whole_parameters():`` (every rank). ``join`` works as under
+      DDP; not yet with ``elastic``.
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
       rank does not end the job, a replacement joins it (see
@@ -313,6 +313,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         torch.nn.Module.__init__(self)
         # What torch's Joinable.__init__ sets (torch's DDP.__init__ is not run).
         self._join_config = _JoinConfig.construct_disabled_join_config()
+        #: The step whose coming the ranks out of data were told of (``_notify_join``).
+        self._join_notified = None
         unknown = set(settings) - set(self.GRADSYNC_SETTINGS)
         if unknown:
             raise TypeError(
@@ -586,15 +588,18 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         grad_enabled = torch.is_grad_enabled()
         if self._partition is not None and grad_enabled:
             self._partition.refuse_if_owed("forward")
-        gathered = self._assemble()
-        was_pending = sync.record is not None and sync.record.sync_pending
         synced = sync.before_forward(grad_enabled)
-        if synced and not was_pending:
+        if synced or (grad_enabled and self.parameters_sharded):
             # Inside `with model.join()`: tell ranks whose inputs ran out that
-            # one more step is coming (they shadow it).
-            Join.notify_join_context(self)
+            # one more step is coming (they shadow it); with sharded
+            # parameters at its first forward, synchronized or not (a
+            # no_sync micro-batch gathers too).
+            self._notify_join()
         if sync.elastic is None:
             self._broadcast_buffers_now()
+        # After the buffers' broadcast: a rank out of data (join) takes part
+        # in it before it serves this step's gathers.
+        gathered = self._assemble()
         if grad_enabled and torch._C._current_graph_task_id() != -1:
             # Recomputed inside backward (the model in a reentrant checkpoint):
             # the backward running now reached the model.
@@ -622,8 +627,18 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         """The open step ends, averaged, with the outermost backward that
         reaches the model (``reducer.prepare_for_backward`` asks for it too)."""
         if not self._sync.record.sync_pending:
-            Join.notify_join_context(self)
+            self._notify_join()
             self._sync.ask_for_sync()
+
+    def _notify_join(self):
+        """Inside ``with model.join()``: tell the ranks whose inputs ran out
+        that this rank's step is coming (each shadows it: ``_join``), once
+        per step."""
+        step = self._sync.current_step
+        if self._join_notified == step:
+            return
+        self._join_notified = step
+        Join.notify_join_context(self)
 
     def _raise_if_unaveraged(self, optimizer):
         """Refuse an optimizer step over a gradient no rank averaged: a

@@ -130,6 +130,15 @@ class ShardedParameters:
         finally:
             part.gathering.drop()
 
+    def shadow(self):
+        """This rank ran out of data (``join``) and shadows one step of the
+        others: it takes part in that step's gather (:meth:`take_part`),
+        whatever its own last step left. It reads nothing back, so its next
+        forward (once every rank joined, a step of its own) gathers again."""
+        self.gathered = False
+        self.take_part()
+        self.gathered = False
+
     def refuse_if_released(self, what):
         """Refuse ``what`` (reading or writing every parameter: a state
         dict) while the parameters are released, saying what to do."""

@@ -223,6 +223,12 @@ class UnitResidence(ShardedParameters):
         while self._round(set(), serving=True):
             pass
 
+    def shadow(self):
+        """This rank ran out of data (``join``) and shadows one step of the
+        others: it serves that step's rounds, whatever its own last step left."""
+        self._served = False
+        self.serve()
+
     def forget(self):
         """After a failed step's reset (every rank): the lane starts a new
         epoch and nothing is owed to anyone's rounds."""

@@ -162,15 +162,13 @@ class Sharding:
         """Whether parameters are sharded too (``shard_parameters=True``)."""
         return self._partition is not None and self._partition.residence is not None
 
-    def refuse_join(self):
-        """Refuse uneven inputs (``join``) with sharded parameters, before
-        any rank runs out of data (see the message)."""
+    def _shadow_gathers(self):
+        """This rank ran out of data (``join``) and shadows a step of the
+        others: with sharded parameters it takes part in that step's
+        gathers first, asking for nothing (``ShardedParameters.shadow``)."""
         if self.parameters_sharded:
-            raise ConfigError(
-                "join (uneven inputs) with shard_parameters=True is not built yet: a rank out of data would have to "
-                "take part in the others' parameter gathers, which it cannot foresee. Give every rank the same "
-                "number of batches (drop_last=True), or use shard_gradients=True, where join works"
-            )
+            self._sync.refuse_if_closed()
+            self._partition.residence.shadow()
 
     def abort_step(self, reason="out_of_memory"):
         """``StepControls.abort_step``; with sharded parameters, a rank that
@@ -187,6 +185,7 @@ class Sharding:
         releases them, whatever the failed step left (gathered or not), so
         that every rank's next forward gathers."""
         step = super().reset()
+        self._join_notified = None  # (the step is made again: the joined ranks shadow it again)
         if self.parameters_sharded:
             self._partition.residence.forget()
         return step
@@ -311,14 +310,14 @@ class Sharding:
     def join_now(self):
         """This rank has run out of data (see ``StepControls.join_now``).
         Sharded, it still owns its partition: each step of the others it
-        shadows, it steps that partition with their averages and takes part
-        in their parameter gather, until every rank has joined."""
+        shadows, it takes part in their parameter gathers and steps that
+        partition with their averages, until every rank has joined."""
         if self._partition is None:
             return super().join_now()
-        self.refuse_join()
         self._sync.refuse_if_closed()
         first, steps = self._sync.current_step, 0
         while True:
+            self._shadow_gathers()
             report = self._sync.shadow_step()
             steps += 1
             if report.outcome == "all_joined":
