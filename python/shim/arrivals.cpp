@@ -183,15 +183,38 @@ class Ledger {
     fired_.assign(params_.size(), 0);
     held_.assign(params_.size(), false);
     out_.resize(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& p = params_[i];
+    for (const at::Tensor& p : params_) {
       viewable_.push_back(!staging_ && (p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble) &&
                           p.is_contiguous());
-      auto node = torch::autograd::impl::grad_accumulator(p);
+      registered_.push_back(p.scalar_type());
+    }
+    hook();
+  }
+
+  // Hook every parameter's gradient accumulator.
+  void hook() {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto node = torch::autograd::impl::grad_accumulator(params_[i]);
       TORCH_CHECK(node, "gradsync: parameter ", i, " has no gradient accumulator (does it require grad?)");
       keys_.push_back(node->add_post_hook(std::make_unique<ArrivalHook>(self_, i)));
       accumulators_.push_back(std::move(node));
     }
+  }
+
+  // The parameters changed dtype (`p.data = ...` of another dtype makes
+  // torch forget a parameter's gradient accumulator, and with it the hook):
+  // hook the accumulators they have now. Their gradients are still handed
+  // over in the dtype registered (cast when they differ).
+  void rehook() {
+    if (closed_) {
+      return;
+    }
+    for (size_t i = 0; i < accumulators_.size(); ++i) {
+      accumulators_[i]->del_post_hook(keys_[i]);
+    }
+    accumulators_.clear();
+    keys_.clear();
+    hook();
   }
 
   ~Ledger() {
@@ -564,6 +587,12 @@ class Ledger {
     }
     params_[index].mutable_grad().reset();
     at::Tensor given = staging_ ? grad.to(at::kCPU).contiguous() : grad.is_contiguous() ? grad : grad.contiguous();
+    if (given.scalar_type() != registered_[index]) {
+      // The parameter holds another dtype than it was registered with
+      // (sharded parameters whole in their own dtype, registered in the
+      // dtype they compute in): the runtime reads the registered one.
+      given = given.to(registered_[index]);
+    }
     uint64_t token = fired_[index]++;
     if (token == 0 && (!viewable_[index] || existing_.count(grad.unsafeGetTensorImpl()) != 0)) {
       out_[index] = grad;
@@ -634,6 +663,9 @@ class Ledger {
   std::vector<at::Tensor> params_;
   // Whether a bucket view may stand in for the parameter's .grad.
   std::vector<bool> viewable_;
+  // Per parameter, the dtype its gradients are handed over in (the one
+  // registered with the runtime: the parameter's when the hooks were made).
+  std::vector<at::ScalarType> registered_;
   const SinkTable* table_;
   // The runtime's ArrivalSink (kept alive here) and its address.
   py::object sink_;
@@ -685,6 +717,8 @@ PYBIND11_MODULE(_arrivals, m) {
            py::arg("on_odd"), py::arg("staging") = false, py::arg("device_plane") = false,
            py::arg("plane_stream") = std::nullopt)
       .def("remove", &Ledger::remove, "Take the hooks off; later gradients stay in .grad.")
+      .def("rehook", &Ledger::rehook,
+           "Hook the parameters' gradient accumulators again (after a parameter changed dtype).")
       .def("new_step", &Ledger::new_step, "Start recording the runtime's next step.")
       .def("give_held", &Ledger::give_held,
            "Hand over the .grad of parameters only no_sync micro-batches reached (before the step ends).")

@@ -19,17 +19,18 @@ class Stack(nn.Module):
     """An embedding-like input layer, four blocks in a ``ModuleList`` (the
     units), a head; each block optionally checkpointed (``"reentrant"`` or
     ``"non_reentrant"``); ``extra_on``: a fifth block run only on that
-    rank (a module some ranks never use)."""
+    rank (a module some ranks never use); ``width``: the blocks' (the
+    input is :data:`WIDTH` wide)."""
 
-    def __init__(self, recompute=None, extra_on=None, rank=0):
+    def __init__(self, recompute=None, extra_on=None, rank=0, width=WIDTH):
         super().__init__()
         torch.manual_seed(3)
-        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.inp = nn.Linear(WIDTH, width)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)) for _ in range(4)
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)) for _ in range(4)
         )
-        self.extra = nn.Linear(WIDTH, WIDTH)
-        self.head = nn.Linear(WIDTH, 4)
+        self.extra = nn.Linear(width, width)
+        self.head = nn.Linear(width, 4)
         self.recompute, self.extra_on, self.rank = recompute, extra_on, rank
 
     def forward(self, x):
@@ -149,3 +150,76 @@ def units_differ(rank, world):
         return str(error)
     wrapped.close()
     return None
+
+
+def mixed_precision(rank, world, units=True, steps=4, recompute=None, width=WIDTH, **settings):
+    """``param_dtype=torch.bfloat16`` over a float32 :class:`Stack`: each
+    step computes with a bfloat16 copy of the pieces, the gradients'
+    average (summed in float32) reaches the float32 pieces, AdamW steps
+    them. The reference does the same by hand in one process: a bfloat16
+    copy of float32 master weights, each rank's batch through it, the
+    float32 sum over the world. After the first step the parameters are
+    read inside ``whole_parameters``, after the second gathered whole as a
+    framework's teardown leaves them (the steps after each check that the
+    gradients still arrive, in bfloat16). ``recompute``: the blocks
+    checkpointed; ``width``: the blocks' (an odd one gives odd chunks,
+    padded to whole words when carried); ``settings``: the wrapper's too. Returns the largest difference from the
+    reference, the same from plain float32 training (what bfloat16
+    changed), the dtypes the blocks computed in, held between steps, held
+    inside ``whole_parameters`` and saved in its state dict, and the
+    bucket gathers carried in bfloat16 (``padded``: of an odd chunk)."""
+    master = Stack(recompute, width=width)
+    plain = copy.deepcopy(master)
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(master), shard_parameters=units, param_dtype=torch.bfloat16,
+                          **{"bucket_cap_mb": 0.001, **settings})
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    seen = {"forward": set(), "carried": 0, "padded": 0}
+    hook = wrapped.module.blocks[1].register_forward_pre_hook(lambda m, args: seen["forward"].add(m[0].weight.dtype))
+    part = wrapped._partition
+    size_of = part.gather_size
+
+    def gather_size(b, carry=None):  # (counts the gathers of buckets carried in bfloat16, and those padded)
+        if carry is not None:
+            seen["carried"] += 1
+            seen["padded"] += part.buckets[b].chunk % 2
+        return size_of(b, carry)
+
+    part.gather_size = gather_size
+    try:
+        for step in range(steps):
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            grads = [None] * len(list(low.parameters()))
+            for r in range(world):
+                low.zero_grad()
+                low(_batch(step, r, world).to(torch.bfloat16)).float().square().mean().backward()
+                for k, p in enumerate(low.parameters()):
+                    if p.grad is not None:  # (the extra block is used by no rank: no gradient, as under gradsync)
+                        grads[k] = p.grad.float() if grads[k] is None else grads[k] + p.grad.float()
+            for p, g in zip(master.parameters(), grads):
+                p.grad = None if g is None else g / world
+            ref_opt.step()
+            plain_opt.zero_grad()
+            plain(_batch(step, None, world).float()).square().mean().backward()
+            plain_opt.step()
+            opt.zero_grad()
+            wrapped(_batch(step, rank, world).float()).float().square().mean().backward()
+            opt.step()
+            if step == 0:
+                seen["between"] = {p.dtype for p in wrapped.module.blocks.parameters()}
+                with wrapped.whole_parameters():
+                    seen["whole"] = {p.dtype for p in wrapped.module.parameters()}
+                    seen["state"] = {t.dtype for t in wrapped.module.state_dict().values()}
+            if step == 1:
+                wrapped._gather_whole()  # (Lightning's teardown: whole in float32 until the next forward)
+        with wrapped.whole_parameters():
+            state = wrapped.module.state_dict()
+        seen["worst"] = max((state[n] - p).abs().max().item() for n, p in master.named_parameters())
+        seen["from_plain"] = max((state[n] - p).abs().max().item() for n, p in plain.named_parameters())
+        for key in ("forward", "between", "whole", "state"):
+            seen[key] = sorted(str(d) for d in seen[key])
+        return seen
+    finally:
+        hook.remove()
+        wrapped.close()

@@ -130,7 +130,8 @@ def test_sharded_memory_every_implementation(tmp_path):
     bench("sharded_memory.py", "--worlds", "2", "--layers", "1", "--width", "32", "--tokens", "8", "--steps", "2",
           "--json", tmp_path / "memory.json")
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync-params", "gradsync", "ddp", "zero1", "fsdp2"}
+    assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync-params", "gradsync-params-bf16", "gradsync",
+                                         "ddp", "zero1", "fsdp2", "fsdp2-bf16"}
     assert not [r for r in rows if r["impl"].startswith("gradsync") and "error" in r], rows
     by = {r["impl"]: r for r in rows}
     # After a step a parameter-sharded rank holds its pieces only (no whole parameters, no gather buffers).

@@ -3,7 +3,9 @@ blocks): each block is gathered for its forward and again for its backward
 and released in between, never twice needlessly under either
 checkpointing; a block some ranks never run is gathered by the others'
 rounds without a hang; units that differ across ranks, or that nest, or
-are not the model's, are refused."""
+are not the model's, are refused. Blocks compiled before wrapping, one
+rank alone, and ``param_dtype`` (a bfloat16 copy gathered for each step,
+float32 pieces) train exactly."""
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import sharded
 import sharded_units
 from gradsync import ConfigError
 from gradsync.torch.sharding.unit_modules import choose
+from gradsync.torch.sharding.wrapper import param_dtype_of
+from world import World
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
@@ -85,3 +89,48 @@ def test_blocks_compiled_before_wrapping_are_units_gathered_as_eager_ones(world2
         assert seen["gathers"][1:5] == [2 * (steps - 1)] * 4, f"rank {rank}: {seen['gathers']}"
         assert seen["between"] == 0, f"rank {rank}: the blocks held values between forward and backward"
         assert seen["graphs"] >= 1, f"rank {rank}: no block was compiled"
+
+
+@pytest.mark.parametrize("units,recompute,width,buckets", [
+    (True, None, 11, None),  # odd chunks: each rank's padded to whole words
+    ([], None, sharded_units.WIDTH, None),
+    (True, "reentrant", sharded_units.WIDTH, None),
+    (True, "non_reentrant", sharded_units.WIDTH, "device"),
+], ids=["units-odd-chunks", "one-gather", "reentrant", "non-reentrant-device-plane"])
+def test_param_dtype_computes_in_bfloat16_and_steps_the_float32_pieces_exactly(world2, units, recompute, width,
+                                                                                buckets):
+    settings = {} if buckets is None else {"buckets": buckets}
+    for rank, seen in enumerate(world2.run(sharded_units.mixed_precision, units=units, recompute=recompute,
+                                           width=width, **settings)):
+        # Bitwise the reference's: a bfloat16 copy of float32 masters, the gradients summed in float32.
+        assert seen["worst"] == 0.0, f"rank {rank}: off by {seen['worst']}"
+        assert seen["from_plain"] > 1e-4, f"rank {rank}: bfloat16 changed nothing ({seen['from_plain']})"
+        assert seen["forward"] == ["torch.bfloat16"] and seen["between"] == ["torch.bfloat16"], seen
+        # Whole in float32 where a program reads or saves them; the steps after still get their gradients.
+        assert seen["whole"] == ["torch.float32"] and seen["state"] == ["torch.float32"], seen
+        assert seen["carried"] > 0, f"rank {rank}: no gather carried bfloat16"
+        if width % 2:
+            assert seen["padded"] > 0, f"rank {rank}: no odd chunk was carried"
+
+
+def test_param_dtype_without_sharded_parameters_or_of_another_type_is_refused():
+    with pytest.raises(ConfigError, match="needs shard_parameters=True"):
+        param_dtype_of({"param_dtype": torch.bfloat16, "shard_gradients": True})
+    with pytest.raises(ConfigError, match="use torch.bfloat16 or torch.float16"):
+        param_dtype_of({"param_dtype": torch.float64, "shard_parameters": True})
+    assert param_dtype_of({"param_dtype": "bfloat16", "shard_parameters": []}) is torch.bfloat16
+
+
+def test_one_rank_alone_trains_exactly():
+    # A job started with one process (a GPU of its own, a debugging run): every piece is this rank's.
+    world = World(1)
+    try:
+        for recompute in (None, "reentrant"):
+            seen = world.run(sharded_units.training, recompute=recompute)[0]
+            assert seen["worst"] <= sharded.ATOL, f"{recompute}: off by {seen['worst']}"
+            assert seen["between"] == 0, f"{recompute}: the blocks held values between forward and backward"
+        for units in (True, []):
+            seen = world.run(sharded_units.mixed_precision, units=units)[0]
+            assert seen["worst"] == 0.0 and seen["forward"] == ["torch.bfloat16"], seen
+    finally:
+        world.close()

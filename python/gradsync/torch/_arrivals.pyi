@@ -39,6 +39,11 @@ class Ledger:
     ) -> None: ...
     def remove(self) -> None:
         """Take the hooks off; later gradients stay in ``.grad``."""
+    def rehook(self) -> None:
+        """Hook the parameters' gradient accumulators again: ``p.data = ...``
+        of another dtype makes torch forget a parameter's accumulator, and
+        with it the hook. Gradients are still handed over in the dtype each
+        parameter had when the hooks were made (cast when they differ)."""
     def new_step(self) -> None:
         """Start recording the runtime's next step."""
     def give_held(self) -> None:

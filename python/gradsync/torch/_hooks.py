@@ -135,6 +135,11 @@ class Hooks:
         """Take the hooks off; later gradients stay in ``.grad``."""
         self._ledger.remove()
 
+    def rehook(self):
+        """Hook the parameters again after one changed dtype (torch then
+        forgets its gradient accumulator, and the hook with it)."""
+        self._ledger.rehook()
+
     def _odd_gradient(self, index):
         """The hook met a gradient the runtime cannot read."""
         raise self.layout_error(index, self._params[index].grad)

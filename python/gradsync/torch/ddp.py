@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, _JoinConfig
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map_only
 
 from gradsync._controls import StepControls
 from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
@@ -73,7 +74,7 @@ from gradsync.torch._states import StateBroadcast
 from gradsync.torch.sharding.unit_modules import choose as choose_units
 from gradsync.torch.sharding.wrapper import Sharding
 from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
-from gradsync.torch.sharding.wrapper import scatters, sharded_optimizer_of
+from gradsync.torch.sharding.wrapper import param_dtype_of, scatters, sharded_optimizer_of
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -91,6 +92,11 @@ _DTYPES = {
     torch.complex128: "float64",
 }
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
+
+
+def _cast_floats(tree, dtype):
+    """``tree`` (nested tuples, lists, dicts) with its floating-point tensors cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 _REFUSED = ("mixed_precision", "device_mesh", "delay_all_reduce_named_params", "param_to_hook_all_reduce")
 
 # Wrappers alive and not closed in this process: for the optimizer check,
@@ -267,6 +273,14 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       is an empty tensor: read or write them there inside ``with
       model.whole_parameters():`` (every rank). ``join`` works as under
       DDP; not yet with ``elastic``.
+    * ``param_dtype``: with ``shard_parameters``, ``torch.bfloat16`` or
+      ``torch.float16``: the float32 and float64 parameters compute in it
+      (a step gathers a rounded copy of the pieces; as FSDP2's
+      ``MixedPrecisionPolicy(param_dtype=...)``), while the pieces, the
+      average of their gradients (reduced in float32) and the optimizer
+      stay in the parameters' own dtype. The parameters are released when
+      wrapping; inside ``whole_parameters()`` (state dicts, checkpoints)
+      they are whole in their own dtype, exactly.
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
       rank does not end the job, a replacement joins it (see
@@ -285,7 +299,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
     GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic",
-                         "shard_gradients", "shard_parameters")
+                         "shard_gradients", "shard_parameters", "param_dtype")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -348,6 +362,9 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         wanted = shard_parameters is not None and shard_parameters is not False
         units = choose_units(module, self._params, shard_parameters) if wanted else None
         sharded = wanted or bool(settings.get("shard_gradients", False))
+        param_dtype = param_dtype_of(settings)
+        #: ``param_dtype`` (or ``None``): the forward's floating-point inputs are cast to it.
+        self._param_dtype = param_dtype
         if sharded:
             refuse_sharded(settings, [n for n, _ in self._sparse_named])
         # DDP's plain attributes, which libraries read (Lightning reads
@@ -393,8 +410,10 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         if elastic is None:
             # (An elastic job sends them at its first step boundary, where a lost member is recovered from.)
             self.broadcast_module_states()
+        # (Under param_dtype, the float32 and float64 parameters' gradients come in that dtype.)
+        lowered = {torch.float32, torch.float64} if param_dtype is not None else set()
         replica = Replica(self._rank, self._world, self._names, [reals(p) for p in self._params],
-                          [_DTYPES[p.dtype] for p in self._params])
+                          [_DTYPES[param_dtype if p.dtype in lowered else p.dtype] for p in self._params])
         options = {k: settings[k] for k in ("abort_policy", "record_timeline") if k in settings}
         self._sync = ModelSync(self._NAME, _UNSEEN_END, path, comm, replica,
                                SyncSettings(cap, timeout_s, wire_dtype=wire, partitioned=sharded,
@@ -407,8 +426,12 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
         if sharded:
-            self._start_sharding(reals, elastic, parameters=units)
+            self._start_sharding(reals, elastic, parameters=units, param_dtype=param_dtype)
         self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
+        if self.parameters_sharded:
+            self._partition.residence.rehook = self._hooks.rehook
+            if param_dtype is not None:
+                self._partition.residence.hooked()
         if units and len(units[1]) > 1:
             self._open_lane(collectives, arrivals, comm.plane_device)
         # torch's model.reducer, as far as libraries call it (_reducer).
@@ -607,6 +630,9 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         # As the active DDP module, torch.compile's DDPOptimizer splits a
         # compiled module at bucket boundaries, so its backward still
         # produces gradients bucket by bucket (overlap under compile).
+        if self._param_dtype is not None:
+            # As FSDP2's cast_forward_inputs: the parameters compute in param_dtype, so do the inputs.
+            inputs, kwargs = _cast_floats((inputs, kwargs), self._param_dtype)
         previous = _TORCH_DDP._active_ddp_module
         _TORCH_DDP._active_ddp_module = self
         try:

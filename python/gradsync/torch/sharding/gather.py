@@ -170,19 +170,22 @@ class LaneGather(ParameterGather):
         self.communicator.abandon()
         self._lane.close()
 
-    def start(self, partition, buckets):
+    def start(self, partition, buckets, carries=None):
         """Start gathering ``buckets`` of ``partition`` (this rank's pieces
-        packed into its chunk of each) and return the round in flight for
-        :meth:`finish`; the caller computes meanwhile (a prefetch). A
-        failure to start waits for what did start before it is raised."""
-        sizes = [(b, partition.buckets[b].chunk * partition.world, partition.buckets[b].wide) for b in buckets]
+        packed into its chunk of each; per bucket in ``carries[b]``, a
+        narrower dtype, when given: ``Partition.gather_size``) and return
+        the round in flight for :meth:`finish`; the caller computes
+        meanwhile (a prefetch). A failure to start waits for what did
+        start before it is raised."""
+        carry = [None if carries is None else carries[b] for b in buckets]
+        sizes = [(b, *partition.gather_size(b, c)) for b, c in zip(buckets, carry)]
         gathers = self._lane.buffers(sizes)
         buffers = self._tensors(gathers)
         self._caller_waits()
-        flight = _Flight(list(buckets), gathers, buffers)
+        flight = _Flight(list(buckets), gathers, buffers, carry)
         try:
             for i, b in enumerate(buckets):
-                partition.pack(b, buffers[i])
+                partition.pack(b, buffers[i], carry[i])
                 self._plane_waits()
                 self._lane.start(gathers, i)
                 flight.started.append(i)
@@ -203,7 +206,7 @@ class LaneGather(ParameterGather):
                 self._lane.wait(flight.gathers, i)
                 self._caller_waits()
                 if keep:
-                    partition.unpack(flight.buckets[i], flight.buffers[i])
+                    partition.unpack(flight.buckets[i], flight.buffers[i], flight.carries[i])
         finally:
             self._settle(flight)
 
@@ -222,13 +225,15 @@ class LaneGather(ParameterGather):
 
 
 class _Flight:
-    """A round's gathers in flight on the lane: its buckets, buffers, and
-    the indices started and not yet waited for."""
+    """A round's gathers in flight on the lane: its buckets, buffers, the
+    dtype each carries its values in (``None``: its own), and the indices
+    started and not yet waited for."""
 
-    __slots__ = ("buckets", "gathers", "buffers", "started")
+    __slots__ = ("buckets", "gathers", "buffers", "carries", "started")
 
-    def __init__(self, buckets, gathers, buffers):
+    def __init__(self, buckets, gathers, buffers, carries):
         self.buckets = buckets
         self.gathers = gathers
         self.buffers = buffers
+        self.carries = carries
         self.started = []

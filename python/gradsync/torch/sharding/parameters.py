@@ -50,6 +50,78 @@ class ShardedParameters:
         self.whole = True
         #: Whether this rank took part in the gather since the parameters were released.
         self.gathered = True
+        #: Per parameter, the dtype it is whole in for a step's forward and
+        #: backward: its own, or ``param_dtype`` (:meth:`compute_in`).
+        #: Between steps and inside ``whole_parameters`` it is whole in its own.
+        self.step_dtypes = [form.dtype for form in partition.forms]
+        #: Hooks the wrapper's parameters again after one changed dtype (the
+        #: wrapper's ``TorchHooks.rehook``; torch then forgets its gradient
+        #: accumulator, and the hook with it).
+        self.rehook = lambda: None
+        #: Whether a parameter changed dtype since the hooks were last made.
+        self._flipped = False
+        #: Per bucket, the dtype a step's gather carries its values in
+        #: (``param_dtype``, when every member computes in it), else ``None``
+        #: (the bucket's own); ``None`` for all: none narrower.
+        self.carries = None
+
+    @torch.no_grad()
+    def compute_in(self, dtype):
+        """``param_dtype``: the float32 and float64 parameters compute in
+        ``dtype`` (a rounded copy of the pieces, gathered for each step),
+        their pieces stay in their own dtype (what the optimizer steps, and
+        what the average of their gradients is written into). Called while
+        wrapping, before the hooks are made, which then see each parameter
+        shaped as whole in its step dtype (:meth:`_shaped`: what autograd's
+        gradient accumulator keeps); :meth:`hooked` releases them, so the
+        first forward already gathers in ``dtype``."""
+        part = self._partition
+        for i, form in enumerate(part.forms):
+            if form.dtype in (torch.float32, torch.float64):
+                self.step_dtypes[i] = dtype
+        part.refresh()
+        for i, p in enumerate(part.params):
+            p.data = self._shaped(i)
+        self.whole = self.gathered = False
+        self.carries = [dtype if all(self.step_dtypes[i] == dtype for i in layout.members) else None
+                        for layout in part.buckets]
+
+    def hooked(self):
+        """The wrapper made its hooks (after :meth:`compute_in`): every
+        parameter released."""
+        for i, p in enumerate(self._partition.params):
+            p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
+
+    def _shaped(self, i):
+        """A tensor of parameter ``i``'s whole shape in its step dtype over
+        one element (what its gradient accumulator is made from)."""
+        p, form = self._partition.params[i], self._partition.forms[i]
+        return torch.zeros((), dtype=self.step_dtypes[i], device=p.device).expand(form.shape)
+
+    def hook_again(self):
+        """The wrapper's hooks made again if a parameter changed dtype since
+        they were (torch forgot its gradient accumulator); every parameter
+        is released in its step dtype here. Each is shaped as whole while
+        the hooks are made: an accumulator keeps the shape it was made with."""
+        if not self._flipped:
+            return
+        self._flipped = False
+        part = self._partition
+        held = [p.data for p in part.params]
+        for i, p in enumerate(part.params):
+            p.data = self._shaped(i)
+        try:
+            self.rehook()
+        finally:
+            for p, data in zip(part.params, held):
+                p.data = data
+
+    def whole_in_own_dtype(self):
+        """Whether some parameter is whole in its own dtype now though it
+        computes in another (``whole_parameters`` under ``param_dtype``):
+        a step's forward releases it first, to gather it in its step dtype."""
+        part = self._partition
+        return any(p.dtype != self.step_dtypes[i] for i, p in enumerate(part.params) if p.numel())
 
     @torch.no_grad()
     def release(self, step_ended=True):
@@ -60,18 +132,29 @@ class ShardedParameters:
         part = self._partition
         if self.whole:
             part.refresh()
-        for p in part.params:
+        for i, p in enumerate(part.params):
             if p.numel():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._released(i)
         self.whole = self.gathered = False
+        self.hook_again()
+
+    def _released(self, i):
+        """Parameter ``i`` an empty tensor of its step dtype; returns its
+        whole tensor (what it held)."""
+        p = self._partition.params[i]
+        whole = p.data
+        p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
+        self._flipped |= whole.dtype != p.dtype
+        return whole
+
 
     @torch.no_grad()
-    def assemble(self):
+    def assemble(self, exact=False):
         """Every rank's pieces into whole parameters (a collective: every
         rank calls it at the same point, as each forward does). Each
-        bucket's parameters are allocated once its gather is in flight.
-        Nothing to do when the parameters are whole. Returns whether it
-        gathered."""
+        bucket's parameters are allocated once its gather is in flight, in
+        their step dtype, or, ``exact``, their own. Nothing to do when the
+        parameters are whole. Returns whether it gathered."""
         if self.whole:
             return False
         if self.gathered:
@@ -83,7 +166,8 @@ class ShardedParameters:
         part = self._partition
         self.gathered = True
         try:
-            part.gather(everything=True, before_unpack=self._allocate)
+            part.gather(everything=True, before_unpack=lambda b: self._allocate(b, exact),
+                        carries=None if exact else self.carries)
         finally:
             # The buffers held the whole model again: back to the runtime until the next gather.
             part.gathering.drop()
@@ -92,16 +176,20 @@ class ShardedParameters:
         return True
 
     def assemble_all(self):
-        """Every parameter whole (``whole_parameters``): :meth:`assemble`."""
-        return self.assemble()
+        """Every parameter whole in its own dtype (``whole_parameters``):
+        :meth:`assemble`."""
+        return self.assemble(exact=True)
 
-    def _allocate(self, b):
-        """Whole memory for bucket ``b``'s parameters."""
+    def _allocate(self, b, exact=False):
+        """Whole memory for bucket ``b``'s parameters, in their step dtype
+        (``exact``: their own)."""
         part = self._partition
         for i in part.buckets[b].members:
             p, form = part.params[i], part.forms[i]
             if not p.numel():
-                p.data = torch.empty_strided(form.shape, form.stride(), dtype=form.dtype, device=p.device)
+                dtype = form.dtype if exact else self.step_dtypes[i]
+                self._flipped |= dtype != p.dtype
+                p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
 
     def forget(self):
         """After a failed step's reset (every rank): released, whatever
@@ -125,7 +213,7 @@ class ShardedParameters:
         part = self._partition
         self.gathered = True
         try:
-            part.pack_every(part.gathering.buffers(part.gather_sizes()))
+            part.pack_every(part.gathering.buffers(part.gather_sizes(self.carries)), self.carries)
             part.gathering.run()
         finally:
             part.gathering.drop()

@@ -137,7 +137,7 @@ class Partition(Layout, Clipping):
     # ---- after the optimizer stepped ---------------------------------------------------------
 
     @torch.no_grad()
-    def gather(self, everything=False, before_unpack=None):
+    def gather(self, everything=False, before_unpack=None, carries=None):
         """Every rank's pieces, updated by its optimizer, into every rank's
         parameters: per bucket, this rank writes its pieces into its chunk
         of the runtime's gather buffer (``BucketLayout.wide``'s precision;
@@ -152,26 +152,33 @@ class Partition(Layout, Clipping):
         ``everything``: every value is read back, this rank's own too (the
         parameters were released and hold nothing of it: parameter sharding);
         ``before_unpack(b)`` is called before bucket ``b`` is read back (once
-        its gather is in flight: what allocates the parameters then)."""
+        its gather is in flight: what allocates the parameters then);
+        ``carries``: per bucket the dtype its values travel in (``everything``
+        only: :meth:`gather_size`)."""
         if self.world == 1:
+            if everything:  # (every piece is this rank's: into the parameters, no buffer)
+                for b in range(len(self.buckets)):
+                    before_unpack and before_unpack(b)
+                self.write_owned()
             return
         gathering = self.gathering
-        buffers = gathering.buffers(self.gather_sizes())
+        buffers = gathering.buffers(self.gather_sizes(carries))
         before_unpack = before_unpack or (lambda b: None)
+        carries = carries or [None] * len(buffers)
         if not self.pipelined:
-            self._gather_at_once(buffers, everything, before_unpack)
+            self._gather_at_once(buffers, everything, before_unpack, carries)
             return
         out = []  # buckets in flight, in the order started
         try:
             for b, whole in enumerate(buffers):
-                self.pack(b, whole)
+                self.pack(b, whole, carries[b])
                 gathering.start(b)
                 out.append(b)
             for b, whole in enumerate(buffers):
                 before_unpack(b)
                 out.remove(b)
                 gathering.wait(b)
-                self._unpack(b, whole, everything)
+                self._read_back(b, whole, everything, carries[b])
         finally:
             # On a failure, every buffer still out comes back before it is
             # raised (they are the runtime's memory, reused by the next gather).
@@ -181,40 +188,82 @@ class Partition(Layout, Clipping):
                 except Exception:  # the first failure is the one raised
                     continue
 
-    def _gather_at_once(self, buffers, everything, before_unpack):
+    def _gather_at_once(self, buffers, everything, before_unpack, carries):
         """:meth:`gather` without the pipeline: every chunk written, one
         gather of every bucket, every parameter read back (what
         ``pipelined=False`` measures against)."""
-        self.pack_every(buffers)
+        self.pack_every(buffers, carries)
         self.gathering.run()
         for b, whole in enumerate(buffers):
             before_unpack(b)
-            self._unpack(b, whole, everything)
+            self._read_back(b, whole, everything, carries[b])
 
-    def gather_sizes(self):
-        """Per bucket, its gather buffer's ``(values, float64)``."""
-        return [(layout.chunk * self.world, layout.wide) for layout in self.buckets]
+    def _read_back(self, b, whole, everything, carry):
+        """Bucket ``b``'s gathered buffer into its parameters: every value
+        (``everything``, into released parameters: :meth:`unpack`) or the
+        other ranks' (ZeRO-2)."""
+        if everything:
+            self.unpack(b, whole, carry)
+        else:
+            self._unpack(b, whole)
 
-    def pack_every(self, buffers):
+    def gather_sizes(self, carries=None):
+        """Per bucket, its gather buffer's ``(values, float64)``;
+        ``carries``: per bucket the dtype its values travel in (see
+        :meth:`gather_size`), default the bucket's own."""
+        return [self.gather_size(b, None if carries is None else carries[b]) for b in range(len(self.buckets))]
+
+    def gather_size(self, b, carry=None):
+        """Bucket ``b``'s gather buffer, ``(values, float64)``: each rank's
+        chunk in the bucket's precision, or, ``carry`` (a narrower dtype:
+        ``param_dtype``'s rounded copy), in as many of its words as hold
+        the chunk in ``carry``: half the bytes for bfloat16 over float32."""
+        layout = self.buckets[b]
+        return (self._words_per_rank(b, carry) * self.world, layout.wide)
+
+    def _words_per_rank(self, b, carry):
+        """Words of bucket ``b``'s gather buffer per rank (see :meth:`gather_size`)."""
+        layout = self.buckets[b]
+        if carry is None:
+            return layout.chunk
+        word = 8 if layout.wide else 4
+        return -(-layout.chunk * torch.empty((), dtype=carry).element_size() // word)
+
+    def _slots(self, b, whole, carry):
+        """Bucket ``b``'s gather buffer ``whole`` as values of ``carry``
+        (or its own), and how many of them each rank's chunk is given."""
+        if carry is None:
+            return whole, self.buckets[b].chunk
+        values = whole.view(carry)
+        return values, values.numel() // self.world
+
+    def pack_every(self, buffers, carries=None):
         """This rank's pieces into its chunk of every bucket's gather buffer."""
         for b, whole in enumerate(buffers):
-            self.pack(b, whole)
+            self.pack(b, whole, None if carries is None else carries[b])
 
-    def pack(self, b, whole):
+    def pack(self, b, whole, carry=None):
         """This rank's pieces of bucket ``b`` into its chunk of ``whole``
-        (the bucket's gather buffer)."""
+        (the bucket's gather buffer; its values in ``carry`` when given,
+        rounded to it)."""
+        values, stride = self._slots(b, whole, carry)
         chunk = self.buckets[b].chunk
-        self.fill_chunk(b, whole[self.rank * chunk : (self.rank + 1) * chunk], lambda piece: piece.tensor)
+        self.fill_chunk(b, values[self.rank * stride : self.rank * stride + chunk], lambda piece: piece.tensor)
 
-    def unpack(self, b, whole):
-        """Bucket ``b``'s gathered values ``whole`` into every one of its
-        member parameters (they were released: parameter sharding). Their
-        version counters stay as they were: a parameter refilled before
-        its backward is the one autograd saved, not a modified one."""
+    def unpack(self, b, whole, carry=None):
+        """Bucket ``b``'s gathered values ``whole`` (in ``carry`` when
+        given) into every one of its member parameters (they were
+        released: parameter sharding). Their version counters stay as they
+        were: a parameter refilled before its backward is the one autograd
+        saved, not a modified one."""
+        values, stride = self._slots(b, whole, carry)
+        chunk = self.buckets[b].chunk
+        if stride != chunk:  # (each rank's chunk padded to whole words: the chunks back to back)
+            values = values[: stride * self.world].view(self.world, stride)[:, :chunk].reshape(-1)
         with contextlib.ExitStack() as preserved:
             for i in self.buckets[b].members:
                 preserved.enter_context(torch.autograd._unsafe_preserve_version_counter(self.params[i]))
-            self._unpack(b, whole, everything=True)
+            self._unpack(b, values, everything=True)
 
     def _unpack(self, b, whole, everything=False):
         """Bucket ``b``'s gathered values ``whole`` into its member
@@ -270,8 +319,12 @@ class Partition(Layout, Clipping):
     def refresh(self):
         """The pieces that hold their values themselves read them from their
         parameters (before an optimizer step: whatever changed the
-        parameters since, a load or a broadcast, is what the step updates)."""
+        parameters since, a load or a broadcast, is what the step updates).
+        A parameter whole in another dtype than its own (a rounded copy:
+        ``param_dtype``) is not read back."""
         for piece in self.owned:
+            if self.params[piece.param].dtype != self.forms[piece.param].dtype:
+                continue
             piece.tensor.copy_(flat_values(self.params[piece.param])[piece.offset : piece.offset + piece.length])
 
     @torch.no_grad()

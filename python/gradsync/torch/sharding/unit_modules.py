@@ -8,6 +8,11 @@ holds; a parameter two units hold belongs to the first::
 
     choose(model, params, True) ─▶ (each parameter's unit, the units' names, the unit modules)
     entries(unit module)        ─▶ the modules whose forward hooks gather it
+
+and what ``sharding.units`` keeps per unit and per forward of one:
+:class:`Unit` (its parameters, buckets and counts), :class:`Call` (one
+forward, what its backward holds) and :class:`BackwardEnds` (the hook that
+sees a unit's backward end).
 """
 
 import torch
@@ -78,3 +83,60 @@ def entries(module):
     if type(module).forward is not torch.nn.Module.forward:
         return [module]
     return [e for child in module.children() for e in entries(child)]
+
+
+class Unit:
+    """One unit: its modules' parameters (indices into the partition's),
+    its buckets, the units a forward of it needs whole (itself, and those
+    owning a weight it shares), and its counts."""
+
+    def __init__(self, index, name):
+        self.index = index
+        self.name = name
+        #: Its parameters, by index into ``Partition.params``.
+        self.params = []
+        #: The buckets that hold them (no bucket holds another unit's).
+        self.buckets = []
+        #: Units that must be whole while it runs: itself first.
+        self.needs = [index]
+        #: Whether its parameters hold their values now.
+        self.whole = False
+        #: Forwards of units needing it that are running now.
+        self.forwards = 0
+        #: The forwards (``Call``) whose backward needs it whole now.
+        self.holds = []
+        #: Its forwards running now, innermost last.
+        self.calls = []
+        #: Its recomputations inside backward begun and not seen to end.
+        self.recomputes = []
+        #: Gathered ahead (a prefetch) and not used yet: not released.
+        self.reserved = False
+
+
+class Call:
+    """One forward of a unit: what its backward holds. ``recompute``: run
+    inside a backward (a checkpoint's recomputation)."""
+
+    __slots__ = ("unit", "recompute")
+
+    def __init__(self, unit, recompute):
+        self.unit = unit
+        self.recompute = recompute
+
+
+class BackwardEnds(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once every gradient
+    of those inputs is computed: the unit's backward has ended."""
+
+    @staticmethod
+    def forward(ctx, ended, *tensors):
+        """The tensors, unchanged; ``ended()`` is called by the backward."""
+        ctx.ended = ended
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        """Every gradient of the unit's inputs is here: its backward ended."""
+        ctx.ended()
+        return (None, *grads)
+

@@ -62,35 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradsync._errors import ConfigError
 from gradsync.torch.sharding.layout import flat_values
 from gradsync.torch.sharding.parameters import ShardedParameters
-from gradsync.torch.sharding.unit_modules import entries
-
-
-class Unit:
-    """One unit: its modules' parameters (indices into the partition's),
-    its buckets, the units a forward of it needs whole (itself, and those
-    owning a weight it shares), and its counts."""
-
-    def __init__(self, index, name):
-        self.index = index
-        self.name = name
-        #: Its parameters, by index into ``Partition.params``.
-        self.params = []
-        #: The buckets that hold them (no bucket holds another unit's).
-        self.buckets = []
-        #: Units that must be whole while it runs: itself first.
-        self.needs = [index]
-        #: Whether its parameters hold their values now.
-        self.whole = False
-        #: Forwards of units needing it that are running now.
-        self.forwards = 0
-        #: The forwards (``_Call``) whose backward needs it whole now.
-        self.holds = []
-        #: Its forwards running now, innermost last.
-        self.calls = []
-        #: Its recomputations inside backward begun and not seen to end.
-        self.recomputes = []
-        #: Gathered ahead (a prefetch) and not used yet: not released.
-        self.reserved = False
+from gradsync.torch.sharding.unit_modules import BackwardEnds, Call, Unit, entries
 
 
 class UnitResidence(ShardedParameters):
@@ -121,6 +93,9 @@ class UnitResidence(ShardedParameters):
         self._kept = [None] * len(partition.params)
         #: Whether this rank served the others' rounds since the last release.
         self._served = False
+        #: Whether the round under way allocates in the parameters' own
+        #: dtype (``assemble_all``), not their step dtype.
+        self._exact = False
         #: What the gathers did since the wrapper was built, for tests and
         #: benchmarks: rounds joined (serving included), gathers of each
         #: unit kept by this rank, the most units but the root whole at
@@ -180,8 +155,20 @@ class UnitResidence(ShardedParameters):
 
     @torch.no_grad()
     def assemble_all(self):
-        """Every unit whole (``whole_parameters``): one round asking for all."""
-        self._round({u.index for u in self.units if not u.whole}, everything=True)
+        """Every unit whole in its own dtype (``whole_parameters``): one
+        round asking for all (a unit whole in its step dtype is released
+        first, to be gathered exact)."""
+        part = self._partition
+        for unit in self.units:
+            if unit.whole and any(part.params[i].dtype != part.forms[i].dtype for i in unit.params):
+                for i in unit.params:
+                    self._released(i)
+                unit.whole = False
+        self._exact = True
+        try:
+            self._round({u.index for u in self.units if not u.whole}, everything=True)
+        finally:
+            self._exact = False
         self.whole = True
 
     @torch.no_grad()
@@ -199,7 +186,9 @@ class UnitResidence(ShardedParameters):
         part = self._partition
         whole = {i for unit in self.units if unit.whole or self.whole for i in unit.params}
         for piece in part.owned:
-            if piece.param in whole and part.params[piece.param].numel():
+            p = part.params[piece.param]
+            # (A parameter whole in its step dtype holds a rounded copy of its pieces: not read back.)
+            if piece.param in whole and p.numel() and p.dtype == part.forms[piece.param].dtype:
                 values = flat_values(part.params[piece.param])
                 piece.tensor.copy_(values[piece.offset : piece.offset + piece.length])
         for unit in self.units:
@@ -209,6 +198,7 @@ class UnitResidence(ShardedParameters):
             self._empty(i, inside_step=False)
         self._kept = [None] * len(part.params)
         self.whole = self.gathered = self._served = False
+        self.hook_again()
 
     def take_part(self):
         """This rank aborts its step: it serves the others' rounds."""
@@ -247,10 +237,10 @@ class UnitResidence(ShardedParameters):
 
     def _before_forward(self, unit):
         def hook(module, args, kwargs):
-            if self.whole or self._partition.world == 1:
+            if self.whole:
                 return None
             self._ensure(unit)
-            call = _Call(unit, recompute=torch._C._current_graph_task_id() != -1)
+            call = Call(unit, recompute=torch._C._current_graph_task_id() != -1)
             if call.recompute:
                 # Recomputed inside backward (checkpointing): held until the
                 # unit's backward ends; a non-reentrant checkpoint may stop
@@ -267,7 +257,7 @@ class UnitResidence(ShardedParameters):
             at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not at:
                 return None  # (its backward's end is not seen: it is released at the step's end)
-            through = _BackwardEnds.apply(lambda: self._after_backward(call), *[flat[i] for i in at])
+            through = BackwardEnds.apply(lambda: self._after_backward(call), *[flat[i] for i in at])
             for i, t in zip(at, through):
                 flat[i] = t
             return tree_unflatten(flat, spec)
@@ -275,7 +265,7 @@ class UnitResidence(ShardedParameters):
 
     def _after_forward(self, unit):
         def hook(module, args, output):
-            if self.whole or self._partition.world == 1:
+            if self.whole:
                 return None
             if torch._C._current_graph_task_id() != -1:
                 call = unit.recomputes.pop() if unit.recomputes else None
@@ -363,7 +353,8 @@ class UnitResidence(ShardedParameters):
             self._served = False
         if not asked:
             return None
-        flight = self.lane.start(self._partition, [b for u in asked for b in u.buckets])
+        flight = self.lane.start(self._partition, [b for u in asked for b in u.buckets],
+                                 None if self._exact else self.carries)
         return (asked, set(wanted), flight)
 
     def _close(self, opened, everything=False):
@@ -432,12 +423,14 @@ class UnitResidence(ShardedParameters):
             p, kept = part.params[i], self._kept[i]
             if p.numel():
                 continue
-            if kept is not None:
+            if kept is not None and not self._exact:
                 kept.untyped_storage().resize_(self._nbytes[i])
                 p.data = kept
             else:
                 form = part.forms[i]
-                p.data = torch.empty_strided(form.shape, form.stride(), dtype=form.dtype, device=p.device)
+                dtype = form.dtype if self._exact else self.step_dtypes[i]
+                self._flipped |= dtype != p.dtype
+                p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
                 self._nbytes[i] = p.untyped_storage().nbytes()
 
     def _empty(self, i, inside_step):
@@ -445,11 +438,9 @@ class UnitResidence(ShardedParameters):
         storage is emptied too (freed, though autograd's saved tensors hold
         it) and remembered, to grow back before its backward; between steps
         it is only let go (a state dict taken before may still read it)."""
-        p = self._partition.params[i]
-        if not p.numel():
+        if not self._partition.params[i].numel():
             return
-        whole = p.data
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        whole = self._released(i)
         if inside_step:
             whole.untyped_storage().resize_(0)
             self._kept[i] = whole
@@ -464,30 +455,3 @@ class UnitResidence(ShardedParameters):
             for i in unit.params:
                 self._empty(i, inside_step=True)
             unit.whole = False
-
-
-class _Call:
-    """One forward of a unit: what its backward holds. ``recompute``: run
-    inside a backward (a checkpoint's recomputation)."""
-
-    __slots__ = ("unit", "recompute")
-
-    def __init__(self, unit, recompute):
-        self.unit = unit
-        self.recompute = recompute
-
-
-class _BackwardEnds(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once every gradient
-    of those inputs is computed: the unit's backward has ended."""
-
-    @staticmethod
-    def forward(ctx, ended, *tensors):
-        ctx.ended = ended
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.ended()
-        return (None, *grads)
-

@@ -69,12 +69,36 @@ def refuse(settings, sparse_names):
         )
 
 
+#: ``param_dtype``'s values, by name.
+_PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def param_dtype_of(settings):
+    """The dtype a parameter-sharded wrapper's float32 and float64
+    parameters compute in (``param_dtype``), or ``None``: their own."""
+    value = settings.get("param_dtype")
+    if value is None:
+        return None
+    if settings.get("shard_parameters") in (None, False):
+        raise ConfigError(
+            "param_dtype is the dtype of the copy a step gathers from the sharded parameters: it needs "
+            "shard_parameters=True. For an unsharded model compute in half precision with torch.autocast"
+        )
+    dtype = _PARAM_DTYPES.get(value, value) if isinstance(value, str) else value
+    if dtype not in _PARAM_DTYPES.values():
+        raise ConfigError(
+            f"param_dtype {value!r}: use torch.bfloat16 or torch.float16 (the pieces, their gradients' average "
+            "and the optimizer stay in the parameters' own dtype)"
+        )
+    return dtype
+
+
 class Sharding:
     """The sharded part of ``DistributedDataParallel`` (see the module docs)."""
 
     _partition = None
 
-    def _start_sharding(self, reals, elastic, parameters=False):
+    def _start_sharding(self, reals, elastic, parameters=False, param_dtype=None):
         """Lay this rank's partition over the runtime's plan (after the
         session started); ``reals(p)``: values of ``p`` in a bucket. In an
         ``elastic`` job each rank keeps its buddy's partition too, on
@@ -83,7 +107,10 @@ class Sharding:
         their values): ``sharding.units.choose``'s ``(units, names,
         modules)``; with more than one unit they are gathered a unit at a
         time (``sharding.units``, once :meth:`_open_lane` gave them their
-        lane), else whole once per step (``sharding.parameters``)."""
+        lane), else whole once per step (``sharding.parameters``);
+        ``param_dtype``: the dtype their float32 and float64 parameters
+        compute in (they are released now: the hooks, made next, see that
+        dtype)."""
         self._partition = Partition(
             self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
             buddy_stride=0 if elastic is None else elastic.buddy_stride, own_all=parameters,
@@ -92,6 +119,8 @@ class Sharding:
             units, names, modules = parameters
             self._partition.residence = (UnitResidence(self._partition, units, names, modules)
                                          if len(names) > 1 else ShardedParameters(self._partition))
+            if param_dtype is not None:
+                self._partition.residence.compute_in(param_dtype)
             refuse = self._partition.residence.refuse_if_released
             # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
             self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()"))
@@ -194,10 +223,17 @@ class Sharding:
         """Before a forward: parameter-sharded, the released parameters
         gathered whole (every rank's forward does it at the same point).
         Returns whether it gathered."""
-        if self._partition is None or self._partition.residence is None or self._partition.residence.whole:
+        residence = self._partition.residence if self._partition is not None else None
+        if residence is None:
+            return False
+        if torch.is_grad_enabled() and residence.whole_in_own_dtype():
+            # Whole in their own dtype (gathered for a framework's teardown): a step computes in param_dtype.
+            self._sync.refuse_if_closed()
+            residence.release(step_ended=False)
+        if residence.whole:
             return False
         self._sync.refuse_if_closed()
-        return self._partition.residence.assemble()
+        return residence.assemble()
 
     def _gather_whole(self):
         """Every parameter whole from now on (a collective), when sharded
