@@ -383,10 +383,12 @@ SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
     "gradsync-sharded-at-once": "the same, one gather of every bucket (not pipelined)",
     "gradsync-params": "gradsync, `shard_parameters=True`",
+    "gradsync-params-bf16": "the same, `param_dtype=torch.bfloat16`",
     "gradsync": "gradsync",
     "ddp": "torch DDP (`gradient_as_bucket_view`)",
     "zero1": "torch DDP + `ZeroRedundancyOptimizer`",
     "fsdp2": "torch FSDP2 (`fully_shard` per block)",
+    "fsdp2-bf16": "the same, `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`",
 }
 
 

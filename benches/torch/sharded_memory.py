@@ -1,6 +1,8 @@
 """Memory per rank and step time of sharded training (ZeRO-2), gradsync
 against torch's DDP, DDP with torch's ZeroRedundancyOptimizer (ZeRO-1) and
-FSDP2 (``fully_shard`` per block), on CPU ranks (gloo, loopback).
+FSDP2 (``fully_shard`` per block), on CPU ranks (gloo, loopback); parameter
+sharding and FSDP2 also in mixed precision (``-bf16``: bfloat16 compute,
+float32 pieces and reduction: ``param_dtype`` and ``MixedPrecisionPolicy``).
 
     python benches/torch/sharded_memory.py [--worlds 2 4 8] [--layers 8] [--width 256] [--steps 4]
                                            [--json docs/data/sharded/memory.json]
@@ -45,7 +47,8 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_world import spawn, write_json  # noqa: E402
-IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync", "ddp", "zero1", "fsdp2")
+IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync-params-bf16", "gradsync", "ddp", "zero1", "fsdp2",
+         "fsdp2-bf16")
 CAP_MB = 4
 
 
@@ -109,9 +112,11 @@ def build(impl, model, world):
     """``model`` under ``impl`` (one of :data:`IMPLS`) and its optimizer."""
     from gradsync.torch import DistributedDataParallel as GradsyncDDP
 
-    if impl in ("gradsync-sharded", "gradsync-params"):
-        setting = "shard_parameters" if impl == "gradsync-params" else "shard_gradients"
-        wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB, **{setting: True})
+    if impl in ("gradsync-sharded", "gradsync-params", "gradsync-params-bf16"):
+        setting = {"shard_gradients": True} if impl == "gradsync-sharded" else {"shard_parameters": True}
+        if impl.endswith("-bf16"):
+            setting["param_dtype"] = torch.bfloat16
+        wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB, **setting)
         return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=1e-4)
     if impl == "gradsync":
         wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB)
@@ -124,14 +129,17 @@ def build(impl, model, world):
 
         wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-    if impl == "fsdp2":
+    if impl in ("fsdp2", "fsdp2-bf16"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
+        # (-bf16: the same mixed precision as gradsync's param_dtype: bfloat16 compute, float32 reduce.)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if impl.endswith("-bf16") else None,
+                                      reduce_dtype=torch.float32 if impl.endswith("-bf16") else None)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     raise ValueError(impl)
 
