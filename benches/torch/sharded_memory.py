@@ -154,13 +154,20 @@ def _parameter_memory(model, wrapped):
         held = partition.gathering._held if partition.gathering is not None else None
         if held is not None:
             tensors += list(held[2])
+        # A prefetch's buffers, in flight on the lane while a block computes.
+        prefetching = getattr(partition.residence, "_prefetching", None)
+        if prefetching is not None and prefetching[2].buffers is not None:
+            tensors += list(prefetching[2].buffers)
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None and unsharded.untyped_storage().nbytes():
-                tensors.append(unsharded)
+        state = state() if state is not None else None
+        # (torch 2.15 keeps a list of groups per module; earlier releases one.)
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None and unsharded.untyped_storage().nbytes():
+                    tensors.append(unsharded)
     return tensors
 
 
