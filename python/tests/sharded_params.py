@@ -209,3 +209,29 @@ def mixed_parameters(rank, world, steps=3):
         return seen
     finally:
         wrapped.close()
+
+
+def direct_evaluation(rank, world, units=True, steps=2):
+    """The wrapped module evaluated itself, not through the wrapper (HF
+    ``Trainer``'s evaluation loop does this) under ``no_grad`` after each
+    step: its outputs against the one-process reference's, the parameters
+    released after it; and the message of a direct call with gradients on."""
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    seen = {"eval": 0.0, "after": []}
+    try:
+        for step in range(steps):
+            _reference_step(reference, ref_opt, step, world)
+            opt.zero_grad()
+            _loss(wrapped, step, rank, world).backward()
+            opt.step()
+            with torch.no_grad():
+                x = _batch(100 + step, rank, world)
+                seen["eval"] = max(seen["eval"], (wrapped.module(x) - reference(x)).abs().max().item())
+            seen["after"].append(sum(p.numel() for p in wrapped.module.parameters()))
+        seen["with_grad"] = _refused(lambda: wrapped.module(_batch(0, rank, world)))
+        return seen
+    finally:
+        wrapped.close()

@@ -69,6 +69,16 @@ def test_reduce_scattered_on_gloo_too(world2):
 
 
 @pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
+def test_the_module_evaluated_directly_gathers_and_a_direct_training_call_is_refused(world2, units):
+    # HF Trainer evaluates the bare module (its DDP wrapper is for training only): under no_grad it gathers
+    # as the wrapper's forward does and releases after; with gradients on it says to call the wrapper.
+    for rank, seen in enumerate(world2.run(sharded_params.direct_evaluation, units=units)):
+        assert seen["eval"] <= sharded.ATOL, f"rank {rank}: the evaluation is off by {seen['eval']}"
+        assert seen["after"] == [0, 0], f"rank {rank}: the evaluation left parameters whole: {seen['after']}"
+        assert seen["with_grad"] is not None and "call the wrapper" in seen["with_grad"], seen["with_grad"]
+
+
+@pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
 @pytest.mark.parametrize("immediate,micro", [(False, 1), (True, 1), (False, 2)],
                          ids=["join-context", "join_now", "join-context-no_sync"])
 def test_uneven_inputs_a_rank_out_of_data_serves_the_gathers_and_steps_its_partition(world3, units, immediate,

@@ -9,9 +9,12 @@ process that imported ``transformers.trainer``, that method is wrapped
 (:func:`install`): every rank first collects the whole state (torch's
 format) on the ranks that save, and drops it after the save. The Trainer
 loads it back with ``optimizer.load_state_dict`` on any world size.
-Likewise ``Trainer.save_model``, which every rank calls: with sharded
-parameters it runs inside ``whole_parameters()``, so the model's
-``state_dict()`` on the saving rank is whole. This module imports nothing
+Likewise ``Trainer.save_model``, ``_load_from_checkpoint`` (a resume
+after the model was wrapped) and ``_load_best_model``
+(``load_best_model_at_end``), which every rank calls: with sharded
+parameters they run inside ``whole_parameters()``, so the model's
+``state_dict()`` on the saving rank is whole and a load reaches every
+rank's pieces. This module imports nothing
 of ``transformers``: it is given the class.
 """
 
@@ -59,8 +62,10 @@ def install(trainer_class):
             sharded.drop_consolidated()
 
     trainer_class._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
-    if hasattr(trainer_class, "save_model"):
-        trainer_class.save_model = _whole_while(trainer_class.save_model, "model_wrapped")
+    # Every rank calls these; with sharded parameters they read or write every parameter.
+    for name in ("save_model", "_load_from_checkpoint", "_load_best_model"):
+        if hasattr(trainer_class, name):
+            setattr(trainer_class, name, _whole_while(getattr(trainer_class, name), "model_wrapped"))
     _WRAPPED.add(trainer_class)
 
 
@@ -81,8 +86,9 @@ def _whole_while(method, wrapper):
 def install_lightning(strategy_class):
     """Lightning with sharded parameters: every rank calls
     ``strategy_class.lightning_module_state_dict`` for a checkpoint (rank 0
-    writes); it is wrapped (once) to run inside the wrapper's
-    ``whole_parameters()``. And every rank calls its ``teardown`` at the
+    writes) and ``load_model_state_dict`` to resume from one (``fit(...,
+    ckpt_path=)``, after the module was wrapped); both are wrapped (once)
+    to run inside the wrapper's ``whole_parameters()``. And every rank calls its ``teardown`` at the
     end of ``fit``, which unwraps the module: there the parameters are
     gathered whole first, so the module holds the trained weights after
     ``fit`` as it does under Lightning's DDP."""
@@ -102,6 +108,8 @@ def install_lightning(strategy_class):
 
     strategy_class.teardown = whole_teardown
     strategy_class.lightning_module_state_dict = _whole_while(strategy_class.lightning_module_state_dict, "model")
+    if hasattr(strategy_class, "load_model_state_dict"):
+        strategy_class.load_model_state_dict = _whole_while(strategy_class.load_model_state_dict, "model")
     _LIGHTNING.add(strategy_class)
 
 

@@ -37,6 +37,8 @@ from gradsync.torch.sharding.gather import LaneGather
 from gradsync._native import Lane
 from gradsync.torch.sharding.reshard import settle
 
+_TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
+
 #: Whether a sharded wrapper's buckets are reduce-scattered on gloo too. Off:
 #: gloo's reduce-scatter costs more than its all-reduce (24 MB over 4 CPU
 #: ranks: 72 ms against 65 ms; a sharded step's backward 330 ms against 255
@@ -125,6 +127,10 @@ class Sharding:
             # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
             self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()"))
             self.module.register_load_state_dict_pre_hook(lambda *_: refuse("load_state_dict()"))
+            # The module called itself, not through this wrapper (HF Trainer's evaluation does).
+            self._direct = []
+            self.module.register_forward_pre_hook(self._direct_forward_begins)
+            self.module.register_forward_hook(self._direct_forward_ends)
         if elastic is not None:
             self._partition.recover = elastic.recover
             if not elastic.joining:  # (a joiner's optimizer is checked by the members' fingerprint)
@@ -234,6 +240,31 @@ class Sharding:
             return False
         self._sync.refuse_if_closed()
         return residence.assemble()
+
+    def _direct_forward_begins(self, module, args):
+        """A forward of the wrapped module itself, not through this wrapper
+        (HF ``Trainer`` evaluates the bare module): under ``no_grad`` it
+        gathers as the wrapper's forward does (every rank evaluates the
+        same batches, as DDP's evaluation needs too); with gradients on it
+        is refused, saying what to call."""
+        if _TORCH_DDP._active_ddp_module is self:
+            return
+        residence = self._partition.residence
+        if torch.is_grad_enabled():
+            if residence.whole:
+                return
+            raise ConfigError(
+                "the wrapped module was called directly, with gradients on, while its parameters are sharded "
+                "(shard_parameters=True): call the wrapper, model(x), which gathers them and synchronizes the "
+                "step; evaluate the module itself under torch.no_grad()"
+            )
+        self._direct.append(self._assemble())
+
+    def _direct_forward_ends(self, module, args, output):
+        """The end of :meth:`_direct_forward_begins`' forward: released again."""
+        if _TORCH_DDP._active_ddp_module is self or torch.is_grad_enabled():
+            return
+        self._release_after(self._direct.pop() if self._direct else False, False)
 
     def _gather_whole(self):
         """Every parameter whole from now on (a collective), when sharded
