@@ -1,6 +1,8 @@
-"""Step time of sharded training (ZeRO-2), interleaved: gradsync sharded,
-unsharded gradsync, torch DDP and FSDP2 take turns in the same processes,
-so each step of one is timed under the same load as its neighbours' steps.
+"""Step time of sharded training, interleaved: gradsync with sharded
+gradients (ZeRO-2) and sharded parameters (ZeRO-3, also with
+``param_dtype=torch.bfloat16``), unsharded gradsync, torch DDP and FSDP2
+(also in mixed precision) take turns in the same processes, so each step
+of one is timed under the same load as its neighbours' steps.
 
     python benches/torch/sharded_step.py [--worlds 2 4] [--steps 30] [--warmup 3]
                                          [--json docs/data/sharded/steps.json]
@@ -15,9 +17,11 @@ implementation: the median step time over the rounds after the warm-up
 ships (each bucket's gather started as soon as it is packed, unpacked while
 the later ones are in flight) and with one gather of every bucket
 (``gradsync-sharded-at-once``, the gather before it was pipelined). For
-both also the parameter gather's share (the time inside ``Partition.gather``: packing
-this rank's chunk, the runtime's all-gather, writing the parameters) and
-the optimizer's own step over this rank's partition.
+both, and for sharded parameters, also the parameter gathers' share (the
+time inside ``Partition.gather``: packing this rank's chunk, the runtime's
+all-gather, writing the parameters; with sharded parameters the time
+inside the lane's rounds: the needs summed, the gathers started, waited
+for and read back) and the optimizer's own step over this rank's partition.
 """
 
 import argparse
@@ -34,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_world import spawn, write_json  # noqa: E402
 from sharded_memory import CAP_MB, Stack, build  # noqa: E402
 
-IMPLS = ("gradsync-sharded", "gradsync-sharded-at-once", "gradsync", "ddp", "fsdp2")
+IMPLS = ("gradsync-sharded", "gradsync-sharded-at-once", "gradsync-params", "gradsync-params-bf16", "gradsync",
+         "ddp", "fsdp2", "fsdp2-bf16")
 
 
 def _build(impl, model, world):
@@ -47,10 +52,15 @@ def _build(impl, model, world):
 
 
 class Timed:
-    """Seconds spent inside ``owner.name`` (a method), summed until read."""
+    """Seconds spent inside the methods ``names`` of ``owner`` (none calling
+    another), summed until read."""
 
-    def __init__(self, owner, name):
+    def __init__(self, owner, *names):
         self.spent = 0.0
+        for name in names:
+            self._time(owner, name)
+
+    def _time(self, owner, name):
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -78,6 +88,11 @@ def _rank(rank, world, port, args, results):
         probes = {}
         if impl.startswith("gradsync-sharded"):
             probes["gather"] = Timed(wrapped._partition, "gather")
+            probes["optimizer"] = Timed(optimizer.inner, "step")
+        elif impl.startswith("gradsync-params"):
+            lane = getattr(wrapped._partition.residence, "lane", None)  # (one block: one gather per step)
+            probes["gather"] = (Timed(lane, "needs", "start", "finish") if lane is not None
+                                else Timed(wrapped._partition, "gather"))
             probes["optimizer"] = Timed(optimizer.inner, "step")
         runs[impl] = (wrapped, optimizer, probes, {"step": []} | {k: [] for k in probes})
     g = torch.Generator().manual_seed(rank)

@@ -145,10 +145,11 @@ def test_sharded_step_interleaved_with_the_gathers_share(tmp_path):
     bench("sharded_step.py", "--worlds", "2", "--layers", "1", "--width", "32", "--tokens", "8", "--steps", "2",
           "--warmup", "1", "--json", tmp_path / "steps.json")
     rows = json.loads((tmp_path / "steps.json").read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync-sharded-at-once", "gradsync", "ddp", "fsdp2"}
+    assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync-sharded-at-once", "gradsync-params",
+                                         "gradsync-params-bf16", "gradsync", "ddp", "fsdp2", "fsdp2-bf16"}
     for row in rows:
         assert row["step_s"] > 0, row
-        if row["impl"].startswith("gradsync-sharded"):
+        if row["impl"].startswith(("gradsync-sharded", "gradsync-params")):
             # The gather and the optimizer step are parts of the step.
             assert 0 < row["gather_s"] + row["optimizer_s"] < row["step_s"], row
 
