@@ -92,11 +92,6 @@ _DTYPES = {
     torch.complex128: "float64",
 }
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
-
-
-def _cast_floats(tree, dtype):
-    """``tree`` (nested tuples, lists, dicts) with its floating-point tensors cast to ``dtype``."""
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 _REFUSED = ("mixed_precision", "device_mesh", "delay_all_reduce_named_params", "param_to_hook_all_reduce")
 
 # Wrappers alive and not closed in this process: for the optimizer check,
@@ -724,3 +719,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         """The tensors of ``(name, tensor)`` pairs that are not ignored."""
         ignored = self.parameters_to_ignore
         return [t for n, t in named if n not in ignored]
+
+
+def _cast_floats(tree, dtype):
+    """``tree`` (nested tuples, lists, dicts) with its floating-point tensors cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)

@@ -119,9 +119,18 @@ class ShardedParameters:
     def whole_in_own_dtype(self):
         """Whether some parameter is whole in its own dtype now though it
         computes in another (``whole_parameters`` under ``param_dtype``):
-        a step's forward releases it first, to gather it in its step dtype."""
+        a step's forward releases it first, to gather it in its step dtype.
+        (Asked at every forward: without ``param_dtype``, or released, it
+        looks at no parameter.)"""
+        if self.carries is None or not self.whole:
+            return False
         part = self._partition
         return any(p.dtype != self.step_dtypes[i] for i, p in enumerate(part.params) if p.numel())
+
+    def rounded(self, i):
+        """Whether parameter ``i`` holds a rounded copy of its pieces now
+        (whole in a narrower step dtype): never read back into them."""
+        return self._partition.params[i].dtype != self._partition.forms[i].dtype
 
     @torch.no_grad()
     def release(self, step_ended=True):
@@ -146,7 +155,6 @@ class ShardedParameters:
         p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
         self._flipped |= whole.dtype != p.dtype
         return whole
-
 
     @torch.no_grad()
     def assemble(self, exact=False):
@@ -183,13 +191,17 @@ class ShardedParameters:
     def _allocate(self, b, exact=False):
         """Whole memory for bucket ``b``'s parameters, in their step dtype
         (``exact``: their own)."""
-        part = self._partition
-        for i in part.buckets[b].members:
-            p, form = part.params[i], part.forms[i]
-            if not p.numel():
-                dtype = form.dtype if exact else self.step_dtypes[i]
-                self._flipped |= dtype != p.dtype
-                p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
+        for i in self._partition.buckets[b].members:
+            if not self._partition.params[i].numel():
+                self._new_whole(i, exact)
+
+    def _new_whole(self, i, exact):
+        """Parameter ``i`` given new whole memory in its step dtype
+        (``exact``: its own), in its form's shape and strides."""
+        p, form = self._partition.params[i], self._partition.forms[i]
+        dtype = form.dtype if exact else self.step_dtypes[i]
+        self._flipped |= dtype != p.dtype
+        p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
 
     def forget(self):
         """After a failed step's reset (every rank): released, whatever

@@ -154,15 +154,15 @@ class Partition(Layout, Packing, Clipping):
         its gather is in flight: what allocates the parameters then);
         ``carries``: per bucket the dtype its values travel in (``everything``
         only: :meth:`gather_size`)."""
+        before_unpack = before_unpack or (lambda b: None)
         if self.world == 1:
             if everything:  # (every piece is this rank's: into the parameters, no buffer)
                 for b in range(len(self.buckets)):
-                    before_unpack and before_unpack(b)
+                    before_unpack(b)
                 self.write_owned()
             return
         gathering = self.gathering
         buffers = gathering.buffers(self.gather_sizes(carries))
-        before_unpack = before_unpack or (lambda b: None)
         carries = carries or [None] * len(buffers)
         if not self.pipelined:
             self._gather_at_once(buffers, everything, before_unpack, carries)

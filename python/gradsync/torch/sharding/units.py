@@ -158,9 +158,8 @@ class UnitResidence(ShardedParameters):
         """Every unit whole in its own dtype (``whole_parameters``): one
         round asking for all (a unit whole in its step dtype is released
         first, to be gathered exact)."""
-        part = self._partition
         for unit in self.units:
-            if unit.whole and any(part.params[i].dtype != part.forms[i].dtype for i in unit.params):
+            if unit.whole and any(self.rounded(i) for i in unit.params):
                 for i in unit.params:
                     self._released(i)
                 unit.whole = False
@@ -186,9 +185,7 @@ class UnitResidence(ShardedParameters):
         part = self._partition
         whole = {i for unit in self.units if unit.whole or self.whole for i in unit.params}
         for piece in part.owned:
-            p = part.params[piece.param]
-            # (A parameter whole in its step dtype holds a rounded copy of its pieces: not read back.)
-            if piece.param in whole and p.numel() and p.dtype == part.forms[piece.param].dtype:
+            if piece.param in whole and part.params[piece.param].numel() and not self.rounded(piece.param):
                 values = flat_values(part.params[piece.param])
                 piece.tensor.copy_(values[piece.offset : piece.offset + piece.length])
         for unit in self.units:
@@ -427,10 +424,7 @@ class UnitResidence(ShardedParameters):
                 kept.untyped_storage().resize_(self._nbytes[i])
                 p.data = kept
             else:
-                form = part.forms[i]
-                dtype = form.dtype if self._exact else self.step_dtypes[i]
-                self._flipped |= dtype != p.dtype
-                p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
+                self._new_whole(i, self._exact)
                 self._nbytes[i] = p.untyped_storage().nbytes()
 
     def _empty(self, i, inside_step):
