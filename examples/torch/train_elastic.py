@@ -31,8 +31,12 @@ the first step after a replacement joined (a loss racing the admission).
 ``--shard``: sharded gradients and optimizer state (``shard_gradients=True``;
 the optimizer, built as usual, steps this rank's partitions once the job
 tracks it): each rank also keeps its buddy's partition, and a lost rank's
-moves to the survivors. ``--adamw``, ``--clip MAX_NORM``: AdamW, and
-clipping by the global norm (the replay does the same).
+moves to the survivors. ``--shard-params``: the parameters sharded too
+(``shard_parameters=True``, ZeRO-3: each block gathered for its forward
+and backward; ``--shard-params whole``: the whole model gathered once per
+step), their pieces kept by a buddy as well. ``--adamw``,
+``--clip MAX_NORM``: AdamW, and clipping by the global norm (the replay
+does the same).
 """
 
 import argparse
@@ -176,6 +180,9 @@ def main():
                         help="clip the gradients by their global norm (model.clip_grad_norm_)")
     parser.add_argument("--shard", action="store_true",
                         help="shard gradients and optimizer state (each partition also kept by a buddy rank)")
+    parser.add_argument("--shard-params", nargs="?", const="blocks", choices=["blocks", "whole"],
+                        help="shard the parameters too (ZeRO-3; implies --shard): each block gathered when it runs, "
+                             "or (whole) the whole model gathered once per step")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     parser.add_argument("--break-at-start", action="store_true",
                         help="membership epoch 0 breaks before the optimizer is tracked (what a member that seems "
@@ -196,6 +203,7 @@ def main():
                         help="draw each step's batches for N ranks (default: the first world), as the job being "
                              "resumed did")
     args = parser.parse_args()
+    args.shard = args.shard or args.shard_params is not None
     if (args.save_at is not None or args.resume) and not args.shard:
         parser.error("--save-at and --resume use gradsync.torch.checkpoint, which saves sharded models: add --shard")
     if args.save_at is not None and not args.checkpoint:
@@ -229,6 +237,7 @@ def build(args):
     model = gt.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, elastic=elastic,
                                        abort_policy=args.abort_policy,
                                        broadcast_buffers=not args.no_broadcast_buffers, shard_gradients=args.shard,
+                                       shard_parameters={None: False, "blocks": True, "whole": []}[args.shard_params],
                                        timeout=args.timeout)
     # (Sharded, the same optimizer steps this rank's partitions once the job tracks it.)
     opt = optimizer_of(args, model.parameters())
@@ -319,17 +328,20 @@ def train(args, elastic, model, opt, data):
 
 def memory(model, opt):
     """Bytes this rank holds of averaged gradients (the runtime's buckets or
-    partitions) and of optimizer state (sharded: its partitions and its
-    buddy's)."""
+    partitions), of optimizer state (sharded: its partitions and its
+    buddy's) and of parameters between steps (``--shard-params``: its
+    pieces and its buddy's)."""
     state = sum(v.numel() * v.element_size() for entry in opt.state.values() for v in entry.values()
                 if torch.is_tensor(v))
-    return {"runtime": model.memory_bytes, "optimizer": state}
+    return {"runtime": model.memory_bytes, "optimizer": state, "parameters": model.parameter_bytes}
 
 
 def check(args, elastic, model, opt, base, data, loss, applied_at, norms):
     """Every member puts its digest into the store; rank 0 compares them and
     replays the history. Returns whether the run is exact."""
-    mine = digest(model.module)
+    with model.whole_parameters():  # (sharded parameters: gathered on every member; else nothing to do)
+        mine = digest(model.module)
+        trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
     elastic.store.set(f"{elastic.job}/final/{elastic.epoch}/{elastic.rank}", mine)
     outcome = {"member": elastic.member, "rank": elastic.rank, "world": elastic.world, "epoch": elastic.epoch,
                "applied": elastic.applied, "history": elastic.history, "digest": mine, "started": STARTED,
@@ -343,7 +355,6 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms):
         identical = len(set(digests)) == 1
         reference, replayed = replay(args, base, data, elastic.history, args.batch, elastic.first_world,
                                      args.fixed_global_batch)
-        trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()
         worlds = [len(ranks) for *_, ranks in elastic.history]
         changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]

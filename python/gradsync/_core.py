@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from gradsync._errors import ClosedError, ConfigError, StepFailedError, UnfinishedStepError
+from gradsync._errors import ClosedError, ConfigError, MembershipError, StepFailedError, UnfinishedStepError
 from gradsync._native import Session, Step, StepReport
 from gradsync._record import StepRecord
 
@@ -91,6 +91,11 @@ class Framework(Protocol):
 
     def clear(self) -> None:
         """A step no rank may apply: leave no gradient an optimizer would step on."""
+
+    def lost_gather(self) -> Optional[str]:
+        """Why this rank's gradients of the open step cannot be summed (a
+        gather of sharded parameters failed mid-step in an elastic job: they
+        were computed from zeros), or ``None``."""
 
     def remove_hooks(self) -> None:
         """Take the gradient hooks off (the wrapper is closed or retired)."""
@@ -290,8 +295,19 @@ class ModelSync:
         """End the open step: held gradients handed over, the runtime's
         remaining collectives, the result applied. Returns its report."""
         self.framework.hand_over_held(self.record)
+        step = self.session.current_step
+        spoiled = self.framework.lost_gather()
         try:
-            result = self.session.finish(self.session.current_step)
+            if spoiled is None:
+                result = self.session.finish(step)
+            else:
+                # This rank's part of the step is aborted: no survivor may sum it
+                # again (partial policy). The lost member fails the step anyway.
+                self.session.abort(step, "bad_batch")
+                raise MembershipError.of(
+                    "broken", f"step {step}: {spoiled}, yet the step's own collectives completed: the gather lane "
+                    "failed while every member was present; this should not happen, report it with every rank's log"
+                )
         except StepFailedError as error:
             if self.elastic is None:
                 raise

@@ -223,3 +223,86 @@ def mixed_precision(rank, world, units=True, steps=4, recompute=None, width=WIDT
     finally:
         hook.remove()
         wrapped.close()
+
+
+def lost_gathers(rank, world, units=True, recompute="reentrant"):
+    """A gather that fails mid-step in an elastic job (emulated: the
+    residence told to go on, the lane or the whole-model gather made to
+    fail as a lost member's would). Returns what the test checks: the
+    step after a failure only while serving applied, an evaluation and
+    then a step's forward and backward after a failure in the forward's
+    gathers run to their end and the step refused (this rank's gradients
+    came from zeros), the pieces untouched by those zeros,
+    ``whole_parameters()`` refused rather than zeros."""
+    model = Stack(recompute).double()
+    wrapped = GradsyncDDP(model, shard_parameters=units, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    try:
+        return _lost_gathers(rank, world, units, wrapped, opt, _batch)
+    finally:
+        wrapped.close()
+
+
+def _lost_gathers(rank, world, units, wrapped, opt, batch):
+    from gradsync import MembershipError, StepFailedError
+
+    part, residence = wrapped._partition, wrapped._partition.residence
+
+    def step(n):
+        opt.zero_grad()
+        loss = wrapped(batch(n, rank, world)).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step(0)  # (the first step runs whole as built; from here on every forward gathers)
+    part.recover = lambda error: None  # (an elastic job's: the members settle; here the test looks)
+    seen = {}
+    if units is True:
+        # A failure in a round where this rank only serves the others: its own gradients are whole.
+        needs = residence.lane.needs
+
+        def failing_when_serving(words):
+            if not any(words):
+                raise RuntimeError("emulated: a member was lost (serving)")
+            return needs(words)
+
+        residence.lane.needs = failing_when_serving
+        step(1)
+        seen["served_only"] = (wrapped.last_report.outcome, residence.broken is not None, residence.spoiled)
+        residence.broken = None
+        residence.lane.needs = needs
+        calls = []
+
+        def failing_after_one(words):
+            calls.append(words)
+            if len(calls) > 1:
+                raise RuntimeError("emulated: a member was lost (forward)")
+            return needs(words)
+
+        residence.lane.needs = failing_after_one
+    else:
+        def failing(*args, **kwargs):
+            raise RuntimeError("emulated: a member was lost (forward)")
+
+        part.gather = failing
+    pieces = [piece.tensor.clone() for piece in part.every_held_piece()]
+    with torch.no_grad():  # an evaluation first: it fails as the member is lost, and must not read zeros back
+        seen["evaluated"] = tuple(wrapped(batch(2, rank, world)).shape)
+    opt.zero_grad()
+    loss = wrapped(batch(2, rank, world)).square().mean()
+    seen["finite"] = bool(torch.isfinite(loss))
+    try:
+        loss.backward()
+        seen["backward"] = "returned"
+    except MembershipError as error:  # (no member is really lost: the step's own collectives completed)
+        seen["backward"] = f"{error.kind}: {error}"
+    seen["spoiled"] = residence.spoiled
+    seen["grads"] = [piece.tensor.grad is not None for piece in part.every_held_piece()]
+    seen["pieces_kept"] = all(torch.equal(a, piece.tensor) for a, piece in zip(pieces, part.every_held_piece()))
+    try:
+        with wrapped.whole_parameters():
+            seen["whole"] = "entered"
+    except StepFailedError as error:
+        seen["whole"] = f"refused: {error}"
+    return seen

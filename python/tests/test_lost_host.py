@@ -204,16 +204,20 @@ def first_step_after(found, when):
     (3, True, 0),
     pytest.param(2, True, 2, marks=pytest.mark.slow),
     pytest.param(3, False, 2, marks=pytest.mark.slow),
-], ids=["two-hosts", "three-hosts-sharded", "two-hosts-sharded-loaded", "three-hosts-loaded"])
+    pytest.param(3, "parameters", 0, marks=pytest.mark.slow),
+], ids=["two-hosts", "three-hosts-sharded", "two-hosts-sharded-loaded", "three-hosts-loaded",
+        "three-hosts-parameters-sharded"])
 def test_a_host_killed_with_its_supervisor_is_survived(hosts, tmp_path, machines, sharded, load):
     """Host 1 (members 2 and 3) is killed mid-training with its supervisor:
     the members on the other hosts go on (two hosts: half the job), equal
     to a replay; sharded, nothing of the optimizer is lost (each partition's
     buddy copy is on another host), and a replacement host started with
-    ``--join`` is admitted and receives its partitions and the model."""
+    ``--join`` is admitted and receives its partitions and the model
+    (``"parameters"``: the parameters sharded too, their pieces with a
+    buddy copy on another host, and the replacement receives its pieces)."""
     # (SGD with momentum: over hundreds of steps AdamW amplifies the rounding
     # differences between six ranks' sum order and the replay's past the tolerance.)
-    extra = ("--shard",) if sharded else ()
+    extra = {True: ("--shard",), "parameters": ("--shard-params",)}.get(sharded, ())
     replace = sharded and not load
     steps = "240" if replace else "200"
     spinning = busy_loops(load)
@@ -249,7 +253,8 @@ def test_a_host_killed_with_its_supervisor_is_survived(hosts, tmp_path, machines
     if replace:
         assert worlds[-1] == 2 * machines, "the replacement host's members train to the end"
     after = first_step_after(found, killed)
-    record(f"1 of {machines} hosts killed with its supervisor" + (", sharded" if sharded else "")
+    record(f"1 of {machines} hosts killed with its supervisor"
+           + {True: ", sharded", "parameters": ", parameters sharded"}.get(sharded, "")
            + (", then a replacement host joins" if replace else "") + (f", {load} busy loops" if load else ""),
            after, "the kill, to the survivors' next applied step")
     print(f"lost host ({machines} hosts, sharded {sharded}, {load} busy loops): "

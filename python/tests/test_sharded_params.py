@@ -91,9 +91,11 @@ def test_uneven_inputs_a_rank_out_of_data_serves_the_gathers_and_steps_its_parti
         assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
 
 
-def test_elastic_jobs_are_refused_with_what_to_do():
-    with pytest.raises(ConfigError, match="shard_gradients=True in an elastic job"):
-        refuse({"shard_parameters": True, "elastic": object()}, [])
+def test_param_dtype_in_an_elastic_job_is_refused_with_what_to_do():
+    # (shard_parameters=True itself is elastic: test_elastic_sharded_params.)
+    refuse({"shard_parameters": True, "elastic": object()}, [])
+    with pytest.raises(ConfigError, match="param_dtype in an elastic job.*torch.autocast"):
+        refuse({"shard_parameters": True, "param_dtype": "bfloat16", "elastic": object()}, [])
 
 
 @pytest.mark.parametrize("scatter", [False, True], ids=["all-reduce", "reduce-scatter"])

@@ -134,3 +134,20 @@ def test_one_rank_alone_trains_exactly():
             assert seen["worst"] == 0.0 and seen["forward"] == ["torch.bfloat16"], seen
     finally:
         world.close()
+
+
+@pytest.mark.parametrize("units", [True, []], ids=["by-blocks", "whole-model"])
+def test_a_failed_gather_in_an_elastic_job_never_spreads_zeros(world2, units):
+    # What an elastic job's members do when one is lost while the others gather (the whole job:
+    # test_elastic_sharded_params): forward and backward run to their end without the lane, the step
+    # is ended with an abort (never summed, nor summed again), the pieces keep their values, and
+    # whole_parameters() refuses rather than hand out zeros to a checkpoint.
+    for rank, seen in enumerate(world2.run(sharded_units.lost_gathers, units=units)):
+        if units is True:
+            assert seen["served_only"] == ("applied", True, False), f"rank {rank}: {seen}"
+        assert seen["evaluated"] == (3, 4) and seen["finite"] and seen["spoiled"], f"rank {rank}: {seen}"
+        assert seen["backward"].startswith("broken: step "), f"rank {rank}: {seen}"
+        assert "a parameter gather failed (emulated: a member was lost (forward))" in seen["backward"], seen
+        assert not any(seen["grads"]), f"rank {rank}: a spoiled step left gradients"
+        assert seen["pieces_kept"], f"rank {rank}: the pieces read back zeros"
+        assert seen["whole"].startswith("refused: the parameters could not be gathered whole"), f"rank {rank}"

@@ -96,6 +96,10 @@ class PaddleGrads:
                 self._arrive(None, index, 0, grad.data_ptr())
                 record.arrivals += 1
 
+    def lost_gather(self):
+        """Nothing: Paddle's wrapper shards no parameters."""
+        return None
+
     def write_back(self, result, record):
         """Copy an applied step's averages into ``param.grad``; nothing is lent."""
         for i, p in enumerate(self._params):

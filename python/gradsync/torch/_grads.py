@@ -53,6 +53,10 @@ class TorchGrads:
             residence.serve()
         self.hooks.hand_over_held(record)
 
+    def lost_gather(self):
+        residence = self._partition.residence if self._partition is not None else None
+        return None if residence is None else residence.lost_gather()
+
     def write_back(self, result, record):
         if self._partition is not None:
             return self._write_partition(result)

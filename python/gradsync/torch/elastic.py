@@ -121,6 +121,34 @@ def _sharded(obj):
     return converted(obj)
 
 
+def _state_forms(module):
+    """``module``'s state dict, or, a wrapper whose parameters are sharded
+    (released between steps), its parameters' whole forms and its buffers:
+    what a joiner's fingerprint compares, without a gather."""
+    if getattr(module, "parameters_sharded", False):
+        return {**module.parameter_forms(), **dict(module.module.named_buffers())}
+    return module.state_dict()
+
+
+def _state_of(obj):
+    """What a member behind receives of ``obj``: its state dict; of a
+    wrapper whose parameters are sharded its buffers only (the pieces of the
+    parameters moved with the members, ``sharding.reshard``)."""
+    if getattr(obj, "parameters_sharded", False):
+        return {"buffers": dict(obj.module.named_buffers())}
+    return obj.state_dict()
+
+
+@torch.no_grad()
+def _load_state(obj, state):
+    """:func:`_state_of`'s ``state`` into ``obj``."""
+    if getattr(obj, "parameters_sharded", False):
+        for name, buffer in obj.module.named_buffers():
+            buffer.copy_(state["buffers"][name])
+        return
+    obj.load_state_dict(state)
+
+
 class Elastic:
     """This process's membership in an elastic job (see the module docs).
 
@@ -466,7 +494,7 @@ class Elastic:
         for name, obj in sorted(self._tracked.items()):
             kind = type(obj).__name__
             if isinstance(obj, torch.nn.Module):
-                state = obj.state_dict()
+                state = _state_forms(obj)
                 shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in state.items()]
                 digest.update(repr(shapes).encode())
                 elements = sum(t.numel() for t in state.values())
@@ -602,7 +630,7 @@ class Elastic:
     def _pack(self):
         buf = io.BytesIO()
         # A sharded optimizer's state moved with the change of members (``sharding.reshard``).
-        torch.save({"objects": {n: o.state_dict() for n, o in self._tracked.items() if not _sharded(o)},
+        torch.save({"objects": {n: _state_of(o) for n, o in self._tracked.items() if not _sharded(o)},
                     "step": self.step, "applied": self.applied, "history": self.history}, buf)
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
@@ -615,7 +643,7 @@ class Elastic:
                 raise MembershipError.of(
                     "refused", f"the members sent no state for {name!r}: track the same objects on every process"
                 )
-            obj.load_state_dict(state["objects"][name])
+            _load_state(obj, state["objects"][name])
         self.step, self.applied = state["step"], state["applied"]
         self.history = [tuple(h) for h in state["history"]]
         self._fresh = False

@@ -112,20 +112,26 @@ class Layout:
         """Whether this rank keeps a buddy partition besides its own."""
         return self.buddy_stride > 0
 
-    def lay_out(self, rank, world, buddy_stride=None):
+    def lay_out(self, rank, world, buddy_stride=None, read=True):
         """This rank's pieces for ``rank`` of ``world`` (and its buddy's,
-        ``buddy_stride`` ranks on: the roster's, after a change of members)."""
+        ``buddy_stride`` ranks on: the roster's, after a change of members).
+        Pieces that hold their values themselves read them from their
+        parameters, unless not ``read`` (parameter sharding after a change
+        of members: the parameters are released, and the caller writes the
+        pieces)."""
         self.rank, self.world = rank, world
+        self._read = read
         if buddy_stride is not None and self.buddy:
             self.buddy_stride = buddy_stride
         self.buckets = []
         self.pieces = []
         self.buddy_pieces = []
         for b, (numel, members) in enumerate(self.plan):
-            sizes = tuple(self.reals(self.params[i]) for i in members)
+            # (From the forms: a released parameter holds nothing, possibly in another dtype.)
+            sizes = tuple(self.reals(self.forms[i]) for i in members)
             (lo, hi, _), *buddy = held_ranges(numel, rank, world, self.buddy_stride)
             chunk = partition_of(numel, 0, world)[1]
-            wide = any(self.params[i].dtype in (torch.float64, torch.complex128) for i in members)
+            wide = any(self.forms[i].dtype in (torch.float64, torch.complex128) for i in members)
             self.buckets.append(BucketLayout(numel, tuple(members), sizes, chunk, (lo, hi), wide))
             self.pieces += self._pieces_of(b, members, sizes, (lo, hi), 0)
             for lo, hi, at in buddy:
@@ -167,9 +173,12 @@ class Layout:
             if lo < hi:
                 p = self.params[i]
                 owned = self.own_all or not p.is_contiguous()
-                tensor = flat_values(p)[lo - offset : hi - offset]
-                pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor.clone() if owned else tensor,
-                                    held_at + lo - span[0], owned))
+                if owned and not self._read:
+                    tensor = torch.empty(hi - lo, dtype=flat_values(self.forms[i]).dtype, device=p.device)
+                else:
+                    tensor = flat_values(p)[lo - offset : hi - offset]
+                    tensor = tensor.clone() if owned else tensor
+                pieces.append(Piece(i, b, lo, hi - lo, lo - offset, tensor, held_at + lo - span[0], owned))
             offset += size
         return pieces
 

@@ -14,11 +14,11 @@ from the forward that needs them to the end of the step::
           ``Partition.gather(everything=True)``), into fresh whole parameters;
           the gather's buffers go back to the runtime at once
 
-What this step does not do yet (the issue's later steps): units of
-modules gathered one at a time before their forward and again before their
-backward, released in between, which needs gathers during backward on a
-lane of their own. Until then the parameters are whole through forward and
+This is the residence of a model of one unit (no blocks to cut, or
+``shard_parameters=[]``): the parameters are whole through forward and
 backward, as under ``shard_gradients=True``, and released between steps.
+Units gathered one at a time, before their forward and again before their
+backward, on a lane of their own, are ``sharding.units``.
 
 A released parameter is an empty tensor (``numel() == 0``) of its dtype
 and device: the same ``Parameter`` object, so the optimizer, the hooks and
@@ -29,7 +29,8 @@ do (``model.whole_parameters()``, a collective every rank enters).
 
 import torch
 
-from gradsync._errors import ConfigError
+from gradsync._errors import ConfigError, StepFailedError
+from gradsync.torch.sharding.norm import LOST
 
 
 class ShardedParameters:
@@ -64,6 +65,17 @@ class ShardedParameters:
         #: (``param_dtype``, when every member computes in it), else ``None``
         #: (the bucket's own); ``None`` for all: none narrower.
         self.carries = None
+        #: In an elastic job, the failure of a gather in this membership
+        #: epoch (a member lost), or ``None``: from then on the step's
+        #: gathers make no collective and leave zeros, so its forward and
+        #: backward run to their end (the lost member fails the step's own
+        #: collectives, and the members settle). Cleared when they settle
+        #: (:meth:`discard`).
+        self.broken = None
+        #: Whether this rank computed with a parameter left zeros by a
+        #: failed gather (not only served one): its gradients of the step
+        #: are not summed again by anyone (:meth:`lost_gather`).
+        self.spoiled = False
 
     @torch.no_grad()
     def compute_in(self, dtype):
@@ -139,7 +151,7 @@ class ShardedParameters:
         parameters (when whole), then every parameter's memory is released
         (each an empty tensor)."""
         part = self._partition
-        if self.whole:
+        if self.whole and self.broken is None:  # (after a failed gather they hold zeros)
             part.refresh()
         for i, p in enumerate(part.params):
             if p.numel():
@@ -173,12 +185,21 @@ class ShardedParameters:
             )
         part = self._partition
         self.gathered = True
-        try:
-            part.gather(everything=True, before_unpack=lambda b: self._allocate(b, exact),
-                        carries=None if exact else self.carries)
-        finally:
-            # The buffers held the whole model again: back to the runtime until the next gather.
-            part.gathering.drop()
+        if self.broken is None:
+            try:
+                part.gather(everything=True, before_unpack=lambda b: self._allocate(b, exact),
+                            carries=None if exact else self.carries)
+            except LOST as error:
+                self.lost(error, exact)
+            finally:
+                # The buffers held the whole model again: back to the runtime until the next gather.
+                part.gathering.drop()
+        if self.broken is not None:
+            if exact:
+                raise StepFailedError(f"the parameters could not be gathered whole: {self.lost_gather()}")
+            self.spoiled = True
+            for b in range(len(part.buckets)):
+                self._allocate(b, exact, zeros=True)
         self.whole = True
         part.sharded_step.gathered()
         return True
@@ -188,12 +209,15 @@ class ShardedParameters:
         :meth:`assemble`."""
         return self.assemble(exact=True)
 
-    def _allocate(self, b, exact=False):
+    def _allocate(self, b, exact=False, zeros=False):
         """Whole memory for bucket ``b``'s parameters, in their step dtype
-        (``exact``: their own)."""
+        (``exact``: their own); ``zeros``: filled with zeros (a gather that
+        failed: :attr:`broken`)."""
         for i in self._partition.buckets[b].members:
             if not self._partition.params[i].numel():
                 self._new_whole(i, exact)
+                if zeros:
+                    self._partition.params[i].data.zero_()
 
     def _new_whole(self, i, exact):
         """Parameter ``i`` given new whole memory in its step dtype
@@ -202,6 +226,39 @@ class ShardedParameters:
         dtype = form.dtype if exact else self.step_dtypes[i]
         self._flipped |= dtype != p.dtype
         p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
+
+    def lost(self, error, exact=False):
+        """A gather failed (``error``): in an elastic job a member was lost,
+        and this rank goes on to its step's end without collectives on the
+        gathers (:attr:`broken`); otherwise, or for ``whole_parameters``
+        (``exact``: its values would be saved), it is raised."""
+        if self._partition.recover is None:
+            raise error
+        self.broken = error
+        if exact:
+            raise StepFailedError(
+                f"the parameters could not be gathered whole ({error}): a member was lost. Nothing was read or "
+                "written; the job recovers in its next step. Call it again (every member) after that step"
+            ) from error
+
+
+    def lost_gather(self):
+        """Why this rank's gradients of the step cannot be summed (a gather
+        of the step failed: they were computed from zeros), or ``None``."""
+        return f"a parameter gather failed ({self.broken})" if self.spoiled else None
+
+    def discard(self):
+        """The members settled after a change (``sharding.reshard``): the
+        pieces hold the new layout's values, so every parameter is released
+        without reading it back, nothing is owed to anyone's gathers, and
+        the next forward gathers on every member."""
+        part = self._partition
+        for i, p in enumerate(part.params):
+            if p.numel():
+                self._released(i)
+        self.whole = self.gathered = self.spoiled = False
+        self.broken = None
+        self.hook_again()
 
     def forget(self):
         """After a failed step's reset (every rank): released, whatever
@@ -224,9 +281,13 @@ class ShardedParameters:
             return
         part = self._partition
         self.gathered = True
+        if self.broken is not None:
+            return
         try:
             part.pack_every(part.gathering.buffers(part.gather_sizes(self.carries)), self.carries)
             part.gathering.run()
+        except LOST as error:
+            self.lost(error)
         finally:
             part.gathering.drop()
 

@@ -1,6 +1,7 @@
 """A sharded model through a change of members (an elastic job with
-``shard_gradients=True``): nothing of the optimizer is lost, and every
-survivor ends on the same step.
+``shard_gradients=True`` or ``shard_parameters=True``): nothing of the
+optimizer or of the parameters is lost, and every survivor ends on the
+same step.
 
 Each rank keeps its own partition of every bucket and its *buddy's* (the
 partition of the rank ``buddy_stride`` on, which the roster picks on
@@ -30,7 +31,10 @@ at), on the new group's state group:
    its runs of parameters and optimizer state (bit for bit, a broadcast per
    run), every member writes the parameters (repairing an all-gather the
    loss cut short) and keeps the state of its new partition and new buddy
-   partition. An element no member holds (a rank and its buddy lost
+   partition. Under parameter sharding (``shard_parameters=True``) the
+   parameters are released and the pieces hold their values: each member
+   writes its new pieces (its own and its buddy's) instead, and its next
+   forward gathers. An element no member holds (a rank and its buddy lost
    together) is a :class:`gradsync.MembershipError`: the shard is lost.
 
 After a settlement the step's remaining collectives (clip, optimizer step,
@@ -183,12 +187,14 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
         if coef is not None and not mine_clipped:
             part.scale(wanted, coef)
         optimizer._quiet = True  # (no commit, no gather: the settlement moves the parameters)
-        part.refresh()
+        if part.residence is None:  # (sharded parameters: the pieces are the values)
+            part.refresh()
         try:
             optimizer.inner.step()
         finally:
             optimizer._quiet = False
-        part.write_owned()
+        if part.residence is None:
+            part.write_owned()
         step.settlement_stepped()
     # (Laggards stepped up to those ahead; with nobody ahead, every holder stepped.)
     return False, top if behind else top + 1
@@ -212,7 +218,9 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
             merged.setdefault(i, entry)
     keys = sorted({k for entry in merged.values() for k, (kind, _) in entry.items() if kind == "tensor"})
     dtypes = {k: kind_dtype for entry in merged.values() for k, (kind, kind_dtype) in entry.items() if kind == "tensor"}
-    part.lay_out(rank, world, buddy_stride)
+    # Sharded parameters are released: the new pieces are written from the sources' below.
+    sharded_parameters = part.residence is not None
+    part.lay_out(rank, world, buddy_stride, read=not sharded_parameters)
     fresh = {}
     for b, (numel, members) in enumerate(part.plan):
         rows = 1 + len(keys)
@@ -228,9 +236,13 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
             if world > 1:
                 states.broadcast([data], source)
             full[:, lo:hi] = data
-        sizes = [part.reals(part.params[i]) for i in members]
-        for i, values in zip(members, full[0].split(sizes)):
-            write_values(part.params[i], values)
+        if sharded_parameters:
+            for piece in part.held_of_bucket.get(b, ()):
+                piece.tensor.copy_(full[0, piece.start : piece.start + piece.length])
+        else:
+            sizes = [part.reals(part.params[i]) for i in members]
+            for i, values in zip(members, full[0].split(sizes)):
+                write_values(part.params[i], values)
         for piece in part.held_of_bucket.get(b, ()):
             if piece.param not in merged:
                 continue

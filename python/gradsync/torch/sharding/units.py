@@ -59,8 +59,9 @@ import zlib
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradsync._errors import ConfigError
+from gradsync._errors import ConfigError, StepFailedError
 from gradsync.torch.sharding.layout import flat_values
+from gradsync.torch.sharding.norm import LOST
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.unit_modules import BackwardEnds, Call, Unit, entries
 
@@ -183,7 +184,8 @@ class UnitResidence(ShardedParameters):
             self._learned = self._order
         self._order = []
         part = self._partition
-        whole = {i for unit in self.units if unit.whole or self.whole for i in unit.params}
+        # (After a failed gather the whole units hold zeros, never read back.)
+        whole = {i for unit in self.units if (unit.whole or self.whole) and self.broken is None for i in unit.params}
         for piece in part.owned:
             if piece.param in whole and part.params[piece.param].numel() and not self.rounded(piece.param):
                 values = flat_values(part.params[piece.param])
@@ -223,6 +225,19 @@ class UnitResidence(ShardedParameters):
         self.lane.reset()
         self._served = True
         self.release(step_ended=False)
+
+    def discard(self):
+        """The members settled after a change (``sharding.reshard``), on a
+        new lane: every unit released without reading it back (the pieces
+        hold the new layout's values), nothing owed to anyone's rounds."""
+        self._prefetching = None
+        self._order = []
+        for unit in self.units:
+            unit.whole, unit.forwards, unit.holds, unit.calls, unit.recomputes = False, 0, [], [], []
+            unit.reserved = False
+        self._kept = [None] * len(self._partition.params)
+        super().discard()
+        self._served = True
 
     def remove_hooks(self):
         """Take the units' hooks off their modules (the wrapper closed)."""
@@ -344,15 +359,24 @@ class UnitResidence(ShardedParameters):
         for started on the lane (after a prefetch in flight is finished:
         one round at a time). ``None`` when nobody asked for anything."""
         self._finish_prefetch()
-        counts = self.lane.needs([1 if u.index in wanted else 0 for u in self.units])
-        asked = [u for u, count in zip(self.units, counts) if count]
         if not serving:
             self._served = False
-        if not asked:
-            return None
-        flight = self.lane.start(self._partition, [b for u in asked for b in u.buckets],
-                                 None if self._exact else self.carries)
-        return (asked, set(wanted), flight)
+        if self.broken is None:
+            try:
+                counts = self.lane.needs([1 if u.index in wanted else 0 for u in self.units])
+                asked = [u for u, count in zip(self.units, counts) if count]
+                if not asked:
+                    return None
+                flight = self.lane.start(self._partition, [b for u in asked for b in u.buckets],
+                                         None if self._exact else self.carries)
+                return (asked, set(wanted), flight)
+            except LOST as error:
+                self.lost(error, self._exact)
+        # A gather failed in this epoch (``broken``): no collective; what is wanted is left zeros.
+        if self._exact and wanted:
+            raise StepFailedError(f"the parameters could not be gathered whole: {self.broken}")
+        asked = [u for u in self.units if u.index in wanted]
+        return (asked, set(wanted), None) if asked else None
 
     def _close(self, opened, everything=False):
         """A round's second half: each gather waited for; what this rank
@@ -372,7 +396,19 @@ class UnitResidence(ShardedParameters):
                     failure = error
             return b in keep and failure is None
 
-        self.lane.finish(flight, self._partition, before_unpack)
+        if flight is not None:
+            try:
+                self.lane.finish(flight, self._partition, before_unpack)
+            except LOST as error:
+                self.lost(error, self._exact)
+        if self.broken is not None and keep:  # (what was not read back is left zeros)
+            self.spoiled = True
+            for b in sorted(keep):
+                if failure is None and not all(self._partition.params[i].numel()
+                                               for i in self._partition.buckets[b].members):
+                    before_unpack(b)
+                    for i in self._partition.buckets[b].members:
+                        self._partition.params[i].data.zero_()
         if failure is not None:
             self.gathered = True  # (assemble refuses until abort_step)
             raise failure

@@ -21,11 +21,12 @@ are reached (``sharding.clip`` redirects them for a sharded wrapper's tensors).
 """
 
 import contextlib
+import logging
 import sys
 
 import torch
 
-from gradsync._errors import ConfigError
+from gradsync._errors import ConfigError, StepFailedError
 from gradsync.torch.sharding import clip as _clip
 from gradsync.torch.sharding import trainer_saves
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
@@ -38,6 +39,8 @@ from gradsync._native import Lane
 from gradsync.torch.sharding.reshard import settle
 
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
+
+log = logging.getLogger("gradsync.elastic")
 
 #: Whether a sharded wrapper's buckets are reduce-scattered on gloo too. Off:
 #: gloo's reduce-scatter costs more than its all-reduce (24 MB over 4 CPU
@@ -63,11 +66,11 @@ def refuse(settings, sparse_names):
             f"shard_gradients=True and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
             "build the embeddings with sparse=False"
         )
-    if settings.get("shard_parameters") not in (None, False) and settings.get("elastic") is not None:
+    if settings.get("param_dtype") is not None and settings.get("elastic") is not None:
         raise ConfigError(
-            "shard_parameters=True in an elastic job is not built yet: a lost rank's pieces of the parameters need "
-            "buddy copies, which come in a later step. Use shard_gradients=True in an elastic job (its parameters "
-            "are whole on every rank, its gradients and optimizer state sharded with buddies)"
+            "param_dtype in an elastic job is not built yet: the parameters are released when the model is "
+            "wrapped, before the job's first step boundary sends rank 0's values to every member. Leave param_dtype "
+            "unset (shard_parameters=True works in an elastic job) and compute in bfloat16 with torch.autocast"
         )
 
 
@@ -99,6 +102,8 @@ class Sharding:
     """The sharded part of ``DistributedDataParallel`` (see the module docs)."""
 
     _partition = None
+    #: What a gather lane is built from (``_open_lane``), or ``None``: no lane.
+    _lane_parts = None
 
     def _start_sharding(self, reals, elastic, parameters=False, param_dtype=None):
         """Lay this rank's partition over the runtime's plan (after the
@@ -148,29 +153,64 @@ class Sharding:
             trainer_saves.install_lightning(strategies.DDPStrategy)
 
     def _open_lane(self, collectives, arrivals, plane_device):
-        """The gather lane of parameter sharding by units: a communicator
-        of its own (its group under this wrapper's prefix, its device
-        plane's stream and NCCL communicator) and the runtime's ``Lane``
-        thread over it; closed with the wrapper."""
+        """The gather lane of parameter sharding by units (:meth:`_new_lane`),
+        closed with the wrapper."""
+        self._lane_parts = (collectives, arrivals, plane_device)
+        self._retired_lanes = []
+        residence = self._partition.residence
+        self._sync.on_close.append(lambda: residence.lane.close())
+        self._sync.on_close.append(residence.remove_hooks)
+        self._new_lane()
+
+    def _new_lane(self):
+        """A gather lane for the current members: a communicator of its own
+        (its group under this wrapper's prefix, its device plane's stream
+        and NCCL communicator; in an elastic job the job's cancellation,
+        so a member gone silent fails its gathers too) and the runtime's
+        ``Lane`` thread over it. The lane of earlier members, if any, is
+        stopped (its group kept: a gloo group waiting on a vanished peer
+        blocks its destructor). Every member calls it at the same point."""
+        collectives, arrivals, plane_device = self._lane_parts
+        elastic = self._sync.elastic
         comm = TorchCommunicator(
             store=self._store, prefix=f"{self._prefix}/lane", rank=self._rank, world=self._world,
             timeout_s=self._timeout_s, shim=collectives, plane_device=plane_device,
+            cancel=None if elastic is None else elastic.cancel,
+            membership_epoch=0 if elastic is None else elastic.epoch,
         )
         lane = Lane(comm, self._rank, self._world, timeout_s=self._timeout_s)
-        gathering = LaneGather(lane, comm, arrivals.host_bucket, comm if plane_device is not None else None)
-        self._partition.residence.lane = gathering
-        self._sync.on_close.append(gathering.close)
-        self._sync.on_close.append(self._partition.residence.remove_hooks)
-        self._partition.residence.agree()
+        residence = self._partition.residence
+        if residence.lane is not None:
+            residence.lane.close()
+            self._retired_lanes.append(residence.lane)
+        residence.lane = LaneGather(lane, comm, arrivals.host_bucket, comm if plane_device is not None else None)
+        residence.agree()
 
     def _settle_members(self, rank, world, buddy_stride):
         """A change of members (``reconfigure``): the partitions move to the
         new layout (buddy copies ``buddy_stride`` ranks on), losing nothing
-        (``sharding.reshard.settle``). Returns whether this rank dropped a step it
-        had applied."""
+        (``sharding.reshard.settle``). Sharded parameters are then released
+        on every member (the pieces hold the new layout's values) and
+        gathered by the next forward, on a new lane. Returns whether this
+        rank dropped a step it had applied."""
         if self._partition is None:
             return False
-        return settle(self._partition, self._states, rank, world, buddy_stride=buddy_stride)
+        dropped = settle(self._partition, self._states, rank, world, buddy_stride=buddy_stride)
+        residence = self._partition.residence
+        if residence is not None:
+            if self._lane_parts is not None:
+                self._new_lane()
+            residence.discard()
+        return dropped
+
+    def broadcast_module_states(self):
+        """``DistributedDataParallel.broadcast_module_states``; with sharded
+        parameters whole (an elastic job's first boundary: the model as
+        built), the pieces then read rank 0's values."""
+        super().broadcast_module_states()
+        residence = self._partition.residence if self._partition is not None else None
+        if residence is not None and residence.whole:
+            self._partition.refresh()
 
     def boundary_passed(self):
         """An elastic job's step boundary passed: the next step makes its
@@ -196,6 +236,22 @@ class Sharding:
     def parameters_sharded(self):
         """Whether parameters are sharded too (``shard_parameters=True``)."""
         return self._partition is not None and self._partition.residence is not None
+
+    @property
+    def parameter_bytes(self):
+        """Bytes of parameter values this rank keeps between steps: every
+        synchronized parameter whole, or, with ``shard_parameters=True``,
+        its pieces of them (in an elastic job its buddy's too), which are
+        all a released parameter keeps."""
+        if self.parameters_sharded:
+            return sum(piece.tensor.numel() * piece.tensor.element_size()
+                       for piece in self._partition.every_held_piece())
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+    def parameter_forms(self):
+        """Every synchronized parameter's whole shape and dtype, by name, as
+        a tensor without data (``meta``), whether or not it is released."""
+        return dict(zip(self._names, self._partition.forms))
 
     def _shadow_gathers(self):
         """This rank ran out of data (``join``) and shadows a step of the
@@ -279,6 +335,9 @@ class Sharding:
         gathered the parameters releases them again (no backward needs them)."""
         if self._partition is None or self._partition.residence is None:
             return
+        if not grad_enabled and self._partition.residence.spoiled:
+            log.warning("gradsync elastic: a member was lost during an evaluation forward's parameter gathers: its "
+                        "output was computed with zeros where they failed; the job recovers in its next step")
         if gathered and not grad_enabled:
             self._partition.residence.release(step_ended=False)
         else:
@@ -293,6 +352,8 @@ class Sharding:
         parameters inside is kept. On a wrapper whose parameters are not
         sharded it does nothing."""
         residence = self._partition.residence if self._partition is not None else None
+        if residence is not None and residence.spoiled:
+            raise StepFailedError(f"the parameters could not be gathered whole: {residence.lost_gather()}")
         if residence is None or residence.whole:
             yield self
             return

@@ -1,0 +1,137 @@
+"""Elastic jobs with sharded parameters (``--shard-params``: ZeRO-3, each
+block of the example gathered for its forward and its backward on the
+gather lane): a rank keeps its pieces of the parameters and its buddy's,
+so a lost rank loses nothing. The same example and checks as
+``test_elastic_sharded``: the survivors bitwise identical, equal to one
+process replaying the applied steps, each step's gradient norm equal to
+the replay's.
+
+What differs from ``shard_gradients=True``: a member lost while the others
+gather (their forward, their backward) fails those gathers; each survivor
+runs its forward and backward to their end on zeros where a gather
+failed, and the step's own collectives then fail and the members settle
+as usual. A survivor that computed with such zeros cannot contribute the
+step again, so under the partial policy a loss during the forward's
+gathers skips the step (a loss late in backward, where a survivor only
+served the others' rounds, does not). The optimizer step gathers nothing
+under ZeRO-3: a loss there shows at the next boundary.
+"""
+
+import pytest
+from test_elastic import PACED, exact, explain, launch, rejoined
+from test_elastic import test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves as _silent
+from test_elastic_sharded import skipped
+
+PARAMS = ("--shard-params",)
+
+# (rank, phase, policy, steps the survivors may skip, extra arguments).
+KILLS = [
+    # Late in backward (the first block's gradient hook): the survivors'
+    # rounds left were serving only, their gradients whole: reduced again.
+    (1, "backward", "partial", 0, ("--adamw", "--clip", "0.5")),
+    # Mid-forward: the survivors' gathers fail, they compute on zeros; skipped.
+    (0, "forward", "skip", 1, ("--buffer",)),
+]
+SLOW_KILLS = [
+    (0, "forward", "partial", 1),  # a survivor computed on zeros: nobody sums it again
+    (2, "backward", "skip", 1),
+    (0, "collective", "skip", 1),
+    (2, "collective", "partial", 1),
+    (2, "optimizer", "skip", 0),  # every survivor holds the averages: all step in the settlement
+    (1, "optimizer", "partial", 0),
+    (2, "gather", "skip", 1),  # (after its optimizer step: seen at the next boundary, as "between")
+    (1, "between", "skip", 1),
+    (0, "boundary", "partial", 1),
+]
+
+
+def _killed(tmp_path, rank, phase, policy, allowed, *extra):
+    proc, found = launch(tmp_path, 3, "--steps", "10", *PARAMS, "--kill", f"{rank}@4:{phase}",
+                         "--abort-policy", policy, *extra)
+    first = exact(proc, found, {0, 1, 2} - {rank})
+    assert skipped(first, 10) <= allowed, f"{skipped(first, 10)} steps skipped\n{explain(proc)}"
+    assert [w for _, w, *_ in first["history"]][-1] == 2
+    return proc
+
+
+@pytest.mark.parametrize("rank,phase,policy,allowed,extra", KILLS)
+def test_a_parameter_sharded_job_loses_nothing_when_a_rank_is_killed(tmp_path, rank, phase, policy, allowed, extra):
+    proc = _killed(tmp_path, rank, phase, policy, allowed, *extra)
+    assert f"members [{rank}] lost" in proc.stderr, explain(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,phase,policy,allowed", SLOW_KILLS)
+def test_every_phase_of_a_parameter_sharded_job_keeps_the_survivors_exact(tmp_path, rank, phase, policy, allowed):
+    _killed(tmp_path, rank, phase, policy, allowed, "--buffer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,phase,policy,allowed", [(0, "forward", "skip", 1), (1, "backward", "partial", 0),
+                                                       (2, "optimizer", "skip", 0)])
+def test_a_job_that_gathers_the_whole_model_once_per_step_loses_nothing(tmp_path, rank, phase, policy, allowed):
+    """``shard_parameters=[]`` (one unit: the whole model gathered at the
+    step's first forward, on the runtime's own communicator): a failed
+    gather fails the step like a failed reduction."""
+    proc, found = launch(tmp_path, 3, "--steps", "10", "--shard-params", "whole", "--kill", f"{rank}@4:{phase}",
+                         "--abort-policy", policy, "--buffer")
+    first = exact(proc, found, {0, 1, 2} - {rank})
+    assert skipped(first, 10) <= allowed, f"{skipped(first, 10)} steps skipped\n{explain(proc)}"
+
+
+def test_a_rank_and_its_buddy_lost_together_end_the_parameter_sharded_job_saying_the_shard_is_lost(tmp_path):
+    """Ranks 1 and 2 of 4 die at once in forward: partition 2 of the
+    parameters lived on both. The survivors stop with the ``shard_lost``
+    error (which names the ranks and the way out) instead of gathering
+    parameters nobody holds."""
+    proc, _ = launch(tmp_path, 4, "--steps", "10", *PARAMS, "--kill", "1@4:forward", "--kill", "2@4:forward")
+    assert proc.returncode == 1, explain(proc)
+    assert "(shard_lost)" in proc.stderr and "ranks [1, 2] of the last membership" in proc.stderr, explain(proc)
+    assert "restart it from the last sharded checkpoint" in proc.stderr, explain(proc)
+
+
+@pytest.mark.slow
+def test_after_a_lost_parameter_shard_the_job_restarts_from_its_checkpoint_exactly(tmp_path):
+    """The way out: a job of 4 saves a sharded checkpoint after step 3,
+    loses ranks 1 and 2 together at step 4 and stops; a job of the 2
+    members left loads it and ends equal to the replay of the whole
+    history (steps 0-3 at world 4, the rest at world 2)."""
+    ckpt = str(tmp_path / "ckpt")
+    proc, _ = launch(tmp_path, 4, "--steps", "10", *PARAMS, "--save-at", "3", "--checkpoint", ckpt,
+                     "--kill", "1@4:forward", "--kill", "2@4:forward")
+    assert proc.returncode == 1 and "(shard_lost)" in proc.stderr, explain(proc)
+    again = tmp_path / "restart"
+    again.mkdir()
+    proc, found = launch(again, 2, "--steps", "10", *PARAMS, "--resume", ckpt, "--data-world", "4")
+    first = exact(proc, found, {0, 1})
+    assert [(s, w) for s, w, *_ in first["history"]] == [(s, 4) for s in range(4)] + [(s, 2) for s in range(4, 10)]
+
+
+@pytest.mark.slow
+def test_two_ranks_lost_that_are_not_buddies_lose_no_parameter(tmp_path):
+    """Ranks 1 and 3 of 4 die at once: each one's pieces live on at the
+    rank before it, and the two survivors go on exactly."""
+    proc, found = launch(tmp_path, 4, "--steps", "10", *PARAMS, "--kill", "1@4:forward", "--kill", "3@4:forward")
+    first = exact(proc, found, {0, 2})
+    assert [w for _, w, *_ in first["history"]][-1] == 2
+
+
+@pytest.mark.slow
+def test_a_replacement_of_a_parameter_sharded_rank_receives_its_pieces(tmp_path):
+    """Rank 1 of 3 killed; its replacement (which built the model whole,
+    from its own initialization) is admitted, receives its pieces of the
+    parameters and of the optimizer state and its buddy's, gathers like the
+    others from its first step on, and the job ends with three bitwise
+    identical members equal to the replay."""
+    proc, found = launch(tmp_path, 3, "--steps", "300", *PACED, *PARAMS, "--kill", "1@3:backward", rejoin=True)
+    rejoined(proc, found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,phase", [(1, "freeze"), (0, "stall")])
+def test_a_silent_parameter_sharded_rank_is_found_and_its_pieces_move(tmp_path, rank, phase):
+    """A rank frozen with SIGSTOP (its sockets open) while the others
+    gather: the liveness monitor breaks the epoch, which cancels the
+    gather lane's collectives too (the lane waits on the job's
+    cancellation), and the survivors settle from the buddy copies."""
+    _silent(tmp_path, rank, phase, ("--shard-params",))
