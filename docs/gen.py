@@ -361,17 +361,18 @@ def sharded_elastic() -> str:
     if not SHARDED_ELASTIC.is_file():
         raise Missing(f"{SHARDED_ELASTIC.relative_to(ROOT)} is missing: run benches/torch/sharded_elastic.py --json")
     run = json.loads(SHARDED_ELASTIC.read_text())
-    out = ["| world | averaged gradients per rank, MB: unsharded | sharded with a buddy copy | "
-           "optimizer state per rank, MB: unsharded | sharded with a buddy copy |", "|---|---|---|---|---|"]
-    by = {(r["world"], r["sharded"]): r for r in run["memory"]}
-    for world in sorted({r["world"] for r in run["memory"]}):
-        whole, part = by[(world, False)], by[(world, True)]
-        out.append(f"| {world} | {whole['runtime_bytes'] / 1e6:.2f} | {part['runtime_bytes'] / 1e6:.2f} | "
-                   f"{whole['optimizer_bytes'] / 1e6:.2f} | {part['optimizer_bytes'] / 1e6:.2f} |")
-    out += ["", "| a rank killed before its optimizer step | failure → new group, ms | steps skipped |", "|---|---|---|"]
+    what = {"unsharded": "unsharded", "gradients": "`shard_gradients=True`, with a buddy copy",
+            "parameters": "`shard_parameters=True`, with a buddy copy"}
+    out = ["| world | sharded | parameters per rank between steps, MB | averaged gradients per rank, MB | "
+           "optimizer state per rank, MB |", "|---|---|---|---|---|"]
+    for r in run["memory"]:
+        out.append(f"| {r['world']} | {what[r['mode']]} | {r['parameter_bytes'] / 1e6:.2f} | "
+                   f"{r['runtime_bytes'] / 1e6:.2f} | {r['optimizer_bytes'] / 1e6:.2f} |")
+    out += ["", "| a rank killed | sharded | failure → new group, ms | steps skipped |", "|---|---|---|---|"]
     for k in run["kills"]:
-        what = "sharded (state moved from the buddies)" if k["sharded"] else "unsharded"
-        out.append(f"| world {k['world']} → {k['world'] - 1}, {what} | {k['recovery_s'] * 1e3:.0f} | {k['skipped']} |")
+        when = "before its optimizer step" if k["phase"] == "optimizer" else f"in its {k['phase']}"
+        out.append(f"| {when}, world {k['world']} → {k['world'] - 1} | {what[k['mode']]} | "
+                   f"{k['recovery_s'] * 1e3:.0f} | {k['skipped']} |")
     meta = run["meta"]
     out.append(f"\n{meta['machine']}; the elastic example's model at width {meta['width']} (SGD with momentum); "
                f"`{meta['command']}`.")

@@ -163,7 +163,11 @@ def test_sharded_side_by_side_one_case(tmp_path):
 def test_sharded_elastic_memory_and_a_kill(tmp_path):
     bench("sharded_elastic.py", "--worlds", "3", "--width", "16", "--steps", "6", "--json", tmp_path / "e.json",
           timeout=420)
-    assert json.loads((tmp_path / "e.json").read_text())
+    run = json.loads((tmp_path / "e.json").read_text())
+    held = {r["mode"]: r["parameter_bytes"] for r in run["memory"]}
+    # Sharded parameters with a buddy copy: 2 of 3 partitions' pieces, not the whole model.
+    assert held["parameters"] < held["gradients"] == held["unsharded"], held
+    assert {(k["mode"], k["phase"]) for k in run["kills"]} >= {("parameters", "forward"), ("parameters", "optimizer")}
 
 
 def test_elastic_recovery_its_parts(tmp_path):
