@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from gradsync import _core
-from gradsync._errors import ClosedError, ConfigError, StepFailedError, UnfinishedStepError
+from gradsync._errors import ClosedError, ConfigError, MembershipError, StepFailedError, UnfinishedStepError
 from gradsync._record import PythonRecord
 
 
@@ -32,6 +32,11 @@ class FakeSession:
         self.current_step += 1
         return result
 
+    def abort(self, step, reason):
+        """As ``finish``; the reason is kept (``aborted``)."""
+        self.aborted = (step, reason)
+        return self.finish(step)
+
     def set_wire_dtype(self, wire):
         self.wire = wire
 
@@ -46,6 +51,11 @@ class FakeFramework:
         self.calls = []
         self.lend = lend
         self.records = 0
+        #: What ``lost_gather`` answers (a sharded gather failed mid-step).
+        self.spoiled = None
+
+    def lost_gather(self):
+        return self.spoiled
 
     def new_record(self):
         self.records += 1
@@ -206,6 +216,29 @@ def test_in_an_elastic_job_a_step_reduced_again_is_applied_and_told(sync):
     sync.end_of_backward()
     assert sync.elastic.seen == [("recover", "rank 1 left"), ("ended", 0), ("applied", 0)]
     assert ("write", 0) in sync.framework.calls
+
+
+def test_a_rank_whose_gradients_came_from_a_failed_gather_aborts_its_part_of_the_step(sync):
+    # Sharded parameters in an elastic job: a member lost during the gathers left this rank's gradients
+    # computed from zeros. It ends the step with an abort (never summed again under the partial policy);
+    # the lost member fails the step's collectives, and the survivors recover as after any failed step.
+    sync.elastic = FakeMembership(redone=None)
+    sync.framework.spoiled = "a parameter gather failed (rank 1 left)"
+    synchronized_backward(sync)
+    sync.session.results.append(StepFailedError("rank 1 left"))
+    assert sync.end_of_backward() is None
+    assert sync.session.aborted[0] == 0 and sync.elastic.seen == [("recover", "rank 1 left")]
+    assert sync.framework.calls == ["held", "clear"]
+
+
+def test_a_failed_gather_whose_step_still_completes_is_a_broken_membership(sync):
+    # No member was lost (the step's own collectives completed) though a gather failed: not guessed at.
+    sync.elastic = FakeMembership(redone=None)
+    sync.framework.spoiled = "a parameter gather failed (a timeout)"
+    synchronized_backward(sync)
+    sync.session.results.append(FakeResult(0, applied=False, outcome="skipped"))
+    with pytest.raises(MembershipError, match="step 0: a parameter gather failed"):
+        sync.end_of_backward()
 
 
 def test_the_wire_type_is_chosen_before_training_only(sync):
