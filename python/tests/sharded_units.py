@@ -306,3 +306,104 @@ def _lost_gathers(rank, world, units, wrapped, opt, batch):
     except StepFailedError as error:
         seen["whole"] = f"refused: {error}"
     return seen
+
+
+def meta_init(rank, world, units=True, steps=3, param_dtype=None, default_init=False):
+    """:class:`Stack` built on the meta device and wrapped: materialized a
+    unit at a time (the most parameter bytes whole at once, seen from each
+    module's initialization), every rank's values rank 0's (each rank seeds
+    differently here), then ``steps`` steps next to one process that starts
+    from the materialized values (the largest difference). ``default_init``:
+    no ``param_init`` (each module's ``reset_parameters()``; nothing seen then)."""
+    with torch.device("meta"):
+        model = Stack("reentrant").double()
+    torch.manual_seed(100 + rank)  # (after Stack's own seed: the initializations differ by rank, rank 0's must win)
+    whole_now = []
+    recorded = {}
+
+    def init(module):  # (called on every module, as module.apply calls its function)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        for p in module.parameters(recurse=False):
+            recorded[len(recorded)] = p.sum().item()  # (this rank's own values, before rank 0's are sent)
+        # (Whole: its storage holds every element; a placeholder holds one, expanded.)
+        whole_now.append(sum(p.numel() * p.element_size() for p in model.parameters()
+                             if p.untyped_storage().nbytes() >= p.numel() * p.element_size()))
+
+    settings = {} if param_dtype is None else {"param_dtype": param_dtype}
+    if not default_init:
+        settings["param_init"] = init
+    wrapped = GradsyncDDP(model, shard_parameters=units, bucket_cap_mb=0.001, **settings)
+    try:
+        with wrapped.whole_parameters():
+            start = {n: p.detach().clone() for n, p in wrapped.module.named_parameters()}
+        reference = Stack("reentrant").double()
+        reference.load_state_dict(start)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+        worst = 0.0
+        for step in range(steps):
+            ref_opt.zero_grad()
+            reference(_batch(step, None, world)).square().mean().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            wrapped(_batch(step, rank, world)).square().mean().backward()
+            opt.step()
+        with wrapped.whole_parameters():
+            worst = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), wrapped.module.parameters()))
+        unit_bytes = max(sum(p.numel() * 8 for p in block.parameters()) for block in reference.blocks)
+        root_bytes = sum(p.numel() * 8 for n, p in reference.named_parameters() if not n.startswith("blocks."))
+        # In the order the units were initialized: this rank's own draws, and what it started from.
+        order = recorded_names(model, list(model.blocks) if units is True else [])
+        return {"recorded": list(recorded.values()), "start": [start[n].sum().item() for n in order], "worst": worst,
+                "most_whole": max(whole_now, default=0), "unit_bytes": unit_bytes, "root_bytes": root_bytes,
+                "model_bytes": sum(p.numel() * 8 for p in reference.parameters()),
+                "released": all(p.numel() == 0 for p in wrapped.module.parameters())}
+    finally:
+        wrapped.close()
+
+
+def recorded_names(model, listed):
+    """The parameters' names in the order ``meta_init``'s ``init`` saw them:
+    unit by unit (the root, then each block), each unit's modules children
+    first (``sharding.materialize``)."""
+    from gradsync.torch.sharding.materialize import unit_modules
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for unit in unit_modules(model, listed):
+        for m in reversed(unit):
+            out += [names[id(p)] for p in m.parameters(recurse=False)]
+    return out
+
+
+class _NoReset(nn.Module):
+    """A module with a parameter of its own and no ``reset_parameters``."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def meta_refusals(rank, world):
+    """What each refused meta wrapping says (a fragment of each message)."""
+    said = []
+    cases = [
+        (lambda: nn.Linear(WIDTH, WIDTH, device="meta"), {}, "shard_parameters=True, which materializes it"),
+        (lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), _NoReset()).to("meta"), {"shard_parameters": True},
+         "no reset_parameters()"),
+        (lambda: nn.Linear(WIDTH, WIDTH), {"shard_parameters": True, "param_init": lambda m: None},
+         "param_init initializes a model built on the meta device"),
+        (lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH, device="meta")),
+         {"shard_parameters": True}, "several devices"),
+    ]
+    for build, settings, fragment in cases:
+        try:
+            GradsyncDDP(build(), **settings).close()
+            said.append("accepted")
+        except ConfigError as error:
+            said.append(fragment if fragment in str(error) else str(error))
+    return said

@@ -151,3 +151,28 @@ def test_a_failed_gather_in_an_elastic_job_never_spreads_zeros(world2, units):
         assert not any(seen["grads"]), f"rank {rank}: a spoiled step left gradients"
         assert seen["pieces_kept"], f"rank {rank}: the pieces read back zeros"
         assert seen["whole"].startswith("refused: the parameters could not be gathered whole"), f"rank {rank}"
+
+
+@pytest.mark.parametrize("units,default_init", [(True, False), ([], False), (True, True)],
+                         ids=["by-blocks", "whole-model", "by-blocks-reset-parameters"])
+def test_a_model_built_on_the_meta_device_is_materialized_a_unit_at_a_time(world2, units, default_init):
+    # No rank ever holds the model whole (by blocks): the most parameter bytes whole at once, seen at every
+    # module's initialization, is one unit's (the root first, then each block); every rank starts from rank
+    # 0's values (the ranks seed differently); training from there is exact.
+    seen_by_rank = world2.run(sharded_units.meta_init, units=units, default_init=default_init)
+    if not default_init:
+        assert seen_by_rank[0]["recorded"] != seen_by_rank[1]["recorded"], "the ranks' own draws differ"
+    for rank, seen in enumerate(seen_by_rank):
+        if not default_init:
+            assert seen["start"] == pytest.approx(seen_by_rank[0]["recorded"], rel=1e-12, abs=1e-12), f"rank {rank}"
+        assert seen["released"], f"rank {rank}: {seen}"
+        assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+        if units is True and not default_init:
+            assert seen["most_whole"] <= max(seen["unit_bytes"], seen["root_bytes"]) < seen["model_bytes"], seen
+
+
+def test_a_meta_model_is_refused_where_it_cannot_be_materialized(world2):
+    for rank, message in enumerate(world2.run(sharded_units.meta_refusals)):
+        assert message == ["shard_parameters=True, which materializes it", "no reset_parameters()",
+                           "param_init initializes a model built on the meta device",
+                           "several devices"], f"rank {rank}: {message}"

@@ -67,6 +67,7 @@ from gradsync._gloo import never_free
 from gradsync.torch import _amp, _shim, _torch_group
 from gradsync.torch._comm import TorchCommunicator
 from gradsync.torch.sharding.gather import ParameterGather
+from gradsync.torch.sharding.materialize import on_meta
 from gradsync.torch._grads import TorchGrads, reals
 from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
@@ -267,7 +268,11 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       (``gradsync.torch.sharding.parameters``). Between steps each parameter
       is an empty tensor: read or write them there inside ``with
       model.whole_parameters():`` (every rank). ``join`` works as under
-      DDP; not yet with ``elastic``.
+      DDP, and so does an elastic job (each rank keeps its buddy's pieces
+      too). A model built on the meta device (``with torch.device("meta"):``)
+      is materialized a unit at a time on ``device_ids[0]`` (else the
+      current CUDA device, else the CPU), each unit initialized by
+      ``param_init`` and sent from rank 0 (``gradsync.torch.sharding.materialize``).
     * ``param_dtype``: with ``shard_parameters``, ``torch.bfloat16`` or
       ``torch.float16``: the float32 and float64 parameters compute in it
       (a step gathers a rounded copy of the pieces; as FSDP2's
@@ -275,7 +280,11 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       average of their gradients (reduced in float32) and the optimizer
       stay in the parameters' own dtype. The parameters are released when
       wrapping; inside ``whole_parameters()`` (state dicts, checkpoints)
-      they are whole in their own dtype, exactly.
+      they are whole in their own dtype, exactly. Not in an elastic job yet.
+    * ``param_init``: for a model built on the meta device (with
+      ``shard_parameters``), ``fn(module)`` initializing a module's own
+      parameters and buffers in place (default: its ``reset_parameters()``;
+      for HF models ``model._init_weights``).
     * ``elastic``: a :class:`gradsync.torch.Elastic` (the job runs under
       ``python -m gradsync.launch``; no ``init_process_group`` needed): a lost
       rank does not end the job, a replacement joins it (see
@@ -294,7 +303,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
     GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic",
-                         "shard_gradients", "shard_parameters", "param_dtype")
+                         "shard_gradients", "shard_parameters", "param_dtype", "param_init")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -351,6 +360,11 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         )
         wire = check_wire(settings.get("wire_dtype", "float32"))
         self.module = module
+        param_init = settings.get("param_init")
+        meta = (self._place_meta(module, settings, device_ids), param_init) if on_meta(module) else None
+        if param_init is not None and meta is None:
+            raise ConfigError("param_init initializes a model built on the meta device, and this one is not: leave "
+                              "it unset, or build the model under torch.device('meta')")
         self._select_parameters(module)
         shard_parameters = settings.get("shard_parameters", False)
         # (An empty list of units is one unit, the whole model.)
@@ -402,8 +416,9 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         self._abandon = None if elastic is None else elastic.abandoned
         self._retired_states = []
         self._states = StateBroadcast(store, prefix, self._rank, self._world, timeout_s, self._abandon)
-        if elastic is None:
-            # (An elastic job sends them at its first step boundary, where a lost member is recovered from.)
+        if elastic is None and meta is None:
+            # (An elastic job sends them at its first step boundary, where a lost member is recovered from;
+            # a model on the meta device, a unit at a time as it is materialized.)
             self.broadcast_module_states()
         # (Under param_dtype, the float32 and float64 parameters' gradients come in that dtype.)
         lowered = {torch.float32, torch.float64} if param_dtype is not None else set()
@@ -421,11 +436,11 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
         if sharded:
-            self._start_sharding(reals, elastic, parameters=units, param_dtype=param_dtype)
+            self._start_sharding(reals, elastic, parameters=units, param_dtype=param_dtype, meta=meta)
         self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
         if self.parameters_sharded:
             self._partition.residence.rehook = self._hooks.rehook
-            if param_dtype is not None:
+            if param_dtype is not None or meta is not None:
                 self._partition.residence.hooked()
         if units and len(units[1]) > 1:
             self._open_lane(collectives, arrivals, comm.plane_device)

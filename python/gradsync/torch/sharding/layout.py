@@ -46,6 +46,13 @@ def write_values(p, values):
         t.copy_(values.view(t.shape))
 
 
+def _expanded(p):
+    """Whether ``p`` is a value expanded to its shape (a model built on the
+    meta device holds such placeholders until it is materialized:
+    ``sharding.materialize``), whose strides are not its own."""
+    return any(stride == 0 and size > 1 for stride, size in zip(p.stride(), p.shape))
+
+
 @dataclass
 class Piece:
     """The part of parameter ``param`` (an index of the wrapper's parameters)
@@ -92,9 +99,11 @@ class Layout:
     partition lives on at its buddy, on another node when there is one);
     0: no buddy copies; ``own_all``: every piece holds its values itself
     (parameter sharding, where the parameters' memory is released between
-    uses), not only those of parameters that are not contiguous."""
+    uses), not only those of parameters that are not contiguous; not
+    ``read``: those pieces start empty (a model on the meta device, whose
+    pieces are written as it is materialized)."""
 
-    def __init__(self, plan, params, rank, world, reals, buddy_stride=0, own_all=False):
+    def __init__(self, plan, params, rank, world, reals, buddy_stride=0, own_all=False, read=True):
         self.params = params
         self.plan = plan
         self.reals = reals
@@ -104,8 +113,9 @@ class Layout:
         #: Per parameter, its whole shape, strides and dtype as a tensor
         #: without data (``meta``): what the parameter looks like whether or
         #: not its memory is released (parameter sharding allocates it so again).
-        self.forms = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta") for p in params]
-        self.lay_out(rank, world)
+        self.forms = [torch.empty(p.shape, dtype=p.dtype, device="meta") if _expanded(p)
+                      else torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta") for p in params]
+        self.lay_out(rank, world, read=read)
 
     @property
     def buddy(self):

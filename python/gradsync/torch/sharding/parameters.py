@@ -72,6 +72,9 @@ class ShardedParameters:
         #: collectives, and the members settle). Cleared when they settle
         #: (:meth:`discard`).
         self.broken = None
+        #: Whether the pieces were written as a model on the meta device was
+        #: materialized (``sharding.materialize``): the parameters hold placeholders.
+        self.materialized = False
         #: Whether this rank computed with a parameter left zeros by a
         #: failed gather (not only served one): its gradients of the step
         #: are not summed again by anyone (:meth:`lost_gather`).
@@ -91,7 +94,8 @@ class ShardedParameters:
         for i, form in enumerate(part.forms):
             if form.dtype in (torch.float32, torch.float64):
                 self.step_dtypes[i] = dtype
-        part.refresh()
+        if not self.materialized:  # (else the pieces are written and the parameters hold placeholders)
+            part.refresh()
         for i, p in enumerate(part.params):
             p.data = self._shaped(i)
         self.whole = self.gathered = False

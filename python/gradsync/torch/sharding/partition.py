@@ -36,8 +36,8 @@ class Partition(Layout, Packing, Clipping):
     (``_states.StateBroadcast``), where the all-gathers and norms travel;
     ``names``: the parameters' names, for errors."""
 
-    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0, own_all=False):
-        super().__init__(plan, params, rank, world, reals, buddy_stride, own_all)
+    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0, own_all=False, read=True):
+        super().__init__(plan, params, rank, world, reals, buddy_stride, own_all, read)
         self.names = names
         #: The state group of the current membership (``_states.StateBroadcast``).
         self.states = states

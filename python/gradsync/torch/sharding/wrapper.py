@@ -35,6 +35,9 @@ from gradsync.torch.sharding.partition import Partition
 from gradsync.torch.sharding.units import UnitResidence
 from gradsync.torch._comm import TorchCommunicator
 from gradsync.torch.sharding.gather import LaneGather
+from gradsync.torch.sharding.materialize import (
+    materialize, place, refuse_uninitializable, target_device, unit_modules,
+)
 from gradsync._native import Lane
 from gradsync.torch.sharding.reshard import settle
 
@@ -105,7 +108,25 @@ class Sharding:
     #: What a gather lane is built from (``_open_lane``), or ``None``: no lane.
     _lane_parts = None
 
-    def _start_sharding(self, reals, elastic, parameters=False, param_dtype=None):
+    def _place_meta(self, module, settings, device_ids):
+        """A model built on the meta device (``sharding.materialize``): its
+        parameters and buffers replaced by placeholders on the device they
+        will live on; returns their forms for :meth:`_start_sharding`. Only
+        under ``shard_parameters``, and not in an elastic job yet."""
+        if settings.get("shard_parameters") in (None, False):
+            raise ConfigError(
+                "the module is on the meta device: materialize its parameters first (model.to_empty(device=...) and "
+                "their initialization), or wrap it with shard_parameters=True, which materializes it a unit at a "
+                "time so that no rank holds it whole"
+            )
+        if settings.get("elastic") is not None:
+            raise ConfigError(
+                "a model on the meta device in an elastic job is not built yet: build it on its device, or "
+                "restart the job from a sharded checkpoint (gradsync.torch.checkpoint) on a model built so"
+            )
+        return place(module, target_device(device_ids))
+
+    def _start_sharding(self, reals, elastic, parameters=False, param_dtype=None, meta=None):
         """Lay this rank's partition over the runtime's plan (after the
         session started); ``reals(p)``: values of ``p`` in a bucket. In an
         ``elastic`` job each rank keeps its buddy's partition too, on
@@ -117,15 +138,23 @@ class Sharding:
         lane), else whole once per step (``sharding.parameters``);
         ``param_dtype``: the dtype their float32 and float64 parameters
         compute in (they are released now: the hooks, made next, see that
-        dtype)."""
+        dtype); ``meta``: a model built on the meta device, ``(forms,
+        param_init)`` (:meth:`_place_meta`), materialized here a unit at a
+        time."""
+        if meta is not None:
+            built = unit_modules(self.module, parameters[2])
+            refuse_uninitializable(built, meta[1])
         self._partition = Partition(
             self._sync.session.plan(), self._params, self._names, self._rank, self._world, reals, self._states,
-            buddy_stride=0 if elastic is None else elastic.buddy_stride, own_all=parameters,
+            buddy_stride=0 if elastic is None else elastic.buddy_stride, own_all=parameters, read=meta is None,
         )
         if parameters:
             units, names, modules = parameters
             self._partition.residence = (UnitResidence(self._partition, units, names, modules)
                                          if len(names) > 1 else ShardedParameters(self._partition))
+            if meta is not None:
+                forms, param_init = meta
+                materialize(self._partition, self._partition.residence, built, forms, param_init, self._states)
             if param_dtype is not None:
                 self._partition.residence.compute_in(param_dtype)
             refuse = self._partition.residence.refuse_if_released
