@@ -29,17 +29,18 @@ import torch
 from gradsync._errors import ConfigError, StepFailedError
 from gradsync.torch.sharding import clip as _clip
 from gradsync.torch.sharding import trainer_saves
+from gradsync.torch.sharding.materialize import (
+    materialize,
+    place,
+    refuse_uninitializable,
+    target_device,
+    unit_modules,
+)
+from gradsync.torch.sharding.members import ShardedMembers
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.partition import Partition
 from gradsync.torch.sharding.units import UnitResidence
-from gradsync.torch._comm import TorchCommunicator
-from gradsync.torch.sharding.gather import LaneGather
-from gradsync.torch.sharding.materialize import (
-    materialize, place, refuse_uninitializable, target_device, unit_modules,
-)
-from gradsync._native import Lane
-from gradsync.torch.sharding.reshard import settle
 
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 
@@ -101,12 +102,10 @@ def param_dtype_of(settings):
     return dtype
 
 
-class Sharding:
+class Sharding(ShardedMembers):
     """The sharded part of ``DistributedDataParallel`` (see the module docs)."""
 
     _partition = None
-    #: What a gather lane is built from (``_open_lane``), or ``None``: no lane.
-    _lane_parts = None
 
     def _place_meta(self, module, settings, device_ids):
         """A model built on the meta device (``sharding.materialize``): its
@@ -180,81 +179,6 @@ class Sharding:
         if parameters and strategies is not None and hasattr(strategies, "DDPStrategy"):
             # Lightning's checkpoints then hold whole parameters.
             trainer_saves.install_lightning(strategies.DDPStrategy)
-
-    def _open_lane(self, collectives, arrivals, plane_device):
-        """The gather lane of parameter sharding by units (:meth:`_new_lane`),
-        closed with the wrapper."""
-        self._lane_parts = (collectives, arrivals, plane_device)
-        self._retired_lanes = []
-        residence = self._partition.residence
-        self._sync.on_close.append(lambda: residence.lane.close())
-        self._sync.on_close.append(residence.remove_hooks)
-        self._new_lane()
-
-    def _new_lane(self):
-        """A gather lane for the current members: a communicator of its own
-        (its group under this wrapper's prefix, its device plane's stream
-        and NCCL communicator; in an elastic job the job's cancellation,
-        so a member gone silent fails its gathers too) and the runtime's
-        ``Lane`` thread over it. The lane of earlier members, if any, is
-        stopped (its group kept: a gloo group waiting on a vanished peer
-        blocks its destructor). Every member calls it at the same point."""
-        collectives, arrivals, plane_device = self._lane_parts
-        elastic = self._sync.elastic
-        comm = TorchCommunicator(
-            store=self._store, prefix=f"{self._prefix}/lane", rank=self._rank, world=self._world,
-            timeout_s=self._timeout_s, shim=collectives, plane_device=plane_device,
-            cancel=None if elastic is None else elastic.cancel,
-            membership_epoch=0 if elastic is None else elastic.epoch,
-        )
-        lane = Lane(comm, self._rank, self._world, timeout_s=self._timeout_s)
-        residence = self._partition.residence
-        if residence.lane is not None:
-            residence.lane.close()
-            self._retired_lanes.append(residence.lane)
-        residence.lane = LaneGather(lane, comm, arrivals.host_bucket, comm if plane_device is not None else None)
-        residence.agree()
-
-    def _settle_members(self, rank, world, buddy_stride):
-        """A change of members (``reconfigure``): the partitions move to the
-        new layout (buddy copies ``buddy_stride`` ranks on), losing nothing
-        (``sharding.reshard.settle``). Sharded parameters are then released
-        on every member (the pieces hold the new layout's values) and
-        gathered by the next forward, on a new lane. Returns whether this
-        rank dropped a step it had applied."""
-        if self._partition is None:
-            return False
-        dropped = settle(self._partition, self._states, rank, world, buddy_stride=buddy_stride)
-        residence = self._partition.residence
-        if residence is not None:
-            if self._lane_parts is not None:
-                self._new_lane()
-            residence.discard()
-        return dropped
-
-    def broadcast_module_states(self):
-        """``DistributedDataParallel.broadcast_module_states``; with sharded
-        parameters whole (an elastic job's first boundary: the model as
-        built), the pieces then read rank 0's values."""
-        super().broadcast_module_states()
-        residence = self._partition.residence if self._partition is not None else None
-        if residence is not None and residence.whole:
-            self._partition.refresh()
-
-    def boundary_passed(self):
-        """An elastic job's step boundary passed: the next step makes its
-        collectives again, and optimizers built from now on check at once."""
-        if self._partition is not None:
-            self._partition.sharded_step.boundary_passed()
-            self._partition.start_checks = None
-
-    def run_start_checks(self):
-        """An elastic job's first step boundary: the checks its optimizers'
-        construction held back (``Partition.start_checks``), on every first
-        member (inside the boundary's recovery)."""
-        if self._partition is not None:
-            for check in self._partition.start_checks or ():
-                check()
 
     @property
     def sharded(self):
