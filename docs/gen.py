@@ -10,7 +10,7 @@ Sources, never edited by hand:
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
 * ``docs/data/elastic.json``: ``benches/torch/elastic_recovery.py --json``;
 * ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
-  ``sharded_side_by_side.py`` and ``sharded_elastic.py --json``;
+  ``sharded_side_by_side.py``, ``sharded_elastic.py`` and ``meta_init.py --json``;
 * ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
   (host time per step and per gradient, world 1);
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
@@ -44,6 +44,7 @@ SHARDED_MEMORY = ROOT / "docs" / "data" / "sharded" / "memory.json"
 SHARDED_STEPS = ROOT / "docs" / "data" / "sharded" / "steps.json"
 SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
 SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
+SHARDED_META = ROOT / "docs" / "data" / "sharded" / "meta.json"
 PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
@@ -379,6 +380,26 @@ def sharded_elastic() -> str:
     return "\n".join(out)
 
 
+def sharded_meta() -> str:
+    """What building and wrapping a model with ``shard_parameters=True``
+    costs a rank, built on the CPU or on the meta device
+    (``benches/torch/meta_init.py --json``)."""
+    if not SHARDED_META.is_file():
+        raise Missing(f"{SHARDED_META.relative_to(ROOT)} is missing: run benches/torch/meta_init.py --json")
+    run = json.loads(SHARDED_META.read_text())
+    mib = 1 << 20
+    out = ["| world | built on | peak resident memory growth while building and wrapping, MiB | "
+           "pieces kept, MiB | the model, MiB |", "|---|---|---|---|---|"]
+    for r in run["rows"]:
+        where = "the meta device" if r["built_on"] == "meta" else "the CPU"
+        out.append(f"| {r['world']} | {where} | {r['growth'] / mib:.0f} | {r['pieces'] / mib:.0f} | "
+                   f"{r['whole'] / mib:.0f} |")
+    meta = run["meta"]
+    out.append(f"\n{meta['machine']}, torch {meta['torch']}; a GPT-2-shaped model of {meta['layers']} blocks of "
+               f"width {meta['width']}, a tied {meta['vocab']}-word embedding; `{meta['command']}`.")
+    return "\n".join(out)
+
+
 #: The sharded benchmarks' configurations, as the tables name them.
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
@@ -542,6 +563,7 @@ GENERATORS = {
     "sharded-memory": sharded_memory,
     "sharded-steps": sharded_steps,
     "sharded-elastic": sharded_elastic,
+    "sharded-meta": sharded_meta,
 }
 
 

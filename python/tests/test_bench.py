@@ -170,6 +170,14 @@ def test_sharded_elastic_memory_and_a_kill(tmp_path):
     assert {(k["mode"], k["phase"]) for k in run["kills"]} >= {("parameters", "forward"), ("parameters", "optimizer")}
 
 
+def test_meta_init_builds_on_both_devices(tmp_path):
+    bench("meta_init.py", "--worlds", "2", "--layers", "2", "--width", "64", "--vocab", "256", "--json",
+          tmp_path / "m.json", timeout=300)
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert [r["built_on"] for r in rows] == ["cpu", "meta"], rows
+    assert rows[0]["pieces"] == rows[1]["pieces"] and rows[0]["pieces"] < rows[0]["whole"], rows
+
+
 def test_elastic_recovery_its_parts(tmp_path):
     # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
     parts = ["recovery", "torchrun", "liveness"]
