@@ -245,7 +245,6 @@ class ShardedParameters:
                 "written; the job recovers in its next step. Call it again (every member) after that step"
             ) from error
 
-
     def lost_gather(self):
         """Why this rank's gradients of the step cannot be summed (a gather
         of the step failed: they were computed from zeros), or ``None``."""
