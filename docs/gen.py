@@ -356,12 +356,19 @@ def sharded_side_by_side() -> str:
     return "\n".join(out)
 
 
+def _bench_run(path: Path, bench: str) -> dict:
+    """The JSON a bench wrote at ``path``, or :class:`Missing` naming the
+    command that writes it (``benches/torch/<bench> --json <path>``)."""
+    if not path.is_file():
+        rel = path.relative_to(ROOT)
+        raise Missing(f"{rel} is missing: run benches/torch/{bench} --json {rel}")
+    return json.loads(path.read_text())
+
+
 def sharded_elastic() -> str:
     """A buddy copy's memory and a lost rank's cost, sharded against
     unsharded elastic jobs (``benches/torch/sharded_elastic.py --json``)."""
-    if not SHARDED_ELASTIC.is_file():
-        raise Missing(f"{SHARDED_ELASTIC.relative_to(ROOT)} is missing: run benches/torch/sharded_elastic.py --json")
-    run = json.loads(SHARDED_ELASTIC.read_text())
+    run = _bench_run(SHARDED_ELASTIC, "sharded_elastic.py")
     what = {"unsharded": "unsharded", "gradients": "`shard_gradients=True`, with a buddy copy",
             "parameters": "`shard_parameters=True`, with a buddy copy"}
     out = ["| world | sharded | parameters per rank between steps, MB | averaged gradients per rank, MB | "
@@ -384,9 +391,7 @@ def sharded_meta() -> str:
     """What building and wrapping a model with ``shard_parameters=True``
     costs a rank, built on the CPU or on the meta device
     (``benches/torch/meta_init.py --json``)."""
-    if not SHARDED_META.is_file():
-        raise Missing(f"{SHARDED_META.relative_to(ROOT)} is missing: run benches/torch/meta_init.py --json")
-    run = json.loads(SHARDED_META.read_text())
+    run = _bench_run(SHARDED_META, "meta_init.py")
     mib = 1 << 20
     out = ["| world | built on | peak resident memory growth while building and wrapping, MiB | "
            "pieces kept, MiB | the model, MiB |", "|---|---|---|---|---|"]
@@ -417,9 +422,7 @@ SHARDED_NAMES = {
 def sharded_memory() -> str:
     """Memory per rank and step time, sharded against its peers, from
     ``benches/torch/sharded_memory.py --json``."""
-    if not SHARDED_MEMORY.is_file():
-        raise Missing(f"{SHARDED_MEMORY.relative_to(ROOT)} is missing: run benches/torch/sharded_memory.py --json")
-    run = json.loads(SHARDED_MEMORY.read_text())
+    run = _bench_run(SHARDED_MEMORY, "sharded_memory.py")
     meta = run["meta"]
     names = SHARDED_NAMES
     mb = 1 << 20
@@ -452,9 +455,7 @@ def sharded_steps() -> str:
     """Step time of the sharded wrapper against gradsync, DDP and FSDP2,
     interleaved in the same processes, with the gather's and the
     optimizer's share (``benches/torch/sharded_step.py --json``)."""
-    if not SHARDED_STEPS.is_file():
-        raise Missing(f"{SHARDED_STEPS.relative_to(ROOT)} is missing: run benches/torch/sharded_step.py --json")
-    run = json.loads(SHARDED_STEPS.read_text())
+    run = _bench_run(SHARDED_STEPS, "sharded_step.py")
     meta = run["meta"]
     names = SHARDED_NAMES
     out = [f"{meta['model']}; {meta['machine']}, torch {meta['torch']}: `{meta['command']}`. Median over "
@@ -471,9 +472,7 @@ def sharded_steps() -> str:
 
 
 def _elastic() -> dict:
-    if not ELASTIC.is_file():
-        raise Missing(f"{ELASTIC} is missing: run benches/torch/elastic_recovery.py --json {ELASTIC.relative_to(ROOT)}")
-    return json.loads(ELASTIC.read_text())
+    return _bench_run(ELASTIC, "elastic_recovery.py")
 
 
 def elastic_cost() -> str:
