@@ -430,7 +430,9 @@ def sharded_memory() -> str:
            "ranks, MB, after a step; the goal is (gradients + optimizer state of the whole model) / world + one "
            "bucket. Peak: the most the three held together in a step after the first, sampled at the start of "
            "each block's forward and backward, at the end of the forward, after every gather of "
-           "`shard_parameters=True`, after the backward and after the optimizer step; its goal for "
+           "`shard_parameters=True`, after the backward and after the optimizer step. FSDP2's count includes what "
+           "its state holds at those points: unsharded parameters and gradients, all-gather outputs not yet "
+           "copied out, reduce-scatter inputs kept until a later block's reduce-scatter. The peak's goal for "
            "`shard_parameters=True` is (parameters + gradients + optimizer state) / world + two blocks + one "
            "bucket.\n",
            "| world | wrapper | parameters | gradients | optimizer state | gradients + optimizer (goal) | "

@@ -13,9 +13,10 @@ Each configuration runs in its own processes. A GPT-2-shaped stack
 every rank counts, in bytes:
 
 * ``params``: the parameters it holds (FSDP2: its shards),
-* ``grads``: gradient memory: ``.grad`` tensors (FSDP2: its shards; DDP's
-  are views of its buckets) plus gradsync's runtime buckets and partitions
-  (``Session.memory_bytes``),
+* ``grads``: gradient memory: ``.grad`` tensors (FSDP2: its shards, plus
+  a block's unsharded gradients and the reduce-scatter inputs it holds until
+  a later block's reduce-scatter; DDP's are views of its buckets) plus
+  gradsync's runtime buckets and partitions (``Session.memory_bytes``),
 * ``optimizer``: the optimizer state it holds;
 
 ``params`` counts what holds parameter values: the parameters (released
@@ -25,7 +26,8 @@ while they are held (``shard_gradients=True`` keeps them between steps).
 ``peak`` is the largest sum of the three seen at the start of each block's
 forward and backward, at the end of the model's forward, after a backward, after an optimizer step and,
 under ``shard_parameters=True``, after every gather of a unit (FSDP2: its
-unsharded parameters counted while allocated), in the steps after the
+unsharded parameters counted while allocated, and the flat output of an
+all-gather until its parameters are copied out), in the steps after the
 first (which runs with the model as built); and the median step time (forward,
 backward, optimizer step) over the steps after the first. The goal line is ``(grads + optimizer) / world + one
 bucket`` of the whole model's float32 bytes; the peak's (parameter
@@ -158,16 +160,47 @@ def _parameter_memory(model, wrapped):
         prefetching = getattr(partition.residence, "_prefetching", None)
         if prefetching is not None and prefetching[2].buffers is not None:
             tensors += list(prefetching[2].buffers)
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        state = state() if state is not None else None
-        # (torch 2.15 keeps a list of groups per module; earlier releases one.)
-        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+    for state, groups in _fsdp_states(model):
         for group in groups:
+            # An all-gather's flat output, held until its parameters are copied out.
+            result = getattr(group, "_all_gather_result", None)
+            if result is not None:
+                tensors.append(result.all_gather_output)
             for fsdp_param in getattr(group, "fsdp_params", ()):
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None and unsharded.untyped_storage().nbytes():
                     tensors.append(unsharded)
+        held = getattr(getattr(state, "_comm_ctx", None), "all_gather_state", None)
+        if held is not None:
+            tensors.append(held.all_gather_result.all_gather_output)
+    return tensors
+
+
+def _fsdp_states(model):
+    """FSDP2's state of every module that has one and its parameter groups
+    (torch 2.15 keeps a list of groups per module; earlier releases one)."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        state = state() if state is not None else None
+        if state is not None:
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            yield state, [g for g in groups if g is not None]
+
+
+def _fsdp_gradient_buffers(model):
+    """FSDP2's gradient memory besides its sharded ``.grad``: the unsharded
+    gradients of a block in its backward and the reduce-scatter inputs it
+    holds until a later block's reduce-scatter (or the end of backward)."""
+    tensors = []
+    for state, groups in _fsdp_states(model):
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    tensors.append(unsharded.grad)
+                tensors.append(getattr(fsdp_param, "_unsharded_accumulated_grad", None))
+        ctx = getattr(state, "_comm_ctx", None)
+        tensors += [held.reduce_scatter_input for held in getattr(ctx, "reduce_scatter_states", ())]
     return tensors
 
 
@@ -181,7 +214,7 @@ def _gradient_memory(impl, model, wrapped):
     if partition is not None:
         grads += [piece.tensor.grad for piece in partition.every_held_piece() if piece.tensor.grad is not None
                   and getattr(piece.tensor.grad._base, "_gradsync_step", None) is None]
-    return _bytes(grads) + runtime
+    return _bytes(grads + _fsdp_gradient_buffers(model)) + runtime
 
 
 def _rank(rank, world, port, impl, args, results):
