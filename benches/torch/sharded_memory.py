@@ -160,20 +160,7 @@ def _parameter_memory(model, wrapped):
         prefetching = getattr(partition.residence, "_prefetching", None)
         if prefetching is not None and prefetching[2].buffers is not None:
             tensors += list(prefetching[2].buffers)
-    for state, groups in _fsdp_states(model):
-        for group in groups:
-            # An all-gather's flat output, held until its parameters are copied out.
-            result = getattr(group, "_all_gather_result", None)
-            if result is not None:
-                tensors.append(result.all_gather_output)
-            for fsdp_param in getattr(group, "fsdp_params", ()):
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None and unsharded.untyped_storage().nbytes():
-                    tensors.append(unsharded)
-        held = getattr(getattr(state, "_comm_ctx", None), "all_gather_state", None)
-        if held is not None:
-            tensors.append(held.all_gather_result.all_gather_output)
-    return tensors
+    return tensors + _fsdp_parameter_buffers(model)
 
 
 def _fsdp_states(model):
@@ -187,18 +174,39 @@ def _fsdp_states(model):
             yield state, [g for g in groups if g is not None]
 
 
+def _fsdp_unsharded(model):
+    """Each FSDP2 parameter's unsharded ``Parameter`` (its storage is empty
+    while resharded)."""
+    for _, groups in _fsdp_states(model):
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    yield fsdp_param, unsharded
+
+
+def _fsdp_parameter_buffers(model):
+    """FSDP2's parameter memory besides its shards: unsharded parameters
+    while allocated and the flat outputs of all-gathers, held until their
+    parameters are copied out."""
+    tensors = [u for _, u in _fsdp_unsharded(model) if u.untyped_storage().nbytes()]
+    for state, groups in _fsdp_states(model):
+        tensors += [g._all_gather_result.all_gather_output for g in groups
+                    if getattr(g, "_all_gather_result", None) is not None]
+        held = getattr(getattr(state, "_comm_ctx", None), "all_gather_state", None)
+        if held is not None:
+            tensors.append(held.all_gather_result.all_gather_output)
+    return tensors
+
+
 def _fsdp_gradient_buffers(model):
     """FSDP2's gradient memory besides its sharded ``.grad``: the unsharded
     gradients of a block in its backward and the reduce-scatter inputs it
     holds until a later block's reduce-scatter (or the end of backward)."""
     tensors = []
-    for state, groups in _fsdp_states(model):
-        for group in groups:
-            for fsdp_param in getattr(group, "fsdp_params", ()):
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    tensors.append(unsharded.grad)
-                tensors.append(getattr(fsdp_param, "_unsharded_accumulated_grad", None))
+    for fsdp_param, unsharded in _fsdp_unsharded(model):
+        tensors += [unsharded.grad, getattr(fsdp_param, "_unsharded_accumulated_grad", None)]
+    for state, _ in _fsdp_states(model):
         ctx = getattr(state, "_comm_ctx", None)
         tensors += [held.reduce_scatter_input for held in getattr(ctx, "reduce_scatter_states", ())]
     return tensors
