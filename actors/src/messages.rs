@@ -103,6 +103,11 @@ pub enum SchedMsg<S: GradStore = HostStore> {
     Progress {
         /// Request id (matches the shards' `Settled`).
         id: u64,
+        /// With a number: answer only once at most that many of the step's
+        /// data buckets are in their collective (launched, not reduced), or
+        /// the step failed or ended (back-pressure on a producer of
+        /// gradients that would otherwise fill more buckets meanwhile).
+        in_flight_at_most: Option<usize>,
         /// Where to answer.
         reply: Reply<Progress>,
     },

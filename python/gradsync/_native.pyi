@@ -171,6 +171,9 @@ class Session:
     def set_wire_dtype(self, wire: str) -> None:
         """Send data buckets as ``wire`` (before the first bucket, on every rank)."""
     def progress(self) -> dict[str, int]: ...
+    def await_in_flight(self, in_flight_at_most: int, within_s: float) -> bool:
+        """Back-pressure: wait until at most ``in_flight_at_most`` of the current step's buckets are still in their
+        collective (or the step failed or ended), at most ``within_s`` seconds; whether that point was reached."""
     def write_timeline(self, path: Union[str, PathLike[str]]) -> int: ...
     def close(self) -> None: ...
 

@@ -468,8 +468,10 @@ impl Session {
         py.detach(|| sync.set_wire_dtype(wire)).map_err(|e| errors::sync_error(py, &e))
     }
 
-    /// The current step's progress: buckets launched and reduced, parameters ready.
+    /// The current step's progress: buckets launched and reduced, parameters
+    /// ready (the arrivals held in the batch delivered first).
     fn progress<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.deliver(py)?;
         let sync = self.sync(py)?;
         let p = py.detach(|| sync.progress()).map_err(|e| errors::sync_error(py, &e))?;
         dict(
@@ -481,6 +483,23 @@ impl Session {
                 ("params_ready", value(py, p.params_ready)),
             ],
         )
+    }
+
+    /// Back-pressure: wait until at most `in_flight_at_most` of the current
+    /// step's buckets are still in their collective (or the step failed or
+    /// ended), at most `within_s` seconds; whether that point was reached.
+    fn await_in_flight(&mut self, py: Python<'_>, in_flight_at_most: usize, within_s: f64) -> PyResult<bool> {
+        if !within_s.is_finite() || within_s < 0.0 {
+            let why = format!("within_s={within_s}: give the longest wait in seconds, 0 or more");
+            return Err(errors::raise::<errors::ConfigError>(py, why, &[]));
+        }
+        let within = std::time::Duration::from_secs_f64(within_s);
+        // (A bucket's last arrival may sit in the batch: its plan-order end arrived earlier.)
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        let reached =
+            py.detach(|| sync.await_in_flight(in_flight_at_most, within)).map_err(|e| errors::sync_error(py, &e))?;
+        Ok(reached.is_some())
     }
 
     /// Write every recorded step's timeline as Chrome trace JSON (Perfetto);

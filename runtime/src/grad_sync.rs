@@ -537,14 +537,44 @@ impl<S: GradStore> GradSync<S> {
     /// The current step's progress, after every arrival sent so far was
     /// processed: buckets launched and completed, parameters ready. Blocks briefly.
     pub fn progress(&mut self) -> Result<Progress, SyncError> {
+        let rx = self.request_progress(None)?;
+        self.await_answer(&rx, self.hook.open_step())
+    }
+
+    /// Back-pressure on a producer of gradients: wait until at most
+    /// `in_flight_at_most` of the current step's buckets are still in their
+    /// collective (every arrival sent so far processed first), or the step
+    /// failed or ended, for at most `within`. The progress then, or `None`
+    /// when `within` passed first: the caller goes on (a bucket in flight
+    /// may be waiting for a peer that waits for this caller, so the wait
+    /// is bounded, never a hang).
+    pub fn await_in_flight(
+        &mut self,
+        in_flight_at_most: usize,
+        within: Duration,
+    ) -> Result<Option<Progress>, SyncError> {
+        let rx = self.request_progress(Some(in_flight_at_most))?;
+        match rx.recv_timeout(within) {
+            Ok(progress) => Ok(Some(progress)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(SyncError::Closed),
+        }
+    }
+
+    /// Ask every shard to settle a new request, and the scheduler to answer it.
+    fn request_progress(
+        &mut self,
+        in_flight_at_most: Option<usize>,
+    ) -> Result<std::sync::mpsc::Receiver<Progress>, SyncError> {
         let id = self.next_request;
         self.next_request += 1;
         for shard in &self.shards {
             shard.send(ShardMsg::Settle { id }).map_err(|_| SyncError::Closed)?;
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.sched.send(SchedMsg::Progress { id, reply: Reply::Blocking(tx) }).map_err(|_| SyncError::Closed)?;
-        self.await_answer(&rx, self.hook.open_step())
+        let msg = SchedMsg::Progress { id, in_flight_at_most, reply: Reply::Blocking(tx) };
+        self.sched.send(msg).map_err(|_| SyncError::Closed)?;
+        Ok(rx)
     }
 
     /// Wait for the actors' answer about `step`, at most `answer_timeout`.

@@ -101,6 +101,17 @@ pub struct SchedulerConfig {
     pub joiner_waiting: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
+/// A progress request ([`SchedMsg::Progress`]) until it is answered.
+#[derive(Debug, Default)]
+struct ProgressRequest {
+    /// Shards that settled it (every arrival they were sent before it forwarded).
+    settled: usize,
+    /// Where to answer (`None` while a shard's `Settled` came first).
+    reply: Option<Reply<Progress>>,
+    /// Answer only once at most this many data buckets are in flight.
+    in_flight_at_most: Option<usize>,
+}
+
 /// The bucket-scheduler actor of one rank.
 #[derive(Debug)]
 pub struct Scheduler<S: GradStore = HostStore> {
@@ -132,8 +143,8 @@ pub struct Scheduler<S: GradStore = HostStore> {
     /// Generation of the parameter actors' messages: bumped by every reset so
     /// that values sent before it are dropped.
     epoch: u32,
-    /// Progress requests: settled shard count and the waiting reply.
-    settles: HashMap<u64, (usize, Option<Reply<Progress>>)>,
+    /// Progress requests, by id.
+    settles: HashMap<u64, ProgressRequest>,
     /// Refusals naming a step that has not begun, for its report.
     early_refusals: BTreeMap<Step, Refusals>,
     /// This rank as a metric label.
@@ -266,11 +277,16 @@ impl<S: GradStore> Scheduler<S> {
 
     /// Apply one message; `false` means stop.
     pub fn handle(&mut self, msg: SchedMsg<S>) -> bool {
+        // A returned collective or a finished step may let a request that
+        // waits for buckets in flight be answered.
+        let drains = matches!(msg, SchedMsg::Done(_) | SchedMsg::Finish(_)) && !self.settles.is_empty();
         match msg {
             SchedMsg::Shutdown => return false,
             SchedMsg::Settled { id } => self.on_settled(id),
-            SchedMsg::Progress { id, reply } => {
-                self.settles.entry(id).or_insert((0, None)).1 = Some(reply);
+            SchedMsg::Progress { id, in_flight_at_most, reply } => {
+                let request = self.settles.entry(id).or_default();
+                request.reply = Some(reply);
+                request.in_flight_at_most = in_flight_at_most;
                 self.answer_progress(id);
             }
             SchedMsg::LoanReturned { buffers } => self.take_home(buffers),
@@ -292,6 +308,9 @@ impl<S: GradStore> Scheduler<S> {
                 }
             }
             msg @ (SchedMsg::Ready { .. } | SchedMsg::Flushed(_)) => self.on_step_message(msg),
+        }
+        if drains {
+            self.answer_waiting_progress();
         }
         true
     }
@@ -360,7 +379,8 @@ impl<S: GradStore> Scheduler<S> {
         matches!(self.lifecycle, Lifecycle::Failed(_) | Lifecycle::Resetting(_))
     }
 
-    /// Answer every progress request that was waiting for the plan agreement.
+    /// Answer every progress request that was waiting for the plan
+    /// agreement or for buckets in flight.
     fn answer_waiting_progress(&mut self) {
         let ids: Vec<u64> = self.settles.keys().copied().collect();
         for id in ids {
@@ -369,7 +389,7 @@ impl<S: GradStore> Scheduler<S> {
     }
 
     fn on_settled(&mut self, id: u64) {
-        self.settles.entry(id).or_insert((0, None)).0 += 1;
+        self.settles.entry(id).or_default().settled += 1;
         self.answer_progress(id);
     }
 
@@ -377,12 +397,14 @@ impl<S: GradStore> Scheduler<S> {
     /// plan agreement (and a plan rebuild) is over: before, launches wait
     /// and arrivals are held, so a snapshot would not show what they caused.
     fn answer_progress(&mut self, id: u64) {
-        let settled = matches!(self.settles.get(&id), Some((n, Some(_))) if *n >= self.cfg.shards);
+        let Some(request) = self.settles.get(&id) else { return };
+        let settled = request.reply.is_some() && request.settled >= self.cfg.shards;
         let agreed = self.plan_agreed || !self.plan_proposed;
-        if settled && ((agreed && !self.order.pending) || self.failed()) {
-            let (_, reply) = self.settles.remove(&id).expect("entry present");
-            let s = &self.step;
-            reply.expect("reply present").send(Progress {
+        let s = &self.step;
+        let drained = request.in_flight_at_most.is_none_or(|most| s.next_launch - s.reduced <= most);
+        if settled && ((agreed && !self.order.pending && drained) || self.failed()) {
+            let request = self.settles.remove(&id).expect("entry present");
+            request.reply.expect("reply present").send(Progress {
                 step: s.step,
                 buckets_launched: s.next_launch,
                 buckets_done: s.reduced,

@@ -157,3 +157,46 @@ fn a_returned_loan_is_reused_instead_of_allocating() {
         "loans returned before the next step starts need no second set"
     );
 }
+
+/// A progress request that waits for buckets in flight, answered when the
+/// shard settled it and at most that many are in flight (none here).
+fn wait_in_flight(r: &mut Rank, id: u64, most: usize) -> mpsc::Receiver<crate::report::Progress> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    r.send(SchedMsg::Progress { id, in_flight_at_most: Some(most), reply: Reply::Blocking(tx) });
+    r.send(SchedMsg::Settled { id });
+    rx
+}
+
+#[test]
+fn a_wait_for_buckets_in_flight_is_answered_once_enough_of_them_are_reduced() {
+    let mut r = rank(1, 0, &[2, 2]);
+    r.agree_plan();
+    r.inc(0, 1, 2.0);
+    r.inc(0, 0, 1.0);
+    let (b0, b1) = (r.job(), r.job());
+    let none = wait_in_flight(&mut r, 1, 0);
+    let one = wait_in_flight(&mut r, 2, 1);
+    assert!(none.try_recv().is_err() && one.try_recv().is_err(), "two buckets are in flight");
+    r.done(b0);
+    let got = one.try_recv().expect("one bucket in flight is at most one");
+    assert_eq!((got.buckets_launched, got.buckets_done), (2, 1));
+    assert!(none.try_recv().is_err(), "one bucket is still in flight");
+    r.done(b1);
+    let got = none.try_recv().expect("every launched bucket is reduced");
+    assert_eq!((got.buckets_launched, got.buckets_done), (2, 2));
+    // Nothing in flight: answered at once.
+    assert!(wait_in_flight(&mut r, 3, 0).try_recv().is_ok());
+}
+
+#[test]
+fn a_wait_for_buckets_in_flight_is_answered_when_the_step_fails() {
+    let mut r = rank(1, 0, &[2, 2]);
+    r.agree_plan();
+    r.inc(0, 1, 2.0);
+    let b0 = r.job();
+    let waiting = wait_in_flight(&mut r, 1, 0);
+    assert!(waiting.try_recv().is_err());
+    let tag = b0.tag;
+    r.fail(b0, CommError::Timeout { rank: 0, tag, missing: vec![], waited: Duration::from_secs(1) });
+    waiting.try_recv().expect("a failed step answers the wait: the caller goes on to the failure");
+}
