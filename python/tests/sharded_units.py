@@ -50,26 +50,47 @@ def _batch(step, rank, world):
     return x if rank is None else x[rank * 3 : (rank + 1) * 3]
 
 
-def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False):
+def _watch_waits(wrapped):
+    """Record, after each wait of ``buckets_in_flight``, the buckets still
+    in flight (launched, not reduced) when the wait ended in time."""
+    residence = wrapped._partition.residence
+    left = []
+    wait = residence.await_in_flight
+
+    def watched(most, within_s):
+        reached = wait(most, within_s)
+        if reached:
+            progress = wrapped._sync.session.progress()
+            left.append(progress["buckets_launched"] - progress["buckets_done"])
+        return reached
+
+    residence.await_in_flight = watched
+    return left
+
+
+def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False, in_flight=None):
     """``steps`` steps of :class:`Stack` under ``shard_parameters=True``
     next to one process over the whole batch. Returns the units' names,
     the largest parameter difference, the gathers of each unit this rank
     kept in forward and backward, the most units whole at once, the rounds
     opened ahead of a unit's use, and the blocks' values held between
-    forward and backward. ``prefetch``: gather the next block (by the last
-    step's order) while the current one computes. ``compiled``: each
+    forward and backward. ``prefetch``: ``prefetch_units``, gather the next
+    block (by the last step's order) while the current one computes. ``compiled``: each
     block ``torch.compile``d before wrapping, as torchtitan compiles its
-    layers (aot_eager: compiled autograd graphs, no C++ compiler)."""
+    layers (aot_eager: compiled autograd graphs, no C++ compiler).
+    ``in_flight``: ``buckets_in_flight``; then also the waits and the
+    buckets still in flight after each."""
     reference = Stack(recompute).double()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     model = copy.deepcopy(reference)
     if compiled:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend="aot_eager")
-    wrapped = GradsyncDDP(model, shard_parameters=True, bucket_cap_mb=0.001)
+    wrapped = GradsyncDDP(model, shard_parameters=True, bucket_cap_mb=0.001, buckets_in_flight=in_flight,
+                          prefetch_units=prefetch)
     opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
     residence = wrapped._partition.residence
-    residence.prefetch = prefetch
+    left = _watch_waits(wrapped) if in_flight is not None else []
     worst = 0.0
     gathers = [0] * len(residence.units)
     try:
@@ -97,19 +118,29 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
             "between": sum(between),
             # Graphs dynamo compiled in this process (the blocks', when ``compiled``).
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "waits": residence.counts["in_flight_waits"],
+            "expired": residence.counts["in_flight_waits_expired"],
+            "left_in_flight": left,
         }
     finally:
         wrapped.close()
 
 
-def extra_on_one_rank(rank, world, steps=3):
+def extra_on_one_rank(rank, world, steps=3, in_flight=None, wait_s=None):
     """A block run by rank 0 only: rank 1 serves its gathers at its step's
     end. The average is every rank's gradient, summed, over the world (the
     extra block's from rank 0 alone). Returns the largest difference from
-    that reference and the gathers of the extra block this rank kept."""
+    that reference, the gathers of the extra block this rank kept and the
+    waits of ``buckets_in_flight`` (``in_flight``) that ran out
+    (``wait_s``: their bound, ``units.IN_FLIGHT_WAIT_S``)."""
+    from gradsync.torch.sharding import units
+
+    if wait_s is not None:
+        units.IN_FLIGHT_WAIT_S = wait_s
     reference = [Stack(extra_on=0, rank=r).double() for r in range(world)]
     model = copy.deepcopy(reference[rank])
-    wrapped = GradsyncDDP(model, shard_parameters=[*model.blocks, model.extra], bucket_cap_mb=0.001)
+    wrapped = GradsyncDDP(model, shard_parameters=[*model.blocks, model.extra], bucket_cap_mb=0.001,
+                          buckets_in_flight=in_flight)
     opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
     residence = wrapped._partition.residence
     worst = 0.0
@@ -134,7 +165,7 @@ def extra_on_one_rank(rank, world, steps=3):
             with wrapped.whole_parameters():
                 worst = max(worst, max((a - b).abs().max().item()
                                        for a, b in zip(reference[rank].parameters(), wrapped.module.parameters())))
-        return {"worst": worst, "extra_gathers": kept}
+        return {"worst": worst, "extra_gathers": kept, "expired": residence.counts["in_flight_waits_expired"]}
     finally:
         wrapped.close()
 

@@ -76,6 +76,18 @@ def test_a_sharded_checkpoint_of_one_bucket_loads_on_the_same_and_another_world(
 
 
 PARAMETERS = {"shard_parameters": True}
+#: Parameter sharding paced for the least memory: no bucket still reducing when a block's
+#: backward begins, no block gathered ahead.
+LEAN = {**PARAMETERS, "buckets_in_flight": 0, "prefetch_units": False}
+
+
+def test_the_programs_train_exactly_with_sharded_parameters_paced_for_memory(world2):
+    for rank, got in enumerate(world2.run(programs.nanogpt, **LEAN)):
+        assert got["norms"] < 1e-5 and got["params"] < programs.ATOL32, f"rank {rank}: {got}"
+    # A rank out of memory mid-step: its abort and the other rank's waits for buckets in flight end together.
+    for rank, got in enumerate(world2.run(programs.out_of_memory, timeout=60, **LEAN)):
+        assert got["outcomes"] == ["applied", "applied", "skipped", "applied", "applied"], got
+        assert got["params"] < programs.ATOL32, f"rank {rank}: parameters off by {got['params']:.2e}"
 
 
 @pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad_scaler"])

@@ -5,7 +5,9 @@ checkpointing; a block some ranks never run is gathered by the others'
 rounds without a hang; units that differ across ranks, or that nest, or
 are not the model's, are refused. Blocks compiled before wrapping, one
 rank alone, and ``param_dtype`` (a bfloat16 copy gathered for each step,
-float32 pieces) train exactly."""
+float32 pieces) train exactly. ``buckets_in_flight`` bounds the reductions
+a block's backward starts behind, and its wait runs out rather than hang a
+rank whose peer needs it in a round."""
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import sharded
 import sharded_units
 from gradsync import ConfigError
 from gradsync.torch.sharding.unit_modules import choose
-from gradsync.torch.sharding.wrapper import param_dtype_of
+from gradsync.torch.sharding.wrapper import pacing_of, param_dtype_of
 from world import World
 
 
@@ -46,6 +48,49 @@ def test_a_block_one_rank_never_runs_is_gathered_by_the_others_rounds(world2):
         assert got["worst"] <= sharded.ATOL, f"rank {rank}: off by {got['worst']}"
     # Rank 0 kept the extra block twice a step (after the first); rank 1 only served those gathers.
     assert [got["extra_gathers"] for got in seen] == [4, 0], seen
+
+
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_buckets_in_flight_bounds_the_reductions_a_blocks_backward_starts_behind(world2, in_flight):
+    steps = 3
+    for rank, seen in enumerate(world2.run(sharded_units.training, steps=steps, in_flight=in_flight)):
+        assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+        # One wait per block's backward, each step after the first (which runs whole as built).
+        assert seen["waits"] == 4 * (steps - 1) and seen["expired"] == 0, f"rank {rank}: {seen}"
+        assert max(seen["left_in_flight"]) <= in_flight, f"rank {rank}: {seen['left_in_flight']} in flight"
+
+
+def test_buckets_in_flight_never_hangs_a_rank_whose_peer_needs_its_rounds_first(world2):
+    # The extra block's bucket (used by rank 0 only) holds up the buckets after it in plan
+    # order until rank 1's backward ends, and each rank gets there only through rounds the
+    # other joins: a wait for it runs out (bounded) instead of hanging, and the step is exact.
+    seen = world2.run(sharded_units.extra_on_one_rank, in_flight=0, wait_s=0.2)
+    for rank, got in enumerate(seen):
+        assert got["worst"] <= sharded.ATOL, f"rank {rank}: off by {got['worst']}"
+    assert [got["extra_gathers"] for got in seen] == [4, 0], seen
+    assert any(got["expired"] for got in seen), seen
+
+
+@pytest.mark.parametrize("settings,says", [
+    ({"buckets_in_flight": -1}, "0 or more"), ({"buckets_in_flight": True}, "whole number"),
+    ({"buckets_in_flight": 1.5}, "whole number"), ({"buckets_in_flight": "0"}, "whole number"),
+    ({"prefetch_units": "no"}, "True .* or False"), ({"prefetch_units": 0}, "True .* or False"),
+])
+def test_pacing_settings_of_the_wrong_kind_are_refused(settings, says):
+    with pytest.raises(ConfigError, match=says):
+        pacing_of(settings, ([0, 1], ["(root)", "b"], [None]))
+
+
+@pytest.mark.parametrize("settings", [{"buckets_in_flight": 0}, {"prefetch_units": False}])
+def test_pacing_settings_without_units_are_refused(settings):
+    name = next(iter(settings))
+    for units in (None, ([0], ["(root)"], [])):
+        with pytest.raises(ConfigError, match=f"{name} paces .* shard_parameters=True on a model with blocks"):
+            pacing_of(settings, units)
+    # Their defaults ask for nothing, with units or without.
+    assert pacing_of({"buckets_in_flight": None, "prefetch_units": True}, None) == (None, True)
+    assert pacing_of(settings, ([0, 1], ["(root)", "b"], [None])) == (settings.get("buckets_in_flight"),
+                                                                      settings.get("prefetch_units", True))
 
 
 def test_units_that_differ_across_ranks_are_refused_on_every_rank_when_wrapping(world2):

@@ -75,7 +75,7 @@ from gradsync.torch._states import StateBroadcast
 from gradsync.torch.sharding.unit_modules import choose as choose_units
 from gradsync.torch.sharding.wrapper import Sharding
 from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
-from gradsync.torch.sharding.wrapper import param_dtype_of, scatters, sharded_optimizer_of
+from gradsync.torch.sharding.wrapper import pacing_of, param_dtype_of, scatters, sharded_optimizer_of
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -281,6 +281,16 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       stay in the parameters' own dtype. The parameters are released when
       wrapping; inside ``whole_parameters()`` (state dicts, checkpoints)
       they are whole in their own dtype, exactly. Not in an elastic job yet.
+    * ``buckets_in_flight``: with ``shard_parameters`` on a model with
+      blocks, the most buckets still in their reduction when a block's
+      backward begins; it waits for the rest (at most a bounded time, so a
+      peer that needs this rank first cannot hang it). ``0`` holds one
+      whole bucket at a time (the least memory; as FSDP2's blocking
+      reduce-scatter on CPU); ``None`` (default): no wait, the most overlap.
+    * ``prefetch_units``: with ``shard_parameters`` on a model with blocks,
+      ``False`` gathers each block only when it is needed, not while the
+      one before computes: one block whole instead of two, no overlap of
+      the gathers (``True``, the default).
     * ``param_init``: for a model built on the meta device (with
       ``shard_parameters``), ``fn(module)`` initializing a module's own
       parameters and buffers in place (default: its ``reset_parameters()``;
@@ -303,7 +313,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
     _NAME = "DistributedDataParallel"
     #: gradsync's own keyword arguments (also accepted by :func:`gradsync.torch.replace_ddp`).
     GRADSYNC_SETTINGS = ("timeout", "abort_policy", "record_timeline", "wire_dtype", "buckets", "elastic",
-                         "shard_gradients", "shard_parameters", "param_dtype", "param_init")
+                         "shard_gradients", "shard_parameters", "param_dtype", "buckets_in_flight",
+                         "prefetch_units", "param_init")
     # Settings given to replace_ddp, applied to wrappers that torch's constructor builds.
     _replace_settings = {}
 
@@ -372,6 +383,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         units = choose_units(module, self._params, shard_parameters) if wanted else None
         sharded = wanted or bool(settings.get("shard_gradients", False))
         param_dtype = param_dtype_of(settings)
+        pacing = pacing_of(settings, units)
         #: ``param_dtype`` (or ``None``): the forward's floating-point inputs are cast to it.
         self._param_dtype = param_dtype
         if sharded:
@@ -443,7 +455,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             if param_dtype is not None or meta is not None:
                 self._partition.residence.hooked()
         if units and len(units[1]) > 1:
-            self._open_lane(collectives, arrivals, comm.plane_device)
+            self._open_lane(collectives, arrivals, comm.plane_device, pacing)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
         _LIVE.add(self)

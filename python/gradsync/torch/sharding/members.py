@@ -26,12 +26,16 @@ class ShardedMembers:
     #: What a gather lane is built from (``_open_lane``), or ``None``: no lane.
     _lane_parts = None
 
-    def _open_lane(self, collectives, arrivals, plane_device):
+    def _open_lane(self, collectives, arrivals, plane_device, pacing=(None, True)):
         """The gather lane of parameter sharding by units (:meth:`_new_lane`),
-        closed with the wrapper."""
+        closed with the wrapper; ``pacing``: ``(buckets_in_flight,
+        prefetch_units)`` (``sharding.wrapper.pacing_of``)."""
         self._lane_parts = (collectives, arrivals, plane_device)
         self._retired_lanes = []
         residence = self._partition.residence
+        residence.in_flight, residence.prefetch = pacing
+        # (The session's at the time of the wait: an elastic job's changes of members start new ones.)
+        residence.await_in_flight = lambda most, within_s: self._sync.session.await_in_flight(most, within_s)
         self._sync.on_close.append(lambda: residence.lane.close())
         self._sync.on_close.append(residence.remove_hooks)
         self._new_lane()

@@ -43,6 +43,14 @@ the same rounds on every rank (here unit 3 runs on rank 1 only)::
     rank 1: round {1} ─ round {2} ─ round {3}       ─ serve: round {} ─▶ the step's collectives
     round 3 gathers unit 3 on both ranks (rank 0 keeps nothing of it); in round 4 nobody asks
 
+**Reductions a backward starts behind** (``buckets_in_flight=k``): before
+a unit's backward, the rank waits until at most ``k`` of the step's
+buckets are still in their reduction, so earlier units' whole buckets are
+freed before this one's fill (less memory, less overlap). The wait is
+bounded (:data:`IN_FLIGHT_WAIT_S`): a bucket in flight may wait for a
+peer that needs this rank in a round first (a unit used on some ranks
+only), and then the rank goes on.
+
 Between its uses a unit's parameters are empty tensors (a stray read gets
 nothing, never freed memory), and the storage they had is resized to
 nothing (as FSDP does): the tensors autograd saved of them (a transposed
@@ -54,6 +62,7 @@ penalty over every weight) belongs in the model's forward, or between
 steps in ``model.whole_parameters()``.
 """
 
+import logging
 import zlib
 
 import torch
@@ -64,6 +73,15 @@ from gradsync.torch.sharding.layout import flat_values
 from gradsync.torch.sharding.norm import LOST
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.unit_modules import BackwardEnds, Call, Unit, entries
+
+log = logging.getLogger("gradsync.torch")
+
+#: The longest a unit's backward waits for earlier buckets' reductions under
+#: ``buckets_in_flight`` (seconds). A reduction in flight completes within
+#: milliseconds unless a peer holds it up; a peer that needs this rank in a
+#: gather round first is the one case it cannot complete, and the wait
+#: ending keeps that case from hanging.
+IN_FLIGHT_WAIT_S = 2.0
 
 
 class UnitResidence(ShardedParameters):
@@ -101,12 +119,22 @@ class UnitResidence(ShardedParameters):
         #: benchmarks: rounds joined (serving included), gathers of each
         #: unit kept by this rank, the most units but the root whole at
         #: once, and the rounds opened ahead of the unit's use (prefetches).
-        self.counts = {"rounds": 0, "gathers": [0] * len(self.units), "most_whole": 0, "prefetched": 0}
+        #: ``in_flight_waits`` counts the waits for buckets in flight, and
+        #: ``in_flight_waits_expired`` those that ran out (:data:`IN_FLIGHT_WAIT_S`).
+        self.counts = {"rounds": 0, "gathers": [0] * len(self.units), "most_whole": 0, "prefetched": 0,
+                       "in_flight_waits": 0, "in_flight_waits_expired": 0}
         #: Called after every round that gathered (a benchmark's memory sample), or ``None``.
         self.after_round = None
         #: Whether the next unit (by the last step's order) is gathered
         #: while the current one computes.
         self.prefetch = True
+        #: ``buckets_in_flight``: before a unit's backward, wait until at most
+        #: this many of the step's buckets are still in their reduction
+        #: (``None``: no wait). Set with :attr:`await_in_flight`.
+        self.in_flight = None
+        #: ``fn(most, within_s) -> bool``: the session's bounded wait
+        #: (``Session.await_in_flight``); ``False`` when it ran out.
+        self.await_in_flight = None
         #: The units this rank needed in this step, in order; the last step's.
         self._order, self._learned = [], []
         #: The prefetch round in flight (``_open``'s), or ``None``.
@@ -298,10 +326,28 @@ class UnitResidence(ShardedParameters):
     def _before_backward(self, call):
         def hook(grad):
             if not self.whole:
+                if self.in_flight is not None and not any(c is call for c in call.unit.holds):
+                    self._wait_for_reductions()
                 self._ensure(call.unit)
                 self._hold(call)
             return grad
         return hook
+
+    def _wait_for_reductions(self):
+        """A unit's backward is about to begin (its first output gradient):
+        wait until at most :attr:`in_flight` of the step's buckets are still
+        in their reduction, so the whole buckets of earlier units are freed
+        before this one's fill (``buckets_in_flight``). The wait is bounded
+        (:data:`IN_FLIGHT_WAIT_S`): a bucket in flight here may be waiting
+        for a peer whose forward took another path and who needs this rank
+        in a round first; then this rank goes on, holding more memory."""
+        self.counts["in_flight_waits"] += 1
+        if not self.await_in_flight(self.in_flight, IN_FLIGHT_WAIT_S):
+            self.counts["in_flight_waits_expired"] += 1
+            if self.counts["in_flight_waits_expired"] == 1:
+                log.warning("buckets_in_flight=%d: a unit's backward waited %g s for earlier buckets' reductions "
+                            "and went on (a peer may be waiting for this rank's gathers); it holds more whole "
+                            "buckets meanwhile", self.in_flight, IN_FLIGHT_WAIT_S)
 
     def _after_backward(self, call):
         """A forward's backward ended (its inputs' gradients are computed):

@@ -102,6 +102,31 @@ def param_dtype_of(settings):
     return dtype
 
 
+def pacing_of(settings, units):
+    """How a parameter-sharded wrapper's units pace their memory:
+    ``(buckets_in_flight, prefetch_units)``. ``buckets_in_flight``: the most
+    buckets still in their reduction when a unit's backward begins, or
+    ``None``; ``prefetch_units``: whether the next unit is gathered while
+    one computes (``sharding.units``). Both need units to act on."""
+    in_flight = settings.get("buckets_in_flight")
+    prefetch = settings.get("prefetch_units", True)
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0):
+        raise ConfigError(
+            f"buckets_in_flight={in_flight!r}: give a whole number, 0 or more (0: each unit's gradients are "
+            "reduced before the next unit's backward; None: no limit)"
+        )
+    if not isinstance(prefetch, bool):
+        raise ConfigError(f"prefetch_units={prefetch!r}: True (gather the next unit while one computes) or False")
+    asked = [name for name, value in (("buckets_in_flight", in_flight), ("prefetch_units", prefetch))
+             if value != {"buckets_in_flight": None, "prefetch_units": True}[name]]
+    if asked and (not units or len(units[1]) < 2):
+        raise ConfigError(
+            f"{asked[0]} paces the gathers and reductions of units, a block at a time: it needs "
+            "shard_parameters=True on a model with blocks (or shard_parameters=[block, ...])"
+        )
+    return in_flight, prefetch
+
+
 class Sharding(ShardedMembers):
     """The sharded part of ``DistributedDataParallel`` (see the module docs)."""
 
