@@ -410,6 +410,8 @@ SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
     "gradsync-sharded-at-once": "the same, one gather of every bucket (not pipelined)",
     "gradsync-params": "gradsync, `shard_parameters=True`",
+    "gradsync-params-0": "the same, `buckets_in_flight=0`",
+    "gradsync-params-lean": "the same, `buckets_in_flight=0, prefetch_units=False`",
     "gradsync-params-bf16": "the same, `param_dtype=torch.bfloat16`",
     "gradsync": "gradsync",
     "ddp": "torch DDP (`gradient_as_bucket_view`)",
@@ -430,9 +432,11 @@ def sharded_memory() -> str:
            "ranks, MB, after a step; the goal is (gradients + optimizer state of the whole model) / world + one "
            "bucket. Peak: the most the three held together in a step after the first, sampled at the start of "
            "each block's forward and backward, at the end of the forward, after every gather of "
-           "`shard_parameters=True`, after the backward and after the optimizer step. FSDP2's count includes what "
-           "its state holds at those points: unsharded parameters and gradients, all-gather outputs not yet "
-           "copied out, reduce-scatter inputs kept until a later block's reduce-scatter. The peak's goal for "
+           "`shard_parameters=True`, as each gradient is computed (that gradient counted too), in FSDP2's "
+           "reduce-scatter once its input is filled (with the block's unsharded gradients it was filled from), "
+           "after the backward and after the optimizer step. FSDP2's count includes what its state holds at "
+           "those points: unsharded parameters and gradients, all-gather outputs not yet copied out, "
+           "reduce-scatter inputs kept until a later block's reduce-scatter. The peak's goal for "
            "`shard_parameters=True` is (parameters + gradients + optimizer state) / world + two blocks + one "
            "bucket.\n",
            "| world | wrapper | parameters | gradients | optimizer state | gradients + optimizer (goal) | "
@@ -445,7 +449,7 @@ def sharded_memory() -> str:
             continue
         both = (row["grads"] + row["optimizer"]) / mb
         peak = f"{row['peak'] / mb:.1f}" if "peak" in row else "—"
-        if row["impl"] == "gradsync-params" and "peak_goal" in row:
+        if row["impl"].startswith("gradsync-params") and "peak_goal" in row:
             peak += f" ({row['peak_goal'] / mb:.1f})"
         out.append(f"| {row['world']} | {name} | {row['params'] / mb:.1f} | {row['grads'] / mb:.1f} | "
                    f"{row['optimizer'] / mb:.1f} | {both:.1f} ({row['goal'] / mb:.1f}) | {peak} | "

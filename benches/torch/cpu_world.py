@@ -5,8 +5,10 @@ and putting ``(rank, value)`` on ``results``."""
 import json
 import os
 import platform
+import queue
 import socket
 import sys
+import time
 
 import torch.multiprocessing as mp
 
@@ -24,12 +26,21 @@ def spawn(target, world, args, deadline):
     for p in procs:
         p.start()
     got = {}
-    try:
-        while len(got) < world:
-            rank, value = results.get(timeout=deadline)
+    end = time.monotonic() + deadline
+    while len(got) < world and time.monotonic() < end:
+        try:
+            rank, value = results.get(timeout=1)
             got[rank] = value
-    except Exception:  # the queue's Empty: some rank never answered
-        pass
+        except queue.Empty:
+            # Every rank still to answer has exited (raised): nothing more will come.
+            if all(not p.is_alive() for r, p in enumerate(procs) if r not in got):
+                break
+    while len(got) < world:  # (what a rank put just before it exited)
+        try:
+            rank, value = results.get(timeout=0.5)
+        except queue.Empty:
+            break
+        got[rank] = value
     for p in procs:
         p.join(timeout=5)
     dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]

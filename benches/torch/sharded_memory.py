@@ -2,7 +2,10 @@
 against torch's DDP, DDP with torch's ZeroRedundancyOptimizer (ZeRO-1) and
 FSDP2 (``fully_shard`` per block), on CPU ranks (gloo, loopback); parameter
 sharding and FSDP2 also in mixed precision (``-bf16``: bfloat16 compute,
-float32 pieces and reduction: ``param_dtype`` and ``MixedPrecisionPolicy``).
+float32 pieces and reduction: ``param_dtype`` and ``MixedPrecisionPolicy``),
+and parameter sharding paced for memory (``-0``: ``buckets_in_flight=0``,
+no bucket still reducing when a block's backward begins; ``-lean``: that
+and ``prefetch_units=False``, no block gathered ahead).
 
     python benches/torch/sharded_memory.py [--worlds 2 4 8] [--layers 8] [--width 256] [--steps 4]
                                            [--json docs/data/sharded/memory.json]
@@ -24,7 +27,9 @@ ones hold nothing), gradsync's pieces where they own their values
 (``shard_parameters=True``) and the runtime's parameter-gather buffers
 while they are held (``shard_gradients=True`` keeps them between steps).
 ``peak`` is the largest sum of the three seen at the start of each block's
-forward and backward, at the end of the model's forward, after a backward, after an optimizer step and,
+forward and backward, at the end of the model's forward, after a backward, after an optimizer step,
+as each gradient is computed (counting it), in FSDP2's reduce-scatter once its input is filled (counting
+it and the unsharded gradients it was filled from) and,
 under ``shard_parameters=True``, after every gather of a unit (FSDP2: its
 unsharded parameters counted while allocated, and the flat output of an
 all-gather until its parameters are copied out), in the steps after the
@@ -49,8 +54,8 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_world import spawn, write_json  # noqa: E402
-IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync-params-bf16", "gradsync", "ddp", "zero1", "fsdp2",
-         "fsdp2-bf16")
+IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync-params-0", "gradsync-params-lean", "gradsync-params-bf16",
+         "gradsync", "ddp", "zero1", "fsdp2", "fsdp2-bf16")
 CAP_MB = 4
 
 
@@ -114,10 +119,14 @@ def build(impl, model, world):
     """``model`` under ``impl`` (one of :data:`IMPLS`) and its optimizer."""
     from gradsync.torch import DistributedDataParallel as GradsyncDDP
 
-    if impl in ("gradsync-sharded", "gradsync-params", "gradsync-params-bf16"):
+    if impl.startswith(("gradsync-sharded", "gradsync-params")):
         setting = {"shard_gradients": True} if impl == "gradsync-sharded" else {"shard_parameters": True}
         if impl.endswith("-bf16"):
             setting["param_dtype"] = torch.bfloat16
+        if impl.endswith(("-0", "-lean")):
+            setting["buckets_in_flight"] = 0
+        if impl.endswith("-lean"):
+            setting["prefetch_units"] = False
         wrapped = GradsyncDDP(model, bucket_cap_mb=CAP_MB, **setting)
         return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=1e-4)
     if impl == "gradsync":
@@ -212,17 +221,45 @@ def _fsdp_gradient_buffers(model):
     return tensors
 
 
-def _gradient_memory(impl, model, wrapped):
-    """Gradient memory now: ``.grad`` tensors (not views of gradsync's
-    buckets) and the runtime's buckets and partitions."""
-    runtime = wrapped.memory_bytes if impl.startswith("gradsync") else 0
+def _gradient_tensors(model, wrapped):
+    """Gradient tensors now: ``.grad`` tensors (not views of gradsync's
+    buckets, which ``Session.memory_bytes`` counts) and FSDP2's buffers."""
     grads = [p.grad for p in model.parameters()
              if p.grad is not None and getattr(p.grad._base, "_gradsync_step", None) is None]
     partition = getattr(wrapped, "_partition", None)
     if partition is not None:
         grads += [piece.tensor.grad for piece in partition.every_held_piece() if piece.tensor.grad is not None
                   and getattr(piece.tensor.grad._base, "_gradsync_step", None) is None]
-    return _bytes(grads + _fsdp_gradient_buffers(model)) + runtime
+    return grads + _fsdp_gradient_buffers(model)
+
+
+def _gradient_memory(impl, model, wrapped):
+    """Gradient memory now: :func:`_gradient_tensors` and the runtime's buckets and partitions."""
+    return _bytes(_gradient_tensors(model, wrapped)) + (wrapped.memory_bytes if impl.startswith("gradsync") else 0)
+
+
+def _sample_inside_backward(model, sample):
+    """Samples where each implementation's gradients take the most memory,
+    between the block hooks: as each gradient is computed (the new gradient
+    counted; gradsync's buckets filling and in flight are in its runtime's
+    bytes), and in FSDP2's reduce-scatter once its input is filled, while
+    the block's unsharded gradients are still held."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    leaves = [p for p in model.parameters()] + [u for _, u in _fsdp_unsharded(model)]
+    for leaf in leaves:
+        if leaf.requires_grad:
+            leaf.register_hook(lambda grad: sample(extra=[grad]))
+    copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
+    if getattr(copy_in, "_sampled", False):
+        return
+
+    def sampled_copy_in(unsharded_grads, reduce_scatter_input, world_size):
+        copy_in(unsharded_grads, reduce_scatter_input, world_size)
+        sample(extra=[*unsharded_grads, reduce_scatter_input])
+
+    sampled_copy_in._sampled = True
+    _fsdp_collectives.foreach_reduce_scatter_copy_in = sampled_copy_in
 
 
 def _rank(rank, world, port, impl, args, results):
@@ -236,9 +273,10 @@ def _rank(rank, world, port, impl, args, results):
     wrapped, optimizer = build(impl, model, world)
     peak = [0]
 
-    def sample(*_):
-        held = (_bytes(_parameter_memory(model, wrapped)) + _gradient_memory(impl, model, wrapped)
-                + _bytes(_state_tensors(optimizer)))
+    def sample(*_, extra=()):
+        held = _bytes(_parameter_memory(model, wrapped) + _gradient_tensors(model, wrapped)
+                      + _state_tensors(optimizer) + list(extra))
+        held += wrapped.memory_bytes if impl.startswith("gradsync") else 0
         peak[0] = max(peak[0], held)
 
     model.register_forward_hook(sample)
@@ -254,8 +292,10 @@ def _rank(rank, world, port, impl, args, results):
     for step in range(args.steps):
         if step == 1:
             # The peak of a step after the first: the first runs with the model as built
-            # (whole, under shard_parameters=True too) and builds the optimizer state.
+            # (whole, under shard_parameters=True too) and builds the optimizer state
+            # (and FSDP2's unsharded parameters).
             peak[0] = 0
+            _sample_inside_backward(model, sample)
         ids = torch.randint(0, 1024, (args.batch, args.tokens), generator=g)
         began = time.perf_counter()
         optimizer.zero_grad()
