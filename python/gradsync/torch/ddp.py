@@ -51,21 +51,20 @@ inputs in ``_join``), finding the tensors of the model's outputs in ``_outputs``
 import functools
 import itertools
 import logging
-import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, _JoinConfig
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
 from gradsync._controls import StepControls
-from gradsync._core import DataPath, ModelSync, Replica, SyncSettings, check_wire, select_parameters
+from gradsync._core import ModelSync, Replica, SyncSettings, check_wire, select_parameters
 from gradsync._errors import ConfigError
 from gradsync._gloo import never_free
-from gradsync.torch import _amp, _shim, _torch_group
+from gradsync.torch import _shim, _torch_group
 from gradsync.torch._comm import TorchCommunicator
+from gradsync.torch._live import LIVE, enlist
 from gradsync.torch.sharding.gather import ParameterGather
 from gradsync.torch.sharding.materialize import on_meta
 from gradsync.torch._grads import TorchGrads, reals
@@ -75,7 +74,7 @@ from gradsync.torch._states import StateBroadcast
 from gradsync.torch.sharding.unit_modules import choose as choose_units
 from gradsync.torch.sharding.wrapper import Sharding
 from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
-from gradsync.torch.sharding.wrapper import pacing_of, param_dtype_of, scatters, sharded_optimizer_of
+from gradsync.torch.sharding.wrapper import pacing_of, param_dtype_of, scatters
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 
@@ -95,43 +94,12 @@ _DTYPES = {
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 _REFUSED = ("mixed_precision", "device_mesh", "delay_all_reduce_named_params", "param_to_hook_all_reduce")
 
-# Wrappers alive and not closed in this process: for the optimizer check,
-# and to find the wrapper a new one takes a module over from.
-_LIVE = weakref.WeakSet()
 # Where a torch backward can end without gradsync seeing it: nowhere known
 # (the C++ hook watches every task that reaches the model to its end).
 _UNSEEN_END = "a backward whose end the C++ hook did not see; please report it"
 # Wrappers built per process group, in order: every rank builds them in the
 # same order (as with DDP), so the n-th wrapper has the same prefix everywhere.
 _BUILT = {}
-_OPTIMIZER_HOOK = None
-
-
-def _check_before_optimizer_step(optimizer, args, kwargs):
-    """An optimizer step must not apply gradients a wrapper never averaged;
-    an optimizer over a sharded wrapper's parameters steps sharded (it is
-    taken over at its first step, ``sharding.wrapper.sharded_optimizer_of``)."""
-    if getattr(optimizer, "_gradsync_facade", False):
-        return  # (its inner optimizer's step comes through here)
-    for ddp in list(_LIVE):
-        ddp._sync.raise_if_unfinished("optimizer.step()")
-        ddp._raise_if_unaveraged(optimizer)
-    sharded = sharded_optimizer_of(optimizer)
-    if sharded is not None:
-        sharded.before_step()
-
-
-def _steps_a_wrapper(optimizer):
-    """Whether ``optimizer`` steps parameters of a live wrapper."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return any(w._holds_any(params) for w in list(_LIVE))
-
-
-def _after_optimizer_step(optimizer, args, kwargs):
-    """A sharded optimizer's step ends with the parameters' gather."""
-    sharded = getattr(optimizer, "_gradsync_sharded", None)
-    if sharded is not None:
-        sharded.after_step()
 
 
 def _end_of_backward(ref):
@@ -150,46 +118,6 @@ def _sync_asked(ref):
     ddp = ref()
     if ddp is not None:
         ddp._ask_for_sync()
-
-
-def _data_path(device, buckets):
-    """Where a wrapper of parameters on ``device`` keeps its buckets
-    (``buckets``: the user's ``buckets`` setting, or None), and gradsync's
-    C++ modules. Returns ``(path, arrivals module, collectives module)``.
-
-    CPU parameters: host buckets; ``buckets="device"`` runs the device
-    plane on CPU tensors (what CI checks of it). CUDA parameters: the device
-    plane (buckets on the GPU, NCCL), or, with ``buckets="host"``, gradients
-    staged through host memory and summed by gloo (a warning says so).
-    Without the C++ modules nothing runs: they are gradsync's hook and
-    collectives, as DDP's reducer is DDP's."""
-    if buckets not in (None, "host", "device"):
-        raise ConfigError(f"buckets={buckets!r}: use 'device' (on the parameters' device) or 'host' (host memory)")
-    collectives, missing = _shim.load("collectives")
-    arrivals, arrivals_missing = _shim.load("arrivals")
-    why = missing or arrivals_missing
-    if why is not None:
-        raise ConfigError(
-            f"gradsync.torch cannot run: {why}. Its C++ modules are built when gradsync is installed with torch "
-            "present: install torch first, then reinstall gradsync (pip install --no-build-isolation "
-            "--force-reinstall gradsync)"
-        )
-    if buckets is None:
-        buckets = "device" if device.type == "cuda" else "host"
-    if buckets == "device":
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"buckets on {device}: gradsync's device plane runs on CUDA; pass buckets='host'")
-        return DataPath(buckets="device"), arrivals, collectives
-    if device.type == "cpu":
-        return DataPath(buckets="host"), arrivals, collectives
-    why = (
-        f"gradients of parameters on {device} are staged through host memory and reduced by gloo (two copies "
-        "across the bus and a CPU sum per gradient), "
-        + ("because gradsync's device plane runs on CUDA only" if device.type != "cuda" else "as buckets='host' asks")
-        + "; buckets='device' keeps CUDA gradients on the GPU and reduces them with NCCL"
-    )
-    warnings.warn(f"gradsync: {why}", RuntimeWarning, stacklevel=4)
-    return DataPath(buckets="host", why=why), arrivals, collectives
 
 
 class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
@@ -407,7 +335,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         # torch.compile's DDPOptimizer splits compiled graphs at this many
         # bytes of parameters; it refuses less than torch's first-bucket size.
         self.bucket_bytes_cap = max(cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
-        path, arrivals, collectives = _data_path(self._device, settings.get("buckets"))
+        path, arrivals, collectives = _shim.data_path(self._device, settings.get("buckets"))
         if elastic is not None:
             # An elastic job: the groups live in the job's store, under its membership epoch.
             if process_group is not None:
@@ -458,12 +386,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             self._open_lane(collectives, arrivals, comm.plane_device, pacing)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
-        _LIVE.add(self)
-        global _OPTIMIZER_HOOK
-        if _OPTIMIZER_HOOK is None:
-            _OPTIMIZER_HOOK = (register_optimizer_step_pre_hook(_check_before_optimizer_step),
-                               register_optimizer_step_post_hook(_after_optimizer_step))
-            _amp.install(_steps_a_wrapper)
+        enlist(self)
 
     # ---- what an elastic job's membership calls (gradsync.torch.Elastic) ---------------------
 
@@ -605,7 +528,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         holds one of them (``ddp = DDP(model)`` run again: its hooks come off
         first). ``plane``: the communicator, when the buckets are on the
         device plane."""
-        for earlier in [w for w in _LIVE if w is not self and w._holds_any(self._params)]:
+        for earlier in [w for w in LIVE if w is not self and w._holds_any(self._params)]:
             earlier._retire()
         ref = weakref.ref(self)
         hooks = Hooks(
@@ -719,7 +642,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         again retires this wrapper, and a wrapper the program drops is closed
         when it is collected."""
         self._sync.close(f"this gradsync {self._NAME} was closed")
-        _LIVE.discard(self)
+        LIVE.discard(self)
 
     def _holds_any(self, params):
         """Whether this wrapper synchronizes any of ``params``."""
@@ -735,7 +658,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             f"this gradsync {self._NAME} was retired: its module (parameters {names}) was wrapped again by a "
             f"newer {self._NAME}, which synchronizes it now; use the new wrapper"
         )
-        _LIVE.discard(self)
+        LIVE.discard(self)
         log.info("gradsync: a newer wrapper took parameters %s over; the older wrapper was retired", names)
 
     def _model_states(self):
