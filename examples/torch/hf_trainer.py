@@ -55,6 +55,9 @@ def parse():
     parser.add_argument("--shard-parameters", action="store_true",
                         help="gradsync with the parameters sharded too (ZeRO-3): replace_ddp(shard_parameters=True); "
                         "the script reads the parameters after training inside model.whole_parameters()")
+    parser.add_argument("--lean", action="store_true",
+                        help="with --shard-parameters: paced for the least memory (buckets_in_flight=0, "
+                             "prefetch_units=False)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per rank, NCCL (gradsync's buckets on the GPU)")
     return parser.parse_args()
@@ -133,7 +136,8 @@ def main():
 
         # The one line: Accelerate's DDP becomes gradsync's (sharded: the Trainer's optimizer then steps this
         # rank's partition, converted at its first step, and its checkpoints hold the whole state).
-        gradsync.torch.replace_ddp(shard_gradients=args.shard, shard_parameters=args.shard_parameters)
+        pacing = {"buckets_in_flight": 0, "prefetch_units": False} if args.lean else {}
+        gradsync.torch.replace_ddp(shard_gradients=args.shard, shard_parameters=args.shard_parameters, **pacing)
 
     model = tiny_gpt2()
     initial = copy.deepcopy(model)

@@ -69,13 +69,23 @@ class scatter_on_gloo:
 
 #: gradsync's sharded settings by ``impl``: gradients and optimizer state
 #: (ZeRO-2), or the parameters too (ZeRO-3).
-SETTINGS = {"gradsync": {"shard_gradients": True}, "gradsync-params": {"shard_parameters": True}}
+SETTINGS = {"gradsync": {"shard_gradients": True}, "gradsync-params": {"shard_parameters": True},
+            # Paced for the least memory, each child with parameters a unit (as FSDP2 is applied below).
+            "gradsync-params-lean": {"buckets_in_flight": 0, "prefetch_units": False}}
+
+
+def _units(model):
+    """The children of ``model`` that hold parameters (the units FSDP2 gets here)."""
+    return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 def _build(impl, model, world, optim=None, **kwargs):
     """``model`` under ``impl`` and its optimizer (AdamW, with the options ``optim``)."""
     if impl in SETTINGS:
-        wrapped = GradsyncDDP(model, **SETTINGS[impl], bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.001), **kwargs)
+        settings = dict(SETTINGS[impl])
+        if impl == "gradsync-params-lean":
+            settings["shard_parameters"] = _units(model)
+        wrapped = GradsyncDDP(model, **settings, bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.001), **kwargs)
         return wrapped, wrapped.shard_optimizer(torch.optim.AdamW, lr=LR, **(optim or {}))
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -83,9 +93,8 @@ def _build(impl, model, world, optim=None, **kwargs):
 
         mesh = init_device_mesh("cpu", (world,))
         # Per block, as models are sharded: every child with parameters, then the root.
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh)
+        for child in _units(model):
+            fully_shard(child, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
     if impl == "zero1":

@@ -5,7 +5,8 @@ each rank holding its pieces only; training stays exact through
 aborts, accumulation and clipping; what a program writes into whole
 parameters is kept; state dicts between steps are refused with what to do; uneven
 inputs (``join``) are exact. Every case of the sharded table runs under it too
-(``test_sharded.py``)."""
+(``test_sharded.py``), and here paced for memory (``buckets_in_flight=0,
+prefetch_units=False``, each child a unit)."""
 
 import pytest
 
@@ -14,6 +15,13 @@ import sharded_params
 from gradsync import ConfigError
 from gradsync.torch.sharding.wrapper import refuse
 from sharded import case, check
+
+
+@pytest.mark.parametrize("name", list(sharded.CASES))
+def test_every_case_trains_exactly_paced_for_memory(world2, name):
+    # Each child with parameters a unit (as FSDP2 gets them), no bucket still reducing
+    # when a unit's backward begins, no unit gathered ahead.
+    check(world2.run(case, "gradsync-params-lean", name))
 
 
 @pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
