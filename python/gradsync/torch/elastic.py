@@ -64,8 +64,6 @@ What happens:
 
 import dataclasses
 import datetime
-import hashlib
-import io
 import logging
 import os
 import time
@@ -81,7 +79,8 @@ from gradsync.torch._job import (  # noqa: F401  (ENV_*, EXIT_* and exit_status:
     connect, env, exit_status, first_nodes, probe_host,
 )
 from gradsync.torch.etcd import is_etcd
-from gradsync.torch.sharding.wrapper import converted, sharded_optimizer_of
+from gradsync.torch._tracked import fingerprint, pack, unpack
+from gradsync.torch.sharding.wrapper import sharded_optimizer_of
 
 log = logging.getLogger("gradsync.elastic")
 
@@ -112,41 +111,6 @@ class MembershipEvent:
     world: int
     seconds: float
     time: float
-
-
-def _sharded(obj):
-    """``obj``'s ``ShardedOptimizer`` if it is one or was converted to one
-    (its state moves with the members, not in a joiner's transfer), else
-    ``None``."""
-    return converted(obj)
-
-
-def _state_forms(module):
-    """``module``'s state dict, or, a wrapper whose parameters are sharded
-    (released between steps), its parameters' whole forms and its buffers:
-    what a joiner's fingerprint compares, without a gather."""
-    if getattr(module, "parameters_sharded", False):
-        return {**module.parameter_forms(), **dict(module.module.named_buffers())}
-    return module.state_dict()
-
-
-def _state_of(obj):
-    """What a member behind receives of ``obj``: its state dict; of a
-    wrapper whose parameters are sharded its buffers only (the pieces of the
-    parameters moved with the members, ``sharding.reshard``)."""
-    if getattr(obj, "parameters_sharded", False):
-        return {"buffers": dict(obj.module.named_buffers())}
-    return obj.state_dict()
-
-
-@torch.no_grad()
-def _load_state(obj, state):
-    """:func:`_state_of`'s ``state`` into ``obj``."""
-    if getattr(obj, "parameters_sharded", False):
-        for name, buffer in obj.module.named_buffers():
-            buffer.copy_(state["buffers"][name])
-        return
-    obj.load_state_dict(state)
 
 
 class Elastic:
@@ -489,29 +453,7 @@ class Elastic:
     def fingerprint(self):
         """What a joiner must share with the members: the tracked objects'
         state layout (names, shapes, dtypes, optimizer kind), as text."""
-        digest = hashlib.sha256()
-        parts = []
-        for name, obj in sorted(self._tracked.items()):
-            kind = type(obj).__name__
-            if isinstance(obj, torch.nn.Module):
-                state = _state_forms(obj)
-                shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in state.items()]
-                digest.update(repr(shapes).encode())
-                elements = sum(t.numel() for t in state.values())
-                parts.append(f"{name}: {kind} with {len(shapes)} tensors, {elements} elements")
-            elif sharded := _sharded(obj):
-                groups = [len(entries) for entries in sharded.entries]
-                kind = f"sharded {sharded._class.__qualname__}"
-                digest.update(repr((kind, groups)).encode())
-                parts.append(f"{name}: {kind} over {sum(groups)} parameters")
-            elif isinstance(obj, torch.optim.Optimizer):
-                groups = [len(g["params"]) for g in obj.param_groups]
-                digest.update(repr((kind, groups)).encode())
-                parts.append(f"{name}: {kind} over {sum(groups)} parameters")
-            else:
-                digest.update(kind.encode())
-                parts.append(f"{name}: {kind}")
-        return "; ".join(parts) + f" [{digest.hexdigest()[:12]}]"
+        return fingerprint(self._tracked)
 
     def _join(self):
         """A replacement asks to join and waits for the members' boundary;
@@ -617,33 +559,13 @@ class Elastic:
         if all(place == best for place in places):
             return
         source = places.index(best)
-        payload = self._pack() if self.rank == source else None
+        payload = pack(self._tracked, self.step, self.applied, self.history) if self.rank == source else None
         size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
         states.broadcast([size], source)
         data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
         states.broadcast([data], source)
         if places[self.rank] != best:
-            self._unpack(data)
+            self.step, self.applied, self.history = unpack(self._tracked, data)
+            self._fresh = False
             log.warning("gradsync elastic: took rank %d's state (%d bytes): step %d, %d steps applied",
                         source, data.numel(), self.step, self.applied)
-
-    def _pack(self):
-        buf = io.BytesIO()
-        # A sharded optimizer's state moved with the change of members (``sharding.reshard``).
-        torch.save({"objects": {n: _state_of(o) for n, o in self._tracked.items() if not _sharded(o)},
-                    "step": self.step, "applied": self.applied, "history": self.history}, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-    def _unpack(self, data):
-        state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-        for name, obj in self._tracked.items():
-            if _sharded(obj):
-                continue
-            if name not in state["objects"]:
-                raise MembershipError.of(
-                    "refused", f"the members sent no state for {name!r}: track the same objects on every process"
-                )
-            _load_state(obj, state["objects"][name])
-        self.step, self.applied = state["step"], state["applied"]
-        self.history = [tuple(h) for h in state["history"]]
-        self._fresh = False
