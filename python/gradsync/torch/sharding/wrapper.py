@@ -117,8 +117,8 @@ def pacing_of(settings, units):
         )
     if not isinstance(prefetch, bool):
         raise ConfigError(f"prefetch_units={prefetch!r}: True (gather the next unit while one computes) or False")
-    asked = [name for name, value in (("buckets_in_flight", in_flight), ("prefetch_units", prefetch))
-             if value != {"buckets_in_flight": None, "prefetch_units": True}[name]]
+    asked = [name for name, set_ in (("buckets_in_flight", in_flight is not None), ("prefetch_units", not prefetch))
+             if set_]
     if asked and (not units or len(units[1]) < 2):
         raise ConfigError(
             f"{asked[0]} paces the gathers and reductions of units, a block at a time: it needs "
