@@ -233,9 +233,14 @@ def _gradient_tensors(model, wrapped):
     return grads + _fsdp_gradient_buffers(model)
 
 
+def _runtime_bytes(impl, wrapped):
+    """gradsync's runtime buckets and partitions (``Session.memory_bytes``); 0 for the others."""
+    return wrapped.memory_bytes if impl.startswith("gradsync") else 0
+
+
 def _gradient_memory(impl, model, wrapped):
     """Gradient memory now: :func:`_gradient_tensors` and the runtime's buckets and partitions."""
-    return _bytes(_gradient_tensors(model, wrapped)) + (wrapped.memory_bytes if impl.startswith("gradsync") else 0)
+    return _bytes(_gradient_tensors(model, wrapped)) + _runtime_bytes(impl, wrapped)
 
 
 def _sample_inside_backward(model, sample):
@@ -246,7 +251,7 @@ def _sample_inside_backward(model, sample):
     the block's unsharded gradients are still held."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    leaves = [p for p in model.parameters()] + [u for _, u in _fsdp_unsharded(model)]
+    leaves = list(model.parameters()) + [u for _, u in _fsdp_unsharded(model)]
     for leaf in leaves:
         if leaf.requires_grad:
             leaf.register_hook(lambda grad: sample(extra=[grad]))
@@ -276,7 +281,7 @@ def _rank(rank, world, port, impl, args, results):
     def sample(*_, extra=()):
         held = _bytes(_parameter_memory(model, wrapped) + _gradient_tensors(model, wrapped)
                       + _state_tensors(optimizer) + list(extra))
-        held += wrapped.memory_bytes if impl.startswith("gradsync") else 0
+        held += _runtime_bytes(impl, wrapped)
         peak[0] = max(peak[0], held)
 
     model.register_forward_hook(sample)
