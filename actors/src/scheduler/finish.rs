@@ -376,7 +376,8 @@ impl<S: GradStore> Scheduler<S> {
         let starts = self.partitions.as_ref().map(|p| (0..p.held.len()).map(|b| p.start(b)).collect());
         if !outcome.is_applied() {
             if let Some(parts) = self.partitions.as_mut() {
-                parts.clear();
+                let freed = parts.clear(&self.plan);
+                self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
             }
         }
         let gradients = outcome.is_applied().then(|| {

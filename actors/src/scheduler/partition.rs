@@ -7,6 +7,7 @@
 //!                                                                              │
 //!     partition (range of the bucket) ◀── copied out ◀─────────────────────────┘
 //!     full buffer ──▶ idle (IDLE kept for the next bucket, the rest freed)
+//!     partition ──▶ lent with the step's result ──▶ freed when the loan ends
 //! ```
 //!
 //! Corrections and the divisor's rescale then act on the partitions (only
@@ -14,6 +15,14 @@
 //! lends the partitions instead of the buckets. So a rank holds its
 //! partitions (the plan's bytes / world) plus the buckets filling or in
 //! flight, never a whole set.
+//!
+//! A partition is allocated when its bucket is reduced and freed when the
+//! loan of the step's result ends (the optimizer's `zero_grad()` drops the
+//! gradients that view it), as `zero_grad(set_to_none=True)` frees unsharded
+//! gradients: in a step's backward a rank holds the partitions of the
+//! buckets reduced so far, not every partition of the step before. The
+//! allocation per bucket and step is what that costs (a caching allocator's
+//! on a device, `calloc` on the host).
 //!
 //! With a *buddy* (an elastic sharded job, [`crate::Transport::buddies`]) a
 //! rank also keeps the partition of rank `(rank + stride) % world` (the
@@ -48,8 +57,6 @@ pub(crate) struct Partitions<B> {
     pub(crate) held: Vec<Vec<Range<usize>>>,
     /// This step's reduced partitions, by bucket (`None` until reduced).
     pub(crate) parts: Vec<Option<B>>,
-    /// Per bucket: its partition buffers back from loans, for later steps.
-    spare: Vec<Vec<B>>,
     /// Whole buffers between uses: element count, type, buffer.
     idle: Vec<(usize, DType, B)>,
 }
@@ -59,9 +66,8 @@ impl<B> Partitions<B> {
     /// `stride` above 0 those of rank `(rank + stride) % world` too.
     pub(crate) fn new(plan: &Plan, rank: usize, world: usize, stride: usize) -> Self {
         let held = (0..plan.num_buckets()).map(|b| held(plan.bucket_numel(b), rank, world, stride)).collect();
-        let none = || (0..plan.num_buckets()).map(|_| None).collect();
-        let spare = (0..plan.num_buckets()).map(|_| Vec::new()).collect();
-        Partitions { held, parts: none(), spare, idle: Vec::new() }
+        let parts = (0..plan.num_buckets()).map(|_| None).collect();
+        Partitions { held, parts, idle: Vec::new() }
     }
 
     /// Where this rank's own partition of bucket `b` starts (what a lent
@@ -76,27 +82,17 @@ impl<B> Partitions<B> {
     }
 
     /// The same partitions for `rank` of `world` (a change of members):
-    /// whole buffers stay idle for reuse; partition buffers, whose sizes
-    /// change, are dropped. Returns the bytes the dropped ones held.
-    pub(crate) fn moved(self, plan: &Plan, rank: usize, world: usize, stride: usize) -> (Self, usize) {
-        let freed = self
-            .spare
-            .iter()
-            .enumerate()
-            .map(|(b, spare)| spare.len() * self.kept(b) * plan.bucket_dtype(b).size())
-            .sum();
+    /// whole buffers stay idle for reuse. Call [`Partitions::clear`] first:
+    /// a step's partitions are cut for the old ranks.
+    pub(crate) fn moved(self, plan: &Plan, rank: usize, world: usize, stride: usize) -> Self {
         let mut fresh = Partitions::new(plan, rank, world, stride);
         fresh.idle = self.idle;
-        (fresh, freed)
+        fresh
     }
 
-    /// A step's partitions, lent to the caller, came home: keep them for later steps.
-    pub(crate) fn take_home(&mut self, set: Vec<B>) {
-        for (b, part) in set.into_iter().enumerate() {
-            if let Some(spare) = self.spare.get_mut(b) {
-                spare.push(part);
-            }
-        }
+    /// Bytes of bucket `b`'s partition buffer under `plan`.
+    pub(crate) fn bytes(&self, plan: &Plan, b: usize) -> usize {
+        self.kept(b) * plan.bucket_dtype(b).size()
     }
 
     /// Where a correction of `len` values at bucket `b`'s offset `offset`
@@ -120,9 +116,12 @@ impl<B> Partitions<B> {
         self.parts.iter_mut().map(|p| p.take().expect("every bucket is reduced at completion")).collect()
     }
 
-    /// Forget this step's partitions (a step that does not apply, or a reset).
-    pub(crate) fn clear(&mut self) {
+    /// Free this step's partitions (a step that does not apply, or a
+    /// reset); returns the bytes they held.
+    pub(crate) fn clear(&mut self, plan: &Plan) -> usize {
+        let freed = (0..self.parts.len()).filter(|&b| self.parts[b].is_some()).map(|b| self.bytes(plan, b)).sum();
         self.parts.iter_mut().for_each(|p| *p = None);
+        freed
     }
 }
 
@@ -154,16 +153,8 @@ impl<S: GradStore> Scheduler<S> {
         let (numel, dtype) = (self.plan.bucket_numel(b), self.plan.bucket_dtype(b));
         let parts = self.partitions.as_mut().expect("partitioned");
         let kept = parts.kept(b);
-        let mut part = match parts.spare[b].pop() {
-            Some(mut reused) => {
-                self.store.zero(&mut reused, 0, kept);
-                reused
-            }
-            None => {
-                self.allocated.fetch_add(kept * dtype.size(), Ordering::Relaxed);
-                self.store.alloc_bucket(kept, 1, dtype)?
-            }
-        };
+        let mut part = self.store.alloc_bucket(kept, 1, dtype)?;
+        self.allocated.fetch_add(kept * dtype.size(), Ordering::Relaxed);
         let mut at = 0;
         for range in &parts.held[b] {
             self.store.add_from(&mut part, at, &full, range.start, range.len());

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use super::step::StepState;
 use super::Scheduler;
-use crate::arrival::ParamId;
+use crate::arrival::{DType, ParamId};
 use crate::comm::CommPayload;
 use crate::error::{CollectiveKind, CollectiveTag};
 use crate::store::GradStore;
@@ -190,10 +190,21 @@ impl<S: GradStore> Scheduler<S> {
 
     /// A set of buffers comes home (from a loan, or set aside by a rebuild):
     /// a spare if its bucket sizes are those of the plan in force, freed
-    /// otherwise (a plan rebuilt since it was allocated).
+    /// otherwise (a plan rebuilt since it was allocated). A partitioned
+    /// step's partitions are always freed (see `partition.rs`).
     pub(super) fn take_home(&mut self, set: Vec<S::Bucket>) {
-        if let Some(parts) = self.partitions.as_mut() {
-            return parts.take_home(set);
+        if self.partitions.is_some() {
+            let bytes: usize = set
+                .iter()
+                .enumerate()
+                .map(|(b, buf)| {
+                    let dtype = if b < self.plan.num_buckets() { self.plan.bucket_dtype(b) } else { DType::F32 };
+                    self.store.bucket_numel(buf) * dtype.size()
+                })
+                .sum();
+            drop(set);
+            self.allocated.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+            return;
         }
         let fits = set.len() == self.plan.num_buckets()
             && set.iter().enumerate().all(|(b, buf)| self.store.bucket_numel(buf) == self.plan.bucket_numel(b));

@@ -106,15 +106,16 @@ impl<S: GradStore> Scheduler<S> {
         self.order.pending = false;
         if let Some(place) = membership {
             // The partitions follow the new ranks (a plain reset keeps them where they are).
-            if let Some(parts) = self.partitions.take() {
-                let (moved, freed) = parts.moved(&self.plan, place.rank, place.world, self.cfg.buddy_stride);
+            if let Some(mut parts) = self.partitions.take() {
+                let freed = parts.clear(&self.plan);
                 self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
-                self.partitions = Some(moved);
+                self.partitions = Some(parts.moved(&self.plan, place.rank, place.world, self.cfg.buddy_stride));
             }
         }
         if let Some(parts) = self.partitions.as_mut() {
             // Whole buffers are allocated as buckets fill; the failed step's partitions are void.
-            parts.clear();
+            let freed = parts.clear(&self.plan);
+            self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
             self.buffers.current.iter_mut().for_each(|b| *b = None);
         } else if self.buffers.current.is_empty() {
             // Buffers lost in a failed collective (pieces held by peers) are replaced.

@@ -47,8 +47,12 @@ fn a_partitioned_step_lends_its_partition_with_the_late_correction_added() {
     assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), (4 + 2) * 4);
 }
 
+/// The whole buffer stays idle for the next bucket; a partition lives while
+/// its step's result is lent (as a gradient until `zero_grad`) and is freed
+/// when the loan ends, so a step's backward holds only the partitions it
+/// reduced so far.
 #[test]
-fn the_next_step_reuses_the_idle_buffer_and_the_returned_partition() {
+fn the_next_step_reuses_the_idle_buffer_and_a_returned_partition_is_freed() {
     let mut r = partitioned_rank();
     r.agree_plan();
     for step in 0..3 {
@@ -63,12 +67,14 @@ fn the_next_step_reuses_the_idle_buffer_and_the_returned_partition() {
         let mut got = [0.0; 2];
         part.read(0, &mut got);
         assert_eq!(got, [1.0, 1.0], "step {step}: a reused buffer holds this step's values only");
+        let allocated = || r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(allocated(), (4 + 2) * 4, "step {step}: the idle whole buffer and the lent partition");
         drop(result); // the loan comes home
         while let Ok(msg) = r.home.try_recv() {
             r.send(msg);
         }
+        assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), 4 * 4, "step {step}: freed");
     }
-    assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), (4 + 2) * 4, "nothing more allocated");
 }
 
 /// Rank 1 of 2 with a buddy copy: it keeps its partition `[2, 4)` (p0) and
@@ -107,7 +113,7 @@ fn a_single_rank_keeps_one_partition_with_buddies_on() {
     });
     let parts = r.sched.partitions.as_ref().unwrap();
     assert_eq!(parts.held[0], vec![0..4]);
-    let (moved, _) =
+    let moved =
         crate::scheduler::partition::Partitions::<()>::new(&r.sched.plan, 0, 1, 1).moved(&r.sched.plan, 1, 3, 1);
     assert_eq!(moved.held[0], vec![2..4, 4..4], "rank 1 of 3: its own chunk, then rank 2's (empty)");
 }
