@@ -340,6 +340,13 @@ class ModelSync:
         self.new_step()
         return {"first_step": first, "steps": steps}
 
+    def begin_shadow_step(self):
+        """Send this rank's zeros for the others' open step now; the next
+        :meth:`shadow_step` collects the step (a joined rank that serves the
+        others' parameter gathers first: their reductions never wait for it)."""
+        self.raise_if_unfinished("join")
+        self.session.begin_shadow_step()
+
     def shadow_step(self):
         """One step of a rank out of data: zeros for the others' open step.
         The framework sees the step (``joined_step``): a sharded rank steps

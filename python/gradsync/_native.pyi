@@ -158,6 +158,10 @@ class Session:
     def shadow_step(self) -> Step:
         """Contribute zeros to the other ranks' open step (one step of
         ``join``); the step lends the averages the others got."""
+    def begin_shadow_step(self) -> None:
+        """Send this rank's zeros for the other ranks' open step now; the
+        next :meth:`shadow_step` collects the step (a joined rank serves the
+        others' parameter gathers in between)."""
     def reset(self) -> int:
         """After a failed step, on every rank: agree on the step to continue at."""
     def resume(self, rank: int, world: int, buddy_stride: int = ...) -> tuple[int, Optional[Step]]:

@@ -419,6 +419,16 @@ impl Session {
         self.wrap(py, result)
     }
 
+    /// The first half of `shadow_step`: this rank's zeros for the others'
+    /// open step go out now, and the next `shadow_step` collects the
+    /// result. A joined rank calls it before it serves the others' parameter
+    /// gathers, so that their reductions never wait for it meanwhile.
+    fn begin_shadow_step(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        py.detach(|| sync.begin_shadow_step()).map_err(|e| errors::sync_error(py, &e))
+    }
+
     /// After a failed step, on every rank: agree on the step to continue at.
     fn reset(&mut self, py: Python<'_>) -> PyResult<u64> {
         let sync = self.sync(py)?;

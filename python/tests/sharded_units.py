@@ -130,9 +130,10 @@ def extra_on_one_rank(rank, world, steps=3, in_flight=None, wait_s=None):
     """A block run by rank 0 only: rank 1 serves its gathers at its step's
     end. The average is every rank's gradient, summed, over the world (the
     extra block's from rank 0 alone). Returns the largest difference from
-    that reference, the gathers of the extra block this rank kept and the
+    that reference, the gathers of the extra block this rank kept, the
     waits of ``buckets_in_flight`` (``in_flight``) that ran out
-    (``wait_s``: their bound, ``units.IN_FLIGHT_WAIT_S``)."""
+    (``wait_s``: their bound, ``units.IN_FLIGHT_WAIT_S``) and the bound
+    in force after the steps."""
     from gradsync.torch.sharding import units
 
     if wait_s is not None:
@@ -165,7 +166,8 @@ def extra_on_one_rank(rank, world, steps=3, in_flight=None, wait_s=None):
             with wrapped.whole_parameters():
                 worst = max(worst, max((a - b).abs().max().item()
                                        for a, b in zip(reference[rank].parameters(), wrapped.module.parameters())))
-        return {"worst": worst, "extra_gathers": kept, "expired": residence.counts["in_flight_waits_expired"]}
+        return {"worst": worst, "extra_gathers": kept, "expired": residence.counts["in_flight_waits_expired"],
+                "in_flight_after": residence.in_flight}
     finally:
         wrapped.close()
 

@@ -75,8 +75,8 @@ def test_partitions_equal_unsharded_gradients_bit_for_bit(world2, wire, scatter)
 
 @pytest.mark.parametrize("immediate", [False, True], ids=["join-context", "join_now"])
 def test_uneven_inputs_a_rank_out_of_data_steps_its_partition_for_the_others(world3, immediate):
-    for rank, diff in enumerate(world3.run(sharded.uneven_inputs, immediate=immediate)):
-        assert diff <= sharded.ATOL, f"rank {rank}: parameters off by {diff}"
+    for rank, got in enumerate(world3.run(sharded.uneven_inputs, immediate=immediate)):
+        assert got["diff"] <= sharded.ATOL, f"rank {rank}: parameters off by {got['diff']}"
 
 
 @pytest.mark.parametrize("how", ["explicit", "automatic"])

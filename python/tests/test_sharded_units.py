@@ -17,7 +17,7 @@ import sharded
 import sharded_units
 from gradsync import ConfigError
 from gradsync.torch.sharding.unit_modules import choose
-from gradsync.torch.sharding.wrapper import pacing_of, param_dtype_of
+from gradsync.torch.sharding.wrapper import BUCKETS_IN_FLIGHT, pacing_of, param_dtype_of
 from world import World
 
 
@@ -64,9 +64,12 @@ def test_buckets_in_flight_never_hangs_a_rank_whose_peer_needs_its_rounds_first(
     # The extra block's bucket (used by rank 0 only) holds up the buckets after it in plan
     # order until rank 1's backward ends, and each rank gets there only through rounds the
     # other joins: a wait for it runs out (bounded) instead of hanging, and the step is exact.
+    # A rank whose wait ran out waits no more in the job (each step would wait it out again).
     seen = world2.run(sharded_units.extra_on_one_rank, in_flight=0, wait_s=0.2)
     for rank, got in enumerate(seen):
         assert got["worst"] <= sharded.ATOL, f"rank {rank}: off by {got['worst']}"
+        assert got["expired"] <= 1, f"rank {rank}: waited out the bound {got['expired']} times"
+        assert got["in_flight_after"] == (None if got["expired"] else 0), f"rank {rank}: {got}"
     assert [got["extra_gathers"] for got in seen] == [4, 0], seen
     assert any(got["expired"] for got in seen), seen
 
@@ -87,10 +90,15 @@ def test_pacing_settings_without_units_are_refused(settings):
     for units in (None, ([0], ["(root)"], [])):
         with pytest.raises(ConfigError, match=f"{name} paces .* shard_parameters=True on a model with blocks"):
             pacing_of(settings, units)
-    # Their defaults ask for nothing, with units or without.
+    # Unset, they ask for nothing without blocks; None asks for nothing anywhere.
+    assert pacing_of({}, None) == (None, True)
     assert pacing_of({"buckets_in_flight": None, "prefetch_units": True}, None) == (None, True)
-    assert pacing_of(settings, ([0, 1], ["(root)", "b"], [None])) == (settings.get("buckets_in_flight"),
-                                                                      settings.get("prefetch_units", True))
+    # With blocks, one bucket may still reduce while a block's backward begins unless set.
+    blocks = ([0, 1], ["(root)", "b"], [None])
+    assert pacing_of({}, blocks) == (BUCKETS_IN_FLIGHT, True) and BUCKETS_IN_FLIGHT == 1
+    assert pacing_of({"buckets_in_flight": None}, blocks) == (None, True)
+    assert pacing_of(settings, blocks) == (settings.get("buckets_in_flight", BUCKETS_IN_FLIGHT),
+                                           settings.get("prefetch_units", True))
 
 
 def test_units_that_differ_across_ranks_are_refused_on_every_rank_when_wrapping(world2):

@@ -43,6 +43,8 @@ type Answer<S> = oneshot::Receiver<Result<StepResult<S>, SyncError>>;
 #[derive(Debug)]
 struct Pending<S: GradStore> {
     step: Step,
+    /// How this rank asked to end it.
+    end: StepEnd,
     answer: Answer<S>,
 }
 
@@ -287,8 +289,25 @@ impl<S: GradStore> GradSync<S> {
     /// that step's averages, as the others got them (a sharded rank steps
     /// its partition with them: it still owns it).
     pub fn shadow_step(&mut self) -> Result<StepResult<S>, SyncError> {
-        let step = self.hook.open_step();
+        let step = match &self.pending {
+            Some(p) if p.end == StepEnd::Join => p.step,
+            _ => self.hook.open_step(),
+        };
         self.end_step(step, StepEnd::Join)
+    }
+
+    /// The first half of [`GradSync::shadow_step`]: this rank's zeros for
+    /// the others' open step go out now, without waiting for the step's
+    /// result, which the next `shadow_step` collects. For a joined rank
+    /// that must do something else before the others can finish that step
+    /// (serve their parameter gathers): their reductions then never wait
+    /// for it. Does nothing when a shadow step is already under way.
+    pub fn begin_shadow_step(&mut self) -> Result<(), SyncError> {
+        if matches!(&self.pending, Some(p) if p.end == StepEnd::Join) {
+            return Ok(());
+        }
+        let step = self.hook.open_step();
+        self.request_end(step, StepEnd::Join)
     }
 
     fn end_step(&mut self, step: Step, end: StepEnd) -> Result<StepResult<S>, SyncError> {
@@ -333,7 +352,7 @@ impl<S: GradStore> GradSync<S> {
         let (tx, answer) = oneshot::channel();
         let req = FinishRequest { step, end, at, reply: Reply::Async(tx) };
         self.sched.send(SchedMsg::Finish(req)).map_err(|_| SyncError::Closed)?;
-        self.pending = Some(Pending { step, answer });
+        self.pending = Some(Pending { step, end, answer });
         Ok(())
     }
 
@@ -401,7 +420,7 @@ impl<S: GradStore> GradSync<S> {
         let (tx, answer) = oneshot::channel();
         let req = FinishRequest { step, end: StepEnd::Finish, at: Instant::now(), reply: Reply::Async(tx) };
         self.sched.send(SchedMsg::Finish(req)).map_err(|_| SyncError::Closed)?;
-        self.pending = Some(Pending { step, answer });
+        self.pending = Some(Pending { step, end: StepEnd::Finish, answer });
         let pending = self.pending.as_mut().expect("just set");
         match block_on_timeout(&mut pending.answer, self.answer_timeout) {
             Some(answer) => self.collect(answer),

@@ -212,9 +212,12 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
     * ``buckets_in_flight``: with ``shard_parameters`` on a model with
       blocks, the most buckets still in their reduction when a block's
       backward begins; it waits for the rest (at most a bounded time, so a
-      peer that needs this rank first cannot hang it). ``0`` holds one
-      whole bucket at a time (the least memory; as FSDP2's blocking
-      reduce-scatter on CPU); ``None`` (default): no wait, the most overlap.
+      peer that needs this rank first cannot hang it; a rank whose wait
+      ran out waits no more). ``1`` (default): one block's reduction
+      overlaps the next block's backward, as FSDP2's reduce-scatter stream
+      does; ``0`` holds one whole bucket at a time (the least memory, no
+      overlap across blocks); ``None``: no wait (a lagging communicator
+      holds more buckets whole).
     * ``prefetch_units``: with ``shard_parameters`` on a model with blocks,
       ``False`` gathers each block only when it is needed, not while the
       one before computes: one block whole instead of two, no overlap of

@@ -294,11 +294,13 @@ class ShardedParameters:
         finally:
             part.gathering.drop()
 
-    def shadow(self):
+    def shadow(self, send_zeros):
         """This rank ran out of data (``join``) and shadows one step of the
         others: it takes part in that step's gather (:meth:`take_part`),
         whatever its own last step left. It reads nothing back, so its next
-        forward (once every rank joined, a step of its own) gathers again."""
+        forward (once every rank joined, a step of its own) gathers again.
+        ``send_zeros()`` sends its zeros for the step: not called here, the
+        gather runs on the step's own communicator, before them."""
         self.gathered = False
         self.take_part()
         self.gathered = False

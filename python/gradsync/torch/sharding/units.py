@@ -43,13 +43,15 @@ the same rounds on every rank (here unit 3 runs on rank 1 only)::
     rank 1: round {1} ─ round {2} ─ round {3}       ─ serve: round {} ─▶ the step's collectives
     round 3 gathers unit 3 on both ranks (rank 0 keeps nothing of it); in round 4 nobody asks
 
-**Reductions a backward starts behind** (``buckets_in_flight=k``): before
-a unit's backward, the rank waits until at most ``k`` of the step's
-buckets are still in their reduction, so earlier units' whole buckets are
-freed before this one's fill (less memory, less overlap). The wait is
-bounded (:data:`IN_FLIGHT_WAIT_S`): a bucket in flight may wait for a
-peer that needs this rank in a round first (a unit used on some ranks
-only), and then the rank goes on.
+**Reductions a backward starts behind** (``buckets_in_flight=k``, 1
+unless set): before a unit's backward, the rank waits until at most ``k``
+of the step's buckets are still in their reduction, so earlier units'
+whole buckets are freed before this one's fill (less memory, less
+overlap). The wait is bounded (:data:`IN_FLIGHT_WAIT_S`): a bucket in
+flight may wait for a peer that needs this rank in a round first (a unit
+used on some ranks only). A wait that runs out means this program's
+graph differs across ranks, where every wait could run out again, so the
+rank stops waiting for the rest of the job (and says so once).
 
 Between its uses a unit's parameters are empty tensors (a stray read gets
 nothing, never freed memory), and the storage they had is resized to
@@ -130,7 +132,7 @@ class UnitResidence(ShardedParameters):
         self.prefetch = True
         #: ``buckets_in_flight``: before a unit's backward, wait until at most
         #: this many of the step's buckets are still in their reduction
-        #: (``None``: no wait). Set with :attr:`await_in_flight`.
+        #: (``None``: no wait; also after a wait ran out). Set with :attr:`await_in_flight`.
         self.in_flight = None
         #: ``fn(most, within_s) -> bool``: the session's bounded wait
         #: (``Session.await_in_flight``); ``False`` when it ran out.
@@ -240,9 +242,13 @@ class UnitResidence(ShardedParameters):
         while self._round(set(), serving=True):
             pass
 
-    def shadow(self):
+    def shadow(self, send_zeros):
         """This rank ran out of data (``join``) and shadows one step of the
-        others: it serves that step's rounds, whatever its own last step left."""
+        others: ``send_zeros()`` sends its zeros for the step first (the
+        rounds run on their own lane, and a peer's unit may wait for its
+        reductions before the rounds go on: ``buckets_in_flight``), then it
+        serves that step's rounds, whatever its own last step left."""
+        send_zeros()
         self._served = False
         self.serve()
 
@@ -340,14 +346,16 @@ class UnitResidence(ShardedParameters):
         before this one's fill (``buckets_in_flight``). The wait is bounded
         (:data:`IN_FLIGHT_WAIT_S`): a bucket in flight here may be waiting
         for a peer whose forward took another path and who needs this rank
-        in a round first; then this rank goes on, holding more memory."""
+        in a round first. Then this rank goes on, and waits no more in this
+        job: such a graph would make it wait out the bound again."""
         self.counts["in_flight_waits"] += 1
         if not self.await_in_flight(self.in_flight, IN_FLIGHT_WAIT_S):
             self.counts["in_flight_waits_expired"] += 1
-            if self.counts["in_flight_waits_expired"] == 1:
-                log.warning("buckets_in_flight=%d: a unit's backward waited %g s for earlier buckets' reductions "
-                            "and went on (a peer may be waiting for this rank's gathers); it holds more whole "
-                            "buckets meanwhile", self.in_flight, IN_FLIGHT_WAIT_S)
+            log.warning("buckets_in_flight=%d: a unit's backward waited %g s for earlier buckets' reductions and "
+                        "went on: a peer is likely waiting for this rank's gathers (a module used on some ranks "
+                        "only). This rank no longer waits, and holds more whole buckets while reductions lag; "
+                        "set buckets_in_flight=None to skip this first wait", self.in_flight, IN_FLIGHT_WAIT_S)
+            self.in_flight = None
 
     def _after_backward(self, call):
         """A forward's backward ended (its inputs' gradients are computed):

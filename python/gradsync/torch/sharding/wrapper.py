@@ -102,13 +102,23 @@ def param_dtype_of(settings):
     return dtype
 
 
+#: ``buckets_in_flight`` when a model with blocks does not set it: one
+#: unit's bucket may still reduce while the next unit's backward computes
+#: (the overlap FSDP2's reduce-scatter stream gives), and no more, so a
+#: communicator that lags behind backward does not hold every unit's
+#: bucket whole at once.
+BUCKETS_IN_FLIGHT = 1
+
+
 def pacing_of(settings, units):
     """How a parameter-sharded wrapper's units pace their memory:
     ``(buckets_in_flight, prefetch_units)``. ``buckets_in_flight``: the most
     buckets still in their reduction when a unit's backward begins, or
-    ``None``; ``prefetch_units``: whether the next unit is gathered while
+    ``None`` (:data:`BUCKETS_IN_FLIGHT` on a model with blocks unless
+    given); ``prefetch_units``: whether the next unit is gathered while
     one computes (``sharding.units``). Both need units to act on."""
-    in_flight = settings.get("buckets_in_flight")
+    blocks = bool(units) and len(units[1]) >= 2
+    in_flight = settings.get("buckets_in_flight", BUCKETS_IN_FLIGHT if blocks else None)
     prefetch = settings.get("prefetch_units", True)
     if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0):
         raise ConfigError(
@@ -119,7 +129,7 @@ def pacing_of(settings, units):
         raise ConfigError(f"prefetch_units={prefetch!r}: True (gather the next unit while one computes) or False")
     asked = [name for name, set_ in (("buckets_in_flight", in_flight is not None), ("prefetch_units", not prefetch))
              if set_]
-    if asked and (not units or len(units[1]) < 2):
+    if asked and not blocks:
         raise ConfigError(
             f"{asked[0]} paces the gathers and reductions of units, a block at a time: it needs "
             "shard_parameters=True on a model with blocks (or shard_parameters=[block, ...])"
@@ -234,10 +244,14 @@ class Sharding(ShardedMembers):
     def _shadow_gathers(self):
         """This rank ran out of data (``join``) and shadows a step of the
         others: with sharded parameters it takes part in that step's
-        gathers first, asking for nothing (``ShardedParameters.shadow``)."""
+        gathers, asking for nothing (``ShardedParameters.shadow``); gathered
+        by units, its zeros for the step go out first, so that the others'
+        reductions, which a unit's backward may wait for
+        (``buckets_in_flight``), never wait for this rank. The shadow step
+        that follows collects the step."""
         if self.parameters_sharded:
             self._sync.refuse_if_closed()
-            self._partition.residence.shadow()
+            self._partition.residence.shadow(self._sync.begin_shadow_step)
 
     def abort_step(self, reason="out_of_memory"):
         """``StepControls.abort_step``; with sharded parameters, a rank that
