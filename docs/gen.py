@@ -409,7 +409,8 @@ def sharded_meta() -> str:
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
     "gradsync-sharded-at-once": "the same, one gather of every bucket (not pipelined)",
-    "gradsync-params": "gradsync, `shard_parameters=True`",
+    "gradsync-params": "gradsync, `shard_parameters=True` (`buckets_in_flight=1`)",
+    "gradsync-params-unpaced": "the same, `buckets_in_flight=None`",
     "gradsync-params-0": "the same, `buckets_in_flight=0`",
     "gradsync-params-lean": "the same, `buckets_in_flight=0, prefetch_units=False`",
     "gradsync-params-bf16": "the same, `param_dtype=torch.bfloat16`",
