@@ -409,9 +409,9 @@ def sharded_meta() -> str:
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
     "gradsync-sharded-at-once": "the same, one gather of every bucket (not pipelined)",
-    "gradsync-params": "gradsync, `shard_parameters=True` (`buckets_in_flight=1`)",
+    "gradsync-params": "gradsync, `shard_parameters=True` (on CPU `buckets_in_flight=0`)",
+    "gradsync-params-1": "the same, `buckets_in_flight=1` (the default on a CUDA device)",
     "gradsync-params-unpaced": "the same, `buckets_in_flight=None`",
-    "gradsync-params-0": "the same, `buckets_in_flight=0`",
     "gradsync-params-lean": "the same, `buckets_in_flight=0, prefetch_units=False`",
     "gradsync-params-bf16": "the same, `param_dtype=torch.bfloat16`",
     "gradsync": "gradsync",

@@ -3,11 +3,12 @@ against torch's DDP, DDP with torch's ZeroRedundancyOptimizer (ZeRO-1) and
 FSDP2 (``fully_shard`` per block), on CPU ranks (gloo, loopback); parameter
 sharding and FSDP2 also in mixed precision (``-bf16``: bfloat16 compute,
 float32 pieces and reduction: ``param_dtype`` and ``MixedPrecisionPolicy``),
-and parameter sharding paced for memory as it ships (``buckets_in_flight=1``,
-one bucket still reducing when a block's backward begins) and otherwise
-(``-unpaced``: ``buckets_in_flight=None``, no limit; ``-0``:
-``buckets_in_flight=0``, none; ``-lean``: that and
-``prefetch_units=False``, no block gathered ahead).
+and parameter sharding paced for memory as it ships on CPU
+(``buckets_in_flight=0``: no bucket still reducing when a block's backward
+begins) and otherwise (``-1``: ``buckets_in_flight=1``, the default on a
+CUDA device; ``-unpaced``: ``buckets_in_flight=None``, no limit;
+``-lean``: ``buckets_in_flight=0`` and ``prefetch_units=False``, no block
+gathered ahead).
 
     python benches/torch/sharded_memory.py [--worlds 2 4 8] [--layers 8] [--width 256] [--steps 4]
                                            [--json docs/data/sharded/memory.json]
@@ -56,7 +57,7 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_world import spawn, write_json  # noqa: E402
-IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync-params-unpaced", "gradsync-params-0", "gradsync-params-lean",
+IMPLS = ("gradsync-sharded", "gradsync-params", "gradsync-params-1", "gradsync-params-unpaced", "gradsync-params-lean",
          "gradsync-params-bf16", "gradsync", "ddp", "zero1", "fsdp2", "fsdp2-bf16")
 CAP_MB = 4
 
@@ -125,8 +126,10 @@ def build(impl, model, world):
         setting = {"shard_gradients": True} if impl == "gradsync-sharded" else {"shard_parameters": True}
         if impl.endswith("-bf16"):
             setting["param_dtype"] = torch.bfloat16
-        if impl.endswith(("-0", "-lean")):
+        if impl.endswith("-lean"):
             setting["buckets_in_flight"] = 0
+        if impl.endswith("-1"):
+            setting["buckets_in_flight"] = 1
         if impl.endswith("-unpaced"):
             setting["buckets_in_flight"] = None
         if impl.endswith("-lean"):

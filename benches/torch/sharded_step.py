@@ -1,8 +1,10 @@
 """Step time of sharded training, interleaved: gradsync with sharded
 gradients (ZeRO-2) and sharded parameters (ZeRO-3, also with
-``param_dtype=torch.bfloat16``, unpaced: ``-unpaced``, ``buckets_in_flight=None``,
-and paced for the least memory: ``-lean``, ``buckets_in_flight=0,
-prefetch_units=False``), unsharded gradsync, torch DDP and FSDP2
+``param_dtype=torch.bfloat16``, one bucket in flight: ``-1``,
+``buckets_in_flight=1`` (the default on a CUDA device; on CPU it is 0),
+unpaced: ``-unpaced``, ``buckets_in_flight=None``, and paced for the least
+memory: ``-lean``, ``buckets_in_flight=0, prefetch_units=False``),
+unsharded gradsync, torch DDP and FSDP2
 (also in mixed precision) take turns in the same processes, so each step
 of one is timed under the same load as its neighbours' steps.
 
@@ -40,8 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_world import spawn, write_json  # noqa: E402
 from sharded_memory import CAP_MB, Stack, build  # noqa: E402
 
-IMPLS = ("gradsync-sharded", "gradsync-sharded-at-once", "gradsync-params", "gradsync-params-unpaced",
-         "gradsync-params-lean", "gradsync-params-bf16", "gradsync", "ddp", "fsdp2", "fsdp2-bf16")
+IMPLS = ("gradsync-sharded", "gradsync-sharded-at-once", "gradsync-params", "gradsync-params-1",
+         "gradsync-params-unpaced", "gradsync-params-lean", "gradsync-params-bf16", "gradsync", "ddp", "fsdp2",
+         "fsdp2-bf16")
 
 
 def _build(impl, model, world):

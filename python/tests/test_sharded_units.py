@@ -93,12 +93,13 @@ def test_pacing_settings_without_units_are_refused(settings):
     # Unset, they ask for nothing without blocks; None asks for nothing anywhere.
     assert pacing_of({}, None) == (None, True)
     assert pacing_of({"buckets_in_flight": None, "prefetch_units": True}, None) == (None, True)
-    # With blocks, one bucket may still reduce while a block's backward begins unless set.
+    # With blocks, unless set: as FSDP2 bounds its reduce-scatters, one bucket may still reduce
+    # while a block's backward begins on a CUDA device (a stream to overlap on), none on the CPU.
     blocks = ([0, 1], ["(root)", "b"], [None])
-    assert pacing_of({}, blocks) == (BUCKETS_IN_FLIGHT, True) and BUCKETS_IN_FLIGHT == 1
-    assert pacing_of({"buckets_in_flight": None}, blocks) == (None, True)
-    assert pacing_of(settings, blocks) == (settings.get("buckets_in_flight", BUCKETS_IN_FLIGHT),
-                                           settings.get("prefetch_units", True))
+    assert pacing_of({}, blocks) == (0, True) and pacing_of({}, blocks, "cpu") == (0, True)
+    assert pacing_of({}, blocks, "cuda") == (BUCKETS_IN_FLIGHT["cuda"], True) == (1, True)
+    assert pacing_of({"buckets_in_flight": None}, blocks, "cuda") == (None, True)
+    assert pacing_of(settings, blocks) == (settings.get("buckets_in_flight", 0), settings.get("prefetch_units", True))
 
 
 def test_units_that_differ_across_ranks_are_refused_on_every_rank_when_wrapping(world2):

@@ -245,6 +245,38 @@ fn a_partial_step_averages_over_the_ranks_that_finished() {
     }
 }
 
+/// Invariant: a shadow step begun early (`begin_shadow_step`) sends the
+/// joined rank's zeros at once: the other rank's buckets reduce before the
+/// joined rank collects the step (it serves parameter gathers meanwhile),
+/// beginning twice sends nothing more, and the step collected is the one
+/// the others finish.
+#[test]
+fn a_shadow_step_begun_early_lets_the_others_reduce_before_it_is_collected() {
+    let syncs = build_world(2, &[4, 4], |b| {
+        b.bucket_cap_bytes(16);
+        b.divisor(Divisor::Contributors);
+    });
+    let reduced = Barrier::new(2);
+    let out = on_ranks(syncs, |rank, mut sync| {
+        if rank == 1 {
+            sync.begin_shadow_step().unwrap();
+            sync.begin_shadow_step().unwrap();
+            reduced.wait(); // rank 0 saw both buckets reduced before this rank collects
+            let r = sync.shadow_step().unwrap();
+            return (r.report.step, r.report.joined.clone(), None);
+        }
+        Sent::inc(1, 0, vec![6.0; 4]).deliver(&sync, 0);
+        Sent::inc(0, 0, vec![2.0; 4]).deliver(&sync, 0);
+        wait_for(&mut sync, "both buckets reduced with the joined rank's zeros", |p| p.buckets_done == 2);
+        reduced.wait();
+        let r = sync.finish_step(0).unwrap();
+        let g = r.gradients.unwrap().to_vec(pid(1)).unwrap();
+        (r.report.step, r.report.joined.clone(), Some(g))
+    });
+    assert_eq!(out[0], (0, vec![1], Some(vec![6.0; 4])), "rank 0: its own gradient, one contributor");
+    assert_eq!(out[1], (0, vec![1], None), "rank 1 collected step 0, which it shadowed");
+}
+
 /// Invariant: ranks with fewer batches join; each later step is averaged over
 /// the ranks still training, and `join` returns once every rank has joined.
 #[test]

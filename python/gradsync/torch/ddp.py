@@ -213,10 +213,11 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       blocks, the most buckets still in their reduction when a block's
       backward begins; it waits for the rest (at most a bounded time, so a
       peer that needs this rank first cannot hang it; a rank whose wait
-      ran out waits no more). ``1`` (default): one block's reduction
-      overlaps the next block's backward, as FSDP2's reduce-scatter stream
-      does; ``0`` holds one whole bucket at a time (the least memory, no
-      overlap across blocks); ``None``: no wait (a lagging communicator
+      ran out waits no more). ``1`` (the default on a CUDA device): one
+      block's reduction overlaps the next block's backward, as FSDP2's
+      reduce-scatter stream does; ``0`` (the default elsewhere, as FSDP2's
+      blocking reduce-scatter on CPU): one whole bucket at a time, no
+      overlap across blocks; ``None``: no wait (a lagging communicator
       holds more buckets whole).
     * ``prefetch_units``: with ``shard_parameters`` on a model with blocks,
       ``False`` gathers each block only when it is needed, not while the
@@ -314,7 +315,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         units = choose_units(module, self._params, shard_parameters) if wanted else None
         sharded = wanted or bool(settings.get("shard_gradients", False))
         param_dtype = param_dtype_of(settings)
-        pacing = pacing_of(settings, units)
+        pacing = pacing_of(settings, units, self._device.type)
         #: ``param_dtype`` (or ``None``): the forward's floating-point inputs are cast to it.
         self._param_dtype = param_dtype
         if sharded:

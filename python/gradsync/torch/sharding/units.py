@@ -43,8 +43,8 @@ the same rounds on every rank (here unit 3 runs on rank 1 only)::
     rank 1: round {1} ─ round {2} ─ round {3}       ─ serve: round {} ─▶ the step's collectives
     round 3 gathers unit 3 on both ranks (rank 0 keeps nothing of it); in round 4 nobody asks
 
-**Reductions a backward starts behind** (``buckets_in_flight=k``, 1
-unless set): before a unit's backward, the rank waits until at most ``k``
+**Reductions a backward starts behind** (``buckets_in_flight=k``;
+unless set, 1 on a CUDA device and 0 elsewhere): before a unit's backward, the rank waits until at most ``k``
 of the step's buckets are still in their reduction, so earlier units'
 whole buckets are freed before this one's fill (less memory, less
 overlap). The wait is bounded (:data:`IN_FLIGHT_WAIT_S`): a bucket in

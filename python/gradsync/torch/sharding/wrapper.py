@@ -102,23 +102,27 @@ def param_dtype_of(settings):
     return dtype
 
 
-#: ``buckets_in_flight`` when a model with blocks does not set it: one
-#: unit's bucket may still reduce while the next unit's backward computes
-#: (the overlap FSDP2's reduce-scatter stream gives), and no more, so a
-#: communicator that lags behind backward does not hold every unit's
-#: bucket whole at once.
-BUCKETS_IN_FLIGHT = 1
+#: ``buckets_in_flight`` when a model with blocks does not set it, by the
+#: type of its device, so that no rank holds more whole buckets than FSDP2
+#: would: on a CUDA device one unit's bucket may still reduce (on the
+#: communicator's stream) while the next unit's backward computes, as
+#: FSDP2's reduce-scatter stream does; elsewhere (the CPU, where the
+#: reductions share the cores with backward and FSDP2's reduce-scatter
+#: blocks it) none. A communicator that lags never holds every unit's
+#: bucket whole at once. ``benches/torch/sharded_step.py`` times both.
+BUCKETS_IN_FLIGHT = {"cuda": 1}
 
 
-def pacing_of(settings, units):
+def pacing_of(settings, units, device_type="cpu"):
     """How a parameter-sharded wrapper's units pace their memory:
     ``(buckets_in_flight, prefetch_units)``. ``buckets_in_flight``: the most
     buckets still in their reduction when a unit's backward begins, or
-    ``None`` (:data:`BUCKETS_IN_FLIGHT` on a model with blocks unless
-    given); ``prefetch_units``: whether the next unit is gathered while
-    one computes (``sharding.units``). Both need units to act on."""
+    ``None`` (unless given, on a model with blocks on a ``device_type``
+    device: :data:`BUCKETS_IN_FLIGHT`'s, else 0); ``prefetch_units``:
+    whether the next unit is gathered while one computes
+    (``sharding.units``). Both need units to act on."""
     blocks = bool(units) and len(units[1]) >= 2
-    in_flight = settings.get("buckets_in_flight", BUCKETS_IN_FLIGHT if blocks else None)
+    in_flight = settings.get("buckets_in_flight", BUCKETS_IN_FLIGHT.get(device_type, 0) if blocks else None)
     prefetch = settings.get("prefetch_units", True)
     if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0):
         raise ConfigError(
