@@ -149,8 +149,8 @@ def test_sharded_step_interleaved_with_the_gathers_share(tmp_path):
           "--warmup", "1", "--json", tmp_path / "steps.json")
     rows = json.loads((tmp_path / "steps.json").read_text())["rows"]
     assert {r["impl"] for r in rows} == {"gradsync-sharded", "gradsync-sharded-at-once", "gradsync-params",
-                                         "gradsync-params-1", "gradsync-params-unpaced", "gradsync-params-lean", "gradsync-params-bf16", "gradsync", "ddp", "fsdp2",
-                                         "fsdp2-bf16"}
+                                         "gradsync-params-1", "gradsync-params-unpaced", "gradsync-params-lean",
+                                         "gradsync-params-bf16", "gradsync", "ddp", "fsdp2", "fsdp2-bf16"}
     for row in rows:
         assert row["step_s"] > 0, row
         if row["impl"].startswith(("gradsync-sharded", "gradsync-params")):

@@ -375,10 +375,7 @@ impl<S: GradStore> Scheduler<S> {
         }
         let starts = self.partitions.as_ref().map(|p| (0..p.held.len()).map(|b| p.start(b)).collect());
         if !outcome.is_applied() {
-            if let Some(parts) = self.partitions.as_mut() {
-                let freed = parts.clear(&self.plan);
-                self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
-            }
+            self.free_partitions();
         }
         let gradients = outcome.is_applied().then(|| {
             let buffers = match self.partitions.as_mut() {

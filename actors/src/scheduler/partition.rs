@@ -82,8 +82,8 @@ impl<B> Partitions<B> {
     }
 
     /// The same partitions for `rank` of `world` (a change of members):
-    /// whole buffers stay idle for reuse. Call [`Partitions::clear`] first:
-    /// a step's partitions are cut for the old ranks.
+    /// whole buffers stay idle for reuse. Free a step's partitions first
+    /// (`Scheduler::free_partitions`): they are cut for the old ranks.
     pub(crate) fn moved(self, plan: &Plan, rank: usize, world: usize, stride: usize) -> Self {
         let mut fresh = Partitions::new(plan, rank, world, stride);
         fresh.idle = self.idle;
@@ -145,6 +145,14 @@ impl<S: GradStore> Scheduler<S> {
         };
         self.buffers.current[b] = Some(buf);
         Ok(())
+    }
+
+    /// Free this step's partitions (a step that does not apply, or a
+    /// reset) and take them out of the memory figure.
+    pub(super) fn free_partitions(&mut self) {
+        if let Some(parts) = self.partitions.as_mut() {
+            self.allocated.fetch_sub(parts.clear(&self.plan), Ordering::Relaxed);
+        }
     }
 
     /// Bucket `b` was reduce-scattered into `full`: keep this rank's

@@ -104,18 +104,16 @@ impl<S: GradStore> Scheduler<S> {
         }
         // A plan rebuild cut short by the failure: keep the plan in force.
         self.order.pending = false;
+        // The failed step's partitions are void.
+        self.free_partitions();
         if let Some(place) = membership {
             // The partitions follow the new ranks (a plain reset keeps them where they are).
-            if let Some(mut parts) = self.partitions.take() {
-                let freed = parts.clear(&self.plan);
-                self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
+            if let Some(parts) = self.partitions.take() {
                 self.partitions = Some(parts.moved(&self.plan, place.rank, place.world, self.cfg.buddy_stride));
             }
         }
-        if let Some(parts) = self.partitions.as_mut() {
-            // Whole buffers are allocated as buckets fill; the failed step's partitions are void.
-            let freed = parts.clear(&self.plan);
-            self.allocated.fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
+        if self.partitions.is_some() {
+            // Whole buffers are allocated as buckets fill.
             self.buffers.current.iter_mut().for_each(|b| *b = None);
         } else if self.buffers.current.is_empty() {
             // Buffers lost in a failed collective (pieces held by peers) are replaced.

@@ -67,13 +67,13 @@ fn the_next_step_reuses_the_idle_buffer_and_a_returned_partition_is_freed() {
         let mut got = [0.0; 2];
         part.read(0, &mut got);
         assert_eq!(got, [1.0, 1.0], "step {step}: a reused buffer holds this step's values only");
-        let allocated = || r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(allocated(), (4 + 2) * 4, "step {step}: the idle whole buffer and the lent partition");
+        let allocated = |r: &Rank| r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(allocated(&r), (4 + 2) * 4, "step {step}: the idle whole buffer and the lent partition");
         drop(result); // the loan comes home
         while let Ok(msg) = r.home.try_recv() {
             r.send(msg);
         }
-        assert_eq!(r.sched.allocated.load(std::sync::atomic::Ordering::Relaxed), 4 * 4, "step {step}: freed");
+        assert_eq!(allocated(&r), 4 * 4, "step {step}: freed");
     }
 }
 

@@ -44,10 +44,10 @@ the same rounds on every rank (here unit 3 runs on rank 1 only)::
     round 3 gathers unit 3 on both ranks (rank 0 keeps nothing of it); in round 4 nobody asks
 
 **Reductions a backward starts behind** (``buckets_in_flight=k``;
-unless set, 1 on a CUDA device and 0 elsewhere): before a unit's backward, the rank waits until at most ``k``
-of the step's buckets are still in their reduction, so earlier units'
-whole buckets are freed before this one's fill (less memory, less
-overlap). The wait is bounded (:data:`IN_FLIGHT_WAIT_S`): a bucket in
+unless set, 1 on a CUDA device and 0 elsewhere): before a unit's
+backward, the rank waits until at most ``k`` of the step's buckets are
+still in their reduction, so earlier units' whole buckets are freed
+before this one's fill (less memory, less overlap). The wait is bounded (:data:`IN_FLIGHT_WAIT_S`): a bucket in
 flight may wait for a peer that needs this rank in a round first (a unit
 used on some ranks only). A wait that runs out means this program's
 graph differs across ranks, where every wait could run out again, so the
