@@ -243,7 +243,8 @@ def build(args):
     opt = optimizer_of(args, model.parameters())
     if args.break_at_start and not elastic.joining:
         if elastic.rank == 0:
-            elastic.store.set(f"{elastic.job}/membership/failed/{elastic.epoch}", "1")
+            # What a monitor that accused a peer writes (the runtime's record of a broken epoch).
+            elastic.store.add(f"{elastic.job}/membership/broken/{elastic.epoch}", 1)
         while elastic.membership.broken is None or elastic.membership.broken < elastic.epoch:
             time.sleep(0.01)
     elastic.track(model=model, optimizer=opt)

@@ -212,6 +212,10 @@ class Membership:
         """Start as one of the job's first members (``initial``, in rank order; ``nodes``: each one's node)."""
     def request_join(self, fingerprint: str) -> dict[str, Any]:
         """Ask to join; wait until admitted (or refused)."""
+    def gather(self, within_s: float) -> tuple[str, list[int]]:
+        """Before the current epoch's groups are built: arrive, and wait (on the
+        store) until every member has (``("all", [])``), the epoch broke
+        (``("broken", [])``), or ``within_s`` passed (``("missing", members)``)."""
     def recover(self, suspects: list[int]) -> dict[str, Any]:
         """The current epoch lost members: agree on the next roster with the survivors."""
     def admit(self, fingerprint: str) -> dict[str, Any]:
@@ -228,7 +232,7 @@ class Membership:
     def broken(self) -> Optional[int]:
         """The highest epoch the liveness monitor saw broken."""
     def silent(self) -> list[int]:
-        """Members whose heartbeats stopped."""
+        """The peers this process watches whose heartbeats stopped."""
     def close(self) -> None:
         """Stop the liveness monitor."""
     @staticmethod

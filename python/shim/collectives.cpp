@@ -25,7 +25,7 @@ namespace {
 
 // Bumped whenever `Table` or a function's signature changes; the Rust side
 // refuses a table of another version.
-constexpr uint32_t kVersion = 9;
+constexpr uint32_t kVersion = 10;
 
 
 // What the Rust side calls; its layout is mirrored in python/src/collectives.rs.
@@ -55,13 +55,17 @@ struct Table {
   void (*cancel_epoch)(void*, int64_t);
   // Which ranks never reached a failed collective.
   int32_t (*behind)(void*, int64_t, int64_t*, size_t, size_t*);
+  // The membership store's batched read, ledgers and waits.
+  int32_t (*store_counters)(void*, const char*, const size_t*, size_t, int64_t*, char*, size_t);
+  int32_t (*store_append)(void*, const char*, size_t, const uint8_t*, size_t, char*, size_t);
+  int32_t (*store_wait)(void*, const char*, size_t, int64_t, int32_t*, char*, size_t);
 };
 
 const Table kTable{kVersion,    &start,          &finish,         &forget,     &start_tensor,
                    &plane_alloc, &plane_free,     &plane_pack,    &plane_difference,
                    &plane_scale, &plane_add_from, &plane_sum,      &release_given,
                    &store_add,   &store_set,      &store_get,      &store_compare_set,
-                   &cancel_epoch, &behind};
+                   &cancel_epoch, &behind,         &store_counters, &store_append,   &store_wait};
 
 
 }  // namespace
@@ -113,7 +117,7 @@ PYBIND11_MODULE(_collectives, m) {
           "Where the runtime finds it (valid while the object lives).");
   py::class_<StoreClient>(m, "StoreClient", "A store the runtime's membership protocol calls without the interpreter lock.")
       .def(py::init([](py::object store) {
-             return std::make_unique<StoreClient>(StoreClient{store.cast<c10::intrusive_ptr<c10d::Store>>()});
+             return std::make_unique<StoreClient>(store.cast<c10::intrusive_ptr<c10d::Store>>());
            }),
            py::arg("store"))
       .def_property_readonly(

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -216,7 +217,12 @@ struct Bucket {
 // liveness monitor use it (python/src/membership.rs), from threads of their
 // own and without the interpreter lock. Keys and values are bytes.
 struct StoreClient {
+  explicit StoreClient(c10::intrusive_ptr<c10d::Store> s) : store(std::move(s)) {}
   c10::intrusive_ptr<c10d::Store> store;
+  // Counter keys this client has made sure exist (`store_counters`): a
+  // batched read (`multiGet`) of a missing key would wait for it.
+  std::mutex known_mutex;
+  std::unordered_set<std::string> known;
 };
 
 // ---- gloo.cpp: collectives on host memory -------------------------------------------
@@ -268,6 +274,12 @@ int32_t store_get(void* client, const char* key, size_t key_len, int32_t* found,
 int32_t store_compare_set(void* client, const char* key, size_t key_len, const uint8_t* expected, size_t expected_len,
                           const uint8_t* desired, size_t desired_len, uint8_t* out, size_t cap, size_t* len,
                           char* err, size_t err_len);
+int32_t store_counters(void* client, const char* keys, const size_t* lens, size_t count, int64_t* out, char* err,
+                       size_t err_len);
+int32_t store_append(void* client, const char* key, size_t key_len, const uint8_t* value, size_t len, char* err,
+                     size_t err_len);
+int32_t store_wait(void* client, const char* key, size_t key_len, int64_t timeout_ms, int32_t* found, char* err,
+                   size_t err_len);
 void cancel_epoch(void* cancel, int64_t epoch);
 
 }  // namespace gradsync::shim

@@ -33,7 +33,7 @@ pub(crate) enum Op {
 }
 
 /// The version of [`Table`] this side speaks (the shim's `kVersion`).
-pub const TABLE_VERSION: u32 = 9;
+pub const TABLE_VERSION: u32 = 10;
 
 /// Bytes for one error message from the shim.
 const ERROR_BYTES: usize = 2048;
@@ -128,6 +128,13 @@ pub struct Table {
     pub(crate) cancel_epoch: unsafe extern "C" fn(*mut c_void, i64),
     // Which ranks never reached a failed collective (its `seq`).
     behind: unsafe extern "C" fn(*mut c_void, i64, *mut i64, usize, *mut usize) -> i32,
+    // The membership store's batched read (keys concatenated, their lengths), ledgers and waits.
+    pub(crate) store_counters:
+        unsafe extern "C" fn(*mut c_void, *const c_char, *const usize, usize, *mut i64, *mut c_char, usize) -> i32,
+    pub(crate) store_append:
+        unsafe extern "C" fn(*mut c_void, *const c_char, usize, *const u8, usize, *mut c_char, usize) -> i32,
+    pub(crate) store_wait:
+        unsafe extern "C" fn(*mut c_void, *const c_char, usize, i64, *mut i32, *mut c_char, usize) -> i32,
 }
 
 /// What the shim's functions return (its `Outcome`): done, failed, or cut

@@ -16,9 +16,6 @@ use pyo3::types::PyBytes;
 
 use crate::errors;
 
-/// How often `wait` looks for its keys.
-const POLL: Duration = Duration::from_millis(10);
-
 /// A client of the etcd cluster at `endpoints` (`host:port`, comma-separated;
 /// `etcd://` optional), every key under `prefix`; each request may take
 /// `timeout_s`.
@@ -86,27 +83,17 @@ impl EtcdClient {
         py.detach(|| self.store.count()).map_err(|e| store_error(py, e))
     }
 
-    /// Wait until every key in `keys` exists; `False` if `timeout_s` passed first.
+    /// Wait until every key in `keys` exists (etcd's watch: nothing polls);
+    /// `False` if `timeout_s` passed first.
     fn wait(&self, py: Python<'_>, keys: Vec<String>, timeout_s: f64) -> PyResult<bool> {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout_s.max(0.0));
         py.detach(|| -> Result<bool, StoreError> {
-            let mut missing = keys;
-            loop {
-                let mut still = Vec::new();
-                for key in missing {
-                    if self.store.get(&key)?.is_none() {
-                        still.push(key);
-                    }
-                }
-                if still.is_empty() {
-                    return Ok(true);
-                }
-                if Instant::now() >= deadline {
+            for key in &keys {
+                if !self.store.wait(key, deadline.saturating_duration_since(Instant::now()))? {
                     return Ok(false);
                 }
-                missing = still;
-                std::thread::sleep(POLL);
             }
+            Ok(true)
         })
         .map_err(|e| store_error(py, e))
     }

@@ -17,8 +17,8 @@ use std::ffi::c_char;
 use std::time::Duration;
 
 use gradsync_runtime::membership::{
-    Agreement, Canceller, EtcdKv, KvStore, MemberId, MembershipError, Monitor, NodeId, Probe, Reach, Roster,
-    StoreError, TcpReach, Timing,
+    frame_entry, unframe_entries, Agreement, Canceller, EtcdKv, Gathered, KvStore, MemberId, MembershipError, Monitor,
+    NodeId, Probe, Reach, Roster, StoreError, TcpReach, Timing,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -146,6 +146,55 @@ impl KvStore for ShimStore {
         buf.truncate(len);
         Ok(buf)
     }
+
+    fn counters(&self, keys: &[String]) -> Result<Vec<i64>, StoreError> {
+        let joined: String = keys.concat();
+        let lens: Vec<usize> = keys.iter().map(String::len).collect();
+        let mut out = vec![0i64; keys.len()];
+        // SAFETY: as in `add`; `joined` holds the keys `lens` measure, `out` one slot per key.
+        self.call(|err, err_len| unsafe {
+            (self.table.store_counters)(
+                self.ptr(),
+                joined.as_ptr().cast(),
+                lens.as_ptr(),
+                keys.len(),
+                out.as_mut_ptr(),
+                err,
+                err_len,
+            )
+        })?;
+        Ok(out)
+    }
+
+    fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
+        let framed = frame_entry(name, entry);
+        // SAFETY: as in `add`; `framed` outlives the call.
+        self.call(|err, err_len| unsafe {
+            (self.table.store_append)(
+                self.ptr(),
+                key.as_ptr().cast(),
+                key.len(),
+                framed.as_ptr(),
+                framed.len(),
+                err,
+                err_len,
+            )
+        })
+    }
+
+    fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        unframe_entries(key, &self.get(key)?.unwrap_or_default())
+    }
+
+    fn wait(&self, key: &str, within: Duration) -> Result<bool, StoreError> {
+        let mut found = 0i32;
+        let ms = i64::try_from(within.as_millis()).unwrap_or(i64::MAX).max(1);
+        // SAFETY: as in `add`.
+        self.call(|err, err_len| unsafe {
+            (self.table.store_wait)(self.ptr(), key.as_ptr().cast(), key.len(), ms, &mut found, err, err_len)
+        })?;
+        Ok(found != 0)
+    }
 }
 
 /// The job's store: torch's (through the shim) or an etcd cluster.
@@ -193,6 +242,34 @@ impl KvStore for JobStore {
             JobStore::Etcd(s) => s.compare_set(key, expected, desired),
         }
     }
+
+    fn counters(&self, keys: &[String]) -> Result<Vec<i64>, StoreError> {
+        match self {
+            JobStore::Shim(s) => s.counters(keys),
+            JobStore::Etcd(s) => s.counters(keys),
+        }
+    }
+
+    fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
+        match self {
+            JobStore::Shim(s) => s.enter(key, name, entry),
+            JobStore::Etcd(s) => s.enter(key, name, entry),
+        }
+    }
+
+    fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        match self {
+            JobStore::Shim(s) => s.entries(key),
+            JobStore::Etcd(s) => s.entries(key),
+        }
+    }
+
+    fn wait(&self, key: &str, within: Duration) -> Result<bool, StoreError> {
+        match self {
+            JobStore::Shim(s) => s.wait(key, within),
+            JobStore::Etcd(s) => s.wait(key, within),
+        }
+    }
 }
 
 /// One process's membership in an elastic job (see the module docs). Built
@@ -208,7 +285,6 @@ pub struct Membership {
     probe: Option<Probe>,
     table: &'static Table,
     prefix: String,
-    beat: Duration,
     /// Raised by the monitor while a process waits to join; read by the
     /// Session's control votes (exists before the monitor starts).
     joiner_waiting: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -294,7 +370,6 @@ impl Membership {
             me,
             roster,
             self.agreement.timing(),
-            self.beat,
             cancel,
             std::sync::Arc::clone(&self.joiner_waiting),
             self.reach(),
@@ -374,12 +449,12 @@ impl Membership {
             }
         };
         let timing = Timing {
+            beat: positive("beat_s", beat_s)?,
             liveness: positive("liveness_s", liveness_s)?,
             suspect_grace: positive("suspect_grace_s", suspect_grace_s)?,
             admission: positive("admission_s", admission_s)?,
             ..Timing::default()
         };
-        let beat = positive("beat_s", beat_s)?;
         // SAFETY: `table` comes from `_collectives.table()` (the caller's contract, as for collectives).
         let table = unsafe { Table::at(table) }.map_err(|why| errors::raise::<errors::ConfigError>(py, why, &[]))?;
         let store = JobStore::of(py, table, &client)?;
@@ -404,7 +479,6 @@ impl Membership {
             probe,
             table,
             prefix,
-            beat,
             joiner_waiting: Default::default(),
             _client: client,
             monitor_client,
@@ -431,6 +505,20 @@ impl Membership {
         let agreement = &mut self.agreement;
         let result = py.detach(|| agreement.request_join(fingerprint).cloned());
         self.adopted(py, result)
+    }
+
+    /// Before the current epoch's groups are built: say this process
+    /// arrived, and wait (on the store, up to `within_s`) until every member
+    /// has or the epoch broke. Returns `("all", [])`, `("broken", [])`, or
+    /// `("missing", members)`: those that had not arrived when the time ran out.
+    fn gather(&self, py: Python<'_>, within_s: f64) -> PyResult<(&'static str, Vec<MemberId>)> {
+        let within = Duration::from_secs_f64(within_s.max(0.0));
+        let agreement = &self.agreement;
+        match py.detach(|| agreement.gather(within)).map_err(|e| membership_error(py, &e))? {
+            Gathered::All => Ok(("all", Vec::new())),
+            Gathered::Broken => Ok(("broken", Vec::new())),
+            Gathered::Missing(missing) => Ok(("missing", missing)),
+        }
     }
 
     /// The current epoch lost members: agree on the next roster with the

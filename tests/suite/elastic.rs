@@ -37,7 +37,12 @@ impl Worlds {
 }
 
 fn timing() -> Timing {
-    Timing { poll: Duration::from_millis(1), liveness: Duration::from_millis(500), ..Timing::default() }
+    Timing {
+        beat: Duration::from_millis(20),
+        poll: Duration::from_millis(1),
+        liveness: Duration::from_millis(500),
+        ..Timing::default()
+    }
 }
 
 /// A `GradSync` for `member`'s place in `roster`, voting "admit" while `flag` is up.
@@ -51,19 +56,8 @@ fn build(worlds: &Worlds, roster: &Roster, member: u64, flag: &Arc<AtomicBool>) 
 fn monitor(store: &MemoryKv, member: u64, roster: &Roster, flag: &Arc<AtomicBool>) -> Monitor {
     // Local endpoints fail at once when a peer leaves: nothing to cancel.
     let cancel: Canceller = Box::new(|_| {});
-    let beat = Duration::from_millis(20);
-    Monitor::start(
-        store.clone(),
-        PREFIX,
-        member,
-        roster.clone(),
-        timing(),
-        beat,
-        cancel,
-        Arc::clone(flag),
-        Box::new(()),
-    )
-    .unwrap()
+    Monitor::start(store.clone(), PREFIX, member, roster.clone(), timing(), cancel, Arc::clone(flag), Box::new(()))
+        .unwrap()
 }
 
 /// What a member saw at each of its steps: the world and the averaged value

@@ -184,17 +184,24 @@ def meet(store, rank, world, timeout_s, abandon):
     """Wait until every rank of a new group says it is there, giving up
     when ``abandon()`` says why (a member agreed into an elastic job's new
     epoch that died before it got here: gloo's rendezvous would wait for it
-    until its timeout)."""
-    store.set(f"present/{rank}", "1")
-    keys = [f"present/{r}" for r in range(world)]
+    until its timeout).
+
+    Each rank counts itself in once; the last one opens a gate key, and the
+    others look at that one key, backing off from 1 ms to 50 ms: a constant
+    cost per rank and look, whatever the world (reading every rank's key
+    each time cost the store O(world) per look, O(world²) per meeting)."""
+    if store.add("present", 1) >= world:
+        store.set("present/all", "1")
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
+    nap = 0.001
+    while not store.check(["present/all"]):
         why = abandon()
         if why:
             raise Abandoned(why)
         if time.monotonic() > deadline:
             raise Abandoned(f"the group's members did not all arrive within {timeout_s:.0f} s")
-        time.sleep(0.005)
+        time.sleep(nap)
+        nap = min(2 * nap, 0.05)
 
 
 class Abandoned(MembershipError, RuntimeError):

@@ -310,32 +310,27 @@ class Elastic:
     def _gather(self):
         """Before the first groups are built (gloo's rendezvous waits for
         every rank and cannot be given up): each member says it arrived and
-        waits for the others. A member whose heartbeat stops (the liveness
-        monitor breaks the epoch), or that has not arrived within
+        waits, on the store, for the others (the runtime's
+        ``Membership.gather``: the last to arrive opens the epoch's gate). A
+        member whose heartbeat stops (the liveness monitor breaks the
+        epoch, which opens the gate too), or that has not arrived within
         ``start_timeout_s`` (it never started: its host was lost at
         start-up), is lost: the others agree on a roster without it, as in
         training, and gather again."""
         while True:
-            began = said = time.monotonic()
+            began = time.monotonic()
             epoch, members = self.epoch, list(self._roster["members"])
-            keys = [f"{self.job}/arrived/{epoch}/{m}" for m in members]
-            self.store.set(keys[self.rank], b"1")
-            while not self.store.check(keys):
-                broken = self.membership.broken
-                waited = time.monotonic() - began
-                if (broken is not None and broken >= epoch) or waited > self.start_timeout_s:
+            while True:
+                left = self.start_timeout_s - (time.monotonic() - began)
+                state, missing = self.membership.gather(max(0.0, min(10.0, left)))
+                if state == "all":
+                    return
+                if state == "broken" or left <= 10.0:
                     break
-                if time.monotonic() - said >= 10.0:
-                    said = time.monotonic()
-                    missing = [m for m, k in zip(members, keys) if not self.store.check([k])]
-                    log.warning("gradsync elastic: member %d waits for members %s to start (%.0f s of at most %.0f s)",
-                                self.member, missing, waited, self.start_timeout_s)
-                time.sleep(0.01)
-            else:
-                return
-            missing = [m for m, k in zip(members, keys) if not self.store.check([k])]
+                log.warning("gradsync elastic: member %d waits for members %s to start (%.0f s of at most %.0f s)",
+                            self.member, missing, time.monotonic() - began, self.start_timeout_s)
             log.warning("gradsync elastic: members %s did not reach epoch %d's groups; the others go on without them",
-                        missing, epoch)
+                        missing or "(lost meanwhile)", epoch)
             t = time.perf_counter()
             self._roster = self.membership.recover(missing)
             self._event("lost", sorted(set(members) - set(self._roster["members"])), [], t)

@@ -1,53 +1,28 @@
 //! The store protocol that changes an elastic job's roster (see the module
 //! docs of [`crate::membership`]): recovery after a loss, admission of a
-//! joiner, and a joiner's request. Every wait polls the store and has a
-//! deadline; the only write that decides anything is one compare-and-set
-//! per epoch.
+//! joiner, a joiner's request, and the gathering of an epoch's members
+//! before its groups are built. The only write that decides anything is
+//! one compare-and-set per epoch; every member's part costs the store a
+//! constant number of calls, and only one party (the tallier, the
+//! proposer) reads anything whose size grows with the job.
 
-use std::thread::sleep;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{KvStore, Liveness, MemberId, MembershipError, NodeId, Reach, Roster, StoreError, Tally};
-
-/// How the protocol paces itself.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Timing {
-    /// Between two looks at the store while waiting.
-    pub poll: Duration,
-    /// A member that has not checked in this long after its epoch broke (or
-    /// whose heartbeat stopped this long ago) is lost. Also the monitor's
-    /// silence threshold.
-    pub liveness: Duration,
-    /// A member named by the failing collective (its socket closed) that has
-    /// not checked in this long after the failure, and whose heartbeat has
-    /// not moved for as long, is lost without waiting for `liveness` (a live
-    /// one's monitor checks in within a beat).
-    pub suspect_grace: Duration,
-    /// A member whose heartbeat still moves but that has not checked in this
-    /// long after its epoch broke is lost all the same (its monitor beats
-    /// but cannot reach the agreement).
-    pub check_in: Duration,
-    /// How long a joiner waits to be admitted.
-    pub admission: Duration,
-}
-
-impl Default for Timing {
-    fn default() -> Self {
-        Timing {
-            poll: Duration::from_millis(5),
-            liveness: Duration::from_secs(1),
-            suspect_grace: Duration::from_millis(250),
-            check_in: Duration::from_secs(30),
-            admission: Duration::from_secs(300),
-        }
-    }
-}
+use super::clock::{SharedClock, SystemClock};
+use super::records::{check_in, enter_counted, mark_broken, Keys, GATE_ALL, GATE_BROKEN};
+use super::tally::{Evidence, Tallying, Verdict};
+use super::watch::{strides, watched};
+use super::{Change, KvStore, Liveness, MemberId, MembershipError, NodeId, Reach, Roster, Timing};
 
 /// How the `ended` record of a job that lost every member begins (the
 /// reason follows); a job that finished writes `1`.
 const GAVE_UP: &[u8] = b"gave up: ";
+
+/// How many of the first members write the first roster whole (the others
+/// only agree on its digest): one would do, more survive one dying at start.
+const FIRST_WRITERS: i64 = 3;
 
 /// The newest roster in the store (`None`: the job has none): from the
 /// epoch `latest` names (a hint, possibly stale), on while later ones exist.
@@ -64,72 +39,43 @@ fn newest_roster<S: KvStore>(store: &S, keys: &Keys) -> Result<Option<Roster>, M
     Ok(found)
 }
 
-/// Check `me` in to the agreement on `roster`'s next epoch: probe the peers
-/// in `beating` that published a probe, and write the check-in naming those
-/// it could not reach. Called by the agreement and by the liveness monitor
-/// (whichever of this process comes first).
-pub(super) fn check_in<S: KvStore>(
-    store: &S,
-    keys: &Keys,
-    roster: &Roster,
-    me: MemberId,
-    beating: &[MemberId],
-    reach: &dyn Reach,
-) -> Result<(), StoreError> {
-    let mut peers = Vec::new();
-    for &m in roster.members.iter().filter(|&&m| m != me && beating.contains(&m)) {
-        if let Some(address) = store.get(&keys.probe(m))? {
-            peers.push((m, String::from_utf8_lossy(&address).into_owned()));
-        }
-    }
-    let unreachable = reach.unreachable(&peers);
-    store.set(&keys.present(roster.epoch, me), json!(unreachable).to_string().as_bytes())
+/// What a tallier records where the next change would be when too few
+/// members are left: every waiting survivor ends with the same error.
+fn no_quorum_record(error: &MembershipError) -> Vec<u8> {
+    let MembershipError::NoQuorum { survivors, lost, minimum, .. } = error else { return Vec::new() };
+    json!({ "no_quorum": { "survivors": survivors, "lost": lost, "minimum": minimum } }).to_string().into_bytes()
 }
 
-/// Where the protocol's records live under a job's prefix.
-#[derive(Debug, Clone)]
-pub(super) struct Keys(pub(super) String);
+/// The error a no-quorum record (see [`no_quorum_record`]) stands for, if `bytes` is one.
+fn read_no_quorum(roster: &Roster, bytes: &[u8]) -> Option<MembershipError> {
+    let v: Value = serde_json::from_slice(bytes).ok()?;
+    let record = v.get("no_quorum")?;
+    let ids = |field: &str| -> Vec<MemberId> {
+        record[field].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
+    };
+    Some(MembershipError::NoQuorum {
+        epoch: roster.epoch,
+        members: roster.members.clone(),
+        survivors: ids("survivors"),
+        lost: ids("lost"),
+        minimum: record["minimum"].as_u64().unwrap_or(1) as usize,
+    })
+}
 
-impl Keys {
-    pub(super) fn roster(&self, epoch: u64) -> String {
-        format!("{}/roster/{epoch}", self.0)
-    }
-    pub(super) fn latest(&self) -> String {
-        format!("{}/latest", self.0)
-    }
-    pub(super) fn failed(&self, epoch: u64) -> String {
-        format!("{}/failed/{epoch}", self.0)
-    }
-    pub(super) fn present(&self, epoch: u64, member: MemberId) -> String {
-        format!("{}/present/{epoch}/{member}", self.0)
-    }
-    pub(super) fn dead(&self, member: MemberId) -> String {
-        format!("{}/dead/{member}", self.0)
-    }
-    pub(super) fn probe(&self, member: MemberId) -> String {
-        format!("{}/probe/{member}", self.0)
-    }
-    pub(super) fn beat(&self, member: MemberId) -> String {
-        format!("{}/beat/{member}", self.0)
-    }
-    pub(super) fn joiners(&self) -> String {
-        format!("{}/joiners", self.0)
-    }
-    fn joiner(&self, n: u64) -> String {
-        format!("{}/joiner/{n}", self.0)
-    }
-    fn admitted(&self, member: MemberId) -> String {
-        format!("{}/admitted/{member}", self.0)
-    }
-    fn ended(&self) -> String {
-        format!("{}/ended", self.0)
-    }
+/// How the members of an epoch met before building its groups ([`Agreement::gather`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gathered {
+    /// Every member arrived.
+    All,
+    /// The epoch broke first (a member lost): recover.
+    Broken,
+    /// The time ran out; these members had not arrived.
+    Missing(Vec<MemberId>),
 }
 
 /// One process's side of the membership protocol: it holds the roster this
 /// process belongs to, and changes it only by adopting the one roster the
 /// store holds for the next epoch.
-#[derive(Debug)]
 pub struct Agreement<S: KvStore> {
     store: S,
     keys: Keys,
@@ -140,6 +86,13 @@ pub struct Agreement<S: KvStore> {
     minimum: usize,
     roster: Roster,
     timing: Timing,
+    clock: SharedClock,
+}
+
+impl<S: KvStore> std::fmt::Debug for Agreement<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agreement").field("me", &self.me).field("epoch", &self.roster.epoch).finish_non_exhaustive()
+    }
 }
 
 impl<S: KvStore> Agreement<S> {
@@ -154,6 +107,7 @@ impl<S: KvStore> Agreement<S> {
             minimum: 1,
             roster: Roster::first(Vec::new()),
             timing,
+            clock: std::sync::Arc::new(SystemClock),
         }
     }
 
@@ -168,6 +122,12 @@ impl<S: KvStore> Agreement<S> {
     /// members, who keep its buddy copies on another node.
     pub fn on_node(mut self, node: NodeId) -> Self {
         self.node = node;
+        self
+    }
+
+    /// Judge time by `clock` (default: the system's): tests drive it.
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
         self
     }
 
@@ -193,23 +153,40 @@ impl<S: KvStore> Agreement<S> {
     }
 
     /// A first member starts: the job's first roster is `initial`, member
-    /// `i` on `nodes[i]` (every first member proposes the same; the first
-    /// write wins). If the job already went on without this process,
-    /// [`MembershipError::LeftOut`].
+    /// `i` on `nodes[i]`. Every first member proposes the same; they agree
+    /// on its digest (a first member started with another list is told
+    /// so), and the first few write it whole. If the job already went on
+    /// without this process, [`MembershipError::LeftOut`].
     pub fn start(&mut self, initial: Vec<MemberId>, nodes: Vec<NodeId>) -> Result<&Roster, MembershipError> {
-        let key = self.keys.roster(0);
-        let first = self.store.compare_set(&key, b"", &Roster::first_on(initial, nodes)?.encode())?;
-        self.roster = Roster::decode(&key, &first)?;
-        let latest = self.latest()?;
-        self.adopt(latest)
-    }
-
-    /// The newest roster in the store.
-    fn latest(&self) -> Result<Roster, MembershipError> {
-        newest_roster(&self.store, &self.keys)?.ok_or_else(|| MembershipError::Malformed {
-            key: self.keys.roster(0),
-            why: "the job has no roster: is this the job's store?".into(),
-        })
+        let first = Roster::first_on(initial, nodes)?;
+        let digest = first.digest().to_string();
+        let agreed = self.store.compare_set(&self.keys.first(), b"", digest.as_bytes())?;
+        if agreed != digest.as_bytes() {
+            return Err(MembershipError::Malformed {
+                key: self.keys.first(),
+                why: format!(
+                    "the job's first members agreed on another first roster (digest {}) than this process's \
+                     ({digest}, {} members): were its workers started with other --nnodes/--nproc?",
+                    String::from_utf8_lossy(&agreed),
+                    first.world()
+                ),
+            });
+        }
+        if self.store.add(&self.keys.first_writers(), 1)? <= FIRST_WRITERS {
+            self.store.compare_set(&self.keys.roster(0), b"", &first.encode())?;
+        }
+        self.roster = first;
+        // Has the job moved on? (A hint and one look past it: no whole roster is read unless it has.)
+        let latest = match self.store.get(&self.keys.latest())? {
+            Some(v) => String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0),
+            None => 0,
+        };
+        if latest > 0 || self.store.get(&self.keys.change(1))?.is_some() {
+            let newest = newest_roster(&self.store, &self.keys)?.unwrap_or_else(|| self.roster.clone());
+            return self.adopt(newest);
+        }
+        let roster = self.roster.clone();
+        self.adopt(roster)
     }
 
     /// Take `roster` as this process's own, or leave if it is not a member.
@@ -217,100 +194,196 @@ impl<S: KvStore> Agreement<S> {
         if roster.rank_of(self.me).is_none() {
             return Err(MembershipError::LeftOut { member: self.me, epoch: roster.epoch });
         }
-        if roster.epoch > self.roster.epoch || self.roster.members.is_empty() {
-            self.store.set(&self.keys.latest(), roster.epoch.to_string().as_bytes())?;
-        }
         self.roster = roster;
         Ok(&self.roster)
     }
 
-    /// Propose `next` for the next epoch and adopt whichever roster won.
-    fn propose(&mut self, next: &Roster) -> Result<&Roster, MembershipError> {
+    /// Propose `next` for the next epoch; the winner's change is recorded
+    /// (after `before_change`, for an admission's replies) and adopted.
+    fn propose(
+        &mut self,
+        next: &Roster,
+        before_change: impl FnOnce(&Self, &Roster) -> Result<(), MembershipError>,
+    ) -> Result<Roster, MembershipError> {
         let key = self.keys.roster(next.epoch);
-        let winner = self.store.compare_set(&key, b"", &next.encode())?;
-        let winner = Roster::decode(&key, &winner)?;
-        self.adopt(winner)
+        let winner = Roster::decode(&key, &self.store.compare_set(&key, b"", &next.encode())?)?;
+        before_change(self, &winner)?;
+        let change = self.roster.change_to(&winner);
+        self.store.compare_set(&self.keys.change(winner.epoch), b"", &change.encode())?;
+        self.store.set(&self.keys.latest(), winner.epoch.to_string().as_bytes())?;
+        Ok(winner)
     }
 
-    /// The roster of the next epoch, if some process already decided it.
+    /// The roster of the next epoch, if some process already decided it:
+    /// its change applied to this process's roster (a few ids read), or the
+    /// whole roster when no change is recorded yet or it does not apply.
     fn decided(&self) -> Result<Option<Roster>, MembershipError> {
-        let key = self.keys.roster(self.roster.epoch + 1);
+        let epoch = self.roster.epoch + 1;
+        if let Some(bytes) = self.store.get(&self.keys.change(epoch))? {
+            if let Some(too_few) = read_no_quorum(&self.roster, &bytes) {
+                return Err(too_few);
+            }
+            let change = Change::decode(&self.keys.change(epoch), &bytes)?;
+            if let Some(next) = self.roster.apply(&change) {
+                return Ok(Some(next));
+            }
+        }
+        let key = self.keys.roster(epoch);
         self.store.get(&key)?.map(|bytes| Roster::decode(&key, &bytes)).transpose()
+    }
+
+    /// Wait up to `within` for the next epoch's roster to be decided.
+    fn await_decided(&self, within: Duration) -> Result<Option<Roster>, MembershipError> {
+        self.store.wait(&self.keys.change(self.roster.epoch + 1), within)?;
+        self.decided()
+    }
+
+    /// Before building the current epoch's groups, every member says it
+    /// arrived and waits (on the store, up to `within`) until all have, or
+    /// the epoch broke (a member lost meanwhile).
+    pub fn gather(&self, within: Duration) -> Result<Gathered, MembershipError> {
+        let epoch = self.roster.epoch;
+        let (arrived, gate) = (self.keys.arrived(epoch), self.keys.gathered(epoch));
+        self.store.enter(&arrived, &self.me.to_string(), b"")?;
+        let missing = || -> Result<Vec<MemberId>, MembershipError> {
+            let here: std::collections::HashSet<MemberId> =
+                self.store.entries(&arrived)?.iter().filter_map(|(name, _)| name.parse().ok()).collect();
+            Ok(self.roster.members.iter().copied().filter(|m| !here.contains(m)).collect())
+        };
+        // The last to arrive (by the count; by name, to be sure) opens the gate.
+        if self.store.add(&Keys::count(&arrived), 1)? >= self.roster.world() as i64 && missing()?.is_empty() {
+            self.store.compare_set(&gate, b"", GATE_ALL)?;
+        }
+        if self.store.wait(&gate, within)? {
+            let broken = self.store.get(&gate)?.is_some_and(|state| state == GATE_BROKEN);
+            return Ok(if broken { Gathered::Broken } else { Gathered::All });
+        }
+        Ok(Gathered::Missing(missing()?))
     }
 
     /// The current epoch lost a member (a collective failed, or the monitor
     /// broke the epoch): agree with the survivors on the next roster.
     /// `suspects` are members the failure named; `liveness` is what this
-    /// process knows of the members' heartbeats (its [`super::Monitor`]): a
-    /// member whose heartbeat moves is waited for, however slow it is to
-    /// check in (up to [`Timing::check_in`]). Before it checks in, this
-    /// process probes the peers whose heartbeat moves with `reach` and
-    /// names those it cannot reach in its check-in. Returns the roster this
-    /// process goes on in.
+    /// process knows of the peers it watches (its [`super::Monitor`]).
+    /// Unless its monitor did already, this process checks in: it probes
+    /// the peers it watches with `reach` and enters what it found. The
+    /// first survivor to claim the tally judges every member
+    /// ([`super::tally`]) and proposes the next roster; the others wait on
+    /// the store for its change (and take the tally over if its rounds
+    /// stop). Returns the roster this process goes on in.
     pub fn recover(
         &mut self,
         suspects: &[MemberId],
         liveness: &impl Liveness,
         reach: &dyn Reach,
     ) -> Result<&Roster, MembershipError> {
+        if let Some(next) = self.decided()? {
+            return self.adopt(next);
+        }
         let epoch = self.roster.epoch;
-        self.store.set(&self.keys.failed(epoch), b"1")?;
-        let beating = liveness.beating(self.timing.liveness);
-        check_in(&self.store, &self.keys, &self.roster, self.me, &beating, reach)?;
-        let began = Instant::now();
+        if !liveness.checked_in(epoch) {
+            mark_broken(&self.store, &self.keys, epoch)?;
+            let probe = liveness
+                .beating(self.timing.liveness)
+                .unwrap_or_else(|| watched(&self.roster, self.me, &strides(&self.roster)));
+            check_in(&self.store, &self.keys, &self.roster, self.me, &probe, reach)?;
+        }
+        let me = self.me.to_string();
+        let mut tallier = self.store.compare_set(&self.keys.tally(epoch), b"", me.as_bytes())?;
+        let began = self.clock.now();
+        let rounds_key = [self.keys.tally_rounds(epoch)];
+        let mut rounds = self.store.counters(&rounds_key)?[0];
         loop {
-            if let Some(next) = self.decided()? {
+            if tallier == me.as_bytes() {
+                let next = self.tally(suspects)?;
                 return self.adopt(next);
             }
-            let (tally, unknown) = self.tally(suspects, liveness, began.elapsed())?;
-            if unknown.is_empty() {
-                let next = self.roster.after_loss(&tally, self.minimum)?;
-                return self.propose(&next);
+            // Twice the liveness window: a tallier waiting for a slow member makes a round every beat.
+            if let Some(next) = self.await_decided(2 * self.timing.liveness)? {
+                return self.adopt(next);
             }
-            sleep(self.timing.poll);
+            let now = self.store.counters(&rounds_key)?[0];
+            if now == rounds {
+                // The tallier made no round for a whole window: take it over (one of the waiters wins).
+                tallier = self.store.compare_set(&self.keys.tally(epoch), &tallier, me.as_bytes())?;
+            }
+            rounds = now;
+            let waited = self.clock.now().saturating_duration_since(began);
+            if waited > self.timing.check_in + 4 * self.timing.liveness {
+                return Err(MembershipError::Deadline {
+                    what: format!("the agreement after epoch {epoch}"),
+                    waited_s: waited.as_secs_f64(),
+                });
+            }
         }
     }
 
-    /// Who is present (and whom each could not reach), and who is not
-    /// known yet; the others are gone: reaped (an obituary), or silent. A
-    /// member is silent when its heartbeat stopped for its window; when it is a
-    /// suspect quiet since `suspect_grace`; when it has not checked in for
-    /// `liveness` and is not beating (with no monitor: nobody is known to
-    /// beat); or after `check_in` whatever its heartbeat does.
-    fn tally(
-        &self,
-        suspects: &[MemberId],
-        liveness: &impl Liveness,
-        waited: Duration,
-    ) -> Result<(Tally, Vec<MemberId>), MembershipError> {
+    /// This process tallies the broken epoch (see [`super::tally`]): a
+    /// round whenever the counts of check-ins, accusations or obituaries
+    /// move, and every beat besides; each round reads the three ledgers and
+    /// the pending members' beats, one call each. Returns the roster the
+    /// store decided.
+    fn tally(&mut self, suspects: &[MemberId]) -> Result<Roster, MembershipError> {
         let epoch = self.roster.epoch;
-        let mut tally = Tally::default();
-        let mut unknown = Vec::new();
-        let silent = liveness.silent();
-        let (grace, window) = (self.timing.suspect_grace, self.timing.liveness);
-        // Quiet: not checked in for that long, and no heartbeat seen in it either.
-        let (beating_grace, beating_window) = (liveness.beating(grace), liveness.beating(window));
-        let quiet_for_grace = |m: MemberId| waited >= grace && !beating_grace.contains(&m);
-        let quiet_for_window = |m: MemberId| waited >= window && !beating_window.contains(&m);
-        for &m in &self.roster.members {
-            if let Some(record) = self.store.get(&self.keys.present(epoch, m))? {
-                tally.present.push(m);
-                // The members it could not reach (`[]`: none).
-                let apart: Vec<MemberId> = serde_json::from_slice(&record).unwrap_or_default();
-                tally.unreachable.extend(apart.into_iter().map(|other| (m, other)));
-            } else {
-                let reaped = self.store.get(&self.keys.dead(m))?.is_some();
-                let gone = reaped
-                    || silent.contains(&m)
-                    || (suspects.contains(&m) && quiet_for_grace(m))
-                    || quiet_for_window(m)
-                    || waited >= self.timing.check_in;
-                if !gone {
-                    unknown.push(m);
+        let mut tallying = Tallying::new(&self.roster, suspects, self.timing, self.clock.now());
+        let counts = [
+            Keys::count(&self.keys.present(epoch)),
+            Keys::count(&self.keys.accused(epoch)),
+            Keys::count(&self.keys.dead()),
+        ];
+        let mut last: Option<(Vec<i64>, std::time::Instant)> = None;
+        loop {
+            let seen = self.store.counters(&counts)?;
+            let now = self.clock.now();
+            let due = last
+                .as_ref()
+                .is_none_or(|(c, at)| *c != seen || now.saturating_duration_since(*at) >= self.timing.beat);
+            if due {
+                last = Some((seen, now));
+                if let Some(next) = self.decided()? {
+                    return Ok(next);
+                }
+                self.store.add(&self.keys.tally_rounds(epoch), 1)?;
+                let evidence = Evidence::read(&self.store, &self.keys, epoch)?;
+                let pending = tallying.pending(&evidence);
+                let keys: Vec<String> = pending.iter().map(|&m| self.keys.beat(m)).collect();
+                let counts = if keys.is_empty() { Vec::new() } else { self.store.counters(&keys)? };
+                let beats = pending.iter().copied().zip(counts).collect();
+                if let Verdict::Decided(tally) = tallying.judge(self.clock.now(), &evidence, &beats) {
+                    let next = match self.roster.after_loss(&tally, self.minimum) {
+                        Ok(next) => next,
+                        Err(too_few) => {
+                            // Recorded where the others wait, so they end as this process does.
+                            self.store.compare_set(&self.keys.change(epoch + 1), b"", &no_quorum_record(&too_few))?;
+                            return Err(too_few);
+                        }
+                    };
+                    return self.propose(&next, |_, _| Ok(()));
                 }
             }
+            std::thread::sleep(self.timing.poll);
         }
-        Ok((tally, unknown))
+    }
+
+    /// The one member that proposes a change every member asked for at the
+    /// same boundary (an admission, an expulsion), the lowest-ranked of
+    /// `among`; the others wait for its change, and propose themselves only
+    /// if none comes within the liveness window (it was lost meanwhile).
+    fn agree_once(
+        &mut self,
+        among: impl Fn(MemberId) -> bool,
+        make: impl Fn(&mut Self) -> Result<Roster, MembershipError>,
+    ) -> Result<Roster, MembershipError> {
+        if let Some(next) = self.decided()? {
+            return Ok(next);
+        }
+        let proposer = self.roster.members.iter().copied().find(|&m| among(m));
+        if proposer != Some(self.me) {
+            if let Some(next) = self.await_decided(2 * self.timing.liveness)? {
+                return Ok(next);
+            }
+        }
+        make(self)
     }
 
     /// Every member, after the same failed step: go on without `odd` (the
@@ -322,11 +395,14 @@ impl<S: KvStore> Agreement<S> {
         if odd.contains(&self.me) {
             return Err(MembershipError::Refused { member: self.me, why: why.to_string() });
         }
-        if let Some(next) = self.decided()? {
-            return self.adopt(next);
-        }
-        let next = self.roster.without(odd)?;
-        self.propose(&next)
+        let next = self.agree_once(
+            |m| !odd.contains(&m),
+            |a| {
+                let next = a.roster.without(odd)?;
+                a.propose(&next, |_, _| Ok(()))
+            },
+        )?;
+        self.adopt(next)
     }
 
     /// How many join requests the job has received.
@@ -337,11 +413,17 @@ impl<S: KvStore> Agreement<S> {
     /// Every member, at the same step boundary (the step whose control vote
     /// said a process waits): admit the waiting joiners whose `fingerprint`
     /// (model and optimizer layout) equals this member's; refuse the others
-    /// with a message naming the difference.
+    /// with a message naming the difference. The epoch's rank 0 reads the
+    /// requests and proposes; the others read its change.
     pub fn admit(&mut self, fingerprint: &str) -> Result<&Roster, MembershipError> {
-        if let Some(next) = self.decided()? {
-            return self.admit_adopt(next);
-        }
+        let next = self.agree_once(|_| true, |a| a.propose_admission(fingerprint))?;
+        self.adopt(next)
+    }
+
+    /// Read the waiting requests, answer the refused, propose the roster
+    /// with the accepted; the joiners of the winning roster are told before
+    /// its change is recorded (so a member that read the change knows they were).
+    fn propose_admission(&mut self, fingerprint: &str) -> Result<Roster, MembershipError> {
         let seen = self.joiners_waiting()?;
         let mut accepted = Vec::new();
         for n in self.roster.joiners_seen..seen {
@@ -354,41 +436,31 @@ impl<S: KvStore> Agreement<S> {
             }
         }
         let next = self.roster.with_joiners(&accepted, seen);
-        let key = self.keys.roster(next.epoch);
-        let winner = Roster::decode(&key, &self.store.compare_set(&key, b"", &next.encode())?)?;
-        self.admit_adopt(winner)
-    }
-
-    /// Adopt an admission's roster and tell its joiners.
-    fn admit_adopt(&mut self, next: Roster) -> Result<&Roster, MembershipError> {
-        for &j in &next.joined {
-            self.store.set(&self.keys.admitted(j), json!({ "epoch": next.epoch }).to_string().as_bytes())?;
-        }
-        self.adopt(next)
+        self.propose(&next, |a, winner| {
+            for &j in &winner.joined {
+                a.store.set(&a.keys.admitted(j), json!({ "epoch": winner.epoch }).to_string().as_bytes())?;
+            }
+            Ok(())
+        })
     }
 
     /// The `n`-th join request: `(member, node, fingerprint)` (waits
     /// briefly: the joiner counts itself before it writes its request).
     fn join_request(&self, n: u64) -> Result<(MemberId, NodeId, String), MembershipError> {
         let key = self.keys.joiner(n);
-        let began = Instant::now();
-        loop {
-            if let Some(bytes) = self.store.get(&key)? {
-                let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
-                let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
-                let member = v["member"].as_u64().ok_or_else(|| bad("no 'member'"))?;
-                let node = v["node"].as_u64().ok_or_else(|| bad("no 'node'"))?;
-                let fingerprint = v["fingerprint"].as_str().ok_or_else(|| bad("no 'fingerprint'"))?;
-                return Ok((member, node, fingerprint.to_string()));
-            }
-            if began.elapsed() > self.timing.liveness {
-                return Err(MembershipError::Deadline {
-                    what: format!("reading join request {n}"),
-                    waited_s: began.elapsed().as_secs_f64(),
-                });
-            }
-            sleep(self.timing.poll);
+        if !self.store.wait(&key, self.timing.liveness)? {
+            return Err(MembershipError::Deadline {
+                what: format!("reading join request {n}"),
+                waited_s: self.timing.liveness.as_secs_f64(),
+            });
         }
+        let bytes = self.store.get(&key)?.unwrap_or_default();
+        let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
+        let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
+        let member = v["member"].as_u64().ok_or_else(|| bad("no 'member'"))?;
+        let node = v["node"].as_u64().ok_or_else(|| bad("no 'node'"))?;
+        let fingerprint = v["fingerprint"].as_str().ok_or_else(|| bad("no 'fingerprint'"))?;
+        Ok((member, node, fingerprint.to_string()))
     }
 
     /// A process that is not a member asks to join with its model and
@@ -399,9 +471,11 @@ impl<S: KvStore> Agreement<S> {
         let request = json!({ "member": self.me, "node": self.node, "fingerprint": fingerprint }).to_string();
         self.store.set(&self.keys.joiner(n), request.as_bytes())?;
         let key = self.keys.admitted(self.me);
-        let began = Instant::now();
+        let began = self.clock.now();
         loop {
-            if let Some(bytes) = self.store.get(&key)? {
+            // Waits on the answer; looks at whether the job ended once a second.
+            if self.store.wait(&key, Duration::from_secs(1).min(self.timing.admission))? {
+                let bytes = self.store.get(&key)?.unwrap_or_default();
                 let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
                 let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
                 if let Some(why) = v["refused"].as_str() {
@@ -421,13 +495,13 @@ impl<S: KvStore> Agreement<S> {
                     None => MembershipError::Ended { member: self.me },
                 });
             }
-            if began.elapsed() > self.timing.admission {
+            let waited = self.clock.now().saturating_duration_since(began);
+            if waited > self.timing.admission {
                 return Err(MembershipError::Deadline {
                     what: "waiting to be admitted".into(),
-                    waited_s: began.elapsed().as_secs_f64(),
+                    waited_s: waited.as_secs_f64(),
                 });
             }
-            sleep(self.timing.poll.max(Duration::from_millis(20)));
         }
     }
 
@@ -443,13 +517,9 @@ impl<S: KvStore> Agreement<S> {
     pub fn members_left(store: &S, prefix: &str) -> Result<Vec<MemberId>, MembershipError> {
         let keys = Keys(prefix.to_string());
         let newest = newest_roster(store, &keys)?;
-        let mut left = Vec::new();
-        for m in newest.map(|r| r.members).unwrap_or_default() {
-            if store.get(&keys.dead(m))?.is_none() {
-                left.push(m);
-            }
-        }
-        Ok(left)
+        let dead: std::collections::HashSet<MemberId> =
+            store.entries(&keys.dead())?.iter().filter_map(|(name, _)| name.parse().ok()).collect();
+        Ok(newest.map(|r| r.members).unwrap_or_default().into_iter().filter(|m| !dead.contains(m)).collect())
     }
 
     /// No member is left (see [`Agreement::members_left`]): the job is
@@ -464,282 +534,11 @@ impl<S: KvStore> Agreement<S> {
     /// The supervisor reaped `member`'s process: record it, so survivors
     /// need not wait to see it silent.
     pub fn obituary(store: &S, prefix: &str, member: MemberId) -> Result<(), MembershipError> {
-        Ok(store.set(&Keys(prefix.to_string()).dead(member), b"1")?)
+        let keys = Keys(prefix.to_string());
+        Ok(enter_counted(store, &keys.dead(), &member.to_string(), b"1")?)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use std::thread;
-
-    use super::super::MemoryKv;
-    use super::*;
-
-    fn fast() -> Timing {
-        Timing {
-            poll: Duration::from_millis(1),
-            liveness: Duration::from_millis(400),
-            suspect_grace: Duration::from_millis(50),
-            check_in: Duration::from_secs(2),
-            admission: Duration::from_secs(5),
-        }
-    }
-
-    fn members(store: &MemoryKv, n: u64) -> Vec<Agreement<MemoryKv>> {
-        (0..n)
-            .map(|m| {
-                let mut a = Agreement::new(store.clone(), "job", m, fast());
-                a.start((0..n).collect(), vec![0; n as usize]).unwrap();
-                a
-            })
-            .collect()
-    }
-
-    #[test]
-    fn survivors_of_a_reaped_member_agree_at_once_on_one_roster() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 4);
-        Agreement::obituary(&store, "job", 2).unwrap();
-        all.remove(2);
-        let began = Instant::now();
-        let rosters: Vec<Roster> = thread::scope(|s| {
-            let hs: Vec<_> = all.iter_mut().map(|a| s.spawn(move || a.recover(&[], &(), &()).cloned())).collect();
-            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-        });
-        assert!(began.elapsed() < fast().liveness, "an obituary needs no silence: {:?}", began.elapsed());
-        assert!(rosters.iter().all(|r| *r == rosters[0]), "one roster: {rosters:?}");
-        assert_eq!(
-            (rosters[0].epoch, rosters[0].members.clone(), rosters[0].lost.clone()),
-            (1, vec![0, 1, 3], vec![2])
-        );
-    }
-
-    #[test]
-    fn a_silent_member_is_lost_after_the_liveness_window_and_a_suspect_sooner() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 3);
-        let mut a = all.remove(0);
-        let began = Instant::now();
-        // Member 1 checks in (alive), member 2 never does.
-        store.set(&Keys("job".into()).present(0, 1), b"1").unwrap();
-        let r = a.recover(&[], &(), &()).unwrap().clone();
-        assert!(began.elapsed() >= fast().liveness);
-        assert_eq!(r.members, vec![0, 1]);
-        // Next epoch: member 1 is named by the failure and never checks in.
-        let began = Instant::now();
-        let r = a.recover(&[1], &(), &()).unwrap().clone();
-        assert!(began.elapsed() < fast().liveness, "a suspect is judged after its grace");
-        assert_eq!(r.members, vec![0], "one of two goes on: the store, not a majority, decides");
-    }
-
-    #[test]
-    fn a_job_below_its_minimum_stops_with_the_minimum_named() {
-        let store = MemoryKv::default();
-        let mut all: Vec<_> = members(&store, 4).into_iter().map(|a| a.with_minimum(3)).collect();
-        Agreement::obituary(&store, "job", 2).unwrap();
-        Agreement::obituary(&store, "job", 3).unwrap();
-        let e = thread::scope(|s| {
-            let hs: Vec<_> =
-                all.iter_mut().take(2).map(|a| s.spawn(move || a.recover(&[], &(), &()).cloned())).collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-        });
-        for r in e {
-            let e = r.unwrap_err();
-            assert!(matches!(e, MembershipError::NoQuorum { minimum: 3, .. }), "{e}");
-            assert!(e.to_string().contains("minimum of 3"), "{e}");
-        }
-    }
-
-    /// A test's view of reachability: each member's side of a partition.
-    struct Sides(Vec<MemberId>);
-
-    impl Reach for Sides {
-        fn unreachable(&self, peers: &[(MemberId, String)]) -> Vec<MemberId> {
-            peers.iter().map(|(m, _)| *m).filter(|m| !self.0.contains(m)).collect()
-        }
-    }
-
-    #[test]
-    fn a_partition_whose_sides_both_reach_the_store_goes_on_on_one_side_only() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 5);
-        for a in &all {
-            a.publish_probe(&format!("host-of-{}:1", a.me())).unwrap();
-        }
-        // Members {0, 1} and {2, 3, 4} reach the store, not each other; all beat.
-        let everyone = Heard { silent: vec![], beating: (0..5).collect() };
-        let results: Vec<Result<Roster, MembershipError>> = thread::scope(|s| {
-            let hs: Vec<_> = all
-                .iter_mut()
-                .map(|a| {
-                    let side = Sides(if a.me() < 2 { vec![0, 1] } else { vec![2, 3, 4] });
-                    let everyone = &everyone;
-                    s.spawn(move || a.recover(&[], everyone, &side).cloned())
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let rosters: Vec<&Roster> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-        assert_eq!(rosters.len(), 3, "only one side goes on: {results:?}");
-        assert!(rosters.iter().all(|r| r.members == vec![2, 3, 4] && r.epoch == 1), "the larger side: {rosters:?}");
-        for (m, r) in results.iter().enumerate().take(2) {
-            assert_eq!(r.as_ref().unwrap_err(), &MembershipError::LeftOut { member: m as u64, epoch: 1 });
-        }
-        // Equal sides: still one roster (the side holding rank 0), the other left out.
-        let store = MemoryKv::default();
-        let mut all = members(&store, 4);
-        for a in &all {
-            a.publish_probe("h:1").unwrap();
-        }
-        let everyone = Heard { silent: vec![], beating: (0..4).collect() };
-        let went_on: Vec<bool> = thread::scope(|s| {
-            let hs: Vec<_> = all
-                .iter_mut()
-                .map(|a| {
-                    let side = Sides(if a.me() % 2 == 0 { vec![0, 2] } else { vec![1, 3] });
-                    let everyone = &everyone;
-                    s.spawn(move || a.recover(&[], everyone, &side).is_ok())
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(went_on, vec![true, false, true, false]);
-    }
-
-    #[test]
-    fn a_member_the_others_left_out_learns_it_and_leaves() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 3);
-        Agreement::obituary(&store, "job", 2).unwrap();
-        // Member 1 is alive but too slow, so 0 sees it silent (monitor's
-        // view) and 2 is dead: 0 goes on alone, and the store says so to 1.
-        let r = all[0].recover(&[], &Heard { silent: vec![1], beating: vec![] }, &()).unwrap().clone();
-        assert_eq!(r.members, vec![0]);
-        assert_eq!(all[1].recover(&[], &(), &()).unwrap_err(), MembershipError::LeftOut { member: 1, epoch: 1 });
-        // Member 1 had gone silent; member 0 and a third survivor decide.
-        let store = MemoryKv::default();
-        let mut all = members(&store, 3);
-        let decided = all[0].roster().after_loss(&Tally { present: vec![0, 2], ..Tally::default() }, 1).unwrap();
-        store.compare_set(&Keys("job".into()).roster(1), b"", &decided.encode()).unwrap();
-        let e = all[1].recover(&[], &(), &()).unwrap_err();
-        assert_eq!(e, MembershipError::LeftOut { member: 1, epoch: 1 });
-        assert_eq!(all[2].recover(&[], &(), &()).unwrap().members, vec![0, 2]);
-    }
-
-    #[test]
-    fn a_joiner_is_admitted_at_the_members_boundary_and_a_mismatch_is_refused() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 2);
-        let joiner = thread::spawn({
-            let store = store.clone();
-            move || Agreement::new(store, "job", 7, fast()).request_join("model A").cloned()
-        });
-        let odd = thread::spawn({
-            let store = store.clone();
-            move || Agreement::new(store, "job", 8, fast()).request_join("model B").cloned()
-        });
-        while all[0].joiners_waiting().unwrap() < 2 {
-            thread::sleep(Duration::from_millis(1));
-        }
-        let rosters: Vec<Roster> = all.iter_mut().map(|a| a.admit("model A").unwrap().clone()).collect();
-        assert_eq!(rosters[0], rosters[1]);
-        assert_eq!((rosters[0].members.clone(), rosters[0].joined.clone()), (vec![0, 1, 7], vec![7]));
-        assert_eq!(joiner.join().unwrap().unwrap(), rosters[0], "the joiner adopts the members' roster");
-        let e = odd.join().unwrap().unwrap_err();
-        assert!(matches!(&e, MembershipError::Refused { member: 8, why } if why.contains("model B")), "{e}");
-        assert_eq!(all[0].joiners_waiting().unwrap(), rosters[0].joiners_seen, "nothing left waiting");
-        let late = thread::spawn({
-            let store = store.clone();
-            move || Agreement::new(store, "job", 9, fast()).request_join("model A").cloned()
-        });
-        all[0].end().unwrap();
-        assert_eq!(late.join().unwrap().unwrap_err(), MembershipError::Ended { member: 9 }, "the job ended first");
-    }
-
-    /// A test's view of the heartbeats.
-    struct Heard {
-        silent: Vec<MemberId>,
-        beating: Vec<MemberId>,
-    }
-
-    impl Liveness for Heard {
-        fn silent(&self) -> Vec<MemberId> {
-            self.silent.clone()
-        }
-        fn beating(&self, _within: Duration) -> Vec<MemberId> {
-            self.beating.clone()
-        }
-    }
-
-    #[test]
-    fn a_slow_member_whose_heartbeat_moves_is_waited_for_not_left_out() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 3);
-        let mut a = all.remove(0);
-        let late = thread::spawn({
-            let store = store.clone();
-            move || {
-                // Member 1 is slow to check in (a loaded machine), well past the liveness window.
-                thread::sleep(fast().liveness * 2);
-                store.set(&Keys("job".into()).present(0, 1), b"1").unwrap();
-            }
-        });
-        store.set(&Keys("job".into()).present(0, 2), b"1").unwrap();
-        let r = a.recover(&[1], &Heard { silent: vec![], beating: vec![1] }, &()).unwrap().clone();
-        late.join().unwrap();
-        assert_eq!(r.members, vec![0, 1, 2], "nobody lost: 1 was slow, not dead");
-        // A member that beats but never checks in is lost after the check-in deadline.
-        store.set(&Keys("job".into()).present(1, 2), b"1").unwrap();
-        let began = Instant::now();
-        let r = a.recover(&[], &Heard { silent: vec![], beating: vec![1] }, &()).unwrap().clone();
-        assert!(began.elapsed() >= fast().check_in, "{:?}", began.elapsed());
-        assert_eq!(r.members, vec![0, 2]);
-    }
-
-    #[test]
-    fn a_desync_right_after_a_change_sends_the_odd_members_away() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 3);
-        let why = "ranks disagree on the plan";
-        let e = all[2].expel(&[2], why).unwrap_err();
-        assert_eq!(e, MembershipError::Refused { member: 2, why: why.into() });
-        let r0 = all[0].expel(&[2], why).unwrap().clone();
-        let r1 = all[1].expel(&[2], why).unwrap().clone();
-        assert_eq!(r0, r1, "one roster");
-        assert_eq!((r0.epoch, r0.members.clone(), r0.lost.clone()), (1, vec![0, 1], vec![2]));
-    }
-
-    #[test]
-    fn a_joiner_of_a_job_with_no_member_left_gives_up() {
-        let store = MemoryKv::default();
-        let _all = members(&store, 2);
-        assert_eq!(Agreement::members_left(&store, "job").unwrap(), vec![0, 1]);
-        Agreement::obituary(&store, "job", 0).unwrap();
-        Agreement::obituary(&store, "job", 1).unwrap();
-        assert!(Agreement::members_left(&store, "job").unwrap().is_empty());
-        let joiner = thread::spawn({
-            let store = store.clone();
-            move || Agreement::new(store, "job", 7, fast()).request_join("model A").cloned()
-        });
-        Agreement::give_up(&store, "job", "members 0 and 1 died").unwrap();
-        let e = joiner.join().unwrap().unwrap_err();
-        assert!(matches!(&e, MembershipError::NoMembers { member: 7, why } if why.contains("members 0 and 1")), "{e}");
-    }
-
-    #[test]
-    fn a_late_first_member_finds_the_job_moved_on() {
-        let store = MemoryKv::default();
-        let mut all = members(&store, 3);
-        Agreement::obituary(&store, "job", 2).unwrap();
-        thread::scope(|s| {
-            for a in all.iter_mut().take(2) {
-                s.spawn(move || a.recover(&[], &(), &()).unwrap().clone());
-            }
-        });
-        let mut late = Agreement::new(store, "job", 2, fast());
-        assert_eq!(
-            late.start(vec![0, 1, 2], vec![0; 3]).unwrap_err(),
-            MembershipError::LeftOut { member: 2, epoch: 1 }
-        );
-    }
-}
+#[path = "agreement_tests.rs"]
+mod tests;

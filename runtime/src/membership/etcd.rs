@@ -1,7 +1,7 @@
 //! [`EtcdKv`]: a job's membership in etcd (v3), where a user runs one.
 //!
 //! ```text
-//! Agreement / Monitor ── KvStore ──▶ EtcdKv ── POST /v3/kv/{range,put,txn,deleterange}
+//! Agreement / Monitor ── KvStore ──▶ EtcdKv ── POST /v3/kv/{range,put,txn,deleterange}, /v3/watch
 //!                                        (JSON, keys and values base64) ──▶ etcd cluster
 //! ```
 //!
@@ -11,6 +11,13 @@
 //! Compare-and-set and add are etcd transactions (`add` retries while
 //! another writer changes the key), so they are linearizable like the rest.
 //! Several endpoints (the members of an etcd cluster) are tried in turn.
+//!
+//! What each protocol call costs etcd: a heartbeat is one put (a raft
+//! write); a monitor's batched read is one read-only transaction of a few
+//! ranges (served by a linearizable read, not raft); a ledger is a prefix
+//! (`{key}/{name}` per entry: a check-in is one put, a tally one prefix
+//! range); a wait is etcd's own watch, so a waiting member costs the
+//! cluster nothing until the key appears.
 
 use std::time::Duration;
 
@@ -22,6 +29,9 @@ use super::store::{KvStore, StoreError};
 
 /// How many times `add` retries a transaction another writer raced.
 const ADD_ATTEMPTS: usize = 1000;
+
+/// The most operations one transaction may carry (etcd's default `--max-txn-ops`).
+const TXN_OPS: usize = 128;
 
 /// A [`KvStore`] over an etcd cluster's v3 JSON gateway. Clones share the
 /// HTTP connection pool.
@@ -108,14 +118,46 @@ impl EtcdKv {
 
     /// How many keys the store holds under its prefix.
     pub fn count(&self) -> Result<u64, StoreError> {
-        let start = format!("{}/", self.prefix);
-        let mut end = start.clone().into_bytes();
-        *end.last_mut().expect("the prefix ends with '/'") += 1;
-        let answer = self.call(
-            "/v3/kv/range",
-            json!({ "key": B64.encode(&start), "range_end": B64.encode(end), "count_only": true }),
-        )?;
+        let (start, end) = prefix_range(&format!("{}/", self.prefix));
+        let answer = self.call("/v3/kv/range", json!({ "key": start, "range_end": end, "count_only": true }))?;
         Ok(count(&answer["count"]))
+    }
+
+    /// Block until `key` exists or `within` passes: one range, then
+    /// etcd's watch from the revision it was read at (no polling).
+    fn watch_for(&self, key: &str, within: Duration) -> Result<bool, StoreError> {
+        let deadline = std::time::Instant::now() + within;
+        let answer = self.call("/v3/kv/range", json!({ "key": self.key(key), "keys_only": true }))?;
+        if answer["kvs"].as_array().is_some_and(|kvs| !kvs.is_empty()) {
+            return Ok(true);
+        }
+        let revision = count(&answer["header"]["revision"]);
+        let body = json!({ "create_request": { "key": self.key(key), "start_revision": (revision + 1).to_string() } });
+        let endpoint = &self.endpoints[0];
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        let response =
+            match self.agent.post(&format!("{endpoint}/v3/watch")).timeout(left).send_string(&body.to_string()) {
+                Ok(response) => response,
+                Err(ureq::Error::Transport(t)) if t.kind() == ureq::ErrorKind::Io => return Ok(false),
+                Err(e) => return Err(StoreError(format!("etcd {endpoint}/v3/watch: {e}"))),
+            };
+        // The gateway streams one JSON object per line: `created`, then events.
+        for line in std::io::BufRead::lines(std::io::BufReader::new(response.into_reader())) {
+            let Ok(line) = line else { return Ok(false) }; // the deadline cut the stream
+            let message: Value = serde_json::from_str(&line)
+                .map_err(|e| StoreError(format!("etcd {endpoint}/v3/watch: not JSON ({e}): {line}")))?;
+            if let Some(error) = message.get("error") {
+                return Err(StoreError(format!("etcd {endpoint}/v3/watch: {error}")));
+            }
+            let events = message["result"]["events"].as_array();
+            if events.is_some_and(|e| e.iter().any(|ev| ev["type"].as_str() != Some("DELETE"))) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Put `desired` if the transaction's `compare` holds; returns whether
@@ -140,6 +182,13 @@ impl EtcdKv {
     fn absent(&self, key: &str) -> Value {
         json!({ "key": self.key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0" })
     }
+}
+
+/// The range of keys under `prefix`, as etcd takes it (key and range end, base64).
+fn prefix_range(prefix: &str) -> (String, String) {
+    let mut end = prefix.as_bytes().to_vec();
+    *end.last_mut().expect("a prefix is not empty") += 1;
+    (B64.encode(prefix), B64.encode(end))
 }
 
 /// An int64 of the gateway's JSON (a string, or absent for 0).
@@ -190,6 +239,47 @@ impl KvStore for EtcdKv {
 
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         Ok(self.read(key)?.map(|(v, _)| v))
+    }
+
+    fn counters(&self, keys: &[String]) -> Result<Vec<i64>, StoreError> {
+        let mut values = Vec::with_capacity(keys.len());
+        for batch in keys.chunks(TXN_OPS) {
+            let ranges: Vec<Value> = batch.iter().map(|k| json!({ "request_range": { "key": self.key(k) } })).collect();
+            // No compare, only ranges: a read-only transaction (a linearizable read, not a raft write).
+            let answer = self.call("/v3/kv/txn", json!({ "compare": [], "success": ranges }))?;
+            let responses = answer["responses"].as_array().cloned().unwrap_or_default();
+            for (i, key) in batch.iter().enumerate() {
+                let found = responses.get(i).map(|r| first_kv(&r["response_range"]["kvs"])).transpose()?.flatten();
+                values.push(super::store::counter_value(key, found.as_ref().map(|(v, _)| v.as_slice()))?);
+            }
+        }
+        Ok(values)
+    }
+
+    fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
+        self.set(&format!("{key}/{name}"), entry)
+    }
+
+    fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let under = format!("{}/{key}/", self.prefix);
+        let (start, end) = prefix_range(&under);
+        let answer = self.call(
+            "/v3/kv/range",
+            json!({ "key": start, "range_end": end, "sort_order": "ASCEND", "sort_target": "CREATE" }),
+        )?;
+        let mut out = Vec::new();
+        for kv in answer["kvs"].as_array().cloned().unwrap_or_default() {
+            let full = B64.decode(kv["key"].as_str().unwrap_or_default()).unwrap_or_default();
+            let name = String::from_utf8_lossy(&full[under.len().min(full.len())..]).into_owned();
+            if let Some((value, _)) = first_kv(&json!([kv]))? {
+                out.push((name, value));
+            }
+        }
+        Ok(out)
+    }
+
+    fn wait(&self, key: &str, within: Duration) -> Result<bool, StoreError> {
+        self.watch_for(key, within)
     }
 
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {

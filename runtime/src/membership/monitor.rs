@@ -1,27 +1,32 @@
 //! The liveness monitor: one thread per process of an elastic job, off the
 //! training path (it never touches a step; a healthy step pays nothing).
 //!
-//! Every beat it counts its own heartbeat in the store and reads its peers'.
-//! It breaks the current epoch (cancels its collectives, and records
-//! `failed/{e}` for the others) when a peer's heartbeat stops for that
-//! peer's window: a host that vanished without closing its sockets would
-//! otherwise hold gloo for its whole timeout. When another process broke the
-//! epoch it checks this process in at once and cancels too, so survivors
-//! agree within a beat. It also raises the joiner flag that goes into this
-//! rank's control votes.
+//! Every beat it writes its own heartbeat (one `set`) and reads, in one
+//! batched read, the heartbeats of the few peers it watches
+//! ([`super::watch`]), whether the epoch broke, and how many processes
+//! asked to join: two store calls per member per beat, whatever the size
+//! of the job. When a peer it watches falls silent for that peer's window
+//! it accuses it in the store and breaks the epoch (cancels its collectives,
+//! and marks `broken/{e}` for the others): a host that vanished without
+//! closing its sockets would otherwise hold gloo for its whole timeout. When
+//! another process broke the epoch it checks this process in at once and
+//! cancels too, so survivors agree within a beat. It also raises the joiner
+//! flag that goes into this rank's control votes.
 //!
 //! **Slow is not dead.** On a loaded machine a healthy peer's beats come
-//! late and unevenly. Each peer's window adapts to what this monitor saw of
-//! it ([`Pulse::window`]): never below the configured liveness, and above
-//! the spread of its recent beat intervals (mean plus [`SPREAD`] standard
-//! deviations, and [`PAUSE_FACTOR`] times the longest recent pause), so a
-//! peer that has been stalling is given room to stall again while a quiet
-//! machine still finds a silent host within the configured window. A peer
-//! counts only once its heartbeat has moved (it is in the group), and
-//! [`Liveness::beating`] tells the agreement which members are alive though
-//! slow to check in, so it waits for them instead of leaving them out.
+//! late and unevenly; each peer's window adapts to what this monitor saw of
+//! it (see [`super::watch`]). Silence is judged per peer at the instant its
+//! beat was read (the start of the batched read), against the end of the
+//! read that last showed it move, so a slow store delays detection by its
+//! round trip and never accuses anyone. A monitor that was itself late (a
+//! tick more than [`Timing::slack`] behind, or a read that took that long)
+//! was not watching: it accuses no one until its peers have had a whole
+//! window in its sight again.
+//!
+//! The tick is a state machine ([`Watch::tick`]) over a store and a clock,
+//! driven directly by the unit tests; the thread only calls it every beat.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -29,108 +34,41 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
-use super::agreement::{check_in, Keys};
-use super::{KvStore, MemberId, Reach, Roster, Timing};
+use super::clock::{SharedClock, SystemClock};
+use super::records::{accuse, check_in, mark_broken, Keys};
+use super::watch::{strides, watched, Pulse};
+use super::{KvStore, MemberId, Reach, Roster, StoreError, Timing};
 
 /// Breaks an epoch: cancels every collective of its group (the transport's part).
 pub type Canceller = Box<dyn Fn(u64) + Send>;
 
-/// Standard deviations of a peer's beat intervals above their mean that
-/// its window allows (a normal tail this far out is ~1e-9: phi ≈ 9 in a
-/// phi-accrual detector's terms).
-pub const SPREAD: f64 = 6.0;
-
-/// A peer's window is at least this many times the longest pause between
-/// its beats that this monitor saw recently.
-pub const PAUSE_FACTOR: f64 = 2.0;
-
-/// Beat intervals kept per peer.
-const INTERVALS: usize = 128;
-
-/// What a process knows of its peers' heartbeats, for the agreement (the
-/// [`Monitor`]'s view; `()` knows nothing, and the agreement then judges by
-/// time alone).
+/// What a process knows of the peers it watches, for the agreement (the
+/// [`Monitor`]'s view; `()` knows nothing).
 pub trait Liveness {
-    /// Members whose heartbeat stopped for their window.
-    fn silent(&self) -> Vec<MemberId>;
-    /// Members whose heartbeat moved within the last `within`.
-    fn beating(&self, within: Duration) -> Vec<MemberId>;
+    /// The peers this process watches whose heartbeat moved within the last
+    /// `within` (whom its check-in probes); `None`: it watches nobody.
+    fn beating(&self, within: Duration) -> Option<Vec<MemberId>>;
+    /// Whether this process has checked in to the agreement that follows `epoch`.
+    fn checked_in(&self, epoch: u64) -> bool;
 }
 
 impl Liveness for () {
-    fn silent(&self) -> Vec<MemberId> {
-        Vec::new()
+    fn beating(&self, _within: Duration) -> Option<Vec<MemberId>> {
+        None
     }
-    fn beating(&self, _within: Duration) -> Vec<MemberId> {
-        Vec::new()
+    fn checked_in(&self, _epoch: u64) -> bool {
+        false
     }
 }
 
 enum Command {
     /// The process adopted a new roster.
     Follow(Roster),
-    /// Which members' heartbeats stopped.
+    /// Which watched peers' heartbeats stopped.
     Silent(Sender<Vec<MemberId>>),
-    /// Which members' heartbeats moved within the duration.
+    /// Which watched peers' heartbeats moved within the duration.
     Beating(Duration, Sender<Vec<MemberId>>),
     Stop,
-}
-
-/// What the monitor saw of one peer's heartbeat.
-#[derive(Debug, Clone)]
-struct Pulse {
-    /// The peer's beat count when last read.
-    count: i64,
-    /// When this monitor saw the count change.
-    changed_at: Instant,
-    /// Seconds between the changes it saw, newest last (at most [`INTERVALS`]).
-    intervals: VecDeque<f64>,
-}
-
-impl Pulse {
-    fn new(count: i64, now: Instant) -> Pulse {
-        Pulse { count, changed_at: now, intervals: VecDeque::new() }
-    }
-
-    /// The count read `now`: a change is a beat.
-    fn observe(&mut self, count: i64, now: Instant) {
-        if count == self.count {
-            return;
-        }
-        if self.count > 0 {
-            if self.intervals.len() == INTERVALS {
-                self.intervals.pop_front();
-            }
-            self.intervals.push_back(now.duration_since(self.changed_at).as_secs_f64());
-        }
-        (self.count, self.changed_at) = (count, now);
-    }
-
-    /// How long this peer may stay silent before it is lost: `floor` (the
-    /// configured liveness) or more, by the spread and the longest of its
-    /// recent beat intervals.
-    fn window(&self, floor: Duration) -> Duration {
-        let n = self.intervals.len();
-        if n == 0 {
-            return floor;
-        }
-        let mean = self.intervals.iter().sum::<f64>() / n as f64;
-        let var = self.intervals.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
-        let longest = self.intervals.iter().copied().fold(0.0, f64::max);
-        let adaptive = (mean + SPREAD * var.sqrt()).max(PAUSE_FACTOR * longest);
-        floor.max(Duration::from_secs_f64(adaptive.min(3600.0)))
-    }
-
-    /// Beating at `now`: its heartbeat moved within the last `within`.
-    fn beating(&self, now: Instant, within: Duration) -> bool {
-        self.count > 0 && now.duration_since(self.changed_at) < within
-    }
-
-    /// Silent at `now`: its heartbeat moved once (it is in the group), then
-    /// stopped for longer than its window.
-    fn silent(&self, now: Instant, floor: Duration) -> bool {
-        self.count > 0 && now.duration_since(self.changed_at) >= self.window(floor)
-    }
 }
 
 /// A running liveness monitor (see the module docs); stops when dropped.
@@ -139,6 +77,8 @@ pub struct Monitor {
     thread: Option<JoinHandle<()>>,
     /// The highest epoch this process saw broken (-1: none).
     broken: Arc<AtomicI64>,
+    /// The highest epoch this process checked in after (-1: none).
+    checked_in: Arc<AtomicI64>,
     /// Raised while a join request waits (read by the scheduler's votes).
     joiner_waiting: Arc<AtomicBool>,
 }
@@ -149,31 +89,46 @@ impl std::fmt::Debug for Monitor {
     }
 }
 
-/// What the monitor thread owns.
-struct Watch<S: KvStore> {
+/// What the monitor thread owns: one member's watch over its peers.
+pub(super) struct Watch<S: KvStore> {
     store: S,
     keys: Keys,
     me: MemberId,
     roster: Roster,
     timing: Timing,
+    clock: SharedClock,
     cancel: Canceller,
     broken: Arc<AtomicI64>,
+    checked_in: Arc<AtomicI64>,
     joiner_waiting: Arc<AtomicBool>,
-    /// Per peer: what this monitor saw of its heartbeat.
-    beats: HashMap<MemberId, Pulse>,
+    /// The peers watched in this epoch.
+    watched: Vec<MemberId>,
+    /// The keys of the one batched read: the watched peers' beats, then
+    /// `broken/{e}`, then the join requests' count.
+    reads: Vec<String>,
+    /// Per watched peer: what this monitor saw of its heartbeat.
+    pulses: HashMap<MemberId, Pulse>,
+    /// This process's own heartbeat count.
+    count: i64,
+    /// When the previous tick ended (its read came back).
+    last_tick: Option<Instant>,
+    /// Silence counts only from here on: the end of this monitor's last
+    /// blind spell (a late tick, a slow read).
+    sighted: Instant,
     /// Since when the store has been failing (this process may be the one cut off).
     store_failing: Option<Instant>,
-    /// Probes the peers when the monitor checks this process in.
+    /// Probes the watched peers when the monitor checks this process in.
     reach: Box<dyn Reach + Send>,
 }
 
 impl Monitor {
-    /// Start monitoring `roster` as member `me`, beating every `beat`;
-    /// `store` should be a connection of the monitor's own (a blocking call
-    /// of the training thread must not delay a heartbeat). `cancel` breaks
-    /// an epoch's collectives; `joiner_waiting` is the flag it raises while a
-    /// process waits to join; `reach` probes the peers when it checks this
-    /// process in (see [`super::Agreement::recover`]).
+    /// Start monitoring `roster` as member `me`, beating every
+    /// [`Timing::beat`]; `store` should be a connection of the monitor's
+    /// own (a blocking call of the training thread must not delay a
+    /// heartbeat). `cancel` breaks an epoch's collectives; `joiner_waiting`
+    /// is the flag it raises while a process waits to join; `reach` probes
+    /// the watched peers when it checks this process in (see
+    /// [`super::Agreement::recover`]).
     #[allow(clippy::too_many_arguments)]
     pub fn start<S: KvStore>(
         store: S,
@@ -181,31 +136,26 @@ impl Monitor {
         me: MemberId,
         roster: Roster,
         timing: Timing,
-        beat: Duration,
         cancel: Canceller,
         joiner_waiting: Arc<AtomicBool>,
         reach: Box<dyn Reach + Send>,
     ) -> std::io::Result<Monitor> {
         let (commands, inbox) = crossbeam_channel::unbounded();
-        let broken = Arc::new(AtomicI64::new(-1));
-        let watching_flag = Arc::clone(&joiner_waiting);
-        let mut watch = Watch {
+        let (broken, checked_in) = (Arc::new(AtomicI64::new(-1)), Arc::new(AtomicI64::new(-1)));
+        let mut watch = Watch::new(
             store,
-            keys: Keys(prefix.into()),
+            Keys(prefix.into()),
             me,
             roster,
             timing,
+            Arc::new(SystemClock),
             cancel,
-            broken: Arc::clone(&broken),
-            joiner_waiting: watching_flag,
-            beats: HashMap::new(),
-            store_failing: None,
+            (Arc::clone(&broken), Arc::clone(&checked_in), Arc::clone(&joiner_waiting)),
             reach,
-        };
-        let thread = std::thread::Builder::new()
-            .name(format!("gradsync-liveness-{me}"))
-            .spawn(move || watch.run(&inbox, beat))?;
-        Ok(Monitor { commands, thread: Some(thread), broken, joiner_waiting })
+        );
+        let thread =
+            std::thread::Builder::new().name(format!("gradsync-liveness-{me}")).spawn(move || watch.run(&inbox))?;
+        Ok(Monitor { commands, thread: Some(thread), broken, checked_in, joiner_waiting })
     }
 
     /// This process adopted `roster`: watch its members and epoch.
@@ -213,12 +163,12 @@ impl Monitor {
         let _ = self.commands.send(Command::Follow(roster));
     }
 
-    /// Members whose heartbeats stopped for their window.
+    /// Watched peers whose heartbeats stopped for their window.
     pub fn silent(&self) -> Vec<MemberId> {
         self.ask(Command::Silent)
     }
 
-    /// Members whose heartbeats moved within the last `within`.
+    /// Watched peers whose heartbeats moved within the last `within`.
     pub fn beating(&self, within: Duration) -> Vec<MemberId> {
         self.ask(|tx| Command::Beating(within, tx))
     }
@@ -243,11 +193,11 @@ impl Monitor {
 }
 
 impl Liveness for Monitor {
-    fn silent(&self) -> Vec<MemberId> {
-        Monitor::silent(self)
+    fn beating(&self, within: Duration) -> Option<Vec<MemberId>> {
+        Some(Monitor::beating(self, within))
     }
-    fn beating(&self, within: Duration) -> Vec<MemberId> {
-        Monitor::beating(self, within)
+    fn checked_in(&self, epoch: u64) -> bool {
+        self.checked_in.load(Ordering::Acquire) >= epoch as i64
     }
 }
 
@@ -260,81 +210,173 @@ impl Drop for Monitor {
     }
 }
 
+/// The flags a [`Watch`] shares with its [`Monitor`]: the highest epoch
+/// broken, the highest checked in after, and the joiner flag.
+type Flags = (Arc<AtomicI64>, Arc<AtomicI64>, Arc<AtomicBool>);
+
 impl<S: KvStore> Watch<S> {
-    fn run(&mut self, inbox: &Receiver<Command>, beat: Duration) {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        store: S,
+        keys: Keys,
+        me: MemberId,
+        roster: Roster,
+        timing: Timing,
+        clock: SharedClock,
+        cancel: Canceller,
+        (broken, checked_in, joiner_waiting): Flags,
+        reach: Box<dyn Reach + Send>,
+    ) -> Self {
+        let sighted = clock.now();
+        let mut watch = Watch {
+            store,
+            keys,
+            me,
+            roster: Roster::first(Vec::new()),
+            timing,
+            clock,
+            cancel,
+            broken,
+            checked_in,
+            joiner_waiting,
+            watched: Vec::new(),
+            reads: Vec::new(),
+            pulses: HashMap::new(),
+            count: 0,
+            last_tick: None,
+            sighted,
+            store_failing: None,
+            reach,
+        };
+        watch.follow(roster);
+        watch
+    }
+
+    fn run(&mut self, inbox: &Receiver<Command>) {
         let mut next = Instant::now();
         loop {
             match inbox.recv_timeout(next.saturating_duration_since(Instant::now())) {
                 Ok(Command::Follow(roster)) => {
-                    self.roster = roster;
-                    self.beats.retain(|m, _| self.roster.members.contains(m));
+                    self.follow(roster);
                     continue;
                 }
                 Ok(Command::Silent(reply)) => {
-                    let _ = reply.send(self.silent(Instant::now()));
+                    let _ = reply.send(self.silent_now());
                     continue;
                 }
                 Ok(Command::Beating(within, reply)) => {
-                    let _ = reply.send(self.peers(|p| p.beating(Instant::now(), within)));
+                    let _ = reply.send(self.beating(within));
                     continue;
                 }
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => return,
                 Err(RecvTimeoutError::Timeout) => {}
             }
-            next = Instant::now() + beat;
-            match self.tick() {
-                Ok(()) => self.store_failing = None,
-                Err(e) => {
-                    let since = *self.store_failing.get_or_insert_with(Instant::now);
-                    tracing::warn!(member = self.me, error = %e, "gradsync liveness: the store did not answer");
-                    if since.elapsed() >= self.timing.liveness {
-                        // Cut off from the store: this process cannot take part in any agreement.
-                        self.break_epoch();
-                    }
+            next = Instant::now() + self.timing.beat;
+            self.tick_or_note_failure();
+        }
+    }
+
+    /// One beat: [`Watch::tick`], and if the store keeps failing for the
+    /// liveness window, break the epoch (this process is cut off from the
+    /// store and can take part in no agreement).
+    pub(super) fn tick_or_note_failure(&mut self) {
+        match self.tick() {
+            Ok(()) => self.store_failing = None,
+            Err(e) => {
+                let now = self.clock.now();
+                let since = *self.store_failing.get_or_insert(now);
+                tracing::warn!(member = self.me, error = %e, "gradsync liveness: the store did not answer");
+                if now.saturating_duration_since(since) >= self.timing.liveness {
+                    self.break_epoch();
                 }
             }
         }
     }
 
-    /// Members whose heartbeat has moved at least once and then stopped for its window.
-    fn silent(&self, now: Instant) -> Vec<MemberId> {
-        self.peers(|p| p.silent(now, self.timing.liveness))
+    /// Watch `roster` from now on: its peers for this member, a fresh
+    /// window for each newly watched one.
+    pub(super) fn follow(&mut self, roster: Roster) {
+        self.watched = watched(&roster, self.me, &strides(&roster));
+        let keep: HashSet<MemberId> = self.watched.iter().copied().collect();
+        self.pulses.retain(|m, _| keep.contains(m));
+        self.reads = self.watched.iter().map(|&m| self.keys.beat(m)).collect();
+        self.reads.push(self.keys.broken(roster.epoch));
+        self.reads.push(self.keys.joiners());
+        self.roster = roster;
     }
 
-    /// The peers whose pulse passes `test`, in id order.
+    /// The watched peers silent by the last read.
+    fn silent_now(&self) -> Vec<MemberId> {
+        let now = self.clock.now();
+        self.peers(|p| p.silent(now, self.timing.liveness, self.sighted))
+    }
+
+    /// The watched peers whose heartbeat moved within `within`.
+    pub(super) fn beating(&self, within: Duration) -> Vec<MemberId> {
+        let now = self.clock.now();
+        self.peers(|p| p.beating(now, within))
+    }
+
+    /// The watched peers whose pulse passes `test`, in id order.
     fn peers(&self, test: impl Fn(&Pulse) -> bool) -> Vec<MemberId> {
-        let mut found: Vec<MemberId> = self.beats.iter().filter(|(_, p)| test(p)).map(|(&m, _)| m).collect();
+        let mut found: Vec<MemberId> = self.pulses.iter().filter(|(_, p)| test(p)).map(|(&m, _)| m).collect();
         found.sort_unstable();
         found
     }
 
-    fn tick(&mut self) -> Result<(), super::StoreError> {
-        self.store.add(&self.keys.beat(self.me), 1)?;
-        for &m in &self.roster.members {
-            if m == self.me {
-                continue;
-            }
-            let count = self.store.add(&self.keys.beat(m), 0)?;
-            // Read now: a slow store round trip must not count against the peer.
-            let now = Instant::now();
-            self.beats.entry(m).and_modify(|p| p.observe(count, now)).or_insert_with(|| Pulse::new(count, now));
+    /// One beat (see the module docs): own heartbeat, one batched read,
+    /// then the judgement of each watched peer at the instant it was read.
+    pub(super) fn tick(&mut self) -> Result<(), StoreError> {
+        let slack = self.timing.slack();
+        let began = self.clock.now();
+        // Late: this tick began more than the slack after it was due (the thread was starved).
+        let late = self.last_tick.is_some_and(|last| began.saturating_duration_since(last) > self.timing.beat + slack);
+        self.count += 1;
+        self.store.set(&self.keys.beat(self.me), self.count.to_string().as_bytes())?;
+        let sent = self.clock.now();
+        let values = self.store.counters(&self.reads)?;
+        let read = self.clock.now();
+        self.last_tick = Some(read);
+        if late || read.saturating_duration_since(sent) > slack {
+            // This monitor was not watching (its thread was starved, or the
+            // store slow): none of that time counts against a peer.
+            self.sighted = read;
         }
+        for (&m, &count) in self.watched.iter().zip(&values) {
+            let sighted = self.sighted;
+            self.pulses
+                .entry(m)
+                .and_modify(|p| p.observe(count, read, sighted))
+                .or_insert_with(|| Pulse::new(count, read));
+        }
+        let n = self.watched.len();
+        let (broken_in_store, joiners) = (values[n], values[n + 1].max(0) as u64);
+        self.joiner_waiting.store(joiners > self.roster.joiners_seen, Ordering::Release);
         let epoch = self.roster.epoch;
-        let unbroken = self.broken.load(Ordering::Acquire) < epoch as i64;
-        if unbroken {
-            let silent = self.silent(Instant::now());
-            if !silent.is_empty() {
-                tracing::warn!(member = self.me, epoch, ?silent, "gradsync liveness: heartbeats stopped");
-                self.store.set(&self.keys.failed(epoch), b"1")?;
-            }
-            if self.store.get(&self.keys.failed(epoch))?.is_some() {
-                let beating = self.peers(|p| p.beating(Instant::now(), self.timing.liveness));
-                check_in(&self.store, &self.keys, &self.roster, self.me, &beating, self.reach.as_ref())?;
-                self.break_epoch();
-            }
+        if self.broken.load(Ordering::Acquire) >= epoch as i64 {
+            return Ok(());
         }
-        let waiting = self.store.add(&self.keys.joiners(), 0)?.max(0) as u64;
-        self.joiner_waiting.store(waiting > self.roster.joiners_seen, Ordering::Release);
+        let silent: Vec<(MemberId, i64)> = self
+            .watched
+            .iter()
+            .filter_map(|m| self.pulses.get(m).map(|p| (*m, p)))
+            .filter(|(_, p)| p.silent(sent, self.timing.liveness, self.sighted))
+            .map(|(m, p)| (m, p.count))
+            .collect();
+        if !silent.is_empty() {
+            let ids: Vec<MemberId> = silent.iter().map(|(m, _)| *m).collect();
+            tracing::warn!(member = self.me, epoch, silent = ?ids, "gradsync liveness: heartbeats stopped");
+            for &(m, count) in &silent {
+                accuse(&self.store, &self.keys, epoch, self.me, m, count)?;
+            }
+            mark_broken(&self.store, &self.keys, epoch)?;
+        }
+        if broken_in_store > 0 || !silent.is_empty() {
+            let probe = self.beating(self.timing.liveness);
+            check_in(&self.store, &self.keys, &self.roster, self.me, &probe, self.reach.as_ref())?;
+            self.checked_in.fetch_max(epoch as i64, Ordering::AcqRel);
+            self.break_epoch();
+        }
         Ok(())
     }
 
@@ -348,129 +390,5 @@ impl<S: KvStore> Watch<S> {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::Mutex;
-
-    use super::super::MemoryKv;
-    use super::*;
-
-    fn timing() -> Timing {
-        Timing { liveness: Duration::from_millis(300), ..Timing::default() }
-    }
-
-    fn watching(store: &MemoryKv, me: MemberId, members: Vec<MemberId>, cancelled: &Arc<Mutex<Vec<u64>>>) -> Monitor {
-        let log = Arc::clone(cancelled);
-        let cancel: Canceller = Box::new(move |e| log.lock().unwrap().push(e));
-        let flag = Arc::new(AtomicBool::new(false));
-        Monitor::start(
-            store.clone(),
-            "job",
-            me,
-            Roster::first(members),
-            timing(),
-            Duration::from_millis(20),
-            cancel,
-            flag,
-            Box::new(()),
-        )
-        .unwrap()
-    }
-
-    fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) -> Duration {
-        let began = Instant::now();
-        while !done() {
-            assert!(began.elapsed() < within, "{what} not within {within:?}");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        began.elapsed()
-    }
-
-    #[test]
-    fn a_peer_whose_heartbeat_stops_breaks_the_epoch_within_the_window() {
-        let store = MemoryKv::default();
-        let cancelled = Arc::new(Mutex::new(Vec::new()));
-        let a = watching(&store, 0, vec![0, 1], &cancelled);
-        let b = watching(&store, 1, vec![0, 1], &Arc::new(Mutex::new(Vec::new())));
-        std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(a.broken(), None, "both beating");
-        drop(b); // its heartbeat stops, its sockets (none here) stay silent
-        let took = wait_for("detection", Duration::from_secs(2), || a.broken() == Some(0));
-        assert!(took >= Duration::from_millis(250), "not before the window: {took:?}");
-        assert_eq!(a.silent(), vec![1]);
-        assert_eq!(*cancelled.lock().unwrap(), vec![0], "cancelled once");
-        assert!(store.get(&Keys("job".into()).failed(0)).unwrap().is_some(), "the others learn it");
-    }
-
-    #[test]
-    fn a_window_grows_with_the_pauses_a_peer_showed_and_never_drops_below_the_floor() {
-        let floor = Duration::from_millis(300);
-        let t0 = Instant::now();
-        let mut steady = Pulse::new(1, t0);
-        for i in 1..50 {
-            steady.observe(1 + i, t0 + Duration::from_millis(100 * i as u64));
-        }
-        assert_eq!(steady.window(floor), floor, "even beats: the configured window");
-        let mut jittery = Pulse::new(1, t0);
-        let mut at = t0;
-        for (i, gap) in [100, 100, 700, 100, 100, 900, 100].into_iter().enumerate() {
-            at += Duration::from_millis(gap);
-            jittery.observe(2 + i as i64, at);
-        }
-        let window = jittery.window(floor);
-        assert!(window >= Duration::from_millis(1800), "twice its longest pause: {window:?}");
-        assert!(!jittery.silent(at + Duration::from_millis(1000), floor), "a pause like before is not a loss");
-        assert!(jittery.silent(at + window, floor));
-        let never = Pulse::new(0, t0);
-        assert!(!never.silent(t0 + Duration::from_secs(60), floor), "not counted before its first beat");
-    }
-
-    #[test]
-    fn a_peer_that_stalls_more_and_more_is_given_room_and_still_found_when_it_stops() {
-        let store = MemoryKv::default();
-        let cancelled = Arc::new(Mutex::new(Vec::new()));
-        let a = watching(&store, 0, vec![0, 1], &cancelled);
-        // Member 1 beats every 20 ms with stalls (a loaded machine): 200, 250 ms, then 450 ms,
-        // longer than the 300 ms window but within twice the pauses seen before it.
-        let beat = |n: usize| {
-            for _ in 0..n {
-                store.add(&Keys("job".into()).beat(1), 1).unwrap();
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        };
-        for stall in [200, 250, 450] {
-            beat(10);
-            std::thread::sleep(Duration::from_millis(stall));
-        }
-        beat(10);
-        assert_eq!(a.broken(), None, "a slow peer is not a lost one");
-        assert_eq!(a.beating(Duration::from_millis(200)), vec![1]);
-        let took = wait_for("detection", Duration::from_secs(3), || a.broken() == Some(0));
-        assert!(took >= Duration::from_millis(800), "its window is twice its longest stall: {took:?}");
-        assert_eq!(a.silent(), vec![1]);
-    }
-
-    #[test]
-    fn another_process_breaking_the_epoch_checks_this_one_in_at_once() {
-        let store = MemoryKv::default();
-        let cancelled = Arc::new(Mutex::new(Vec::new()));
-        let a = watching(&store, 0, vec![0, 1, 2], &cancelled);
-        store.set(&Keys("job".into()).failed(0), b"1").unwrap();
-        wait_for("check-in", Duration::from_millis(500), || a.broken() == Some(0));
-        assert!(store.get(&Keys("job".into()).present(0, 0)).unwrap().is_some());
-        // The next epoch is watched afresh.
-        a.follow(Roster { epoch: 1, ..Roster::first(vec![0, 1]) });
-        std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(a.broken(), Some(0));
-    }
-
-    #[test]
-    fn a_waiting_joiner_raises_the_flag_until_a_roster_counts_it() {
-        let store = MemoryKv::default();
-        let a = watching(&store, 0, vec![0], &Arc::new(Mutex::new(Vec::new())));
-        let flag = a.joiner_flag();
-        store.add(&Keys("job".into()).joiners(), 1).unwrap();
-        wait_for("flag up", Duration::from_millis(500), || flag.load(Ordering::Acquire));
-        a.follow(Roster { epoch: 1, joiners_seen: 1, ..Roster::first(vec![0, 5]) });
-        wait_for("flag down", Duration::from_millis(500), || !flag.load(Ordering::Acquire));
-    }
-}
+#[path = "monitor_tests.rs"]
+mod tests;
