@@ -104,6 +104,20 @@ def first_nodes(first_world):
     return [m // (first_world // nodes) for m in range(first_world)]
 
 
+#: How long connecting to the job's TCPStore may take: a thousand workers
+#: connecting at once queue at its one server thread for seconds, far longer
+#: than a heartbeat's call may take once connected.
+CONNECT_S = 120.0
+
+
+def tcp_store(host, port, timeout_s):
+    """A client of the TCPStore at ``host:port`` whose calls time out after
+    ``timeout_s``; connecting may take up to :data:`CONNECT_S` whatever that is."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=max(timeout_s, CONNECT_S)))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def connect(shim, address, timeout, liveness_s):
     """The job's store at ``address`` (``host:port`` of the supervisor's
     ``TCPStore``, or ``etcd://host:port[,...]``): a torch store for the
@@ -114,9 +128,8 @@ def connect(shim, address, timeout, liveness_s):
             store = EtcdStore(address, timeout=timeout)
             return store, store.client, EtcdClient(address, store.prefix, timeout_s=max(2.0, 2 * liveness_s))
         host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        beat_store = dist.TCPStore(host, int(port), is_master=False,
-                                   timeout=datetime.timedelta(seconds=max(2.0, 2 * liveness_s)))
+        store = tcp_store(host, int(port), timeout)
+        beat_store = tcp_store(host, int(port), max(2.0, 2 * liveness_s))
         return store, shim.StoreClient(store), shim.StoreClient(beat_store)
     except (RuntimeError, ValueError, MembershipError) as e:
         raise MembershipError.of(

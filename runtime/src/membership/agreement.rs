@@ -11,18 +11,19 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::clock::{SharedClock, SystemClock};
-use super::records::{check_in, enter_counted, mark_broken, Keys, GATE_ALL, GATE_BROKEN};
+use super::records::{check_in, mark_broken, probe_addresses, Keys, GATE_ALL, GATE_BROKEN};
 use super::tally::{Evidence, Tallying, Verdict};
-use super::watch::{strides, watched};
+use super::watch::{probed, strides, watched};
 use super::{Change, KvStore, Liveness, MemberId, MembershipError, NodeId, Reach, Roster, Timing};
 
 /// How the `ended` record of a job that lost every member begins (the
 /// reason follows); a job that finished writes `1`.
 const GAVE_UP: &[u8] = b"gave up: ";
 
-/// How many of the first members write the first roster whole (the others
-/// only agree on its digest): one would do, more survive one dying at start.
-const FIRST_WRITERS: i64 = 3;
+/// How many of the first members (the first ranks) write the first roster
+/// whole (the others only agree on its digest): one would do, more survive
+/// one dying at start.
+const FIRST_WRITERS: usize = 3;
 
 /// The newest roster in the store (`None`: the job has none): from the
 /// epoch `latest` names (a hint, possibly stale), on while later ones exist.
@@ -172,7 +173,7 @@ impl<S: KvStore> Agreement<S> {
                 ),
             });
         }
-        if self.store.add(&self.keys.first_writers(), 1)? <= FIRST_WRITERS {
+        if first.rank_of(self.me).is_some_and(|r| r < FIRST_WRITERS) {
             self.store.compare_set(&self.keys.roster(0), b"", &first.encode())?;
         }
         self.roster = first;
@@ -250,8 +251,9 @@ impl<S: KvStore> Agreement<S> {
                 self.store.entries(&arrived)?.iter().filter_map(|(name, _)| name.parse().ok()).collect();
             Ok(self.roster.members.iter().copied().filter(|m| !here.contains(m)).collect())
         };
-        // The last to arrive (by the count; by name, to be sure) opens the gate.
-        if self.store.add(&Keys::count(&arrived), 1)? >= self.roster.world() as i64 && missing()?.is_empty() {
+        // The last to arrive (by the ledger's length; by name, to be sure) opens the gate.
+        let length = self.store.lengths(std::slice::from_ref(&arrived))?[0];
+        if length >= self.roster.world() as u64 && missing()?.is_empty() {
             self.store.compare_set(&gate, b"", GATE_ALL)?;
         }
         if self.store.wait(&gate, within)? {
@@ -283,10 +285,10 @@ impl<S: KvStore> Agreement<S> {
         let epoch = self.roster.epoch;
         if !liveness.checked_in(epoch) {
             mark_broken(&self.store, &self.keys, epoch)?;
-            let probe = liveness
-                .beating(self.timing.liveness)
-                .unwrap_or_else(|| watched(&self.roster, self.me, &strides(&self.roster)));
-            check_in(&self.store, &self.keys, &self.roster, self.me, &probe, reach)?;
+            let watching = watched(&self.roster, self.me, &strides(&self.roster));
+            let probe = probed(&watching, liveness.beating(self.timing.liveness).as_deref());
+            let peers = probe_addresses(&self.store, &self.keys, &probe)?;
+            check_in(&self.store, &self.keys, &self.roster, self.me, &peers, reach)?;
         }
         let me = self.me.to_string();
         let mut tallier = self.store.compare_set(&self.keys.tally(epoch), b"", me.as_bytes())?;
@@ -320,20 +322,21 @@ impl<S: KvStore> Agreement<S> {
 
     /// This process tallies the broken epoch (see [`super::tally`]): a
     /// round whenever the counts of check-ins, accusations or obituaries
-    /// move, and every beat besides; each round reads the three ledgers and
-    /// the pending members' beats, one call each. Returns the roster the
-    /// store decided.
+    /// move, and every beat besides; each round reads the three ledgers (one
+    /// call each) and, in one batched read, the beats of the pending members
+    /// that the round can judge: the accused and the suspects every round,
+    /// all of them once a beat (in the first beat most are about to check
+    /// in, and reading them would only slow the rounds). Returns the roster
+    /// the store decided.
     fn tally(&mut self, suspects: &[MemberId]) -> Result<Roster, MembershipError> {
         let epoch = self.roster.epoch;
-        let mut tallying = Tallying::new(&self.roster, suspects, self.timing, self.clock.now());
-        let counts = [
-            Keys::count(&self.keys.present(epoch)),
-            Keys::count(&self.keys.accused(epoch)),
-            Keys::count(&self.keys.dead()),
-        ];
-        let mut last: Option<(Vec<i64>, std::time::Instant)> = None;
+        let began = self.clock.now();
+        let mut tallying = Tallying::new(&self.roster, suspects, self.timing, began);
+        let mut all_read_at = began;
+        let ledgers = [self.keys.present(epoch), self.keys.accused(epoch), self.keys.dead()];
+        let mut last: Option<(Vec<u64>, std::time::Instant)> = None;
         loop {
-            let seen = self.store.counters(&counts)?;
+            let seen = self.store.lengths(&ledgers)?;
             let now = self.clock.now();
             let due = last
                 .as_ref()
@@ -345,7 +348,12 @@ impl<S: KvStore> Agreement<S> {
                 }
                 self.store.add(&self.keys.tally_rounds(epoch), 1)?;
                 let evidence = Evidence::read(&self.store, &self.keys, epoch)?;
-                let pending = tallying.pending(&evidence);
+                let mut pending = tallying.pending(&evidence);
+                if now.saturating_duration_since(all_read_at) >= self.timing.beat {
+                    all_read_at = now;
+                } else {
+                    pending.retain(|m| evidence.accused.contains_key(m) || suspects.contains(m));
+                }
                 let keys: Vec<String> = pending.iter().map(|&m| self.keys.beat(m)).collect();
                 let counts = if keys.is_empty() { Vec::new() } else { self.store.counters(&keys)? };
                 let beats = pending.iter().copied().zip(counts).collect();
@@ -535,7 +543,7 @@ impl<S: KvStore> Agreement<S> {
     /// need not wait to see it silent.
     pub fn obituary(store: &S, prefix: &str, member: MemberId) -> Result<(), MembershipError> {
         let keys = Keys(prefix.to_string());
-        Ok(enter_counted(store, &keys.dead(), &member.to_string(), b"1")?)
+        Ok(store.enter(&keys.dead(), &member.to_string(), b"1")?)
     }
 }
 

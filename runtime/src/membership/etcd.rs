@@ -12,13 +12,18 @@
 //! another writer changes the key), so they are linearizable like the rest.
 //! Several endpoints (the members of an etcd cluster) are tried in turn.
 //!
-//! What each protocol call costs etcd: a heartbeat is one put (a raft
-//! write); a monitor's batched read is one read-only transaction of a few
-//! ranges (served by a linearizable read, not raft); a ledger is a prefix
+//! What each protocol call costs etcd: a monitor's beat is one transaction
+//! (its heartbeat's put, then the ranges it watches: one raft write); other
+//! batched reads are read-only transactions, served from the member's own
+//! state unless that is older than this client's last write (then
+//! linearizably: a read never queues behind the cluster's writes, and never
+//! shows a past the client wrote beyond); a ledger is a prefix
 //! (`{key}/{name}` per entry: a check-in is one put, a tally one prefix
 //! range); a wait is etcd's own watch, so a waiting member costs the
 //! cluster nothing until the key appears.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD as B64;
@@ -42,6 +47,12 @@ pub struct EtcdKv {
     /// Prepended to every key (`{prefix}/{key}`).
     prefix: String,
     agent: ureq::Agent,
+    /// The newest revision this client (and its clones) wrote: a batched
+    /// read is served from an etcd member's own state (no raft round, so it
+    /// never queues behind the cluster's writes), and read again through
+    /// the leader only if that state is older than this (a lagging or cut
+    /// off member): a client never reads a past it has written beyond.
+    written: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for EtcdKv {
@@ -69,7 +80,8 @@ impl EtcdKv {
             return Err(StoreError(format!("{tls}: only plain-HTTP etcd endpoints are supported (no TLS client)")));
         }
         let agent = ureq::AgentBuilder::new().timeout(timeout).build();
-        let store = EtcdKv { endpoints, prefix: prefix.trim_end_matches('/').to_string(), agent };
+        let store =
+            EtcdKv { endpoints, prefix: prefix.trim_end_matches('/').to_string(), agent, written: Arc::default() };
         // Fail now, naming the endpoints, rather than at the first protocol step.
         store.get("")?;
         Ok(store)
@@ -104,6 +116,32 @@ impl EtcdKv {
         Err(StoreError(format!("no etcd endpoint answered ({}); is etcd running there?", failures.join("; "))))
     }
 
+    /// [`EtcdKv::call`] for a request that writes: its revision is noted.
+    fn write(&self, path: &str, body: Value) -> Result<Value, StoreError> {
+        let answer = self.call(path, body)?;
+        self.written.fetch_max(count(&answer["header"]["revision"]), Ordering::AcqRel);
+        Ok(answer)
+    }
+
+    /// A read-only transaction of `ranges`: served by the member's own
+    /// state (serializable), again linearizably if that is older than what
+    /// this client wrote (see [`EtcdKv::written`]).
+    fn read_txn(&self, ranges: &[Value]) -> Result<Value, StoreError> {
+        let local: Vec<Value> = ranges
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r["request_range"]["serializable"] = json!(true);
+                r
+            })
+            .collect();
+        let answer = self.call("/v3/kv/txn", json!({ "compare": [], "success": local }))?;
+        if count(&answer["header"]["revision"]) >= self.written.load(Ordering::Acquire) {
+            return Ok(answer);
+        }
+        self.call("/v3/kv/txn", json!({ "compare": [], "success": ranges }))
+    }
+
     /// The value and modification revision at `key`, if present.
     fn read(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, StoreError> {
         let answer = self.call("/v3/kv/range", json!({ "key": self.key(key) }))?;
@@ -112,7 +150,7 @@ impl EtcdKv {
 
     /// Delete `key`; whether it was there.
     pub fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        let answer = self.call("/v3/kv/deleterange", json!({ "key": self.key(key) }))?;
+        let answer = self.write("/v3/kv/deleterange", json!({ "key": self.key(key) }))?;
         Ok(count(&answer["deleted"]) > 0)
     }
 
@@ -164,7 +202,7 @@ impl EtcdKv {
     /// it did and, if not, what `key` holds.
     fn put_if(&self, key: &str, compare: Value, desired: &[u8]) -> Result<(bool, Option<Vec<u8>>), StoreError> {
         let k = self.key(key);
-        let answer = self.call(
+        let answer = self.write(
             "/v3/kv/txn",
             json!({
                 "compare": [compare],
@@ -233,7 +271,7 @@ impl KvStore for EtcdKv {
     }
 
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.call("/v3/kv/put", json!({ "key": self.key(key), "value": B64.encode(value) }))?;
+        self.write("/v3/kv/put", json!({ "key": self.key(key), "value": B64.encode(value) }))?;
         Ok(())
     }
 
@@ -245,8 +283,8 @@ impl KvStore for EtcdKv {
         let mut values = Vec::with_capacity(keys.len());
         for batch in keys.chunks(TXN_OPS) {
             let ranges: Vec<Value> = batch.iter().map(|k| json!({ "request_range": { "key": self.key(k) } })).collect();
-            // No compare, only ranges: a read-only transaction (a linearizable read, not a raft write).
-            let answer = self.call("/v3/kv/txn", json!({ "compare": [], "success": ranges }))?;
+            // No compare, only ranges: a read-only transaction (no raft write).
+            let answer = self.read_txn(&ranges)?;
             let responses = answer["responses"].as_array().cloned().unwrap_or_default();
             for (i, key) in batch.iter().enumerate() {
                 let found = responses.get(i).map(|r| first_kv(&r["response_range"]["kvs"])).transpose()?.flatten();
@@ -254,6 +292,25 @@ impl KvStore for EtcdKv {
             }
         }
         Ok(values)
+    }
+
+    fn set_and_count(&self, key: &str, value: &[u8], keys: &[String]) -> Result<Vec<i64>, StoreError> {
+        if keys.len() >= TXN_OPS {
+            self.set(key, value)?;
+            return self.counters(keys);
+        }
+        // One transaction: the put, then the ranges (applied in order, so the reads see the put).
+        let mut ops = vec![json!({ "request_put": { "key": self.key(key), "value": B64.encode(value) } })];
+        ops.extend(keys.iter().map(|k| json!({ "request_range": { "key": self.key(k) } })));
+        let answer = self.write("/v3/kv/txn", json!({ "compare": [], "success": ops }))?;
+        let responses = answer["responses"].as_array().cloned().unwrap_or_default();
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let found = responses.get(i + 1).map(|r| first_kv(&r["response_range"]["kvs"])).transpose()?.flatten();
+                super::store::counter_value(k, found.as_ref().map(|(v, _)| v.as_slice()))
+            })
+            .collect()
     }
 
     fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
@@ -276,6 +333,24 @@ impl KvStore for EtcdKv {
             }
         }
         Ok(out)
+    }
+
+    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError> {
+        let mut lengths = Vec::with_capacity(keys.len());
+        for batch in keys.chunks(TXN_OPS) {
+            let ranges: Vec<Value> = batch
+                .iter()
+                .map(|k| {
+                    let (start, end) = prefix_range(&format!("{}/{k}/", self.prefix));
+                    json!({ "request_range": { "key": start, "range_end": end, "count_only": true } })
+                })
+                .collect();
+            let answer = self.read_txn(&ranges)?;
+            let responses = answer["responses"].as_array().cloned().unwrap_or_default();
+            lengths
+                .extend((0..batch.len()).map(|i| responses.get(i).map_or(0, |r| count(&r["response_range"]["count"]))));
+        }
+        Ok(lengths)
     }
 
     fn wait(&self, key: &str, within: Duration) -> Result<bool, StoreError> {
@@ -367,6 +442,24 @@ pub(crate) mod tests {
         let other = EtcdKv::connect(&etcd.endpoint, "other-job", Duration::from_secs(5)).unwrap();
         assert_eq!(other.get("k").unwrap(), None, "prefixes keep jobs apart");
         assert_eq!(s.count().unwrap(), 2, "k and n (t was deleted; the connection probe writes nothing)");
+        s.enter("l", "7", b"a").unwrap();
+        s.enter("l", "3", b"").unwrap();
+        s.enter("l", "7", b"b").unwrap();
+        assert_eq!(s.entries("l").unwrap(), vec![("7".into(), b"b".to_vec()), ("3".into(), Vec::new())]);
+        assert_eq!(s.lengths(&["l".into(), "none".into()]).unwrap(), vec![2, 0]);
+        assert_eq!(s.counters(&["n".into(), "absent".into()]).unwrap(), vec![3, 0]);
+        assert!(!s.wait("w", Duration::from_millis(200)).unwrap(), "nobody set it");
+        let setter = std::thread::spawn({
+            let s = s.clone();
+            move || {
+                std::thread::sleep(Duration::from_millis(100));
+                s.set("w", b"1").unwrap();
+            }
+        });
+        let began = Instant::now();
+        assert!(s.wait("w", Duration::from_secs(30)).unwrap(), "woken by etcd's watch");
+        assert!(began.elapsed() < Duration::from_secs(20));
+        setter.join().unwrap();
     }
 
     #[test]
@@ -389,10 +482,21 @@ pub(crate) mod tests {
         let Some(etcd) = etcd() else { return };
         let store = || EtcdKv::connect(&etcd.endpoint, "", Duration::from_secs(5)).unwrap();
         let timing = Timing { suspect_grace: Duration::from_millis(50), ..Timing::default() };
-        let mut members: Vec<_> = (0..3).map(|m| Agreement::new(store(), "job", m, timing)).collect();
-        for a in &mut members {
-            a.start(vec![0, 1, 2], vec![0; 3]).unwrap();
-        }
+        // 24 members start together (the first roster's digest, one put each), one is reaped, the
+        // others agree at once: check-ins as puts, one tally of prefix ranges, waits on etcd's watch.
+        let n = 24;
+        let mut members: Vec<_> = (0..n).map(|m| Agreement::new(store(), "job", m, timing)).collect();
+        std::thread::scope(|s| {
+            for a in &mut members {
+                s.spawn(move || a.start((0..n).collect(), vec![0; n as usize]).unwrap().clone());
+            }
+        });
+        let gathered: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> =
+                members.iter().map(|a| s.spawn(move || a.gather(Duration::from_secs(30)).unwrap())).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(gathered.iter().all(|g| *g == crate::membership::Gathered::All), "{gathered:?}");
         Agreement::obituary(&store(), "job", 1).unwrap();
         let survivors: Vec<_> = members
             .into_iter()
@@ -400,7 +504,8 @@ pub(crate) mod tests {
             .map(|mut a| std::thread::spawn(move || a.recover(&[1], &(), &()).cloned().unwrap()))
             .collect();
         let rosters: Vec<_> = survivors.into_iter().map(|t| t.join().unwrap()).collect();
-        assert_eq!(rosters[0], rosters[1], "one roster for every survivor");
-        assert_eq!((rosters[0].epoch, rosters[0].members.clone(), rosters[0].lost.clone()), (1, vec![0, 2], vec![1]));
+        assert!(rosters.iter().all(|r| *r == rosters[0]), "one roster for every survivor");
+        let expected: Vec<u64> = (0..n).filter(|&m| m != 1).collect();
+        assert_eq!((rosters[0].epoch, rosters[0].members.clone(), rosters[0].lost.clone()), (1, expected, vec![1]));
     }
 }

@@ -22,12 +22,16 @@ pub struct StoreOps {
     pub compare_set: u64,
     /// `counters` calls (each one batched read).
     pub counters: u64,
-    /// Keys read by those `counters` calls together.
+    /// `set_and_count` calls (a beat: a write and a batched read).
+    pub set_and_count: u64,
+    /// Keys read by those `counters` and `set_and_count` calls together.
     pub counter_keys: u64,
     /// `enter` calls.
     pub enter: u64,
     /// `entries` calls.
     pub entries: u64,
+    /// `lengths` calls (each one batched read).
+    pub lengths: u64,
     /// `wait` calls.
     pub wait: u64,
 }
@@ -35,7 +39,16 @@ pub struct StoreOps {
 impl StoreOps {
     /// Every call, whatever its kind (a batched read counts once).
     pub fn total(&self) -> u64 {
-        self.add + self.set + self.get + self.compare_set + self.counters + self.enter + self.entries + self.wait
+        self.add
+            + self.set
+            + self.get
+            + self.compare_set
+            + self.counters
+            + self.set_and_count
+            + self.enter
+            + self.entries
+            + self.lengths
+            + self.wait
     }
 
     /// What happened between `earlier` and `self`.
@@ -46,16 +59,18 @@ impl StoreOps {
             get: self.get - earlier.get,
             compare_set: self.compare_set - earlier.compare_set,
             counters: self.counters - earlier.counters,
+            set_and_count: self.set_and_count - earlier.set_and_count,
             counter_keys: self.counter_keys - earlier.counter_keys,
             enter: self.enter - earlier.enter,
             entries: self.entries - earlier.entries,
+            lengths: self.lengths - earlier.lengths,
             wait: self.wait - earlier.wait,
         }
     }
 }
 
 #[derive(Debug, Default)]
-struct Counts([AtomicU64; 9]);
+struct Counts([AtomicU64; 11]);
 
 /// Indexes into [`Counts`].
 const ADD: usize = 0;
@@ -67,6 +82,8 @@ const COUNTER_KEYS: usize = 5;
 const ENTER: usize = 6;
 const ENTRIES: usize = 7;
 const WAIT: usize = 8;
+const LENGTHS: usize = 9;
+const SET_AND_COUNT: usize = 10;
 
 /// `inner` with its calls counted (clones share the counts) and each call
 /// delayed by `latency` first (the round trip to a store on another host;
@@ -99,9 +116,11 @@ impl<S: KvStore> MeteredKv<S> {
             get: c(GET),
             compare_set: c(CAS),
             counters: c(COUNTERS),
+            set_and_count: c(SET_AND_COUNT),
             counter_keys: c(COUNTER_KEYS),
             enter: c(ENTER),
             entries: c(ENTRIES),
+            lengths: c(LENGTHS),
             wait: c(WAIT),
         }
     }
@@ -146,6 +165,12 @@ impl<S: KvStore> KvStore for MeteredKv<S> {
         self.inner.counters(keys)
     }
 
+    fn set_and_count(&self, key: &str, value: &[u8], keys: &[String]) -> Result<Vec<i64>, StoreError> {
+        self.counts.0[COUNTER_KEYS].fetch_add(keys.len() as u64, Ordering::Relaxed);
+        self.call(SET_AND_COUNT);
+        self.inner.set_and_count(key, value, keys)
+    }
+
     fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
         self.call(ENTER);
         self.inner.enter(key, name, entry)
@@ -154,6 +179,11 @@ impl<S: KvStore> KvStore for MeteredKv<S> {
     fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
         self.call(ENTRIES);
         self.inner.entries(key)
+    }
+
+    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError> {
+        self.call(LENGTHS);
+        self.inner.lengths(keys)
     }
 
     fn wait(&self, key: &str, within: Duration) -> Result<bool, StoreError> {

@@ -66,8 +66,8 @@ pub use metered::{MeteredKv, StoreOps};
 pub use monitor::{Canceller, Liveness, Monitor};
 pub use reach::{Probe, Reach, TcpReach};
 pub use roster::{Change, Roster, Tally};
-pub use store::{frame_entry, unframe_entries, KvStore, MemoryKv, StoreError};
-pub use watch::{strides, watched, PAUSE_FACTOR, SPREAD, WATCHED};
+pub use store::{frame_entry, length_key, unframe_entries, KvStore, MemoryKv, StoreError};
+pub use watch::{probed, strides, watched, PAUSE_FACTOR, PROBED, SPREAD, WATCHED};
 
 /// How the protocol paces itself.
 #[derive(Debug, Clone, Copy, PartialEq)]

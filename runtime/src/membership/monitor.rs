@@ -1,11 +1,11 @@
 //! The liveness monitor: one thread per process of an elastic job, off the
 //! training path (it never touches a step; a healthy step pays nothing).
 //!
-//! Every beat it writes its own heartbeat (one `set`) and reads, in one
-//! batched read, the heartbeats of the few peers it watches
-//! ([`super::watch`]), whether the epoch broke, and how many processes
-//! asked to join: two store calls per member per beat, whatever the size
-//! of the job. When a peer it watches falls silent for that peer's window
+//! Every beat it writes its own heartbeat and reads, in the same call
+//! ([`KvStore::set_and_count`]: one round trip on etcd, two on a TCPStore),
+//! the heartbeats of the few peers it watches ([`super::watch`]), whether
+//! the epoch broke, and how many processes asked to join: one store call
+//! per member per beat, whatever the size of the job. When a peer it watches falls silent for that peer's window
 //! it accuses it in the store and breaks the epoch (cancels its collectives,
 //! and marks `broken/{e}` for the others): a host that vanished without
 //! closing its sockets would otherwise hold gloo for its whole timeout. When
@@ -19,14 +19,14 @@
 //! beat was read (the start of the batched read), against the end of the
 //! read that last showed it move, so a slow store delays detection by its
 //! round trip and never accuses anyone. A monitor that was itself late (a
-//! tick more than [`Timing::slack`] behind, or a read that took that long)
-//! was not watching: it accuses no one until its peers have had a whole
-//! window in its sight again.
+//! tick more than [`Timing::slack`] behind, or a store call that much
+//! slower than its recent ones: a stall) was not watching: it accuses no
+//! one until its peers have had a whole window in its sight again.
 //!
 //! The tick is a state machine ([`Watch::tick`]) over a store and a clock,
 //! driven directly by the unit tests; the thread only calls it every beat.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -35,9 +35,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::clock::{SharedClock, SystemClock};
-use super::records::{accuse, check_in, mark_broken, Keys};
-use super::watch::{strides, watched, Pulse};
+use super::records::{accuse, check_in, mark_broken, probe_addresses, Keys};
+use super::watch::{probed, strides, watched, Pulse};
 use super::{KvStore, MemberId, Reach, Roster, StoreError, Timing};
+
+/// How many of its beats' store calls a monitor remembers the duration of.
+const RECENT: usize = 16;
 
 /// Breaks an epoch: cancels every collective of its group (the transport's part).
 pub type Canceller = Box<dyn Fn(u64) + Send>;
@@ -108,10 +111,19 @@ pub(super) struct Watch<S: KvStore> {
     reads: Vec<String>,
     /// Per watched peer: what this monitor saw of its heartbeat.
     pulses: HashMap<MemberId, Pulse>,
+    /// The probe addresses of watched peers, each looked up once in a
+    /// quiet tick (a member's never changes; `None`: it had published none
+    /// then, looked up again at a check-in): a check-in then costs the store
+    /// no read per peer.
+    addresses: HashMap<MemberId, Option<String>>,
     /// This process's own heartbeat count.
     count: i64,
     /// When the previous tick ended (its read came back).
     last_tick: Option<Instant>,
+    /// How long the last beats' store calls took (at most [`RECENT`]): a
+    /// store that is slow all the time is this store's pace; one call far
+    /// slower than those (a stall) makes the monitor blind for that time.
+    recent: VecDeque<Duration>,
     /// Silence counts only from here on: the end of this monitor's last
     /// blind spell (a late tick, a slow read).
     sighted: Instant,
@@ -242,8 +254,10 @@ impl<S: KvStore> Watch<S> {
             watched: Vec::new(),
             reads: Vec::new(),
             pulses: HashMap::new(),
+            addresses: HashMap::new(),
             count: 0,
             last_tick: None,
+            recent: VecDeque::new(),
             sighted,
             store_failing: None,
             reach,
@@ -299,6 +313,7 @@ impl<S: KvStore> Watch<S> {
         self.watched = watched(&roster, self.me, &strides(&roster));
         let keep: HashSet<MemberId> = self.watched.iter().copied().collect();
         self.pulses.retain(|m, _| keep.contains(m));
+        self.addresses.retain(|m, _| keep.contains(m));
         self.reads = self.watched.iter().map(|&m| self.keys.beat(m)).collect();
         self.reads.push(self.keys.broken(roster.epoch));
         self.reads.push(self.keys.joiners());
@@ -332,12 +347,20 @@ impl<S: KvStore> Watch<S> {
         // Late: this tick began more than the slack after it was due (the thread was starved).
         let late = self.last_tick.is_some_and(|last| began.saturating_duration_since(last) > self.timing.beat + slack);
         self.count += 1;
-        self.store.set(&self.keys.beat(self.me), self.count.to_string().as_bytes())?;
         let sent = self.clock.now();
-        let values = self.store.counters(&self.reads)?;
+        let values =
+            self.store.set_and_count(&self.keys.beat(self.me), self.count.to_string().as_bytes(), &self.reads)?;
         let read = self.clock.now();
         self.last_tick = Some(read);
-        if late || read.saturating_duration_since(sent) > slack {
+        let took = read.saturating_duration_since(sent);
+        let mut usual: Vec<Duration> = self.recent.iter().copied().collect();
+        usual.sort_unstable();
+        let pace = usual.get(usual.len() / 2).copied().unwrap_or_default();
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(took);
+        if late || took > pace + slack {
             // This monitor was not watching (its thread was starved, or the
             // store slow): none of that time counts against a peer.
             self.sighted = read;
@@ -372,10 +395,31 @@ impl<S: KvStore> Watch<S> {
             mark_broken(&self.store, &self.keys, epoch)?;
         }
         if broken_in_store > 0 || !silent.is_empty() {
-            let probe = self.beating(self.timing.liveness);
-            check_in(&self.store, &self.keys, &self.roster, self.me, &probe, self.reach.as_ref())?;
-            self.checked_in.fetch_max(epoch as i64, Ordering::AcqRel);
+            // Cancel first (the training thread stops waiting at once), then probe and check in.
             self.break_epoch();
+            let probe = probed(&self.watched, Some(&self.beating(self.timing.liveness)));
+            let unknown: Vec<MemberId> =
+                probe.iter().copied().filter(|m| !matches!(self.addresses.get(m), Some(Some(_)))).collect();
+            self.look_up(unknown)?;
+            let peers: Vec<(MemberId, String)> =
+                probe.iter().filter_map(|m| Some((*m, self.addresses.get(m)?.clone()?))).collect();
+            check_in(&self.store, &self.keys, &self.roster, self.me, &peers, self.reach.as_ref())?;
+            self.checked_in.fetch_max(epoch as i64, Ordering::AcqRel);
+        } else if self.addresses.len() < self.watched.len() {
+            // A quiet tick: learn the watched peers' probe addresses now, off the path of an agreement.
+            let unknown: Vec<MemberId> =
+                self.watched.iter().copied().filter(|m| !self.addresses.contains_key(m)).collect();
+            self.look_up(unknown)?;
+        }
+        Ok(())
+    }
+
+    /// Read the probe addresses of `members` into [`Watch::addresses`].
+    fn look_up(&mut self, members: Vec<MemberId>) -> Result<(), StoreError> {
+        let found: HashMap<MemberId, String> =
+            probe_addresses(&self.store, &self.keys, &members)?.into_iter().collect();
+        for m in members {
+            self.addresses.insert(m, found.get(&m).cloned());
         }
         Ok(())
     }

@@ -39,6 +39,12 @@ impl Reach for () {
 /// Probes at most this many peers at once.
 const AT_ONCE: usize = 64;
 
+/// How long a first, sequential connect may take before the peer is probed
+/// again in a thread of its own with the full deadline: a peer on a live
+/// link answers in well under a millisecond, so a check-in spawns no thread
+/// unless a link is in trouble.
+const QUICK: Duration = Duration::from_millis(50);
+
 /// [`Reach`] by TCP connects to the peers' probes, each within `deadline`.
 #[derive(Debug, Clone, Copy)]
 pub struct TcpReach {
@@ -47,12 +53,12 @@ pub struct TcpReach {
 }
 
 impl TcpReach {
-    /// Whether `member`'s probe answers at `address` within the deadline.
-    fn reaches(&self, member: MemberId, address: &str) -> bool {
+    /// Whether `member`'s probe answers at `address` within `deadline`.
+    fn reaches(member: MemberId, address: &str, deadline: Duration) -> bool {
         let Some(at) = address.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
-        let Ok(mut stream) = TcpStream::connect_timeout(&at, self.deadline) else { return false };
+        let Ok(mut stream) = TcpStream::connect_timeout(&at, deadline) else { return false };
         let mut id = [0u8; 8];
-        stream.set_read_timeout(Some(self.deadline)).is_ok()
+        stream.set_read_timeout(Some(deadline)).is_ok()
             && stream.read_exact(&mut id).is_ok()
             && MemberId::from_le_bytes(id) == member
     }
@@ -60,11 +66,18 @@ impl TcpReach {
 
 impl Reach for TcpReach {
     fn unreachable(&self, peers: &[(MemberId, String)]) -> Vec<MemberId> {
+        // One after another with a short deadline first; the peers that did
+        // not answer in it are probed again, in parallel, with the full one.
+        let quick = QUICK.min(self.deadline);
+        let slow: Vec<&(MemberId, String)> =
+            peers.iter().filter(|(m, address)| !Self::reaches(*m, address, quick)).collect();
         let mut out = Vec::new();
-        for chunk in peers.chunks(AT_ONCE) {
+        for chunk in slow.chunks(AT_ONCE) {
             thread::scope(|s| {
-                let probes: Vec<_> =
-                    chunk.iter().map(|(m, address)| (*m, s.spawn(move || self.reaches(*m, address)))).collect();
+                let probes: Vec<_> = chunk
+                    .iter()
+                    .map(|(m, address)| (*m, s.spawn(move || Self::reaches(*m, address, self.deadline))))
+                    .collect();
                 for (m, probe) in probes {
                     if !probe.join().unwrap_or(false) {
                         out.push(m);

@@ -5,18 +5,23 @@
 //! | record | kind | written by | read by |
 //! |---|---|---|---|
 //! | `beat/{m}` | counter | member `m`'s monitor, every beat | the few members that watch `m` |
-//! | `broken/{e}` | counter | whoever breaks epoch `e` | every monitor, in its batched read |
+//! | `broken/{e}` | flag (`1`) | whoever breaks epoch `e` | every monitor, in its batched read |
 //! | `gathered/{e}` | gate | the last to arrive, or whoever breaks `e` | members waiting to start `e` |
-//! | `arrived/{e}` | ledger + count | each member starting `e` | the last to arrive; a member timing out |
-//! | `present/{e}` | ledger + count | each survivor of `e`, once | the one tallier |
-//! | `accused/{e}` | ledger + count | a monitor that saw a peer it watches fall silent | the tallier |
-//! | `dead` | ledger + count | a supervisor that reaped a member | the tallier, a supervisor |
+//! | `arrived/{e}` | ledger | each member starting `e` | the last to arrive; a member timing out |
+//! | `present/{e}` | ledger | each survivor of `e`, once | the one tallier |
+//! | `accused/{e}` | ledger | a monitor that saw a peer it watches fall silent | the tallier |
+//! | `dead` | ledger | a supervisor that reaped a member | the tallier, a supervisor |
 //! | `tally/{e}` | claim | the first survivor (compare-and-set) | survivors, to know who tallies |
-//! | `roster/{e}` | roster | one proposer (compare-and-set) | joiners, late starters, supervisors |
+//! | `roster/{e}` | roster | one proposer (compare-and-set); epoch 0 by its first ranks | joiners, late starters, supervisors |
+//!
+//! No key is incremented by every member: on etcd an increment is a
+//! transaction retried once per writer that raced it, so N members adding
+//! at once cost it O(N²). Ledgers are counted by the store (`lengths`).
 //! | `change/{e}` | change | that proposer, after its roster won | every member, waiting on it |
 
 use serde_json::{json, Value};
 
+use super::watch::PROBED;
 use super::{KvStore, MemberId, Reach, Roster, StoreError};
 
 /// The keys of one job (its prefix).
@@ -37,10 +42,6 @@ impl Keys {
     /// The digest of the first roster the first members agree on.
     pub(super) fn first(&self) -> String {
         format!("{}/first", self.0)
-    }
-    /// How many first members wrote the digest (the first writes the roster itself).
-    pub(super) fn first_writers(&self) -> String {
-        format!("{}/first/writers", self.0)
     }
     pub(super) fn broken(&self, epoch: u64) -> String {
         format!("{}/broken/{epoch}", self.0)
@@ -85,18 +86,13 @@ impl Keys {
     pub(super) fn ended(&self) -> String {
         format!("{}/ended", self.0)
     }
-    /// The count kept beside a ledger (how many entered: read cheaply
-    /// while polling); beside it, not under it (etcd keeps a ledger's
-    /// entries under `{ledger}/`).
-    pub(super) fn count(ledger: &str) -> String {
-        format!("{ledger}.count")
-    }
 }
 
 /// Break epoch `epoch` in the store: every monitor sees it in its next
 /// batched read, and members waiting to start the epoch wake.
 pub(super) fn mark_broken<S: KvStore>(store: &S, keys: &Keys, epoch: u64) -> Result<(), StoreError> {
-    store.add(&keys.broken(epoch), 1)?;
+    // A put, not an add: every survivor may write it at once (an add is a retried transaction on etcd).
+    store.set(&keys.broken(epoch), b"1")?;
     store.compare_set(&keys.gathered(epoch), b"", GATE_BROKEN)?;
     Ok(())
 }
@@ -106,35 +102,47 @@ pub(super) const GATE_BROKEN: &[u8] = b"broken";
 /// What `gathered/{e}` holds when every member arrived.
 pub(super) const GATE_ALL: &[u8] = b"all";
 
-/// Add `entry` to `ledger` under `name`, and count it.
-pub(super) fn enter_counted<S: KvStore>(store: &S, ledger: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
-    store.enter(ledger, name, entry)?;
-    store.add(&Keys::count(ledger), 1)?;
-    Ok(())
+/// The probe addresses of `members` that published one (a read each).
+pub(super) fn probe_addresses<S: KvStore>(
+    store: &S,
+    keys: &Keys,
+    members: &[MemberId],
+) -> Result<Vec<(MemberId, String)>, StoreError> {
+    let mut found = Vec::new();
+    for &m in members {
+        if let Some(address) = store.get(&keys.probe(m))? {
+            found.push((m, String::from_utf8_lossy(&address).into_owned()));
+        }
+    }
+    Ok(found)
 }
 
-/// Check `me` in to the agreement on `roster`'s next epoch: probe `probe`
-/// (the peers it watches that published a probe), and enter what it found
-/// in the epoch's ledger of survivors, once. Called by the agreement and
-/// by the liveness monitor (whichever of this process comes first).
+/// Check `me` in to the agreement on `roster`'s next epoch: probe `peers`
+/// (the peers it watches whose heartbeat moves, at their probe addresses,
+/// in [`super::watch::probed`]'s order: the first [`PROBED`], and the
+/// others only if one of those could not be reached), and enter what it
+/// found in the epoch's ledger of survivors. Called by the agreement and by
+/// the liveness monitor (whichever of this process comes first).
 pub(super) fn check_in<S: KvStore>(
     store: &S,
     keys: &Keys,
     roster: &Roster,
     me: MemberId,
-    probe: &[MemberId],
+    peers: &[(MemberId, String)],
     reach: &dyn Reach,
 ) -> Result<(), StoreError> {
-    let mut peers = Vec::new();
-    for &m in probe.iter().filter(|&&m| m != me) {
-        if let Some(address) = store.get(&keys.probe(m))? {
-            peers.push((m, String::from_utf8_lossy(&address).into_owned()));
-        }
-    }
-    let unreachable = reach.unreachable(&peers);
-    let reached: Vec<MemberId> = peers.iter().map(|(m, _)| *m).filter(|m| !unreachable.contains(m)).collect();
+    let peers: Vec<(MemberId, String)> = peers.iter().filter(|(m, _)| *m != me).cloned().collect();
+    let first = peers.len().min(PROBED);
+    let mut unreachable = reach.unreachable(&peers[..first]);
+    let asked = if unreachable.is_empty() {
+        first
+    } else {
+        unreachable.extend(reach.unreachable(&peers[first..]));
+        peers.len()
+    };
+    let reached: Vec<MemberId> = peers[..asked].iter().map(|(m, _)| *m).filter(|m| !unreachable.contains(m)).collect();
     let entry = json!({ "reached": reached, "unreachable": unreachable }).to_string();
-    enter_counted(store, &keys.present(roster.epoch), &me.to_string(), entry.as_bytes())
+    store.enter(&keys.present(roster.epoch), &me.to_string(), entry.as_bytes())
 }
 
 /// A check-in as entered: the member, and the peers it reached and could not.
@@ -158,7 +166,7 @@ pub(super) fn accuse<S: KvStore>(
     count: i64,
 ) -> Result<(), StoreError> {
     let entry = json!({ "by": by, "count": count }).to_string();
-    enter_counted(store, &keys.accused(epoch), &member.to_string(), entry.as_bytes())
+    store.enter(&keys.accused(epoch), &member.to_string(), entry.as_bytes())
 }
 
 /// An accusation as entered: the accused, and the beat count its watcher last saw.

@@ -537,13 +537,18 @@ mod tests {
         assert!(e.to_string().contains("gradsync/roster/2"), "{e}");
     }
 
-    /// What every member of `r` finds when it probes the peers it watches,
-    /// `side(m)` being the side of the partition member `m` is on.
+    /// What every member of `r` finds when it probes the peers it probes
+    /// (the first few it watches), `side(m)` being the side of the
+    /// partition member `m` is on.
     fn probed(r: &Roster, side: impl Fn(MemberId) -> usize) -> Tally {
-        let strides = crate::membership::strides(r);
+        use crate::membership::{probed, strides, watched, PROBED};
+        let strides = strides(r);
         let mut t = tally(&r.members);
         for &m in &r.members {
-            for p in crate::membership::watched(r, m, &strides) {
+            let peers = probed(&watched(r, m, &strides), None);
+            // The first few; all of them once one is unreachable (as a check-in probes).
+            let trouble = peers.iter().take(PROBED).any(|&p| side(m) != side(p));
+            for &p in peers.iter().take(if trouble { peers.len() } else { PROBED }) {
                 if side(m) == side(p) {
                     t.reached.push((m, p));
                 } else {

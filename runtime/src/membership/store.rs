@@ -33,6 +33,13 @@ pub trait KvStore: Send + Sync + 'static {
     /// or as decimal text by [`KvStore::set`]), read in one batch: a
     /// monitor's look at the heartbeats it watches is one call.
     fn counters(&self, keys: &[String]) -> Result<Vec<i64>, StoreError>;
+    /// Set `key` to `value`, then read the integers at `keys` as
+    /// [`KvStore::counters`] does: a monitor's beat. One round trip where
+    /// the store can do both at once (an etcd transaction); two otherwise.
+    fn set_and_count(&self, key: &str, value: &[u8], keys: &[String]) -> Result<Vec<i64>, StoreError> {
+        self.set(key, value)?;
+        self.counters(keys)
+    }
     /// Add `entry` under `name` to the ledger at `key` (a later entry of
     /// the same name replaces it): how each member checks in once, without
     /// anyone reading a key per member.
@@ -40,6 +47,11 @@ pub trait KvStore: Send + Sync + 'static {
     /// Every entry of the ledger at `key`, `(name, entry)`, the latest of
     /// each name, in the order first entered: one read, whoever wrote them.
     fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
+    /// How many entries each ledger at `keys` holds, read in one batch: at
+    /// least its distinct names (a name entered again may count again).
+    /// Cheap to poll, and nobody increments a counter all members share
+    /// (on etcd that costs a transaction retried per concurrent writer).
+    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError>;
     /// Block until `key` exists (`true`), or `within` passes (`false`).
     /// The store answers when the key is set: a waiting member costs it
     /// nothing meanwhile.
@@ -79,6 +91,12 @@ pub fn unframe_entries(key: &str, mut bytes: &[u8]) -> Result<Vec<(String, Vec<u
         }
     }
     Ok(order.into_iter().map(|name| (name.clone(), latest.remove(&name).unwrap_or_default())).collect())
+}
+
+/// Where a store without ledgers keeps a ledger's length (beside it: etcd
+/// keeps a ledger's entries under `{key}/`).
+pub fn length_key(ledger: &str) -> String {
+    format!("{ledger}.length")
 }
 
 /// The integer a counter key holds (decimal text; absent: 0).
@@ -166,7 +184,13 @@ impl KvStore for MemoryKv {
 
     fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {
         self.with(key, |m| m.entry(key.to_string()).or_default().extend_from_slice(&frame_entry(name, entry)));
+        self.add(&length_key(key), 1)?;
         Ok(())
+    }
+
+    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError> {
+        let counts = self.counters(&keys.iter().map(|k| length_key(k)).collect::<Vec<_>>())?;
+        Ok(counts.into_iter().map(|n| n.max(0) as u64).collect())
     }
 
     fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
@@ -232,6 +256,7 @@ mod tests {
         s.enter("l", "3", b"").unwrap();
         s.enter("l", "7", b"again").unwrap();
         assert_eq!(s.entries("l").unwrap(), vec![("7".into(), b"again".to_vec()), ("3".into(), Vec::new())]);
+        assert_eq!(s.lengths(&["l".into(), "none".into()]).unwrap(), vec![3, 0], "entries counted, names or not");
         let e = unframe_entries("job/l", &[1, 0, 0]).unwrap_err();
         assert!(e.0.contains("job/l"), "{e}");
     }

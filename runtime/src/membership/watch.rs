@@ -20,6 +20,14 @@ use super::{MemberId, Roster};
 /// How many peers a member watches (and is watched by), at most.
 pub const WATCHED: usize = 8;
 
+/// How many of the peers it watches a member probes first when it checks
+/// in to an agreement: the first of its strides (the next rank, the next
+/// node, half the world). If any of them cannot be reached (a partition),
+/// it probes every peer it watches: then the evidence of each side is
+/// dense enough to tell the sides apart (see [`super::Roster::after_loss`]),
+/// and a healthy agreement costs three connects per member.
+pub const PROBED: usize = 3;
+
 /// Standard deviations of a peer's beat intervals above their mean that
 /// its window allows (a normal tail this far out is ~1e-9: phi ≈ 9 in a
 /// phi-accrual detector's terms).
@@ -61,6 +69,14 @@ pub fn watched(roster: &Roster, member: MemberId, strides: &[usize]) -> Vec<Memb
     let Some(rank) = roster.rank_of(member) else { return Vec::new() };
     let world = roster.world();
     strides.iter().map(|s| roster.members[(rank + s) % world]).collect()
+}
+
+/// Whom a member may probe when it checks in, in the order it does: the
+/// peers it watches (`watched`, in stride order) whose heartbeat moves
+/// (`beating`; `None`: not known, all of them). It probes the first
+/// [`PROBED`], and the rest only if one of those was unreachable.
+pub fn probed(watched: &[MemberId], beating: Option<&[MemberId]>) -> Vec<MemberId> {
+    watched.iter().copied().filter(|m| beating.is_none_or(|b| b.contains(m))).collect()
 }
 
 /// What a monitor saw of one peer's heartbeat.

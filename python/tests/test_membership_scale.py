@@ -1,0 +1,80 @@
+"""The membership protocol at a job's size: hundreds of real members
+(``gradsync._native.Membership`` objects, as ``Elastic`` builds them, many
+per process) against one store, on this machine
+(``benches/torch/membership_scale.py`` runs the scenario).
+
+512 members on one TCPStore hosted as ``gradsync.launch --store-only``
+hosts it, 128 on etcd (512 under ``-m slow``): healthy for a while, nobody
+is lost; then one member goes silent (its heartbeat stops, as a host whose
+link is cut), then one is killed (its process SIGKILLed, no obituary). Each
+time every other member adopts the same roster without exactly that member
+(no healthy member is left out), the first detection comes within 1.5 x
+``liveness_s`` of the loss, and the last survivor holds the new roster
+within 1 s of that detection.
+
+The runs are isolated in a private network namespace when this process is
+root (see the bench's docs: a resolver that drops lookups costs c10d 5 s
+per connection); they are the measurements in ``target/pytest/membership-scale.md``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benches" / "torch" / "membership_scale.py"
+TABLE = ROOT / "target" / "pytest" / "membership-scale.md"
+LIVENESS_S = 1.0
+ROWS = {}
+
+
+def run(tmp_path, store, members):
+    out = tmp_path / "rows.json"
+    isolate = ["--isolate"] if os.geteuid() == 0 and subprocess.run(
+        ["unshare", "-n", "true"], capture_output=True).returncode == 0 else []
+    proc = subprocess.run([sys.executable, str(BENCH), "--stores", store, "--members", str(members), "--json", str(out),
+                           *isolate], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    ROWS[(row["store"], members)] = proc.stdout.strip().splitlines()[-1]
+    TABLE.parent.mkdir(parents=True, exist_ok=True)
+    header = proc.stdout.strip().splitlines()[-3:-1]
+    TABLE.write_text("\n".join(header + [line for _, line in sorted(ROWS.items())]) + "\n")
+    return row
+
+
+def check(row):
+    assert row["healthy_breaks"] == 0, f"a healthy job broke its epoch: {row}"
+    for what in ("silent", "killed"):
+        loss = row[what]
+        assert loss["left_out"] == 0, f"{what}: healthy members left out: {row}"
+        assert loss["detection_s"] <= 1.5 * LIVENESS_S, f"{what}: detected {loss['detection_s']:.2f} s after the loss"
+        assert loss["agreement_s"] <= 1.0, (
+            f"{what}: the last survivor had the new roster {loss['agreement_s']:.2f} s after the detection")
+
+
+def test_512_members_on_one_tcpstore_lose_exactly_the_silent_and_the_killed_one(tmp_path):
+    check(run(tmp_path, "tcp", 512))
+
+
+def etcd_binary():
+    import shutil
+
+    binary = os.environ.get("GRADSYNC_ETCD") or shutil.which("etcd")
+    if not binary:
+        pytest.skip("no etcd binary: run scripts/test (it unpacks Debian's etcd-server) or set GRADSYNC_ETCD")
+
+
+def test_128_members_on_etcd_lose_exactly_the_silent_and_the_killed_one(tmp_path):
+    etcd_binary()
+    check(run(tmp_path, "etcd", 128))
+
+
+@pytest.mark.slow
+def test_512_members_on_etcd_lose_exactly_the_silent_and_the_killed_one(tmp_path):
+    etcd_binary()
+    check(run(tmp_path, "etcd", 512))
