@@ -7,12 +7,15 @@
 //!     [--ranks 8,16,...,1024] [--bucket-mb 25] [--recompute] [--json] [--svg FILE]
 //! cargo run --release --features sim --bin gradsync-bench -- hooks
 //! cargo run --release --features sim --bin gradsync-bench -- allreduce [--mib 64] [--world 4]
+//! cargo run --release --features sim --bin gradsync-bench -- membership [--members 8,64,512,4096]
+//!     [--latency-ms 0.2,2] [--healthy-s 3] [--json]
 //! ```
 //!
 //! Every comparison is measured in one run, interleaved, and printed as a ratio.
 
 mod allreduce;
 mod hooks;
+mod membership;
 mod models;
 mod overlap;
 mod sim;
@@ -24,7 +27,7 @@ use models::ModelSpec;
 use serde_json::json;
 
 /// Benchmarks of gradsync: overlap against its peers' policies, the
-/// simulator, the hook path and the local all-reduce.
+/// simulator, the hook path, the local all-reduce and the membership protocol.
 #[derive(Debug, Parser)]
 #[command(name = "gradsync-bench")]
 struct Cli {
@@ -42,6 +45,8 @@ enum Cmd {
     Hooks,
     /// The local all-reduce against memcpy of the same bytes.
     Allreduce(allreduce::AllreduceArgs),
+    /// The membership protocol at a job's size: real monitors and agreements on one store.
+    Membership(membership::MembershipArgs),
 }
 
 /// A model with real parameter shapes.
@@ -108,6 +113,7 @@ fn main() -> ExitCode {
         Cmd::Sim(args) => sim::command(&args),
         Cmd::Hooks => cmd_hooks(),
         Cmd::Allreduce(args) => allreduce::command(&args),
+        Cmd::Membership(args) => membership::command(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

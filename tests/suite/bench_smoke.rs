@@ -51,3 +51,11 @@ fn allreduce_compares_with_memcpy() {
     let out = bench(&["allreduce", "--mib", "1", "--world", "2", "--rounds", "3"]);
     assert!(!out.trim().is_empty(), "it prints its table");
 }
+
+#[test]
+fn membership_runs_real_members_on_one_store() {
+    let out = json(&bench(&["membership", "--members", "8", "--latency-ms", "0.2", "--healthy-s", "0.5", "--json"]));
+    let row = &out["rows"][0];
+    assert_eq!(row["members"], 8, "{out}");
+    assert_eq!(row["left_out"], 0, "{out}");
+}

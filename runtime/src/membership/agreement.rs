@@ -216,9 +216,11 @@ impl<S: KvStore> Agreement<S> {
     }
 
     /// The roster of the next epoch, if some process already decided it:
-    /// its change applied to this process's roster (a few ids read), or the
-    /// whole roster when no change is recorded yet or it does not apply.
-    fn decided(&self) -> Result<Option<Roster>, MembershipError> {
+    /// its change applied to this process's roster (a few ids read). With
+    /// `whole`, or when the change does not apply, the whole roster is read
+    /// too (a proposer lost between its roster and its change leaves only
+    /// the roster; a look after a wait ran out finds it).
+    fn decided(&self, whole: bool) -> Result<Option<Roster>, MembershipError> {
         let epoch = self.roster.epoch + 1;
         if let Some(bytes) = self.store.get(&self.keys.change(epoch))? {
             if let Some(too_few) = read_no_quorum(&self.roster, &bytes) {
@@ -228,6 +230,8 @@ impl<S: KvStore> Agreement<S> {
             if let Some(next) = self.roster.apply(&change) {
                 return Ok(Some(next));
             }
+        } else if !whole {
+            return Ok(None);
         }
         let key = self.keys.roster(epoch);
         self.store.get(&key)?.map(|bytes| Roster::decode(&key, &bytes)).transpose()
@@ -235,8 +239,8 @@ impl<S: KvStore> Agreement<S> {
 
     /// Wait up to `within` for the next epoch's roster to be decided.
     fn await_decided(&self, within: Duration) -> Result<Option<Roster>, MembershipError> {
-        self.store.wait(&self.keys.change(self.roster.epoch + 1), within)?;
-        self.decided()
+        let changed = self.store.wait(&self.keys.change(self.roster.epoch + 1), within)?;
+        self.decided(!changed)
     }
 
     /// Before building the current epoch's groups, every member says it
@@ -279,7 +283,7 @@ impl<S: KvStore> Agreement<S> {
         liveness: &impl Liveness,
         reach: &dyn Reach,
     ) -> Result<&Roster, MembershipError> {
-        if let Some(next) = self.decided()? {
+        if let Some(next) = self.decided(false)? {
             return self.adopt(next);
         }
         let epoch = self.roster.epoch;
@@ -291,10 +295,15 @@ impl<S: KvStore> Agreement<S> {
             check_in(&self.store, &self.keys, &self.roster, self.me, &peers, reach)?;
         }
         let me = self.me.to_string();
-        let mut tallier = self.store.compare_set(&self.keys.tally(epoch), b"", me.as_bytes())?;
+        // Read the claim first: most survivors find it taken (a read, where a claim is a write).
+        let claim = self.keys.tally(epoch);
+        let mut tallier = match self.store.get(&claim)? {
+            Some(taken) => taken,
+            None => self.store.compare_set(&claim, b"", me.as_bytes())?,
+        };
         let began = self.clock.now();
-        let rounds_key = [self.keys.tally_rounds(epoch)];
-        let mut rounds = self.store.counters(&rounds_key)?[0];
+        let rounds_key = self.keys.tally_rounds(epoch);
+        let mut rounds: Option<Vec<u8>> = None;
         loop {
             if tallier == me.as_bytes() {
                 let next = self.tally(suspects)?;
@@ -304,12 +313,12 @@ impl<S: KvStore> Agreement<S> {
             if let Some(next) = self.await_decided(2 * self.timing.liveness)? {
                 return self.adopt(next);
             }
-            let now = self.store.counters(&rounds_key)?[0];
-            if now == rounds {
+            let now = self.store.get(&rounds_key)?.unwrap_or_default();
+            if rounds.as_ref() == Some(&now) {
                 // The tallier made no round for a whole window: take it over (one of the waiters wins).
-                tallier = self.store.compare_set(&self.keys.tally(epoch), &tallier, me.as_bytes())?;
+                tallier = self.store.compare_set(&claim, &tallier, me.as_bytes())?;
             }
-            rounds = now;
+            rounds = Some(now);
             let waited = self.clock.now().saturating_duration_since(began);
             if waited > self.timing.check_in + 4 * self.timing.liveness {
                 return Err(MembershipError::Deadline {
@@ -335,18 +344,30 @@ impl<S: KvStore> Agreement<S> {
         let mut all_read_at = began;
         let ledgers = [self.keys.present(epoch), self.keys.accused(epoch), self.keys.dead()];
         let mut last: Option<(Vec<u64>, std::time::Instant)> = None;
+        // A round reads every check-in: while they pour in, one every quarter beat
+        // is enough, unless the check-ins and obituaries say every member may be accounted for.
+        let pace = self.timing.poll.max(self.timing.beat / 4);
+        let world = self.roster.world() as u64;
+        // This tallier's rounds, as the waiting survivors see them (they take over when it stops).
+        let mut round = 0u64;
         loop {
             let seen = self.store.lengths(&ledgers)?;
-            let now = self.clock.now();
-            let due = last
-                .as_ref()
-                .is_none_or(|(c, at)| *c != seen || now.saturating_duration_since(*at) >= self.timing.beat);
+            // How often to look is the machine's business (real time); who is gone, the protocol's clock.
+            let now = std::time::Instant::now();
+            let due = last.as_ref().is_none_or(|(c, at)| {
+                let since = now.saturating_duration_since(*at);
+                let complete = seen[0] + seen[2] + 1 >= world;
+                (*c != seen && (since >= pace || complete)) || since >= self.timing.beat
+            });
             if due {
                 last = Some((seen, now));
-                if let Some(next) = self.decided()? {
+                // (The whole roster too: one party, and a proposer lost between its roster and
+                // its change leaves only the roster.)
+                if let Some(next) = self.decided(true)? {
                     return Ok(next);
                 }
-                self.store.add(&self.keys.tally_rounds(epoch), 1)?;
+                round += 1;
+                self.store.set(&self.keys.tally_rounds(epoch), format!("{}/{round}", self.me).as_bytes())?;
                 let evidence = Evidence::read(&self.store, &self.keys, epoch)?;
                 let mut pending = tallying.pending(&evidence);
                 if now.saturating_duration_since(all_read_at) >= self.timing.beat {
@@ -382,7 +403,7 @@ impl<S: KvStore> Agreement<S> {
         among: impl Fn(MemberId) -> bool,
         make: impl Fn(&mut Self) -> Result<Roster, MembershipError>,
     ) -> Result<Roster, MembershipError> {
-        if let Some(next) = self.decided()? {
+        if let Some(next) = self.decided(false)? {
             return Ok(next);
         }
         let proposer = self.roster.members.iter().copied().find(|&m| among(m));

@@ -64,13 +64,39 @@ impl TcpReach {
     }
 }
 
+impl TcpReach {
+    /// The peers of `peers` whose probe answered within `quick`: connected
+    /// to one after another (the kernel completes a handshake without the
+    /// peer's thread), then read from, so the waits for their answers overlap.
+    fn answering(peers: &[(MemberId, String)], quick: Duration) -> Vec<MemberId> {
+        let connected: Vec<(MemberId, TcpStream)> = peers
+            .iter()
+            .filter_map(|(m, address)| {
+                let at = address.to_socket_addrs().ok()?.next()?;
+                Some((*m, TcpStream::connect_timeout(&at, quick).ok()?))
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + quick;
+        connected
+            .into_iter()
+            .filter_map(|(m, mut stream)| {
+                let left = deadline.saturating_duration_since(std::time::Instant::now()).max(Duration::from_millis(1));
+                let mut id = [0u8; 8];
+                let answered = stream.set_read_timeout(Some(left)).is_ok()
+                    && stream.read_exact(&mut id).is_ok()
+                    && MemberId::from_le_bytes(id) == m;
+                answered.then_some(m)
+            })
+            .collect()
+    }
+}
+
 impl Reach for TcpReach {
     fn unreachable(&self, peers: &[(MemberId, String)]) -> Vec<MemberId> {
-        // One after another with a short deadline first; the peers that did
-        // not answer in it are probed again, in parallel, with the full one.
-        let quick = QUICK.min(self.deadline);
-        let slow: Vec<&(MemberId, String)> =
-            peers.iter().filter(|(m, address)| !Self::reaches(*m, address, quick)).collect();
+        // All at once with a short deadline first; the peers that did not
+        // answer in it are probed again, in parallel, with the full one.
+        let answered = Self::answering(peers, QUICK.min(self.deadline));
+        let slow: Vec<&(MemberId, String)> = peers.iter().filter(|(m, _)| !answered.contains(m)).collect();
         let mut out = Vec::new();
         for chunk in slow.chunks(AT_ONCE) {
             thread::scope(|s| {

@@ -12,6 +12,7 @@
 //! | `accused/{e}` | ledger | a monitor that saw a peer it watches fall silent | the tallier |
 //! | `dead` | ledger | a supervisor that reaped a member | the tallier, a supervisor |
 //! | `tally/{e}` | claim | the first survivor (compare-and-set) | survivors, to know who tallies |
+//! | `tally/{e}/rounds` | `{tallier}/{round}` | the tallier, every round | survivors whose wait ran out |
 //! | `roster/{e}` | roster | one proposer (compare-and-set); epoch 0 by its first ranks | joiners, late starters, supervisors |
 //!
 //! No key is incremented by every member: on etcd an increment is a
@@ -64,7 +65,7 @@ impl Keys {
     pub(super) fn tally(&self, epoch: u64) -> String {
         format!("{}/tally/{epoch}", self.0)
     }
-    /// Counted up by the tallier every round: waiting survivors see it is alive.
+    /// Rewritten by the tallier every round: waiting survivors see it is alive.
     pub(super) fn tally_rounds(&self, epoch: u64) -> String {
         format!("{}/tally/{epoch}/rounds", self.0)
     }

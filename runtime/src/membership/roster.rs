@@ -356,10 +356,15 @@ impl Sides {
 }
 
 impl Roster {
-    /// A 64-bit digest of the roster (FNV-1a of its encoding): members
-    /// compare rosters by it without sending them whole.
+    /// A 64-bit digest of the roster (FNV-1a of its fields, each list with
+    /// its length): members compare rosters by it without sending them whole.
     pub fn digest(&self) -> u64 {
-        self.encode().iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+        let fnv = |h: u64, word: u64| {
+            word.to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+        };
+        let list = |h: u64, ids: &[u64]| ids.iter().fold(fnv(h, ids.len() as u64), |h, &id| fnv(h, id));
+        let h = fnv(fnv(0xcbf2_9ce4_8422_2325, self.epoch), self.joiners_seen);
+        [&self.members, &self.nodes, &self.lost, &self.joined].iter().fold(h, |h, ids| list(h, ids))
     }
 
     /// The change that makes `next` (the following epoch) from this roster.
