@@ -20,8 +20,8 @@ prints one JSON line per event to standard output::
     {"event": "error", "member": 3, "kind": "left_out", "message": ..., "t": ...}
 
 and takes commands from the store: the test sets ``{job}/test/cmd/{n}``
-(``silence M``: member ``M``'s monitor stops, as a host whose link is cut;
-``quit``) and counts them at ``{job}/test/cmds``.
+(``silence M``: member ``M``'s monitor and probe listener stop, as for a
+host whose link is cut; ``quit``) and counts them at ``{job}/test/cmds``.
 """
 
 import argparse
@@ -129,7 +129,7 @@ def _child(args, ids):
                     os._exit(0)
                 if command[0] == "silence" and int(command[1]) in live:
                     gone = int(command[1])
-                    members[gone].close()  # its heartbeat stops; it never checks in again
+                    members[gone].close()  # its heartbeat stops, nothing answers for it; it never checks in
                     live.discard(gone)
         for m in list(live):
             if m in recovering:

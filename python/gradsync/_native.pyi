@@ -234,7 +234,7 @@ class Membership:
     def silent(self) -> list[int]:
         """The peers this process watches whose heartbeats stopped."""
     def close(self) -> None:
-        """Stop the liveness monitor."""
+        """Stop the liveness monitor and the probe listener (the process leaves the job)."""
     @staticmethod
     def obituary(table: int, client: Any, prefix: str, member: int) -> None:
         """Record that ``member``'s process was reaped (the supervisor calls it)."""

@@ -609,10 +609,11 @@ impl Membership {
         py.detach(|| monitor.as_ref().map(Monitor::silent).unwrap_or_default())
     }
 
-    /// Stop the liveness monitor (the process leaves the job).
+    /// Stop the liveness monitor and the probe listener (the process leaves
+    /// the job: its peers find it silent, and nothing answers for it).
     fn close(&mut self, py: Python<'_>) {
-        let monitor = self.monitor.take();
-        py.detach(move || drop(monitor));
+        let (monitor, probe) = (self.monitor.take(), self.probe.take());
+        py.detach(move || drop((monitor, probe)));
     }
 
     /// The members of the job's newest roster that no obituary names (read

@@ -63,7 +63,7 @@ pub use agreement::{Agreement, Gathered};
 pub use clock::{Clock, ManualClock, SharedClock, SystemClock};
 pub use etcd::EtcdKv;
 pub use metered::{MeteredKv, StoreOps};
-pub use monitor::{Canceller, Liveness, Monitor};
+pub use monitor::{Canceller, Liveness, Monitor, VOUCHED_FACTOR};
 pub use reach::{Probe, Reach, TcpReach};
 pub use roster::{Change, Roster, Tally};
 pub use store::{frame_entry, length_key, unframe_entries, KvStore, MemoryKv, StoreError};

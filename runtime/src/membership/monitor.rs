@@ -21,7 +21,11 @@
 //! round trip and never accuses anyone. A monitor that was itself late (a
 //! tick more than [`Timing::slack`] behind, or a store call that much
 //! slower than its recent ones: a stall) was not watching: it accuses no
-//! one until its peers have had a whole window in its sight again.
+//! one until its peers have had a whole window in its sight again. Before
+//! it accuses a peer it probes it: a peer whose process answers is alive
+//! and its beats late (a store that serves some clients far slower than
+//! others, as an overloaded etcd does), and it is given [`VOUCHED_FACTOR`]
+//! windows; a cut host, a stopped or killed process does not answer.
 //!
 //! The tick is a state machine ([`Watch::tick`]) over a store and a clock,
 //! driven directly by the unit tests; the thread only calls it every beat.
@@ -41,6 +45,12 @@ use super::{KvStore, MemberId, Reach, Roster, StoreError, Timing};
 
 /// How many of its beats' store calls a monitor remembers the duration of.
 const RECENT: usize = 16;
+
+/// A watched peer that looks silent but whose process answers a probe is
+/// accused only once silent this many times its window (its heartbeats do
+/// not reach the store, or reach it late: a store that serves some clients
+/// far slower than others, or a peer cut off from the store alone).
+pub const VOUCHED_FACTOR: u32 = 3;
 
 /// Breaks an epoch: cancels every collective of its group (the transport's part).
 pub type Canceller = Box<dyn Fn(u64) + Send>;
@@ -127,6 +137,9 @@ pub(super) struct Watch<S: KvStore> {
     /// Silence counts only from here on: the end of this monitor's last
     /// blind spell (a late tick, a slow read).
     sighted: Instant,
+    /// Watched peers that looked silent but answered a probe, and when the
+    /// first such answer came (cleared when the peer beats again).
+    vouched: HashMap<MemberId, Instant>,
     /// Since when the store has been failing (this process may be the one cut off).
     store_failing: Option<Instant>,
     /// Probes the watched peers when the monitor checks this process in.
@@ -255,6 +268,7 @@ impl<S: KvStore> Watch<S> {
             reads: Vec::new(),
             pulses: HashMap::new(),
             addresses: HashMap::new(),
+            vouched: HashMap::new(),
             count: 0,
             last_tick: None,
             recent: VecDeque::new(),
@@ -314,6 +328,7 @@ impl<S: KvStore> Watch<S> {
         let keep: HashSet<MemberId> = self.watched.iter().copied().collect();
         self.pulses.retain(|m, _| keep.contains(m));
         self.addresses.retain(|m, _| keep.contains(m));
+        self.vouched.clear();
         self.reads = self.watched.iter().map(|&m| self.keys.beat(m)).collect();
         self.reads.push(self.keys.broken(roster.epoch));
         self.reads.push(self.keys.joiners());
@@ -367,10 +382,11 @@ impl<S: KvStore> Watch<S> {
         }
         for (&m, &count) in self.watched.iter().zip(&values) {
             let sighted = self.sighted;
-            self.pulses
-                .entry(m)
-                .and_modify(|p| p.observe(count, read, sighted))
-                .or_insert_with(|| Pulse::new(count, read));
+            let pulse = self.pulses.entry(m).or_insert_with(|| Pulse::new(count, read));
+            if pulse.count != count {
+                self.vouched.remove(&m);
+            }
+            pulse.observe(count, read, sighted);
         }
         let n = self.watched.len();
         let (broken_in_store, joiners) = (values[n], values[n + 1].max(0) as u64);
@@ -379,12 +395,17 @@ impl<S: KvStore> Watch<S> {
         if self.broken.load(Ordering::Acquire) >= epoch as i64 {
             return Ok(());
         }
-        let silent: Vec<(MemberId, i64)> = self
+        let looks_silent: Vec<(MemberId, i64, Duration)> = self
             .watched
             .iter()
             .filter_map(|m| self.pulses.get(m).map(|p| (*m, p)))
             .filter(|(_, p)| p.silent(sent, self.timing.liveness, self.sighted))
-            .map(|(m, p)| (m, p.count))
+            .map(|(m, p)| (m, p.count, p.window(self.timing.liveness)))
+            .collect();
+        let silent: Vec<(MemberId, i64)> = looks_silent
+            .into_iter()
+            .filter(|&(m, _, window)| !self.vouched_for(m, window, read))
+            .map(|(m, count, _)| (m, count))
             .collect();
         if !silent.is_empty() {
             let ids: Vec<MemberId> = silent.iter().map(|(m, _)| *m).collect();
@@ -412,6 +433,32 @@ impl<S: KvStore> Watch<S> {
             self.look_up(unknown)?;
         }
         Ok(())
+    }
+
+    /// Whether silent-looking peer `m` is still given time: its process
+    /// answers a probe (briefly: a quarter of the liveness window), and it
+    /// has not been silent [`VOUCHED_FACTOR`] windows since it first did.
+    fn vouched_for(&mut self, m: MemberId, window: Duration, now: Instant) -> bool {
+        if !matches!(self.addresses.get(&m), Some(Some(_))) {
+            // Not published when last looked for (a peer that was still starting): look again, once.
+            if self.look_up(vec![m]).is_err() {
+                return false;
+            }
+        }
+        let Some(Some(address)) = self.addresses.get(&m) else { return false };
+        if let Some(&since) = self.vouched.get(&m) {
+            if now.saturating_duration_since(since) + window >= VOUCHED_FACTOR * window {
+                return false;
+            }
+        }
+        if !self.reach.vouches(m, address, self.timing.liveness / 4) {
+            return false;
+        }
+        if !self.vouched.contains_key(&m) {
+            tracing::warn!(member = self.me, peer = m, "gradsync liveness: a peer's heartbeats stopped but it answers");
+        }
+        self.vouched.entry(m).or_insert(now);
+        true
     }
 
     /// Read the probe addresses of `members` into [`Watch::addresses`].

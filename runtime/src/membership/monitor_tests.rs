@@ -22,6 +22,17 @@ struct Rig<S: KvStore> {
 }
 
 fn rig<S: KvStore>(store: S, clock: &ManualClock, me: MemberId, members: Vec<MemberId>, timing: Timing) -> Rig<S> {
+    rig_reaching(store, clock, me, members, timing, Box::new(()))
+}
+
+fn rig_reaching<S: KvStore>(
+    store: S,
+    clock: &ManualClock,
+    me: MemberId,
+    members: Vec<MemberId>,
+    timing: Timing,
+    reach: Box<dyn Reach + Send>,
+) -> Rig<S> {
     let cancelled = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&cancelled);
     let flags = (Arc::new(AtomicI64::new(-1)), Arc::new(AtomicI64::new(-1)), Arc::new(AtomicBool::new(false)));
@@ -34,7 +45,7 @@ fn rig<S: KvStore>(store: S, clock: &ManualClock, me: MemberId, members: Vec<Mem
         Arc::new(clock.clone()),
         Box::new(move |e| log.lock().unwrap().push(e)),
         flags,
-        Box::new(()),
+        reach,
     );
     Rig { watch, clock: clock.clone(), cancelled }
 }
@@ -159,6 +170,66 @@ fn a_slow_store_never_makes_a_beating_peer_look_lost_and_still_finds_a_silent_on
         let accused = inner.entries(&keys().accused(0)).unwrap();
         assert_eq!(accused.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), vec!["3"], "{rtt:?}: only 3");
         assert!(found - stopped < Duration::from_millis(1500), "{rtt:?}: within 1.5 x liveness");
+    }
+}
+
+/// A test's probes: every peer reachable; a silent one answers while `alive` is up.
+struct Answers(Arc<AtomicBool>);
+
+impl Reach for Answers {
+    fn unreachable(&self, _peers: &[(MemberId, String)]) -> Vec<MemberId> {
+        Vec::new()
+    }
+    fn vouches(&self, _member: MemberId, _address: &str, _within: Duration) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+#[test]
+fn a_silent_peer_whose_process_answers_is_given_more_windows_and_one_that_does_not_is_not() {
+    for answers in [true, false] {
+        let (store, clock) = (MemoryKv::default(), ManualClock::default());
+        store.set(&keys().probe(1), b"host:1").unwrap();
+        let alive = Arc::new(AtomicBool::new(answers));
+        let mut r = rig_reaching(
+            store.clone(),
+            &clock,
+            0,
+            vec![0, 1],
+            Timing::default(),
+            Box::new(Answers(Arc::clone(&alive))),
+        );
+        for _ in 0..20 {
+            pulse(&store, 1);
+            r.beat();
+        }
+        // Its heartbeats stop reaching the store (an overloaded store serving it last).
+        let last_beat = clock.now();
+        while r.broken().is_none() {
+            r.beat();
+            assert!(clock.now() - last_beat < Duration::from_secs(10), "found in the end");
+        }
+        let found = clock.now() - last_beat;
+        if answers {
+            assert_eq!(found, VOUCHED_FACTOR * Duration::from_secs(1), "answering: {VOUCHED_FACTOR} windows");
+        } else {
+            assert_eq!(found, Duration::from_secs(1), "not answering: its window");
+        }
+    }
+    // Answering, then beating again: never accused, and the next silence starts afresh.
+    let (store, clock) = (MemoryKv::default(), ManualClock::default());
+    store.set(&keys().probe(1), b"host:1").unwrap();
+    let alive = Arc::new(AtomicBool::new(true));
+    let mut r = rig_reaching(store.clone(), &clock, 0, vec![0, 1], Timing::default(), Box::new(Answers(alive)));
+    for round in 0..6 {
+        for _ in 0..25 {
+            r.beat(); // 2.5 s without a beat: vouched for
+        }
+        for _ in 0..5 {
+            pulse(&store, 1);
+            r.beat();
+        }
+        assert_eq!(r.broken(), None, "round {round}: a late peer that answers is not lost");
     }
 }
 

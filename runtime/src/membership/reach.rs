@@ -27,6 +27,13 @@ pub trait Reach {
     /// Of `peers` (each a member and the address its [`Probe`] listens
     /// on), the members this process could not connect to.
     fn unreachable(&self, peers: &[(MemberId, String)]) -> Vec<MemberId>;
+    /// Whether `member`'s probe at `address` answers within `within`: a
+    /// peer whose heartbeat looks stopped but whose process answers is
+    /// alive, and its beats are late (see [`super::Monitor`]). Without
+    /// probing, nobody vouches for anybody.
+    fn vouches(&self, _member: MemberId, _address: &str, _within: Duration) -> bool {
+        false
+    }
 }
 
 /// No probing: every peer counts as reachable (a job on one machine, tests).
@@ -92,6 +99,10 @@ impl TcpReach {
 }
 
 impl Reach for TcpReach {
+    fn vouches(&self, member: MemberId, address: &str, within: Duration) -> bool {
+        Self::reaches(member, address, within)
+    }
+
     fn unreachable(&self, peers: &[(MemberId, String)]) -> Vec<MemberId> {
         // All at once with a short deadline first; the peers that did not
         // answer in it are probed again, in parallel, with the full one.
@@ -181,5 +192,9 @@ mod tests {
         let peers = vec![(1, a.address()), (2, gone), (3, "not an address".to_string()), (4, a.address())];
         assert_eq!(reach.unreachable(&peers), vec![2, 3, 4], "member 4's address answers as member 1");
         assert!(().unreachable(&peers).is_empty());
+        let within = Duration::from_millis(500);
+        assert!(reach.vouches(1, &a.address(), within) && !reach.vouches(2, &peers[1].1, within));
+        assert!(!reach.vouches(4, &a.address(), within), "another member's probe vouches for nobody else");
+        assert!(!().vouches(1, &a.address(), within), "without probing, nobody vouches");
     }
 }
