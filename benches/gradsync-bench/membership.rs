@@ -216,6 +216,12 @@ pub fn command(args: &MembershipArgs) -> Result<(), String> {
                     "healthy_breaks": r.healthy_breaks, "detection_s": r.detection_s, "news_s": r.news_s,
                     "first_roster_s": r.first_roster_s, "agreement_s": r.agreement_s,
                     "change_calls": r.change_calls.total(), "left_out": r.left_out,
+                    "change_calls_by_kind": {
+                        "add": r.change_calls.add, "set": r.change_calls.set, "get": r.change_calls.get,
+                        "compare_set": r.change_calls.compare_set, "counters": r.change_calls.counters,
+                        "enter": r.change_calls.enter, "entries": r.change_calls.entries,
+                        "lengths": r.change_calls.lengths, "wait": r.change_calls.wait,
+                    },
                 })
             })
             .collect();

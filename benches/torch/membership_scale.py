@@ -4,6 +4,7 @@ per process: ``gradsync._members``) against one TCPStore hosted as
 ``python -m gradsync.launch --store-only`` hosts it, or one etcd server.
 
     python benches/torch/membership_scale.py [--stores tcp etcd] [--members 8 32 128 512] [--json PATH] [--isolate]
+        [--capacity]
 
 For each store and size: all members start; healthy for a few seconds
 (the beat period is read off the store: a sample of members' heartbeat
@@ -14,6 +15,9 @@ member that saw the epoch broken, from the loss), the agreement (from that
 detection to the last survivor holding the new roster), and the healthy
 members left out (any survivor missing from the roster, or failing).
 Timestamps are the members' own ``time.time()`` on this machine.
+``--capacity`` also measures how many beats a second each store answers at
+most (64 members beating every millisecond): what the docs' extrapolation
+to larger jobs divides by.
 
 ``--isolate`` runs everything in a private network namespace (root only;
 ``unshare -n``): c10d resolves the peer of every connection it makes, and
@@ -52,12 +56,12 @@ class Members:
     """``python -m gradsync._members`` running ``first`` members against
     ``address`` (``victim`` alone in one process); its events are collected as they come."""
 
-    def __init__(self, address, job, first, procs, victim):
+    def __init__(self, address, job, first, procs, victim, liveness_s=LIVENESS_S, beat_s=0.1):
         self.events, self.errors = [], []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gradsync._members", "--store", address, "--job", job, "--first", str(first),
-             "--procs", str(procs), "--victim", str(victim), "--liveness", str(LIVENESS_S)],
+             "--procs", str(procs), "--victim", str(victim), "--liveness", str(liveness_s), "--beat", str(beat_s)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._read_errors, daemon=True).start()
@@ -245,6 +249,25 @@ def scenario(store, first, procs, healthy_s=3.0):
     }
 
 
+def capacity(store, members=64, procs=4, over_s=3.0):
+    """How many beats a second ``store`` answers: ``members`` real members
+    beating every millisecond (as fast as their calls return), their
+    heartbeat counts read twice, ``over_s`` apart."""
+    job = f"capacity-{os.getpid()}"
+    crowd = Members(store.address, job, members, procs, members - 1, liveness_s=600.0, beat_s=0.001)
+    try:
+        if crowd.wait_for("started", members, within_s=300.0) is None:
+            raise RuntimeError("the capacity run's members did not start")
+        time.sleep(1.0)
+        key = f"{job}/membership/beat/{{}}"
+        before = [store.count(key.format(m)) for m in range(members)]
+        time.sleep(over_s)
+        after = [store.count(key.format(m)) for m in range(members)]
+    finally:
+        crowd.stop()
+    return {"store": store.name, "members": members, "beats_per_s": (sum(after) - sum(before)) / over_s}
+
+
 def table(rows):
     def s(v):
         return "-" if v is None else f"{v:.2f} s"
@@ -266,13 +289,22 @@ def main():
     parser.add_argument("--procs", type=int, default=8, help="processes the members run in (at most)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--isolate", action="store_true", help="run in a private network namespace (see the docs)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="also measure how many beats a second each store answers (64 members beating flat out)")
     args = parser.parse_args()
     if args.isolate and os.environ.get("GRADSYNC_ISOLATED") != "1":
         argv = [a for a in sys.argv if a != "--isolate"]
         script = "ip link set lo up && exec \"$@\""
         isolated = ["unshare", "-n", "sh", "-c", script, "sh", sys.executable, *argv]
         sys.exit(subprocess.run(isolated, env={**os.environ, "GRADSYNC_ISOLATED": "1"}).returncode)
-    rows = []
+    rows, capacities = [], []
+    for kind in args.stores if args.capacity else []:
+        store = TcpStore() if kind == "tcp" else Etcd()
+        try:
+            capacities.append(capacity(store))
+        finally:
+            store.close()
+        print(f"{capacities[-1]['store']}: {capacities[-1]['beats_per_s']:.0f} beats a second at most", flush=True)
     for kind in args.stores:
         for n in args.members:
             store = TcpStore() if kind == "tcp" else Etcd()
@@ -289,7 +321,7 @@ def main():
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
             {"bench": "membership_scale", "command": " ".join(["benches/torch/membership_scale.py", *sys.argv[1:]]),
-             "rows": rows}, indent=1))
+             "rows": rows, "capacity": capacities}, indent=1))
 
 
 if __name__ == "__main__":

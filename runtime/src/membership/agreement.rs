@@ -287,7 +287,8 @@ impl<S: KvStore> Agreement<S> {
             return self.adopt(next);
         }
         let epoch = self.roster.epoch;
-        if !liveness.checked_in(epoch) {
+        // (A check-in the monitor has under way is waited for, briefly: it probes first.)
+        if !liveness.checked_in(epoch, self.timing.liveness / 2) {
             mark_broken(&self.store, &self.keys, epoch)?;
             let watching = watched(&self.roster, self.me, &strides(&self.roster));
             let probe = probed(&watching, liveness.beating(self.timing.liveness).as_deref());

@@ -61,15 +61,16 @@ pub trait Liveness {
     /// The peers this process watches whose heartbeat moved within the last
     /// `within` (whom its check-in probes); `None`: it watches nobody.
     fn beating(&self, within: Duration) -> Option<Vec<MemberId>>;
-    /// Whether this process has checked in to the agreement that follows `epoch`.
-    fn checked_in(&self, epoch: u64) -> bool;
+    /// Whether this process has checked in to the agreement that follows
+    /// `epoch`, waiting up to `within` for a check-in already under way.
+    fn checked_in(&self, epoch: u64, within: Duration) -> bool;
 }
 
 impl Liveness for () {
     fn beating(&self, _within: Duration) -> Option<Vec<MemberId>> {
         None
     }
-    fn checked_in(&self, _epoch: u64) -> bool {
+    fn checked_in(&self, _epoch: u64, _within: Duration) -> bool {
         false
     }
 }
@@ -92,6 +93,10 @@ pub struct Monitor {
     broken: Arc<AtomicI64>,
     /// The highest epoch this process checked in after (-1: none).
     checked_in: Arc<AtomicI64>,
+    /// The highest epoch whose check-in the monitor took on (-1: none): set
+    /// before it cancels, so the training thread waits for that check-in
+    /// instead of making a second one.
+    checking_in: Arc<AtomicI64>,
     /// Raised while a join request waits (read by the scheduler's votes).
     joiner_waiting: Arc<AtomicBool>,
 }
@@ -111,9 +116,7 @@ pub(super) struct Watch<S: KvStore> {
     timing: Timing,
     clock: SharedClock,
     cancel: Canceller,
-    broken: Arc<AtomicI64>,
-    checked_in: Arc<AtomicI64>,
-    joiner_waiting: Arc<AtomicBool>,
+    flags: Flags,
     /// The peers watched in this epoch.
     watched: Vec<MemberId>,
     /// The keys of the one batched read: the watched peers' beats, then
@@ -121,10 +124,10 @@ pub(super) struct Watch<S: KvStore> {
     reads: Vec<String>,
     /// Per watched peer: what this monitor saw of its heartbeat.
     pulses: HashMap<MemberId, Pulse>,
-    /// The probe addresses of watched peers, each looked up once in a
-    /// quiet tick (a member's never changes; `None`: it had published none
-    /// then, looked up again at a check-in): a check-in then costs the store
-    /// no read per peer.
+    /// The probe addresses of peers watched in this epoch or an earlier
+    /// one, each looked up once in a quiet tick (a member's never changes;
+    /// `None`: it had published none then, looked up again only before an
+    /// accusation): a check-in then costs the store no read per peer.
     addresses: HashMap<MemberId, Option<String>>,
     /// This process's own heartbeat count.
     count: i64,
@@ -166,7 +169,7 @@ impl Monitor {
         reach: Box<dyn Reach + Send>,
     ) -> std::io::Result<Monitor> {
         let (commands, inbox) = crossbeam_channel::unbounded();
-        let (broken, checked_in) = (Arc::new(AtomicI64::new(-1)), Arc::new(AtomicI64::new(-1)));
+        let flags = Flags::new(joiner_waiting);
         let mut watch = Watch::new(
             store,
             Keys(prefix.into()),
@@ -175,12 +178,13 @@ impl Monitor {
             timing,
             Arc::new(SystemClock),
             cancel,
-            (Arc::clone(&broken), Arc::clone(&checked_in), Arc::clone(&joiner_waiting)),
+            flags.clone(),
             reach,
         );
         let thread =
             std::thread::Builder::new().name(format!("gradsync-liveness-{me}")).spawn(move || watch.run(&inbox))?;
-        Ok(Monitor { commands, thread: Some(thread), broken, checked_in, joiner_waiting })
+        let Flags { broken, checked_in, checking_in, joiner_waiting } = flags;
+        Ok(Monitor { commands, thread: Some(thread), broken, checked_in, checking_in, joiner_waiting })
     }
 
     /// This process adopted `roster`: watch its members and epoch.
@@ -221,8 +225,17 @@ impl Liveness for Monitor {
     fn beating(&self, within: Duration) -> Option<Vec<MemberId>> {
         Some(Monitor::beating(self, within))
     }
-    fn checked_in(&self, epoch: u64) -> bool {
-        self.checked_in.load(Ordering::Acquire) >= epoch as i64
+    fn checked_in(&self, epoch: u64, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            if self.checked_in.load(Ordering::Acquire) >= epoch as i64 {
+                return true;
+            }
+            if self.checking_in.load(Ordering::Acquire) < epoch as i64 || Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
@@ -235,9 +248,21 @@ impl Drop for Monitor {
     }
 }
 
-/// The flags a [`Watch`] shares with its [`Monitor`]: the highest epoch
-/// broken, the highest checked in after, and the joiner flag.
-type Flags = (Arc<AtomicI64>, Arc<AtomicI64>, Arc<AtomicBool>);
+/// What a [`Watch`] shares with its [`Monitor`] (see the fields of [`Monitor`]).
+#[derive(Clone, Default)]
+pub(super) struct Flags {
+    pub(super) broken: Arc<AtomicI64>,
+    pub(super) checked_in: Arc<AtomicI64>,
+    pub(super) checking_in: Arc<AtomicI64>,
+    pub(super) joiner_waiting: Arc<AtomicBool>,
+}
+
+impl Flags {
+    fn new(joiner_waiting: Arc<AtomicBool>) -> Flags {
+        let none = || Arc::new(AtomicI64::new(-1));
+        Flags { broken: none(), checked_in: none(), checking_in: none(), joiner_waiting }
+    }
+}
 
 impl<S: KvStore> Watch<S> {
     #[allow(clippy::too_many_arguments)]
@@ -249,7 +274,7 @@ impl<S: KvStore> Watch<S> {
         timing: Timing,
         clock: SharedClock,
         cancel: Canceller,
-        (broken, checked_in, joiner_waiting): Flags,
+        flags: Flags,
         reach: Box<dyn Reach + Send>,
     ) -> Self {
         let sighted = clock.now();
@@ -261,9 +286,7 @@ impl<S: KvStore> Watch<S> {
             timing,
             clock,
             cancel,
-            broken,
-            checked_in,
-            joiner_waiting,
+            flags,
             watched: Vec::new(),
             reads: Vec::new(),
             pulses: HashMap::new(),
@@ -327,7 +350,6 @@ impl<S: KvStore> Watch<S> {
         self.watched = watched(&roster, self.me, &strides(&roster));
         let keep: HashSet<MemberId> = self.watched.iter().copied().collect();
         self.pulses.retain(|m, _| keep.contains(m));
-        self.addresses.retain(|m, _| keep.contains(m));
         self.vouched.clear();
         self.reads = self.watched.iter().map(|&m| self.keys.beat(m)).collect();
         self.reads.push(self.keys.broken(roster.epoch));
@@ -390,9 +412,9 @@ impl<S: KvStore> Watch<S> {
         }
         let n = self.watched.len();
         let (broken_in_store, joiners) = (values[n], values[n + 1].max(0) as u64);
-        self.joiner_waiting.store(joiners > self.roster.joiners_seen, Ordering::Release);
+        self.flags.joiner_waiting.store(joiners > self.roster.joiners_seen, Ordering::Release);
         let epoch = self.roster.epoch;
-        if self.broken.load(Ordering::Acquire) >= epoch as i64 {
+        if self.flags.broken.load(Ordering::Acquire) >= epoch as i64 {
             return Ok(());
         }
         let looks_silent: Vec<(MemberId, i64, Duration)> = self
@@ -416,17 +438,18 @@ impl<S: KvStore> Watch<S> {
             mark_broken(&self.store, &self.keys, epoch)?;
         }
         if broken_in_store > 0 || !silent.is_empty() {
-            // Cancel first (the training thread stops waiting at once), then probe and check in.
+            // Take the check-in on, cancel (the training thread stops waiting at once), then probe and
+            // check in; a watched peer whose address is not known yet is not probed.
+            self.flags.checking_in.fetch_max(epoch as i64, Ordering::AcqRel);
             self.break_epoch();
             let probe = probed(&self.watched, Some(&self.beating(self.timing.liveness)));
-            let unknown: Vec<MemberId> =
-                probe.iter().copied().filter(|m| !matches!(self.addresses.get(m), Some(Some(_)))).collect();
+            let unknown: Vec<MemberId> = probe.iter().copied().filter(|m| !self.addresses.contains_key(m)).collect();
             self.look_up(unknown)?;
             let peers: Vec<(MemberId, String)> =
                 probe.iter().filter_map(|m| Some((*m, self.addresses.get(m)?.clone()?))).collect();
             check_in(&self.store, &self.keys, &self.roster, self.me, &peers, self.reach.as_ref())?;
-            self.checked_in.fetch_max(epoch as i64, Ordering::AcqRel);
-        } else if self.addresses.len() < self.watched.len() {
+            self.flags.checked_in.fetch_max(epoch as i64, Ordering::AcqRel);
+        } else if self.watched.iter().any(|m| !self.addresses.contains_key(m)) {
             // A quiet tick: learn the watched peers' probe addresses now, off the path of an agreement.
             let unknown: Vec<MemberId> =
                 self.watched.iter().copied().filter(|m| !self.addresses.contains_key(m)).collect();
@@ -474,7 +497,7 @@ impl<S: KvStore> Watch<S> {
     /// Cancel the current epoch's collectives (once).
     fn break_epoch(&mut self) {
         let epoch = self.roster.epoch;
-        if self.broken.fetch_max(epoch as i64, Ordering::AcqRel) < epoch as i64 {
+        if self.flags.broken.fetch_max(epoch as i64, Ordering::AcqRel) < epoch as i64 {
             (self.cancel)(epoch);
         }
     }

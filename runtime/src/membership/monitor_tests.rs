@@ -35,7 +35,7 @@ fn rig_reaching<S: KvStore>(
 ) -> Rig<S> {
     let cancelled = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&cancelled);
-    let flags = (Arc::new(AtomicI64::new(-1)), Arc::new(AtomicI64::new(-1)), Arc::new(AtomicBool::new(false)));
+    let flags = Flags::new(Arc::new(AtomicBool::new(false)));
     let watch = Watch::new(
         store,
         keys(),
@@ -58,7 +58,7 @@ impl<S: KvStore> Rig<S> {
     }
 
     fn broken(&self) -> Option<u64> {
-        u64::try_from(self.watch.broken.load(Ordering::Acquire)).ok()
+        u64::try_from(self.watch.flags.broken.load(Ordering::Acquire)).ok()
     }
 }
 
@@ -319,7 +319,7 @@ fn another_process_breaking_the_epoch_checks_this_one_in_at_once() {
     r.beat();
     assert_eq!(r.broken(), Some(0));
     assert_eq!(store.entries(&keys().present(0)).unwrap().len(), 1, "checked in");
-    assert!(r.watch.checked_in.load(Ordering::Acquire) >= 0);
+    assert!(r.watch.flags.checked_in.load(Ordering::Acquire) >= 0);
     // The next epoch is watched afresh.
     r.watch.follow(Roster { epoch: 1, ..Roster::first(vec![0, 1]) });
     r.beat();
@@ -331,13 +331,13 @@ fn a_waiting_joiner_raises_the_flag_until_a_roster_counts_it() {
     let (store, clock) = (MemoryKv::default(), ManualClock::default());
     let mut r = rig(store.clone(), &clock, 0, vec![0], Timing::default());
     r.beat();
-    assert!(!r.watch.joiner_waiting.load(Ordering::Acquire));
+    assert!(!r.watch.flags.joiner_waiting.load(Ordering::Acquire));
     store.add(&keys().joiners(), 1).unwrap();
     r.beat();
-    assert!(r.watch.joiner_waiting.load(Ordering::Acquire));
+    assert!(r.watch.flags.joiner_waiting.load(Ordering::Acquire));
     r.watch.follow(Roster { epoch: 1, joiners_seen: 1, ..Roster::first(vec![0, 5]) });
     r.beat();
-    assert!(!r.watch.joiner_waiting.load(Ordering::Acquire));
+    assert!(!r.watch.flags.joiner_waiting.load(Ordering::Acquire));
 }
 
 #[test]
@@ -393,5 +393,5 @@ fn a_running_monitor_beats_and_breaks_the_epoch_when_a_peer_stops() {
     }
     assert!(stopped.elapsed() >= Duration::from_millis(250), "never before the window: {:?}", stopped.elapsed());
     assert_eq!(a.silent(), vec![1]);
-    assert!(Liveness::checked_in(&a, 0));
+    assert!(Liveness::checked_in(&a, 0, Duration::ZERO));
 }
