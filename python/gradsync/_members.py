@@ -50,14 +50,12 @@ def _store(address, timeout_s):
 
     if address.startswith("etcd://"):
         return None, EtcdClient(address[len("etcd://"):], "", timeout_s=timeout_s)
-    import torch.distributed as dist
-
     from gradsync.torch import _shim
+    from gradsync.torch._job import tcp_store
 
     shim, why = _shim.load("collectives")
     if shim is None:
         raise SystemExit(f"gradsync members: {why}")
-    from gradsync.torch._job import tcp_store
 
     host, _, port = address.rpartition(":")
     store = tcp_store(host, int(port), timeout_s)
@@ -133,9 +131,8 @@ def _child(args, ids):
                     live.discard(gone)
         for m in list(live):
             if m in recovering:
-                if recovering[m].done():
-                    if recovering.pop(m).result() is None:
-                        live.discard(m)
+                if recovering[m].done() and recovering.pop(m).result() is None:
+                    live.discard(m)
                 continue
             broken = members[m].broken
             if broken is not None and broken >= epochs[m]:
@@ -170,7 +167,7 @@ def main(argv=None):
         if pid == 0:
             try:
                 _child(args, ids)
-            except BaseException:
+            except BaseException:  # noqa: BLE001  (a forked child reports whatever ended it, then exits)
                 traceback.print_exc()
             finally:
                 os._exit(1)

@@ -273,8 +273,9 @@ impl<S: KvStore> Agreement<S> {
     /// process knows of the peers it watches (its [`super::Monitor`]).
     /// Unless its monitor did already, this process checks in: it probes
     /// the peers it watches with `reach` and enters what it found. The
-    /// first survivor to claim the tally judges every member
-    /// ([`super::tally`]) and proposes the next roster; the others wait on
+    /// first survivor to claim the tally judges every member (present,
+    /// reaped, accused and still silent, or quiet for the liveness window;
+    /// one that still beats is waited for) and proposes the next roster; the others wait on
     /// the store for its change (and take the tally over if its rounds
     /// stop). Returns the roster this process goes on in.
     pub fn recover(
@@ -502,10 +503,13 @@ impl<S: KvStore> Agreement<S> {
         self.store.set(&self.keys.joiner(n), request.as_bytes())?;
         let key = self.keys.admitted(self.me);
         let began = self.clock.now();
+        // A joiner looks at its answer (and whether the job ended) itself,
+        // backing off to a tenth of a second: a wait the store answers would
+        // have to run out to look at the end, and torch's store logs each
+        // time one does. Joiners are few: their looks cost the store little.
+        let mut nap = self.timing.poll;
         loop {
-            // Waits on the answer; looks at whether the job ended once a second.
-            if self.store.wait(&key, Duration::from_secs(1).min(self.timing.admission))? {
-                let bytes = self.store.get(&key)?.unwrap_or_default();
+            if let Some(bytes) = self.store.get(&key)? {
                 let bad = |why: &str| MembershipError::Malformed { key: key.clone(), why: why.into() };
                 let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&e.to_string()))?;
                 if let Some(why) = v["refused"].as_str() {
@@ -532,6 +536,8 @@ impl<S: KvStore> Agreement<S> {
                     waited_s: waited.as_secs_f64(),
                 });
             }
+            std::thread::sleep(nap);
+            nap = (2 * nap).min(Duration::from_millis(100));
         }
     }
 

@@ -57,6 +57,14 @@ impl<S: KvStore> Rig<S> {
         self.watch.tick().unwrap();
     }
 
+    /// `n` beats, peer `m` beating once in each (on `store`, underneath any slowness).
+    fn beat_with(&mut self, store: &impl KvStore, m: MemberId, n: usize) {
+        for _ in 0..n {
+            pulse(store, m);
+            self.beat();
+        }
+    }
+
     fn broken(&self) -> Option<u64> {
         u64::try_from(self.watch.flags.broken.load(Ordering::Acquire)).ok()
     }
@@ -71,10 +79,7 @@ fn pulse(store: &impl KvStore, m: MemberId) {
 fn a_silent_watched_peer_is_accused_after_its_window_and_not_before() {
     let (store, clock) = (MemoryKv::default(), ManualClock::default());
     let mut r = rig(store.clone(), &clock, 0, vec![0, 1], Timing::default());
-    for _ in 0..20 {
-        pulse(&store, 1);
-        r.beat();
-    }
+    r.beat_with(&store, 1, 20);
     let last_beat = clock.now();
     while r.broken().is_none() {
         r.beat();
@@ -199,10 +204,7 @@ fn a_silent_peer_whose_process_answers_is_given_more_windows_and_one_that_does_n
             Timing::default(),
             Box::new(Answers(Arc::clone(&alive))),
         );
-        for _ in 0..20 {
-            pulse(&store, 1);
-            r.beat();
-        }
+        r.beat_with(&store, 1, 20);
         // Its heartbeats stop reaching the store (an overloaded store serving it last).
         let last_beat = clock.now();
         while r.broken().is_none() {
@@ -225,10 +227,7 @@ fn a_silent_peer_whose_process_answers_is_given_more_windows_and_one_that_does_n
         for _ in 0..25 {
             r.beat(); // 2.5 s without a beat: vouched for
         }
-        for _ in 0..5 {
-            pulse(&store, 1);
-            r.beat();
-        }
+        r.beat_with(&store, 1, 5);
         assert_eq!(r.broken(), None, "round {round}: a late peer that answers is not lost");
     }
 }
@@ -238,20 +237,14 @@ fn a_store_that_stalls_once_is_no_evidence_against_the_peers_it_held_up() {
     let (inner, clock) = (MemoryKv::default(), ManualClock::default());
     let (slow, rtt) = Slow::new(&inner, &clock, Duration::from_millis(1));
     let mut r = rig(slow, &clock, 0, vec![0, 1], Timing::default());
-    for _ in 0..30 {
-        pulse(&inner, 1);
-        r.beat();
-    }
+    r.beat_with(&inner, 1, 30);
     // The store stalls for 3 s inside this monitor's call: its peer's beats were held up too.
     *rtt.lock().unwrap() = Duration::from_secs(3);
     r.beat();
     *rtt.lock().unwrap() = Duration::from_millis(1);
     r.beat();
     assert_eq!(r.broken(), None, "a stall is nobody's silence");
-    for _ in 0..30 {
-        pulse(&inner, 1);
-        r.beat();
-    }
+    r.beat_with(&inner, 1, 30);
     assert_eq!(r.broken(), None);
 }
 
@@ -259,18 +252,12 @@ fn a_store_that_stalls_once_is_no_evidence_against_the_peers_it_held_up() {
 fn a_monitor_that_was_late_accuses_no_one_for_its_own_pause() {
     let (store, clock) = (MemoryKv::default(), ManualClock::default());
     let mut r = rig(store.clone(), &clock, 0, vec![0, 1], Timing::default());
-    for _ in 0..20 {
-        pulse(&store, 1);
-        r.beat();
-    }
+    r.beat_with(&store, 1, 20);
     // The machine stalls 3 s: neither this monitor nor its peer runs.
     clock.advance(Duration::from_secs(3));
     r.beat();
     assert_eq!(r.broken(), None, "its own pause is not the peer's silence");
-    for _ in 0..20 {
-        pulse(&store, 1);
-        r.beat();
-    }
+    r.beat_with(&store, 1, 20);
     assert_eq!(r.broken(), None);
     // The peer stops: found after the configured window (the stall did not widen it).
     let last_beat = clock.now();
