@@ -9,6 +9,8 @@ Sources, never edited by hand:
   by ``benches/torch/record.py`` (which also records the command);
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
 * ``docs/data/elastic.json``: ``benches/torch/elastic_recovery.py --json``;
+* ``docs/data/membership/*.json``: ``gradsync-bench membership --json`` and
+  ``benches/torch/membership_scale.py --json`` (see ``gen_membership.py``);
 * ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
   ``sharded_side_by_side.py``, ``sharded_elastic.py`` and ``meta_init.py --json``;
 * ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
@@ -35,7 +37,9 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from gen_membership import membership_bench, membership_extrapolation, membership_stores
+from gen_sources import PYTEST, ROOT, Missing
+
 BENCH = ROOT / "docs" / "data" / "bench"
 SIM = ROOT / "docs" / "data" / "sim.json"
 ELASTIC = ROOT / "docs" / "data" / "elastic.json"
@@ -45,7 +49,6 @@ SHARDED_STEPS = ROOT / "docs" / "data" / "sharded" / "steps.json"
 SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
 SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
 SHARDED_META = ROOT / "docs" / "data" / "sharded" / "meta.json"
-PYTEST = ROOT / "target" / "pytest"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
 MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
@@ -57,10 +60,6 @@ POLICY_LABELS = {
     "no_sync": "no_sync + one all-reduce",
     "local": "no communication",
 }
-
-
-class Missing(RuntimeError):
-    """A source a generated block needs is not there; the message says how to make it."""
 
 
 def bench_runs() -> list[dict]:
@@ -565,6 +564,9 @@ GENERATORS = {
     "elastic-recovery": lambda: elastic_cost() + "\n\n" + elastic_details(),
     "elastic-cost": elastic_cost,
     "lost-host": lambda: lost_host(),
+    "membership-bench": membership_bench,
+    "membership-stores": membership_stores,
+    "membership-extrapolation": membership_extrapolation,
     "host-time": host_time,
     "sharded-memory": sharded_memory,
     "sharded-steps": sharded_steps,

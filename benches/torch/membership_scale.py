@@ -44,6 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LIVENESS_S = 1.0
+#: The beat every scenario runs (``Timing``'s default).
+BEAT_S = 0.1
 
 
 def free_port():
@@ -56,7 +58,7 @@ class Members:
     """``python -m gradsync._members`` running ``first`` members against
     ``address`` (``victim`` alone in one process); its events are collected as they come."""
 
-    def __init__(self, address, job, first, procs, victim, liveness_s=LIVENESS_S, beat_s=0.1):
+    def __init__(self, address, job, first, procs, victim, liveness_s=LIVENESS_S, beat_s=BEAT_S):
         self.events, self.errors = [], []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
@@ -319,8 +321,11 @@ def main():
     print(table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        # The command as it was typed: inside the namespace, --isolate is gone from argv.
+        isolated = ["--isolate"] if os.environ.get("GRADSYNC_ISOLATED") == "1" else []
+        argv = ["benches/torch/membership_scale.py", *sys.argv[1:], *isolated]
         Path(args.json).write_text(json.dumps(
-            {"bench": "membership_scale", "command": " ".join(["benches/torch/membership_scale.py", *sys.argv[1:]]),
+            {"bench": "membership_scale", "command": " ".join(argv), "beat_s": BEAT_S, "liveness_s": LIVENESS_S,
              "rows": rows, "capacity": capacities}, indent=1))
 
 
