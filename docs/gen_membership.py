@@ -32,9 +32,9 @@ def membership_bench() -> str:
     """The in-process bench's table: store calls per beat and per change, and the times."""
     run = load(BENCH, BENCH_COMMAND)
     lines = [
-        "| members | store round trip | store calls per beat (all members) | per member | beat period (median) "
+        ("| members | store round trip | store calls per beat (all members) | per member | beat period (median) "
         "| detection | news reaches every survivor | first / last roster | store calls per change, per member "
-        "| healthy members left out |",
+        "| healthy members left out |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in run["rows"]:
@@ -43,12 +43,12 @@ def membership_bench() -> str:
             f"{r['calls_per_beat'] / r['members']:.2f} | {r['beat_period_s']:.3f} s | {_s(r['detection_s'])} | "
             f"{_s(r['news_s'])} | {_s(r['first_roster_s'])} / {_s(r['agreement_s'])} | "
             f"{r['change_calls'] / r['members']:.1f} | {r['left_out'] + r['healthy_breaks']} |")
-    lines += ["", f"`{BENCH_COMMAND.split(' >')[0]}`: every member a real `Monitor` (its own thread) and "
+    lines += ["", (f"`{BENCH_COMMAND.split(' >')[0]}`: every member a real `Monitor` (its own thread) and "
               "`Agreement`, all threads of one process on this machine's two cores, against one in-memory "
               "store whose every call first sleeps the round trip. Times are from the silent member's last "
               "beat (detection) and from that detection (the rest). Where the beat period rises above "
               f"{run['beat_s']:g} s, the two cores are full (thousands of threads): the store calls per beat "
-              "are what a store sees, the times what this machine can run."]
+              "are what a store sees, the times what this machine can run.")]
     return "\n".join(lines)
 
 
@@ -61,8 +61,8 @@ def membership_stores() -> str:
     """The real stores' table, and their capacity."""
     run = load(STORES, STORES_COMMAND)
     lines = [
-        "| store | members | beat period (median) | silent: detection | new roster after it | killed: detection "
-        "| new roster after it | healthy members left out |",
+        ("| store | members | beat period (median) | silent: detection | new roster after it | killed: detection "
+        "| new roster after it | healthy members left out |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in run["rows"]:
@@ -73,8 +73,8 @@ def membership_stores() -> str:
             f"{_s(r['killed']['agreement_s'])} | {left} |")
     capacities = {c["store"]: c["beats_per_s"] for c in run.get("capacity", [])}
     capacity = "; ".join(f"{store} about {beats:,.0f}" for store, beats in capacities.items())
-    lines += ["", f"`{run['command']}`. How many beats a second each store answers at most (64 members beating "
-              f"as fast as their calls return, on the same two cores): {capacity}."]
+    lines += ["", (f"`{run['command']}`. How many beats a second each store answers at most (64 members beating "
+              f"as fast as their calls return, on the same two cores): {capacity}.")]
     past = [r for r in run["rows"] if r["store"] in capacities
             and r["members"] / run["beat_s"] > capacities[r["store"]]]
     if past:
@@ -95,9 +95,9 @@ def membership_extrapolation() -> str:
     largest = max(bench["rows"], key=lambda r: (r["members"], -r["latency_ms"]))
     per_change = largest["change_calls"] / largest["members"]
     lines = [
-        "| members | store | beats a second at a "
+        ("| members | store | beats a second at a "
         f"{beat_s:g} s beat | the shortest beat one such store holds | with one voice per node of {PER_NODE} "
-        "| one change's calls, in seconds of that store |",
+        "| one change's calls, in seconds of that store |"),
         "|---|---|---|---|---|---|",
     ]
     for members in (4_096, 16_384, 100_000):
@@ -110,11 +110,11 @@ def membership_extrapolation() -> str:
                          f"{members * per_change / cap:.1f} s |")
     lines += [
         "",
-        "Assumptions: a beat is one store call per member (measured above, at every size); a change costs "
+        ("Assumptions: a beat is one store call per member (measured above, at every size); a change costs "
         f"{per_change:.1f} calls per member (the bench's {largest['members']}-member row), taken to cost the "
         "store what a beat does; a store answers what it answered here (measured with its clients on the same "
         "two cores: a store on a host of its own does at least as well; a TCPStore serves from one thread, "
         "so more cores do not raise its ceiling); the liveness window should stay at about ten beats. The "
-        "node-voice column assumes a node beats once for its processes, which gradsync does not do yet.",
+        "node-voice column assumes a node beats once for its processes, which gradsync does not do yet."),
     ]
     return "\n".join(lines)
