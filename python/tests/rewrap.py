@@ -15,6 +15,7 @@ on every rank's batch (``dropin``'s helpers). torch's DDP pickles only on the
 default process group, so these cases build both wrappers there.
 """
 
+import contextlib
 import copy
 import io
 import pickle
@@ -160,6 +161,57 @@ def wrap_again(rank, world, impl):
                 retired = str(error)
         del old
         sgd_steps(ddp, model, reference, world, rank, 1, 3, outcome)
+    result = outcome.result
+    if result["status"] == "ok":
+        result["retired"] = retired
+    return result
+
+
+def wrap_again_sharded(rank, world, impl):
+    """:func:`wrap_again` with ``shard_parameters=True`` under gradsync
+    (torch's DDP, beside it, unsharded). The gradients are sharded (``.grad``
+    stays ``None``), so every step compares the parameters, read inside
+    ``whole_parameters()``, with the reference's. The retired wrapper's
+    hooks on the module (its state-dict refusals, its gathers for a direct
+    forward) come off with it: the new wrapper's forward meets none of them."""
+    sharded = impl == "gradsync"
+    settings = {"shard_parameters": True} if sharded else {}
+    model = mlp()
+    reference = copy.deepcopy(model)
+    model[0].requires_grad_(False)
+    ddp = wrap_default(model, impl, **settings)
+    retired = None
+
+    def step(wrapped, opt, number, outcome):
+        opt.zero_grad()
+        wrapped(batch(number, rank)).square().sum().backward()
+        opt.step()
+        want = reference_grads(reference, world, number)  # (every reference parameter requires grad)
+        with torch.no_grad():
+            for p, g, mine in zip(reference.parameters(), want, model.parameters()):
+                if mine.requires_grad:
+                    p.sub_(0.05 * g)
+        with wrapped.whole_parameters() if sharded else contextlib.nullcontext():
+            outcome.record(diff([p.detach().clone() for p in model.parameters()], list(reference.parameters())))
+
+    def optimizer():  # (one per wrapper, over what it trains: a new one's first step follows the old one's)
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+
+    with Outcome(impl, ddp) as outcome:
+        step(ddp, optimizer(), 0, outcome)
+        model[0].requires_grad_(True)
+        old = ddp
+        ddp = wrap_default(model, impl, **settings)
+        outcome.wrapped = ddp
+        if sharded:
+            try:
+                old(batch(0, rank))
+            except gradsync.ClosedError as error:
+                retired = str(error)
+        del old
+        opt = optimizer()
+        for number in range(1, 4):
+            step(ddp, opt, number, outcome)
     result = outcome.result
     if result["status"] == "ok":
         result["retired"] = retired

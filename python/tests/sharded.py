@@ -660,3 +660,45 @@ def full_state(rank, world, steps=3):
         return {"state_diff": worst, "param_diff": _diff(reference, wrapped)}
     finally:
         wrapped.close()
+
+
+def fresh_optimizer_each_step(rank, world, settings):
+    """A plain torch optimizer built anew every step (``opt = SGD(...)``
+    inside the loop, its ``zero_grad()`` before the backward) over a sharded
+    wrapper: the new optimizer's ``zero_grad()`` cannot reach the pieces,
+    where the averages live, so its first step would apply the previous
+    step's gradients again. Returns what the second step raised, then the
+    largest difference from one process over three steps when the loop
+    clears the gradients through the wrapper (``model.zero_grad()``), as the
+    error says to."""
+    import gradsync
+    from dropin import batch, mlp, reference_grads
+
+    def run(clear_through_wrapper):
+        model = mlp()
+        reference = copy.deepcopy(model)
+        wrapped = GradsyncDDP(model, **settings)
+        worst = 0.0
+        try:
+            for step in range(3):
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+                (wrapped if clear_through_wrapper else opt).zero_grad()
+                wrapped(batch(step, rank)).square().sum().backward()
+                opt.step()
+                want = reference_grads(reference, world, step)
+                with torch.no_grad():
+                    for p, g in zip(reference.parameters(), want):
+                        p.sub_(0.05 * g)
+                with wrapped.whole_parameters():
+                    worst = max(worst, max((a.detach() - b).abs().max().item()
+                                           for a, b in zip(model.parameters(), reference.parameters())))
+        finally:
+            wrapped.close()
+        return worst
+
+    try:
+        run(clear_through_wrapper=False)
+        refused = None
+    except gradsync.ConfigError as error:
+        refused = str(error)
+    return {"refused": refused, "max_diff": run(clear_through_wrapper=True)}

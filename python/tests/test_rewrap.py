@@ -20,6 +20,7 @@ CASES = {
     "wrap_a_copy": "DDP(copy.deepcopy(ddp.module)) while the first wrapper lives (restart from the best weights)",
     "copy_the_wrapper": "copy.deepcopy(ddp) and torch.save(ddp) / torch.load: working wrappers of their own",
     "wrap_again": "ddp = DDP(model) again after unfreezing a layer, no close()",
+    "wrap_again_sharded": "the same with shard_parameters=True (gradsync; DDP beside it unsharded)",
 }
 
 
@@ -29,7 +30,7 @@ def test_copies_and_wrapping_again(world2, side_by_side, case):
     ours = world2.run(fn, "gradsync")
     check(ours)
     theirs = world2.run(fn, "ddp")
-    if case == "wrap_again":
+    if case.startswith("wrap_again"):
         for rank, o in enumerate(ours):
             assert o["retired"] and "retired" in o["retired"] and "newer" in o["retired"], f"rank {rank}: {o}"
     side_by_side(CASES[case], describe(theirs[0], TOL), describe(ours[0], TOL))

@@ -5,6 +5,8 @@ the runtime keeps partitions, not whole buckets; the full optimizer state
 consolidates to the unsharded optimizer's and loads back on another world
 size; misuse is refused with a clear error."""
 
+import re
+
 import pytest
 
 import sharded
@@ -151,6 +153,7 @@ def test_misuse_is_refused_with_what_to_do(world2):
         assert not missing, f"rank {rank}: not refused: {missing}"
         assert "gradsync.torch.elementwise" in by_case["not_elementwise"]
         assert "not one the wrapper synchronizes" in by_case["mixed_optimizer"]
+        assert "one optimizer per wrapper" in by_case["mixed_optimizer"], "the siamese pair is told what to do"
         assert "shard_gradients=True" in by_case["unsharded"]
     assert "ranks [1]" in errors[0]["groups_differ"]
 
@@ -159,5 +162,21 @@ def test_sparse_sharding_is_refused_before_anything_starts():
     import gradsync
     from gradsync.torch.sharding.wrapper import refuse
 
-    with pytest.raises(gradsync.ConfigError, match="sparse=False"):
-        refuse({}, ["emb.weight"])
+    with pytest.raises(gradsync.ConfigError, match="sparse=False") as refused:
+        refuse({"shard_gradients": True}, ["emb.weight"])
+    assert "shard_gradients=True" in str(refused.value)
+    # A program that set shard_parameters is told about the setting it set.
+    with pytest.raises(gradsync.ConfigError, match="sparse=False") as refused:
+        refuse({"shard_parameters": True}, ["emb.weight"])
+    assert "shard_parameters=True" in str(refused.value) and "shard_gradients" not in str(refused.value)
+
+
+@pytest.mark.parametrize("settings", [{"shard_gradients": True}, {"shard_parameters": True}],
+                         ids=["gradients", "parameters"])
+def test_a_new_optimizer_each_step_is_refused_not_applied_twice(world2, settings):
+    # Before, the second step applied the first step's averages again,
+    # silently (0.06 off after three steps).
+    for rank, o in enumerate(world2.run(sharded.fresh_optimizer_each_step, settings)):
+        assert o["refused"] and "model.zero_grad()" in o["refused"], (rank, o)
+        assert re.search(r"parameters \['\d\.(weight|bias)'", o["refused"]), f"rank {rank}: names no parameter: {o}"
+        assert o["max_diff"] <= 1e-6, f"rank {rank}: cleared through the wrapper, still off by {o['max_diff']}"

@@ -303,6 +303,10 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         )
         wire = check_wire(settings.get("wire_dtype", "float32"))
         self.module = module
+        # `ddp = DDP(model)` run again: the wrapper that holds this module's parameters is retired first, and
+        # one that sharded them gives them back whole, so this one sees (and selects) their values.
+        for earlier in [w for w in LIVE if w is not self and w._holds_any(list(module.parameters()))]:
+            earlier._retire()
         param_init = settings.get("param_init")
         meta = (self._place_meta(module, settings, device_ids), param_init) if on_meta(module) else None
         if param_init is not None and meta is None:
@@ -528,12 +532,10 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         return f"gradsync/{key}/{nth}", dist.distributed_c10d._get_default_store()
 
     def _attach_hooks(self, arrivals, plane):
-        """The C++ hook on the parameters, after retiring any wrapper that
-        holds one of them (``ddp = DDP(model)`` run again: its hooks come off
-        first). ``plane``: the communicator, when the buckets are on the
-        device plane."""
-        for earlier in [w for w in LIVE if w is not self and w._holds_any(self._params)]:
-            earlier._retire()
+        """The C++ hook on the parameters (a wrapper that held one of them
+        was retired when this one was built: its hooks are off).
+        ``plane``: the communicator, when the buckets are on the device
+        plane."""
         ref = weakref.ref(self)
         hooks = Hooks(
             arrivals, self._names, self._params, self._device, self._sync.session,
@@ -658,6 +660,10 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         run again does under torch's DDP, whose old reducer dies with the old
         wrapper): remove the hooks, stop the threads, refuse later use."""
         names = ", ".join(repr(n) for n in self._names[:3]) + (" ..." if len(self._names) > 3 else "")
+        if self.parameters_sharded and not self._sync.closed:
+            # The newer wrapper takes the module as it is: give it the values (a collective, as building a
+            # wrapper is: every rank wraps again at the same point).
+            self._gather_whole()
         self._sync.close(
             f"this gradsync {self._NAME} was retired: its module (parameters {names}) was wrapped again by a "
             f"newer {self._NAME}, which synchronizes it now; use the new wrapper"

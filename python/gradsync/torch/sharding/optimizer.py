@@ -109,8 +109,9 @@ def _groups(params, wrapped, names, name_of):
                 raise ConfigError(
                     f"the optimizer steps parameter {name_of(t)!r}, which is not one the wrapper synchronizes (a "
                     "parameter of another model, or one the wrapper was told to ignore) and requires grad: a "
-                    "sharded optimizer steps only the wrapper's parameters (and leaves frozen ones alone); build "
-                    "another optimizer for it"
+                    "sharded optimizer steps only the wrapper's parameters (and leaves frozen ones alone). For two "
+                    "models trained together (a siamese pair, a GAN), wrap one module holding both, or build one "
+                    "optimizer per wrapper"
                 )
         out.append(({k: v for k, v in group.items() if k != "params"}, entries))
     return out
@@ -290,6 +291,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._quiet or part.sharded_step.settled or self._noop:
             return
         part.sharded_step.stepped()
+        part.applied(self.parameter_indices())
         if part.residence is not None:
             return  # parameter sharding: the next forward gathers the pieces
         part.write_owned()

@@ -19,6 +19,8 @@ partitions meet the parameters is the :class:`~gradsync.torch.sharding.layout.La
 after backward. Where the step stands is :class:`~gradsync.torch.sharding.step.ShardedStep`.
 """
 
+import weakref
+
 import torch
 
 from gradsync._errors import ConfigError
@@ -70,6 +72,11 @@ class Partition(Layout, Packing, Clipping):
         #: first step boundary, where a member lost meanwhile is recovered
         #: from (a list until then); ``None``: made at once.
         self.start_checks = None
+        #: The gradients the last optimizer step applied, by parameter index
+        #: (weak references: a gradient dropped since is gone from here too),
+        #: so a second optimizer whose first step would apply them again is
+        #: refused (:meth:`applied_again`).
+        self._applied = {}
 
     # ---- a step's averages ------------------------------------------------------------------
 
@@ -96,8 +103,29 @@ class Partition(Layout, Packing, Clipping):
         optimizer.step()
         optimizer.zero_grad()
 
+    def applied(self, indices):
+        """An optimizer step applied the gradients of the pieces of
+        ``indices`` (parameter indices): remembered for :meth:`applied_again`."""
+        for i in indices:
+            self._applied[i] = [weakref.ref(piece.tensor.grad) for piece in self.of_param.get(i, ())
+                                if piece.tensor.grad is not None]
+
+    def applied_again(self, indices):
+        """The names of the parameters of ``indices`` whose pieces still hold
+        a gradient an earlier optimizer step applied, untouched since. An
+        optimizer seen for the first time cannot have cleared them: before
+        its first step it steps the whole parameters, whose ``.grad`` stays
+        ``None`` under sharding, so its ``zero_grad()`` reaches no piece."""
+        stale = []
+        for i in sorted(indices):
+            held = {id(piece.tensor.grad) for piece in self.of_param.get(i, ()) if piece.tensor.grad is not None}
+            if any(ref() is not None and id(ref()) in held for ref in self._applied.get(i, ())):
+                stale.append(self.names[i])
+        return stale
+
     def zero_grad(self, set_to_none=True):
         """The pieces' gradients dropped (``set_to_none``) or zeroed."""
+        self._applied = {}
         for piece in self.every_held_piece():
             if set_to_none:
                 piece.tensor.grad = None
@@ -106,6 +134,7 @@ class Partition(Layout, Packing, Clipping):
 
     def clear(self):
         """No piece keeps a gradient (what it held was applied, or must not be)."""
+        self._applied = {}
         for piece in self.every_held_piece():
             piece.tensor.grad = None
         self.sharded_step.cleared()

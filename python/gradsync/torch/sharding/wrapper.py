@@ -66,8 +66,11 @@ def refuse(settings, sparse_names):
     """The settings a sharded wrapper cannot take (yet), refused before
     anything is built."""
     if sparse_names:
+        # Name the setting the program set: shard_parameters shards the gradients too.
+        setting = "shard_gradients=True" if settings.get("shard_parameters") in (None, False) else (
+            f"shard_parameters={settings['shard_parameters']!r}")
         raise ConfigError(
-            f"shard_gradients=True and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
+            f"{setting} and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
             "build the embeddings with sparse=False"
         )
     if settings.get("param_dtype") is not None and settings.get("elastic") is not None:
@@ -196,13 +199,17 @@ class Sharding(ShardedMembers):
             if param_dtype is not None:
                 self._partition.residence.compute_in(param_dtype)
             refuse = self._partition.residence.refuse_if_released
-            # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
-            self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()"))
-            self.module.register_load_state_dict_pre_hook(lambda *_: refuse("load_state_dict()"))
-            # The module called itself, not through this wrapper (HF Trainer's evaluation does).
             self._direct = []
-            self.module.register_forward_pre_hook(self._direct_forward_begins)
-            self.module.register_forward_hook(self._direct_forward_ends)
+            handles = [
+                # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
+                self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()")),
+                self.module.register_load_state_dict_pre_hook(lambda *_: refuse("load_state_dict()")),
+                # The module called itself, not through this wrapper (HF Trainer's evaluation does).
+                self.module.register_forward_pre_hook(self._direct_forward_begins),
+                self.module.register_forward_hook(self._direct_forward_ends),
+            ]
+            # Closed or retired, the wrapper takes them off: a newer wrapper of the module would meet them.
+            self._sync.on_close.append(lambda: [handle.remove() for handle in handles])
         if elastic is not None:
             self._partition.recover = elastic.recover
             if not elastic.joining:  # (a joiner's optimizer is checked by the members' fingerprint)
@@ -474,4 +481,16 @@ def sharded_optimizer_of(optimizer, wrapper=None):
         return None
     if len(owners) > 1:
         raise ConfigError("one optimizer steps the parameters of several sharded wrappers: build one per model")
+    partition = owners[0]._partition
+    index = partition.index_of
+    stale = partition.applied_again({index[id(p)] for p in params if id(p) in index})
+    if stale:
+        raise ConfigError(
+            f"a new optimizer's first step over parameters {stale[:3]}{' and more' if len(stale) > 3 else ''}, "
+            "whose sharded gradients still hold what an earlier optimizer step applied: the averages live in this "
+            "rank's pieces, which an optimizer reaches from its first step on, so its zero_grad() before that "
+            "cleared nothing and this step would apply them again. Keep one optimizer for the model, clear the "
+            "gradients through the wrapper (model.zero_grad()) before the backward, or build the optimizer "
+            "with model.shard_optimizer(...)"
+        )
     return owners[0]._take_over(optimizer)
