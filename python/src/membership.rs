@@ -185,11 +185,6 @@ impl KvStore for ShimStore {
         self.add(&length_key(key), 1).map(|_| ())
     }
 
-    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError> {
-        let counts = self.counters(&keys.iter().map(|k| length_key(k)).collect::<Vec<_>>())?;
-        Ok(counts.into_iter().map(|n| n.max(0) as u64).collect())
-    }
-
     fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
         unframe_entries(key, &self.get(key)?.unwrap_or_default())
     }

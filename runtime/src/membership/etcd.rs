@@ -234,6 +234,13 @@ fn count(v: &Value) -> u64 {
     v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64()).unwrap_or(0)
 }
 
+/// The counter at `key`, as the `i`-th response of the transaction `answer`
+/// (a range) found it.
+fn range_counter(answer: &Value, i: usize, key: &str) -> Result<i64, StoreError> {
+    let found = first_kv(&answer["responses"][i]["response_range"]["kvs"])?;
+    super::store::counter_value(key, found.as_ref().map(|(v, _)| v.as_slice()))
+}
+
 /// The first key-value of a `kvs` list: its value and mod revision.
 fn first_kv(kvs: &Value) -> Result<Option<(Vec<u8>, String)>, StoreError> {
     let Some(kv) = kvs.as_array().and_then(|a| a.first()) else { return Ok(None) };
@@ -285,10 +292,8 @@ impl KvStore for EtcdKv {
             let ranges: Vec<Value> = batch.iter().map(|k| json!({ "request_range": { "key": self.key(k) } })).collect();
             // No compare, only ranges: a read-only transaction (no raft write).
             let answer = self.read_txn(&ranges)?;
-            let responses = answer["responses"].as_array().cloned().unwrap_or_default();
             for (i, key) in batch.iter().enumerate() {
-                let found = responses.get(i).map(|r| first_kv(&r["response_range"]["kvs"])).transpose()?.flatten();
-                values.push(super::store::counter_value(key, found.as_ref().map(|(v, _)| v.as_slice()))?);
+                values.push(range_counter(&answer, i, key)?);
             }
         }
         Ok(values)
@@ -303,14 +308,7 @@ impl KvStore for EtcdKv {
         let mut ops = vec![json!({ "request_put": { "key": self.key(key), "value": B64.encode(value) } })];
         ops.extend(keys.iter().map(|k| json!({ "request_range": { "key": self.key(k) } })));
         let answer = self.write("/v3/kv/txn", json!({ "compare": [], "success": ops }))?;
-        let responses = answer["responses"].as_array().cloned().unwrap_or_default();
-        keys.iter()
-            .enumerate()
-            .map(|(i, k)| {
-                let found = responses.get(i + 1).map(|r| first_kv(&r["response_range"]["kvs"])).transpose()?.flatten();
-                super::store::counter_value(k, found.as_ref().map(|(v, _)| v.as_slice()))
-            })
-            .collect()
+        keys.iter().enumerate().map(|(i, k)| range_counter(&answer, i + 1, k)).collect()
     }
 
     fn enter(&self, key: &str, name: &str, entry: &[u8]) -> Result<(), StoreError> {

@@ -5,8 +5,8 @@
 //! ([`KvStore::set_and_count`]: one round trip on etcd, two on a TCPStore),
 //! the heartbeats of the few peers it watches ([`super::watch`]), whether
 //! the epoch broke, and how many processes asked to join: one store call
-//! per member per beat, whatever the size of the job. When a peer it watches falls silent for that peer's window
-//! it accuses it in the store and breaks the epoch (cancels its collectives,
+//! per member per beat, whatever the size of the job. When a peer it
+//! watches falls silent for that peer's window it accuses it in the store and breaks the epoch (cancels its collectives,
 //! and marks `broken/{e}` for the others): a host that vanished without
 //! closing its sockets would otherwise hold gloo for its whole timeout. When
 //! another process broke the epoch it checks this process in at once and
@@ -443,17 +443,15 @@ impl<S: KvStore> Watch<S> {
             self.flags.checking_in.fetch_max(epoch as i64, Ordering::AcqRel);
             self.break_epoch();
             let probe = probed(&self.watched, Some(&self.beating(self.timing.liveness)));
-            let unknown: Vec<MemberId> = probe.iter().copied().filter(|m| !self.addresses.contains_key(m)).collect();
-            self.look_up(unknown)?;
+            self.learn_addresses(&probe)?;
             let peers: Vec<(MemberId, String)> =
                 probe.iter().filter_map(|m| Some((*m, self.addresses.get(m)?.clone()?))).collect();
             check_in(&self.store, &self.keys, &self.roster, self.me, &peers, self.reach.as_ref())?;
             self.flags.checked_in.fetch_max(epoch as i64, Ordering::AcqRel);
-        } else if self.watched.iter().any(|m| !self.addresses.contains_key(m)) {
+        } else {
             // A quiet tick: learn the watched peers' probe addresses now, off the path of an agreement.
-            let unknown: Vec<MemberId> =
-                self.watched.iter().copied().filter(|m| !self.addresses.contains_key(m)).collect();
-            self.look_up(unknown)?;
+            let watched = self.watched.clone();
+            self.learn_addresses(&watched)?;
         }
         Ok(())
     }
@@ -482,6 +480,15 @@ impl<S: KvStore> Watch<S> {
         }
         self.vouched.entry(m).or_insert(now);
         true
+    }
+
+    /// Look up the probe addresses of those of `members` not looked up yet.
+    fn learn_addresses(&mut self, members: &[MemberId]) -> Result<(), StoreError> {
+        let unknown: Vec<MemberId> = members.iter().copied().filter(|m| !self.addresses.contains_key(m)).collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        self.look_up(unknown)
     }
 
     /// Read the probe addresses of `members` into [`Watch::addresses`].

@@ -64,14 +64,17 @@ impl TcpReach {
     fn reaches(member: MemberId, address: &str, deadline: Duration) -> bool {
         let Some(at) = address.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
         let Ok(mut stream) = TcpStream::connect_timeout(&at, deadline) else { return false };
+        Self::answers(&mut stream, member, deadline)
+    }
+
+    /// Whether the probe connected at `stream` says it is `member` within `within`.
+    fn answers(stream: &mut TcpStream, member: MemberId, within: Duration) -> bool {
         let mut id = [0u8; 8];
-        stream.set_read_timeout(Some(deadline)).is_ok()
+        stream.set_read_timeout(Some(within)).is_ok()
             && stream.read_exact(&mut id).is_ok()
             && MemberId::from_le_bytes(id) == member
     }
-}
 
-impl TcpReach {
     /// The peers of `peers` whose probe answered within `quick`: connected
     /// to one after another (the kernel completes a handshake without the
     /// peer's thread), then read from, so the waits for their answers overlap.
@@ -88,11 +91,7 @@ impl TcpReach {
             .into_iter()
             .filter_map(|(m, mut stream)| {
                 let left = deadline.saturating_duration_since(std::time::Instant::now()).max(Duration::from_millis(1));
-                let mut id = [0u8; 8];
-                let answered = stream.set_read_timeout(Some(left)).is_ok()
-                    && stream.read_exact(&mut id).is_ok()
-                    && MemberId::from_le_bytes(id) == m;
-                answered.then_some(m)
+                Self::answers(&mut stream, m, left).then_some(m)
             })
             .collect()
     }

@@ -14,11 +14,11 @@
 //! | `tally/{e}` | claim | the first survivor (compare-and-set) | survivors, to know who tallies |
 //! | `tally/{e}/rounds` | `{tallier}/{round}` | the tallier, every round | survivors whose wait ran out |
 //! | `roster/{e}` | roster | one proposer (compare-and-set); epoch 0 by its first ranks | joiners, late starters, supervisors |
+//! | `change/{e}` | change | that proposer, after its roster won | every member, waiting on it |
 //!
 //! No key is incremented by every member: on etcd an increment is a
 //! transaction retried once per writer that raced it, so N members adding
 //! at once cost it O(N²). Ledgers are counted by the store (`lengths`).
-//! | `change/{e}` | change | that proposer, after its roster won | every member, waiting on it |
 
 use serde_json::{json, Value};
 

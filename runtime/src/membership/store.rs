@@ -49,9 +49,15 @@ pub trait KvStore: Send + Sync + 'static {
     fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
     /// How many entries each ledger at `keys` holds, read in one batch: at
     /// least its distinct names (a name entered again may count again).
-    /// Cheap to poll, and nobody increments a counter all members share
-    /// (on etcd that costs a transaction retried per concurrent writer).
-    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError>;
+    /// Cheap to poll. By default the counters at [`length_key`] beside each
+    /// ledger, which such a store's [`KvStore::enter`] adds to (an atomic
+    /// add on the store's server); a store that counts a ledger itself
+    /// (etcd: a prefix count, where an add is a transaction retried per
+    /// concurrent writer) says so here.
+    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError> {
+        let counts = self.counters(&keys.iter().map(|k| length_key(k)).collect::<Vec<_>>())?;
+        Ok(counts.into_iter().map(|n| n.max(0) as u64).collect())
+    }
     /// Block until `key` exists (`true`), or `within` passes (`false`).
     /// The store answers when the key is set: a waiting member costs it
     /// nothing meanwhile.
@@ -186,11 +192,6 @@ impl KvStore for MemoryKv {
         self.with(key, |m| m.entry(key.to_string()).or_default().extend_from_slice(&frame_entry(name, entry)));
         self.add(&length_key(key), 1)?;
         Ok(())
-    }
-
-    fn lengths(&self, keys: &[String]) -> Result<Vec<u64>, StoreError> {
-        let counts = self.counters(&keys.iter().map(|k| length_key(k)).collect::<Vec<_>>())?;
-        Ok(counts.into_iter().map(|n| n.max(0) as u64).collect())
     }
 
     fn entries(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {

@@ -67,8 +67,8 @@ def refuse(settings, sparse_names):
     anything is built."""
     if sparse_names:
         # Name the setting the program set: shard_parameters shards the gradients too.
-        setting = "shard_gradients=True" if settings.get("shard_parameters") in (None, False) else (
-            f"shard_parameters={settings['shard_parameters']!r}")
+        units = settings.get("shard_parameters")
+        setting = "shard_gradients=True" if units in (None, False) else f"shard_parameters={units!r}"
         raise ConfigError(
             f"{setting} and sparse gradients ({sparse_names[:3]}): sharding partitions dense buckets; "
             "build the embeddings with sparse=False"
