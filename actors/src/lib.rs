@@ -40,6 +40,7 @@ pub mod param;
 pub mod plan;
 pub mod policy;
 pub mod report;
+pub mod residency;
 pub mod scheduler;
 pub mod store;
 pub mod telemetry;
