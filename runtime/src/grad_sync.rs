@@ -102,6 +102,11 @@ pub struct GradSync<S: GradStore = HostStore> {
     epoch: u32,
     /// Id of the next progress request.
     next_request: u64,
+    /// The back-pressure request [`GradSync::await_in_flight`] left
+    /// unanswered (its bound, its answer to come), asked again by the next
+    /// call with the same bound instead of a new one (in a mutex only so
+    /// that the handle is `Sync`: one caller, never contended).
+    in_flight_wait: Option<(usize, std::sync::Mutex<std::sync::mpsc::Receiver<Progress>>)>,
     /// Longest wait for an answer from the local actors.
     answer_timeout: Duration,
     interrupt: Option<Interrupter>,
@@ -167,6 +172,7 @@ impl<S: GradStore> GradSync<S> {
             failed: None,
             epoch: 0,
             next_request: 0,
+            in_flight_wait: None,
             // Every collective of a step may use its full timeout before failing.
             answer_timeout: collective_timeout * (buckets + 4) + Duration::from_secs(10),
             interrupt,
@@ -246,6 +252,23 @@ impl<S: GradStore> GradSync<S> {
     /// hangs; the next step proceeds normally.
     pub fn abort_step(&mut self, step: Step, reason: AbortReason) -> Result<StepResult<S>, SyncError> {
         self.end_step(step, StepEnd::Abort(reason))
+    }
+
+    /// The first half of [`GradSync::finish_step`]: what is left of `step`
+    /// launched and its control collective under way, without waiting for
+    /// the result, which the next `finish_step(step)` collects. For a rank
+    /// that must do something else before the others can finish the step
+    /// (serve their parameter gathers): their reductions then never wait
+    /// for it meanwhile.
+    pub fn begin_finish_step(&mut self, step: Step) -> Result<(), SyncError> {
+        self.request_end(step, StepEnd::Finish)
+    }
+
+    /// The first half of [`GradSync::abort_step`], as
+    /// [`GradSync::begin_finish_step`] is of `finish_step`; the next
+    /// `abort_step(step, ..)` collects the result.
+    pub fn begin_abort_step(&mut self, step: Step, reason: AbortReason) -> Result<(), SyncError> {
+        self.request_end(step, StepEnd::Abort(reason))
     }
 
     /// Async form of [`GradSync::finish_step`]. Cancel-safe: if the future is
@@ -564,18 +587,25 @@ impl<S: GradStore> GradSync<S> {
     /// `in_flight_at_most` of the current step's buckets are still in their
     /// collective (every arrival sent so far processed first), or the step
     /// failed or ended, for at most `within`. The progress then, or `None`
-    /// when `within` passed first: the caller goes on (a bucket in flight
-    /// may be waiting for a peer that waits for this caller, so the wait
-    /// is bounded, never a hang).
+    /// when `within` passed first: ask again (a caller that polls, doing
+    /// something else between its asks, asks the same request each time).
     pub fn await_in_flight(
         &mut self,
         in_flight_at_most: usize,
         within: Duration,
     ) -> Result<Option<Progress>, SyncError> {
-        let rx = self.request_progress(Some(in_flight_at_most))?;
+        let rx = match self.in_flight_wait.take() {
+            Some((most, rx)) if most == in_flight_at_most => rx.into_inner().unwrap_or_else(|e| e.into_inner()),
+            _ => self.request_progress(Some(in_flight_at_most))?,
+        };
         match rx.recv_timeout(within) {
+            // (An answer about an earlier step, left by a wait that gave up: ask again.)
+            Ok(progress) if progress.step < self.hook.open_step() => self.await_in_flight(in_flight_at_most, within),
             Ok(progress) => Ok(Some(progress)),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                self.in_flight_wait = Some((in_flight_at_most, std::sync::Mutex::new(rx)));
+                Ok(None)
+            }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(SyncError::Closed),
         }
     }

@@ -14,6 +14,7 @@
 //!
 //! ```text
 //! needs(words)   ─▶ Needs collective: every rank's words, summed (which units any rank needs)
+//!                   (or post_needs(words), then sum_within(tick) until the sum comes)
 //! start(b, buf)… ─▶ one Gather collective per bucket of those units, in the agreed order
 //! wait()…        ◀── each buffer back, oldest first, with its outcome
 //! ```
@@ -105,17 +106,52 @@ impl<S: GradStore> GatherLane<S> {
     /// Open the next round: sum `words` over every rank and return the sum.
     /// Refused while a gather of the round before is still out.
     pub fn needs(&mut self, words: Vec<u64>) -> Result<Vec<u64>, SyncError> {
-        if self.out > 0 {
-            let why = format!("{} gathers of round {} are still out: wait for them first", self.out, self.round);
-            return Err(SyncError::Setting { setting: "gather lane", why });
-        }
-        self.round += 1;
-        let tag = CollectiveTag { step: self.round, kind: CollectiveKind::Needs { len: words.len() } };
-        self.submit(tag, CommPayload::Words(words)).map_err(|(_, e)| e)?;
+        self.post_needs(words)?;
         match self.wait_payload()? {
             (CommPayload::Words(sum), Ok(())) => Ok(sum),
             (_, Err(e)) => Err(e),
             (CommPayload::Grads(_), Ok(())) => unreachable!("a Needs collective carries words"),
+        }
+    }
+
+    /// Open the next round without waiting for it: `words` go out, and
+    /// [`sum_within`](Self::sum_within) takes the sum when it comes (a rank
+    /// that waits for something else meanwhile: its reductions). Refused
+    /// while a gather of the round before, or a sum, is still out.
+    pub fn post_needs(&mut self, words: Vec<u64>) -> Result<(), SyncError> {
+        if self.out > 0 {
+            let why = format!("{} collectives of round {} are still out: wait for them first", self.out, self.round);
+            return Err(SyncError::Setting { setting: "gather lane", why });
+        }
+        self.round += 1;
+        let tag = CollectiveTag { step: self.round, kind: CollectiveKind::Needs { len: words.len() } };
+        self.submit(tag, CommPayload::Words(words)).map_err(|(_, e)| e)
+    }
+
+    /// The sum of the round [`post_needs`](Self::post_needs) opened, if it
+    /// comes within `within`; `None` if not yet (ask again). A failed
+    /// collective is its error, as with [`needs`](Self::needs).
+    pub fn sum_within(&mut self, within: Duration) -> Result<Option<Vec<u64>>, SyncError> {
+        if self.out != 1 {
+            let why = format!("{} collectives are out: a sum is taken after post_needs alone", self.out);
+            return Err(SyncError::Setting { setting: "gather lane", why });
+        }
+        match self.done.recv_timeout(within) {
+            Ok(done) => {
+                self.out -= 1;
+                match (done.payload, done.result.map_err(SyncError::from)) {
+                    (CommPayload::Words(sum), Ok(())) => Ok(Some(sum)),
+                    (_, Err(e)) => Err(e),
+                    (CommPayload::Grads(_), Ok(())) => unreachable!("a Needs collective carries words"),
+                }
+            }
+            // (The transport honours the collective's deadline and answers with its error.)
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => {
+                self.out = 0;
+                self.jobs = None;
+                Err(SyncError::Closed)
+            }
         }
     }
 
@@ -220,6 +256,35 @@ mod tests {
         let mine: Vec<f32> = (0..chunk).map(|i| (100 * rank + i) as f32).collect();
         buf.write(rank * chunk, &mine, WriteMode::Set);
         buf
+    }
+
+    #[test]
+    fn a_posted_round_is_taken_when_every_rank_posted_it() {
+        let endpoints = LocalWorld::connect(2).unwrap();
+        let (release, late) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let mut endpoints = endpoints.into_iter();
+            let (first, second) = (endpoints.next().unwrap(), endpoints.next().unwrap());
+            s.spawn(move || {
+                let mut lane: GatherLane<HostStore> = GatherLane::start(first, Duration::from_secs(5)).unwrap();
+                lane.post_needs(vec![1, 0]).unwrap();
+                assert!(lane.needs(vec![0]).is_err(), "no round opens while a sum is out");
+                assert_eq!(lane.sum_within(Duration::from_millis(1)).unwrap(), None, "rank 1 has not posted");
+                release.send(()).unwrap();
+                let sum = loop {
+                    if let Some(sum) = lane.sum_within(Duration::from_millis(50)).unwrap() {
+                        break sum;
+                    }
+                };
+                assert_eq!(sum, vec![1, 1]);
+                assert!(lane.sum_within(Duration::ZERO).is_err(), "nothing is posted");
+            });
+            s.spawn(move || {
+                let mut lane: GatherLane<HostStore> = GatherLane::start(second, Duration::from_secs(5)).unwrap();
+                late.recv().unwrap();
+                assert_eq!(lane.needs(vec![0, 1]).unwrap(), vec![1, 1]);
+            });
+        });
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub mod trace;
 pub use builder::GradSyncBuilder;
 pub use grad_sync::{GradSync, JoinReport, MembershipReset, PendingGather};
 pub use gradsync_actors::messages::{GatherOf, Place};
+pub use gradsync_actors::residency;
 pub use gradsync_actors::{
     AbortPolicy, AbortReason, BuildError, DType, Divisor, GradView, Gradients, Outcome, ParamId, Payload, PayloadKind,
     Plan, Progress, Rejection, Step, StepReport, StepResult, SyncError, Token, Wire,

@@ -277,6 +277,44 @@ fn a_shadow_step_begun_early_lets_the_others_reduce_before_it_is_collected() {
     assert_eq!(out[1], (0, vec![1], None), "rank 1 collected step 0, which it shadowed");
 }
 
+/// Invariant: a step's end begun early (`begin_finish_step`,
+/// `begin_abort_step`) launches what the rank left unsent (a parameter it
+/// never used) at once: the other rank's buckets reduce while this rank
+/// serves their gathers, before it collects its result.
+#[test]
+fn a_finish_or_abort_begun_early_lets_the_others_reduce_before_it_is_collected() {
+    for abort in [false, true] {
+        let syncs = build_world(2, &[4, 4], |b| {
+            b.bucket_cap_bytes(16);
+        });
+        let reduced = Barrier::new(2);
+        let out = on_ranks(syncs, |rank, mut sync| {
+            if rank == 1 {
+                // Rank 1 never used parameter 1: it goes out at the step's end.
+                Sent::inc(0, 0, vec![2.0; 4]).deliver(&sync, 0);
+                if abort {
+                    sync.begin_abort_step(0, AbortReason::OutOfMemory).unwrap();
+                    sync.begin_abort_step(0, AbortReason::OutOfMemory).unwrap();
+                } else {
+                    sync.begin_finish_step(0).unwrap();
+                    sync.begin_finish_step(0).unwrap();
+                }
+                reduced.wait(); // rank 0 saw both buckets reduced before this rank collects
+                let r = if abort { sync.abort_step(0, AbortReason::OutOfMemory) } else { sync.finish_step(0) };
+                return r.unwrap().report.outcome;
+            }
+            Sent::inc(1, 0, vec![6.0; 4]).deliver(&sync, 0);
+            Sent::inc(0, 0, vec![2.0; 4]).deliver(&sync, 0);
+            wait_for(&mut sync, "both buckets reduced before rank 1 collects", |p| p.buckets_done == 2);
+            reduced.wait();
+            sync.finish_step(0).unwrap().report.outcome
+        });
+        let want =
+            if abort { Outcome::Skipped { aborted: vec![(1, AbortReason::OutOfMemory)] } } else { Outcome::Applied };
+        assert_eq!(out, vec![want.clone(), want], "abort: {abort}");
+    }
+}
+
 /// Invariant: ranks with fewer batches join; each later step is averaged over
 /// the ranks still training, and `join` returns once every rank has joined.
 #[test]
