@@ -36,7 +36,7 @@
 //! gradients the wait is for. Nothing is broken by a timer: every wait ends
 //! because what it waits for happened.
 //!
-//! The machine is driven directly by its unit tests (`tests.rs`), on a
+//! The machine is driven directly by its unit tests (`tests/`), on a
 //! simulated world of several ranks whose lane pairs their rounds.
 
 mod rounds;
