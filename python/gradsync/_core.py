@@ -92,6 +92,12 @@ class Framework(Protocol):
     def clear(self) -> None:
         """A step no rank may apply: leave no gradient an optimizer would step on."""
 
+    def serve_gathers(self) -> None:
+        """After the step's end was asked of the runtime and before its
+        result is collected: take part in the other ranks' parameter
+        gathers still to come in the step (sharded parameters by units), so
+        none of them waits for this rank."""
+
     def lost_gather(self) -> Optional[str]:
         """Why this rank's gradients of the open step cannot be summed (a
         gather of sharded parameters failed mid-step in an elastic job: they
@@ -299,6 +305,10 @@ class ModelSync:
         spoiled = self.framework.lost_gather()
         try:
             if spoiled is None:
+                # The remaining buckets go out first: a peer's reductions never
+                # wait for this rank while it serves the peer's gathers.
+                self.session.begin_finish(step)
+                self.framework.serve_gathers()
                 result = self.session.finish(step)
             else:
                 # This rank's part of the step is aborted: no survivor may sum it
@@ -332,7 +342,11 @@ class ModelSync:
 
     def abort(self, reason):
         self.refuse_if_closed()
-        return self.apply(self.session.abort(self.session.current_step, reason))
+        step = self.session.current_step
+        # (As in finish: the zeros go out before this rank serves the others' gathers.)
+        self.session.begin_abort(step, reason)
+        self.framework.serve_gathers()
+        return self.apply(self.session.abort(step, reason))
 
     def join(self):
         self.refuse_if_closed()

@@ -82,6 +82,10 @@ class Lane:
                  in_flight: int = ...) -> None: ...
     def needs(self, words: list[int]) -> list[int]:
         """Open a round: ``words`` summed over every rank."""
+    def post_needs(self, words: list[int]) -> None:
+        """Open a round without waiting for its sum (:meth:`sum_within` takes it)."""
+    def sum_within(self, within_s: float) -> Optional[list[int]]:
+        """The posted round's sum if it comes within ``within_s``, else ``None``."""
     def buffers(self, sizes: list[tuple[int, int, bool]]) -> Gathers:
         """Gather buffers in the lane's store: per ``(bucket, values, float64)``."""
     def start(self, gathers: Gathers, index: int) -> None:
@@ -92,6 +96,58 @@ class Lane:
         """After a failure, on every rank: a new epoch of the lane's group."""
     def close(self) -> None:
         """Stop the lane's thread."""
+
+class Residency:
+    """One rank's residency protocol of parameter sharding by units: the
+    hooks report events, :meth:`next_command` says what to do (tuples named
+    by their first item: ``("release", u)``, ``("post", words)``,
+    ``("await_sum",)``, ``("await_sum_or_reductions", most)``,
+    ``("await_reductions", most, patient)``, ``("gather", asked, keep)``,
+    ``("finish_gather", keep)``, ``("zeros", keep)``), :meth:`answer` takes
+    what came of those that wait."""
+
+    def __init__(self, names: list[str], needs: list[list[int]], world: int, *, prefetch: bool = ...) -> None: ...
+    def forward_begins(self, unit: int, recompute: bool) -> int:
+        """A forward of ``unit`` begins; its call id."""
+    def forward_ends(self, unit: int, recompute: bool) -> Optional[int]:
+        """A forward of ``unit`` ended: the call whose backward comes, or ``None``."""
+    def backward_begins(self, call: int, wait: Optional[int] = ...) -> None:
+        """``call``'s backward begins (after at most ``wait`` buckets in flight)."""
+    def backward_ends(self, call: int) -> None:
+        """``call``'s backward ended."""
+    def forward_ended(self) -> None:
+        """The wrapper's forward returned."""
+    def assemble(self) -> None:
+        """The wrapper's forward begins: the root unit whole."""
+    def assemble_all(self) -> None:
+        """Every unit whole (``whole_parameters``)."""
+    def released(self, unit: int) -> None:
+        """The driver released ``unit`` itself."""
+    def serve(self) -> None:
+        """This rank's step ended: serve the others' rounds until every rank serves."""
+    def serve_again(self) -> None:
+        """Serve the others' step whatever this rank's last step left (``join``)."""
+    def reset(self, step_ended: bool) -> None:
+        """Every unit released; ``step_ended``: its order is learned."""
+    def forget(self) -> None:
+        """After a failed step's reset on every rank: nothing owed."""
+    def settled(self, world: int) -> None:
+        """The members settled on a new lane of ``world`` ranks."""
+    def next_command(self) -> Optional[tuple]:
+        """The next command, or ``None`` when nothing is left."""
+    def answer(self, kind: str, value: object = ...) -> None:
+        """``"sum"`` (a list), ``"settled"`` (a bool), ``"started"``,
+        ``"gathered"``, ``"out_of_memory"`` or ``"lost"``."""
+    def state(self, unit: int) -> str:
+        """``"released"``, ``"arriving"``, ``"prefetched"`` or ``"whole"``."""
+    def whole_units(self) -> list[int]: ...
+    @property
+    def broken(self) -> bool: ...
+    @property
+    def learned(self) -> list[int]: ...
+    def set_prefetch(self, on: bool) -> None: ...
+    def counts(self) -> tuple[int, list[int], int, int, int]:
+        """``(rounds, gathers per unit, most_whole, prefetched, polls)``."""
 
 class Session:
     """One rank's gradient synchronizer over ``communicator``."""
@@ -154,6 +210,11 @@ class Session:
         """Wait for the gather of buffer ``index`` that ``gather_start``
         began; a failure raises as a failed step does."""
     def abort(self, step: int, reason: Union[str, int]) -> Step: ...
+    def begin_finish(self, step: int) -> None:
+        """The first half of :meth:`finish`: what is left launched, the
+        agreement under way; the next :meth:`finish` collects the result."""
+    def begin_abort(self, step: int, reason: Union[str, int]) -> None:
+        """The first half of :meth:`abort`; the next :meth:`abort` collects it."""
     def join(self) -> tuple[int, int]: ...
     def shadow_step(self) -> Step:
         """Contribute zeros to the other ranks' open step (one step of

@@ -77,6 +77,20 @@ impl Lane {
         py.detach(|| lane.needs(words)).map_err(|e| errors::sync_error(py, &e))
     }
 
+    /// Open a round without waiting for its sum (`sum_within` takes it).
+    fn post_needs(&mut self, py: Python<'_>, words: Vec<u64>) -> PyResult<()> {
+        let lane = self.lane(py)?;
+        lane.post_needs(words).map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// The posted round's sum if it comes within `within_s` (interpreter
+    /// released), else `None`: ask again.
+    fn sum_within(&mut self, py: Python<'_>, within_s: f64) -> PyResult<Option<Vec<u64>>> {
+        let within = Duration::from_secs_f64(within_s.max(0.0));
+        let lane = self.lane(py)?;
+        py.detach(|| lane.sum_within(within)).map_err(|e| errors::sync_error(py, &e))
+    }
+
     /// Buffers for the lane's gathers: per `(bucket index, values, float64)`
     /// of `sizes`, a buffer of that many values (every rank's chunk of the
     /// bucket, back to back) in the lane's store.

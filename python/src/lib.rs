@@ -29,7 +29,7 @@
 //! (the store: payloads that are tensors held in place, on either plane),
 //! `plane` (the device plane's operations), `given` (a gradient as the C++
 //! shims hand it over), `arrivals` (the C entry of the C++ hooks), `lane` (parameter sharding's
-//! gather lane), `membership` (an elastic
+//! gather lane), `residency` (its residency protocol, the runtime's state machine), `membership` (an elastic
 //! job's membership protocol over torch's store), `transport` (the
 //! communicator thread's engines, and failures classified once) and
 //! `collectives` (the shim's table), `errors`, `closing`.
@@ -47,6 +47,7 @@ mod memory;
 mod params;
 mod plane;
 mod report;
+mod residency;
 mod session;
 mod settings;
 mod step;
@@ -108,6 +109,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<step::Step>()?;
     m.add_class::<gathers::Gathers>()?;
     m.add_class::<lane::Lane>()?;
+    m.add_class::<residency::Residency>()?;
     m.add_class::<report::StepReport>()?;
     m.add_class::<arrivals::ArrivalSink>()?;
     m.add_class::<membership::Membership>()?;

@@ -296,6 +296,24 @@ impl Session {
         self.wrap(py, result)
     }
 
+    /// The first half of `finish`: what is left of `step` launched and its
+    /// agreement under way; the next `finish(step)` collects the result. A
+    /// sharded rank calls it before it serves the others' parameter
+    /// gathers, so that their reductions never wait for it meanwhile.
+    fn begin_finish(&mut self, py: Python<'_>, step: u64) -> PyResult<()> {
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        py.detach(|| sync.begin_finish_step(step)).map_err(|e| errors::sync_error(py, &e))
+    }
+
+    /// The first half of `abort`, as `begin_finish` is of `finish`.
+    fn begin_abort(&mut self, py: Python<'_>, step: u64, reason: Bound<'_, PyAny>) -> PyResult<()> {
+        let reason = settings::abort_reason(py, &reason)?;
+        self.deliver(py)?;
+        let sync = self.sync(py)?;
+        py.detach(|| sync.begin_abort_step(step, reason)).map_err(|e| errors::sync_error(py, &e))
+    }
+
     /// Buffers for a sharded model's gathers: per `(bucket index, values,
     /// float64)` of `sizes`, a buffer of that many values (every rank's
     /// chunk of the bucket, back to back; a bucket index of `None`: every

@@ -3,6 +3,7 @@ often each unit is gathered, how many are whole at once, and what a rank
 whose forward differs from the others' does to the rounds."""
 
 import copy
+import time
 
 import torch
 import torch.nn as nn
@@ -78,8 +79,8 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
     block (by the last step's order) while the current one computes. ``compiled``: each
     block ``torch.compile``d before wrapping, as torchtitan compiles its
     layers (aot_eager: compiled autograd graphs, no C++ compiler).
-    ``in_flight``: ``buckets_in_flight``; then also the waits and the
-    buckets still in flight after each."""
+    ``in_flight``: ``buckets_in_flight``; then also the buckets still in
+    flight after each wait (one entry per wait: each ends when they settle)."""
     reference = Stack(recompute).double()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     model = copy.deepcopy(reference)
@@ -118,26 +119,20 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
             "between": sum(between),
             # Graphs dynamo compiled in this process (the blocks', when ``compiled``).
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-            "waits": residence.counts["in_flight_waits"],
-            "expired": residence.counts["in_flight_waits_expired"],
             "left_in_flight": left,
         }
     finally:
         wrapped.close()
 
 
-def extra_on_one_rank(rank, world, steps=3, in_flight=None, wait_s=None):
+def extra_on_one_rank(rank, world, steps=3, in_flight=None):
     """A block run by rank 0 only: rank 1 serves its gathers at its step's
     end. The average is every rank's gradient, summed, over the world (the
     extra block's from rank 0 alone). Returns the largest difference from
     that reference, the gathers of the extra block this rank kept, the
-    waits of ``buckets_in_flight`` (``in_flight``) that ran out
-    (``wait_s``: their bound, ``units.IN_FLIGHT_WAIT_S``) and the bound
-    in force after the steps."""
-    from gradsync.torch.sharding import units
-
-    if wait_s is not None:
-        units.IN_FLIGHT_WAIT_S = wait_s
+    rounds it joined while waiting for reductions (``buckets_in_flight``:
+    ``in_flight``), the bound in force after the steps, and the longest
+    step (seconds)."""
     reference = [Stack(extra_on=0, rank=r).double() for r in range(world)]
     model = copy.deepcopy(reference[rank])
     wrapped = GradsyncDDP(model, shard_parameters=[*model.blocks, model.extra], bucket_cap_mb=0.001,
@@ -146,6 +141,7 @@ def extra_on_one_rank(rank, world, steps=3, in_flight=None, wait_s=None):
     residence = wrapped._partition.residence
     worst = 0.0
     kept = 0
+    longest = 0.0
     try:
         extra = [u.name for u in residence.units].index("extra")
         for step in range(steps):
@@ -160,14 +156,16 @@ def extra_on_one_rank(rank, world, steps=3, in_flight=None, wait_s=None):
                         p -= LR * mean
             opt.zero_grad()
             before = residence.counts["gathers"][extra]
+            began = time.perf_counter()
             wrapped(_batch(step, rank, world)).square().mean().backward()
+            longest = max(longest, time.perf_counter() - began)
             kept += residence.counts["gathers"][extra] - before
             opt.step()
             with wrapped.whole_parameters():
                 worst = max(worst, max((a - b).abs().max().item()
                                        for a, b in zip(reference[rank].parameters(), wrapped.module.parameters())))
-        return {"worst": worst, "extra_gathers": kept, "expired": residence.counts["in_flight_waits_expired"],
-                "in_flight_after": residence.in_flight}
+        return {"worst": worst, "extra_gathers": kept, "polls": residence.counts["polls"],
+                "in_flight_after": residence.in_flight, "longest_s": longest}
     finally:
         wrapped.close()
 
@@ -293,27 +291,28 @@ def _lost_gathers(rank, world, units, wrapped, opt, batch):
     seen = {}
     if units is True:
         # A failure in a round where this rank only serves the others: its own gradients are whole.
-        needs = residence.lane.needs
+        post = residence.lane.post
 
         def failing_when_serving(words):
-            if not any(words):
+            if not any(words[:-1]):  # (the last word says whether it serves)
                 raise RuntimeError("emulated: a member was lost (serving)")
-            return needs(words)
+            return post(words)
 
-        residence.lane.needs = failing_when_serving
+        residence.lane.post = failing_when_serving
         step(1)
         seen["served_only"] = (wrapped.last_report.outcome, residence.broken is not None, residence.spoiled)
         residence.broken = None
-        residence.lane.needs = needs
+        residence.protocol.settled(world)  # (the members settled: rounds make collectives again)
+        residence.lane.post = post
         calls = []
 
         def failing_after_one(words):
             calls.append(words)
             if len(calls) > 1:
                 raise RuntimeError("emulated: a member was lost (forward)")
-            return needs(words)
+            return post(words)
 
-        residence.lane.needs = failing_after_one
+        residence.lane.post = failing_after_one
     else:
         def failing(*args, **kwargs):
             raise RuntimeError("emulated: a member was lost (forward)")

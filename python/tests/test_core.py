@@ -37,6 +37,15 @@ class FakeSession:
         self.aborted = (step, reason)
         return self.finish(step)
 
+    def begin_finish(self, step):
+        """The step's end asked for (``begun``); the next ``finish`` collects it."""
+        assert step == self.current_step
+        self.begun = ("finish", step)
+
+    def begin_abort(self, step, reason):
+        assert step == self.current_step
+        self.begun = ("abort", step)
+
     def set_wire_dtype(self, wire):
         self.wire = wire
 
@@ -63,6 +72,11 @@ class FakeFramework:
 
     def hand_over_held(self, record):
         self.calls.append("held")
+
+    def serve_gathers(self):
+        # (Served only once the step's end was asked for: nobody's reductions wait for this rank.)
+        assert self.session.begun[1] == self.session.current_step, "served before the step's end was asked for"
+        self.calls.append("served")
 
     def write_back(self, result, record):
         self.calls.append(("write", result.report.step))
@@ -104,7 +118,9 @@ def sync(monkeypatch):
     s = _core.ModelSync("Wrapper", "somewhere unseen", _core.DataPath(buckets="host"), FakeCommunicator(),
                         _core.Replica(0, 2, ["a", "b"], [3, 4], ["float32", "float32"]),
                         _core.SyncSettings(bucket_cap_bytes=1 << 20, timeout_s=5.0))
-    s.attach(FakeFramework())
+    framework = FakeFramework()
+    s.attach(framework)
+    framework.session = s.session
     return s
 
 
@@ -119,7 +135,7 @@ def test_the_end_of_a_synchronized_backward_ends_the_step_and_writes_it_back(syn
     result = FakeResult(0)
     sync.session.results.append(result)
     sync.end_of_backward()
-    assert sync.framework.calls == ["held", ("write", 0)]
+    assert sync.framework.calls == ["held", "served", ("write", 0)]
     assert result.released, "nothing lent: the buckets go back at once"
     assert sync.last_report is result.report and sync.record.arrivals == 0, "the next step's record is fresh"
 
@@ -145,7 +161,7 @@ def test_a_skipped_step_clears_the_gradients_and_says_who_aborted(sync, caplog):
     sync.session.results.append(FakeResult(0, applied=False, outcome="skipped"))
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         sync.end_of_backward()
-    assert sync.framework.calls == ["held", "clear"]
+    assert sync.framework.calls == ["held", "served", "clear"]
     assert "step 0 skipped: ranks [1] aborted" in caplog.text
 
 
@@ -205,7 +221,7 @@ def test_in_an_elastic_job_a_failed_step_is_skipped_on_the_survivors(sync):
     records = sync.framework.records
     assert sync.end_of_backward() is None
     assert sync.elastic.seen == [("recover", "rank 1 left")]
-    assert sync.framework.calls == ["held", "clear"] and sync.framework.records == records + 1
+    assert sync.framework.calls == ["held", "served", "clear"] and sync.framework.records == records + 1
 
 
 def test_in_an_elastic_job_a_step_reduced_again_is_applied_and_told(sync):

@@ -94,11 +94,10 @@ def test_uneven_inputs_a_rank_out_of_data_serves_the_gathers_and_steps_its_parti
     # Rank 2 runs out after 2 steps, rank 1 after 4, rank 0 trains 6: the joined ranks take part in the
     # others' gathers (asking for nothing) and step their pieces; with no_sync micro-batches every one of
     # them gathers, so the joined ranks are told at a step's first forward. Exact, no hang; and a
-    # joined rank's zeros go out before it serves, so no unit's backward waits out its bound for them.
+    # joined rank's zeros go out before it serves, so no unit's backward waits for them.
     results = world3.run(sharded.uneven_inputs, immediate=immediate, micro=micro, shard_parameters=units, timeout=90)
     for rank, got in enumerate(results):
         assert got["diff"] <= sharded.ATOL, f"rank {rank}: parameters off by {got['diff']}"
-        assert got["expired"] == 0, f"rank {rank}: {got['expired']} waits for reductions ran out"
 
 
 def test_param_dtype_in_an_elastic_job_is_refused_with_what_to_do():

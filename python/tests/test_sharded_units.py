@@ -56,22 +56,22 @@ def test_buckets_in_flight_bounds_the_reductions_a_blocks_backward_starts_behind
     for rank, seen in enumerate(world2.run(sharded_units.training, steps=steps, in_flight=in_flight)):
         assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
         # One wait per block's backward, each step after the first (which runs whole as built).
-        assert seen["waits"] == 4 * (steps - 1) and seen["expired"] == 0, f"rank {rank}: {seen}"
+        assert len(seen["left_in_flight"]) == 4 * (steps - 1), f"rank {rank}: {seen}"
         assert max(seen["left_in_flight"]) <= in_flight, f"rank {rank}: {seen['left_in_flight']} in flight"
 
 
 def test_buckets_in_flight_never_hangs_a_rank_whose_peer_needs_its_rounds_first(world2):
     # The extra block's bucket (used by rank 0 only) holds up the buckets after it in plan
-    # order until rank 1's backward ends, and each rank gets there only through rounds the
-    # other joins: a wait for it runs out (bounded) instead of hanging, and the step is exact.
-    # A rank whose wait ran out waits no more in the job (each step would wait it out again).
-    seen = world2.run(sharded_units.extra_on_one_rank, in_flight=0, wait_s=0.2)
+    # order until rank 1's step ends, and each rank gets there only through rounds the
+    # other joins: the waiting rank polls (joins the other's rounds while it waits), so no
+    # wait needs a timer to end, the wait stays on for the job, and every step is exact.
+    # (The protocol's own specification, actors/src/residency/tests/, drives this case
+    # to a deadlock when polling is taken out.)
+    seen = world2.run(sharded_units.extra_on_one_rank, in_flight=0)
     for rank, got in enumerate(seen):
         assert got["worst"] <= sharded.ATOL, f"rank {rank}: off by {got['worst']}"
-        assert got["expired"] <= 1, f"rank {rank}: waited out the bound {got['expired']} times"
-        assert got["in_flight_after"] == (None if got["expired"] else 0), f"rank {rank}: {got}"
+        assert got["in_flight_after"] == 0, f"rank {rank}: the wait was switched off: {got}"
     assert [got["extra_gathers"] for got in seen] == [4, 0], seen
-    assert any(got["expired"] for got in seen), seen
 
 
 @pytest.mark.parametrize("settings,says", [

@@ -414,12 +414,14 @@ impl Residency {
     }
 
     /// After a failed step's reset on every rank: the lane starts a new
-    /// epoch, nothing is owed to anyone's rounds, whatever was open is gone.
+    /// epoch, nothing is owed to anyone's rounds, whatever was open is gone,
+    /// and rounds make collectives again (the new epoch's).
     pub fn forget(&mut self) {
         self.tasks.clear();
         self.awaiting = None;
         self.open = None;
         self.served = true;
+        self.broken = false;
     }
 
     /// The members settled after a change, on a new lane of `world` ranks:

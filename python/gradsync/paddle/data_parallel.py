@@ -96,6 +96,9 @@ class PaddleGrads:
                 self._arrive(None, index, 0, grad.data_ptr())
                 record.arrivals += 1
 
+    def serve_gathers(self):
+        """Nothing: Paddle's wrapper shards no parameters."""
+
     def lost_gather(self):
         """Nothing: Paddle's wrapper shards no parameters."""
         return None

@@ -47,11 +47,12 @@ class TorchGrads:
         return self.hooks.record()
 
     def hand_over_held(self, record):
+        self.hooks.hand_over_held(record)
+
+    def serve_gathers(self):
         residence = self._partition.residence if self._partition is not None else None
         if residence is not None:
-            # Before the step's own collectives: the others' last gathers of it.
             residence.serve()
-        self.hooks.hand_over_held(record)
 
     def lost_gather(self):
         residence = self._partition.residence if self._partition is not None else None

@@ -211,9 +211,9 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
       they are whole in their own dtype, exactly. Not in an elastic job yet.
     * ``buckets_in_flight``: with ``shard_parameters`` on a model with
       blocks, the most buckets still in their reduction when a block's
-      backward begins; it waits for the rest (at most a bounded time, so a
-      peer that needs this rank first cannot hang it; a rank whose wait
-      ran out waits no more). ``1`` (the default on a CUDA device): one
+      backward begins; it waits for the rest (joining the other ranks'
+      gather rounds meanwhile, so a peer that needs this rank first is
+      never left waiting). ``1`` (the default on a CUDA device): one
       block's reduction overlaps the next block's backward, as FSDP2's
       reduce-scatter stream does; ``0`` (the default elsewhere, as FSDP2's
       blocking reduce-scatter on CPU): one whole bucket at a time, no

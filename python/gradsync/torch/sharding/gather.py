@@ -147,7 +147,7 @@ class LaneGather(ParameterGather):
     ``_comm.TorchCommunicator`` (its plane's stream orders the device
     copies); one round at a time::
 
-        needs(words) ─▶ every rank's words summed
+        needs(words) ─▶ every rank's words summed   (or post(words), then sum_within(tick) until it comes)
         start(buckets): pack each ─▶ start each      (the caller computes meanwhile: a prefetch)
         finish(flight): wait each, oldest first ─▶ unpack ─▶ buffers dropped
     """
@@ -160,6 +160,14 @@ class LaneGather(ParameterGather):
     def needs(self, words):
         """Open a round: ``words`` summed over every rank."""
         return self._lane.needs(words)
+
+    def post(self, words):
+        """Open a round without waiting for its sum (:meth:`sum_within`)."""
+        self._lane.post_needs(words)
+
+    def sum_within(self, within_s):
+        """The posted round's sum if it comes within ``within_s``, else ``None``."""
+        return self._lane.sum_within(within_s)
 
     def reset(self):
         """After a failed step, on every rank: a new epoch of the lane."""

@@ -9,9 +9,8 @@ holds; a parameter two units hold belongs to the first::
     choose(model, params, True) ─▶ (each parameter's unit, the units' names, the unit modules)
     entries(unit module)        ─▶ the modules whose forward hooks gather it
 
-and what ``sharding.units`` keeps per unit and per forward of one:
-:class:`Unit` (its parameters, buckets and counts), :class:`Call` (one
-forward, what its backward holds) and :class:`BackwardEnds` (the hook that
+and what ``sharding.units`` keeps per unit: :class:`Unit` (its
+parameters, buckets and needs) and :class:`BackwardEnds` (the hook that
 sees a unit's backward end).
 """
 
@@ -86,9 +85,12 @@ def entries(module):
 
 
 class Unit:
-    """One unit: its modules' parameters (indices into the partition's),
-    its buckets, the units a forward of it needs whole (itself, and those
-    owning a weight it shares), and its counts."""
+    """One unit as the driver knows it: its parameters (indices into the
+    partition's), its buckets, and the units a forward of it needs whole
+    (itself, and those owning a weight it shares). What keeps it whole is
+    the runtime's (``gradsync._native.Residency``)."""
+
+    __slots__ = ("index", "name", "params", "buckets", "needs")
 
     def __init__(self, index, name):
         self.index = index
@@ -99,29 +101,6 @@ class Unit:
         self.buckets = []
         #: Units that must be whole while it runs: itself first.
         self.needs = [index]
-        #: Whether its parameters hold their values now.
-        self.whole = False
-        #: Forwards of units needing it that are running now.
-        self.forwards = 0
-        #: The forwards (``Call``) whose backward needs it whole now.
-        self.holds = []
-        #: Its forwards running now, innermost last.
-        self.calls = []
-        #: Its recomputations inside backward begun and not seen to end.
-        self.recomputes = []
-        #: Gathered ahead (a prefetch) and not used yet: not released.
-        self.reserved = False
-
-
-class Call:
-    """One forward of a unit: what its backward holds. ``recompute``: run
-    inside a backward (a checkpoint's recomputation)."""
-
-    __slots__ = ("unit", "recompute")
-
-    def __init__(self, unit, recompute):
-        self.unit = unit
-        self.recompute = recompute
 
 
 class BackwardEnds(torch.autograd.Function):

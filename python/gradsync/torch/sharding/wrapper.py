@@ -268,7 +268,8 @@ class Sharding(ShardedMembers):
         """``StepControls.abort_step``; with sharded parameters, a rank that
         aborts before its first forward of the step still takes part in the
         step's parameter gather, as the others' forwards do (nobody waits
-        for it)."""
+        for it); gathered by units, it serves the others' rounds once its
+        zeros went out (``serve_gathers``)."""
         if self.parameters_sharded:
             self._sync.refuse_if_closed()
             self._partition.residence.take_part()
