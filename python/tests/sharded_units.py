@@ -3,6 +3,7 @@ often each unit is gathered, how many are whole at once, and what a rank
 whose forward differs from the others' does to the rounds."""
 
 import copy
+import logging
 import time
 
 import torch
@@ -77,18 +78,29 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
     opened ahead of a unit's use, and the blocks' values held between
     forward and backward. ``prefetch``: ``prefetch_units``, gather the next
     block (by the last step's order) while the current one computes. ``compiled``: each
-    block ``torch.compile``d before wrapping, as torchtitan compiles its
-    layers (aot_eager: compiled autograd graphs, no C++ compiler).
+    block ``torch.compile``d before wrapping (aot_eager: compiled autograd
+    graphs, no C++ compiler), or, ``"after"``, compiled in place after
+    wrapping, as torchtitan compiles its layers after ``fully_shard`` (the
+    hooks then run inside the compiled frames; the graphs of the same
+    blocks compiled unwrapped come back beside, and dynamo's recompile-limit
+    warnings).
     ``in_flight``: ``buckets_in_flight``; then also the buckets still in
     flight after each wait (one entry per wait: each ends when they settle)."""
     reference = Stack(recompute).double()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     model = copy.deepcopy(reference)
-    if compiled:
+    unsharded_graphs = None
+    if compiled == "after":
+        unsharded_graphs = _graphs_unsharded(copy.deepcopy(reference), steps, rank, world)
+    elif compiled:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend="aot_eager")
     wrapped = GradsyncDDP(model, shard_parameters=True, bucket_cap_mb=0.001, buckets_in_flight=in_flight,
                           prefetch_units=prefetch)
+    limits = _RecompileLimits()
+    if compiled == "after":
+        for block in wrapped.module.blocks:
+            block.compile(backend="aot_eager")
     opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
     residence = wrapped._partition.residence
     left = _watch_waits(wrapped) if in_flight is not None else []
@@ -119,10 +131,45 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
             "between": sum(between),
             # Graphs dynamo compiled in this process (the blocks', when ``compiled``).
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "unsharded_graphs": unsharded_graphs,
+            "recompile_limits": limits.hit,
             "left_in_flight": left,
         }
     finally:
+        limits.close()
         wrapped.close()
+
+
+def _graphs_unsharded(model, steps, rank, world):
+    """The dynamo graphs of ``model``'s blocks compiled in place and run
+    ``steps`` forwards and backwards unwrapped (the count a sharded run is
+    held to); dynamo's caches and counters are reset after."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    for step in range(steps):
+        model(_batch(step, rank, world)).square().mean().backward()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return graphs
+
+
+class _RecompileLimits(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings while attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.hit = 0
+        logging.getLogger("torch._dynamo").addHandler(self)
+
+    def emit(self, record):
+        self.hit += "recompile_limit" in record.getMessage()
+
+    def close(self):
+        logging.getLogger("torch._dynamo").removeHandler(self)
+        super().close()
 
 
 def extra_on_one_rank(rank, world, steps=3, in_flight=None):

@@ -145,6 +145,21 @@ def test_blocks_compiled_before_wrapping_are_units_gathered_as_eager_ones(world2
         assert seen["graphs"] >= 1, f"rank {rank}: no block was compiled"
 
 
+@pytest.mark.parametrize("recompute", [None, "non_reentrant"])
+def test_blocks_compiled_after_wrapping_compile_no_more_graphs_than_unsharded(world2, recompute):
+    # torchtitan compiles each layer after fully_shard: the units' hooks then run inside the compiled
+    # frames. Dynamo leaves them out (they call into the runtime), so each block compiles to the same
+    # graphs as unsharded, with no recompile (before: 35 graphs, recompile_limit hit in the hooks).
+    steps = 3
+    for rank, seen in enumerate(world2.run(sharded_units.training, recompute=recompute, steps=steps,
+                                           compiled="after", timeout=240)):
+        assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+        assert seen["gathers"][1:5] == [2 * (steps - 1)] * 4, f"rank {rank}: {seen['gathers']}"
+        assert 1 <= seen["graphs"] <= seen["unsharded_graphs"], f"rank {rank}: {seen['graphs']} graphs, " \
+            f"{seen['unsharded_graphs']} unsharded"
+        assert seen["recompile_limits"] == 0, f"rank {rank}: dynamo hit its recompile limit"
+
+
 @pytest.mark.parametrize("units,recompute,width,buckets", [
     (True, None, 11, None),  # odd chunks: each rank's padded to whole words
     ([], None, sharded_units.WIDTH, None),

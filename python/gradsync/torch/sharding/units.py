@@ -310,7 +310,7 @@ class UnitResidence(ShardedParameters):
             for i, t in zip(at, through):
                 flat[i] = t
             return tree_unflatten(flat, spec)
-        return hook
+        return _outside_compile(hook)
 
     def _after_forward(self, unit):
         def hook(module, args, output):
@@ -323,7 +323,7 @@ class UnitResidence(ShardedParameters):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._before_backward(call))
             return None
-        return hook
+        return _outside_compile(hook)
 
     def _before_backward(self, call):
         def hook(grad):
@@ -331,7 +331,7 @@ class UnitResidence(ShardedParameters):
                 self.protocol.backward_begins(call, self.in_flight)
                 self._drive()
             return grad
-        return hook
+        return _outside_compile(hook)
 
     # ---- the driver: the protocol's commands carried out -------------------------------------
 
@@ -471,3 +471,11 @@ class UnitResidence(ShardedParameters):
             whole.untyped_storage().resize_(0)
             self._kept[i] = whole
 
+
+def _outside_compile(hook):
+    """``hook`` run as it is where a compiled module calls it (a block
+    compiled after wrapping, as torchtitan compiles its layers): dynamo
+    never traces it (its calls into the runtime are not tensor code, and
+    tracing them compiled one graph per state it saw), so the block's graph
+    is the same as unsharded, between the hooks."""
+    return torch.compiler.disable(hook, recursive=True)
