@@ -13,6 +13,7 @@ and steps involved::
     ├── ClosedError                     used after close()
     ├── MembershipError                 an elastic job could not change its members (.kind)
     ├── CheckpointError                 a sharded checkpoint was not written or read (.ranks)
+    ├── ReleasedParameterError          a sharded parameter's values read while released (.parameter)
     └── StepFailedError                 the step is lost: reset() on every rank (.step)
         ├── TimeoutError (TimeoutError) a rank missed the deadline (.missing_ranks)
         ├── PeerGoneError               a rank left (.peer)
@@ -94,6 +95,16 @@ class CheckpointError(GradsyncError):
     def __init__(self, message, ranks=()):
         super().__init__(message)
         self.ranks = list(ranks)
+
+
+class ReleasedParameterError(GradsyncError, RuntimeError):
+    """A parameter of a ``shard_parameters`` wrapper had its values read
+    while it is released (each rank holds only its pieces: between steps,
+    or between its unit's forward and backward); ``parameter`` names it.
+    Read it inside ``with model.whole_parameters():`` (every rank), or,
+    inside a step, in its unit's forward."""
+
+    parameter: str = ""
 
 
 class StepFailedError(GradsyncError):

@@ -486,3 +486,42 @@ def meta_refusals(rank, world):
         except ConfigError as error:
             said.append(fragment if fragment in str(error) else str(error))
     return said
+
+
+def reads_between_steps(rank, world, units=True):
+    """What a training loop written the usual way reads of a sharded
+    model's parameters: a weight-norm log after ``optimizer.step()``, an L2
+    penalty summed over ``model.parameters()`` after the forward, the same
+    log inside ``whole_parameters()``, and a count of the parameters.
+    Returns, per read, the error's class and parameter, or the value."""
+    from gradsync import ReleasedParameterError
+
+    reference = Stack().double()
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    seen = {}
+
+    def attempt(what, read):
+        try:
+            seen[what] = read()
+        except ReleasedParameterError as error:
+            seen[what] = (type(error).__name__, error.parameter, "whole_parameters" in str(error))
+
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            loss = wrapped(_batch(step, rank, world)).square().mean()
+            if step == 1:
+                attempt("penalty", lambda: float(sum(p.square().sum() for p in wrapped.parameters())))
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            attempt("norms", lambda: [p.norm().item() for p in wrapped.module.parameters()])
+            attempt("detached", lambda: [p.detach().norm().item() for p in wrapped.module.parameters()])
+        with wrapped.whole_parameters():
+            seen["whole_norms"] = [p.norm().item() for p in wrapped.module.parameters()]
+        seen["grad_of_released"] = [p.grad for p in wrapped.module.parameters()].count(None)
+        seen["named"] = [n for n, _ in wrapped.module.named_parameters()]
+        return seen
+    finally:
+        wrapped.close()

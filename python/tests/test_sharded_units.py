@@ -245,3 +245,19 @@ def test_a_meta_model_is_refused_where_it_cannot_be_materialized(world2):
         assert message == ["shard_parameters=True, which materializes it", "no reset_parameters()",
                            "param_init initializes a model built on the meta device",
                            "several devices"], f"rank {rank}: {message}"
+
+
+@pytest.mark.parametrize("units", [True, []], ids=["by-blocks", "whole-model"])
+def test_a_released_parameters_values_are_never_read_silently(world2, units):
+    # A logging callback's weight norms after optimizer.step() got 0.0 for every weight, and an L2
+    # penalty over model.parameters() after the forward died inside autograd: each read now raises,
+    # naming the parameter and whole_parameters(); inside whole_parameters() the norms are right.
+    for rank, seen in enumerate(world2.run(sharded_units.reads_between_steps, units=units)):
+        first = seen["named"][0]
+        assert seen["norms"] == ("ReleasedParameterError", first, True), f"rank {rank}: {seen['norms']}"
+        assert seen["detached"] == ("ReleasedParameterError", first, True), f"rank {rank}: {seen['detached']}"
+        if units is True:  # (one unit is whole from the forward to the step's end: the penalty reads it)
+            kind, name, says = seen["penalty"]
+            assert kind == "ReleasedParameterError" and name.startswith("blocks.") and says, seen["penalty"]
+        assert all(n > 0 for n in seen["whole_norms"]), f"rank {rank}: {seen['whole_norms']}"
+        assert seen["grad_of_released"] == len(seen["named"]), "the .grad of a sharded parameter reads as None"

@@ -22,15 +22,17 @@ backward, on a lane of their own, are ``sharding.units``.
 
 A released parameter is an empty tensor (``numel() == 0``) of its dtype
 and device: the same ``Parameter`` object, so the optimizer, the hooks and
-tied weights keep it; reading it gives nothing, and ``state_dict()`` and
-``load_state_dict()`` of the wrapped module are refused then with what to
-do (``model.whole_parameters()``, a collective every rank enters).
+tied weights keep it; reading its values raises, naming it
+(``sharding.released``), and ``state_dict()`` and ``load_state_dict()``
+of the wrapped module are refused then with what to do
+(``model.whole_parameters()``, a collective every rank enters).
 """
 
 import torch
 
 from gradsync._errors import ConfigError, StepFailedError
 from gradsync.torch.sharding.norm import LOST
+from gradsync.torch.sharding.released import mark_released, mark_whole
 
 
 class ShardedParameters:
@@ -97,6 +99,7 @@ class ShardedParameters:
         if not self.materialized:  # (else the pieces are written and the parameters hold placeholders)
             part.refresh()
         for i, p in enumerate(part.params):
+            mark_whole(p)
             p.data = self._shaped(i)
         self.whole = self.gathered = False
         self.carries = [dtype if all(self.step_dtypes[i] == dtype for i in layout.members) else None
@@ -107,6 +110,7 @@ class ShardedParameters:
         parameter released."""
         for i, p in enumerate(self._partition.params):
             p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
+            mark_released(p, self._partition.names[i])
 
     def _shaped(self, i):
         """A tensor of parameter ``i``'s whole shape in its step dtype over
@@ -125,12 +129,15 @@ class ShardedParameters:
         part = self._partition
         held = [p.data for p in part.params]
         for i, p in enumerate(part.params):
+            mark_whole(p)
             p.data = self._shaped(i)
         try:
             self.rehook()
         finally:
-            for p, data in zip(part.params, held):
+            for i, (p, data) in enumerate(zip(part.params, held)):
                 p.data = data
+                if not data.numel():
+                    mark_released(p, part.names[i])
 
     def whole_in_own_dtype(self):
         """Whether some parameter is whole in its own dtype now though it
@@ -169,6 +176,7 @@ class ShardedParameters:
         p = self._partition.params[i]
         whole = p.data
         p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
+        mark_released(p, self._partition.names[i])
         self._flipped |= whole.dtype != p.dtype
         return whole
 
@@ -229,6 +237,7 @@ class ShardedParameters:
         p, form = self._partition.params[i], self._partition.forms[i]
         dtype = form.dtype if exact else self.step_dtypes[i]
         self._flipped |= dtype != p.dtype
+        mark_whole(p)
         p.data = torch.empty_strided(form.shape, form.stride(), dtype=dtype, device=p.device)
 
     def lost(self, error, exact=False):

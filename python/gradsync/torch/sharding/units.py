@@ -66,9 +66,9 @@ for nothing and waits for whichever comes first, the round's sum (a peer
 asked: it gathers with it, then waits on) or its reductions. No timer
 ends a wait: each ends because what it waits for happened.
 
-Between its uses a unit's parameters are empty tensors (a stray read gets
-nothing, never freed memory), and the storage they had is resized to
-nothing (as FSDP does): the tensors autograd saved of them (a transposed
+Between its uses a unit's parameters are empty tensors (a stray read of
+their values raises, naming the parameter: ``sharding.released``), and
+the storage they had is resized to nothing (as FSDP does): the tensors autograd saved of them (a transposed
 weight) share it, so a release really frees it, and the gather before
 backward grows the same storage back and refills it (under
 ``_unsafe_preserve_version_counter``: autograd sees the tensor it saved).
@@ -87,6 +87,7 @@ from gradsync._native import Residency
 from gradsync.torch.sharding.layout import flat_values
 from gradsync.torch.sharding.norm import LOST
 from gradsync.torch.sharding.parameters import ShardedParameters
+from gradsync.torch.sharding.released import mark_whole
 from gradsync.torch.sharding.unit_modules import BackwardEnds, Unit, entries
 
 #: How long one look at the lane or the reductions lasts while a rank waits
@@ -454,6 +455,7 @@ class UnitResidence(ShardedParameters):
                 continue
             if kept is not None and not self._exact:
                 kept.untyped_storage().resize_(self._nbytes[i])
+                mark_whole(p)
                 p.data = kept
             else:
                 self._new_whole(i, self._exact)
