@@ -3,6 +3,7 @@ often each unit is gathered, how many are whole at once, and what a rank
 whose forward differs from the others' does to the rounds."""
 
 import copy
+import io
 import logging
 import time
 
@@ -491,8 +492,9 @@ def meta_refusals(rank, world):
 def reads_between_steps(rank, world, units=True):
     """What a training loop written the usual way reads of a sharded
     model's parameters: a weight-norm log after ``optimizer.step()``, an L2
-    penalty summed over ``model.parameters()`` after the forward, the same
-    log inside ``whole_parameters()``, and a count of the parameters.
+    penalty summed over ``model.parameters()`` after the forward, a deep
+    copy between steps; inside ``whole_parameters()`` the same log, an EMA
+    deep copy and a ``torch.save`` of the module, each run beside it.
     Returns, per read, the error's class and parameter, or the value."""
     from gradsync import ReleasedParameterError
 
@@ -518,8 +520,21 @@ def reads_between_steps(rank, world, units=True):
         with torch.no_grad():
             attempt("norms", lambda: [p.norm().item() for p in wrapped.module.parameters()])
             attempt("detached", lambda: [p.detach().norm().item() for p in wrapped.module.parameters()])
+        attempt("copied", lambda: copy.deepcopy(wrapped.module))
         with wrapped.whole_parameters():
             seen["whole_norms"] = [p.norm().item() for p in wrapped.module.parameters()]
+            # An EMA copy, and a pickle of the module: plain modules of their own, without the wrapper.
+            ema, saved = copy.deepcopy(wrapped.module), io.BytesIO()
+            torch.save(wrapped.module, saved)
+            x = _batch(7, rank, world)
+            with torch.no_grad():
+                want = wrapped.module(x)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        with torch.no_grad():
+            seen["copies_off"] = max(float((ema(x) - want).abs().max()), float((loaded(x) - want).abs().max()))
+        seen["copy_hooks_inert"] = all(type(h).__name__ == "_Inert" for m in ema.modules()
+                                       for h in m._forward_pre_hooks.values())
         seen["grad_of_released"] = [p.grad for p in wrapped.module.parameters()].count(None)
         seen["named"] = [n for n, _ in wrapped.module.named_parameters()]
         return seen

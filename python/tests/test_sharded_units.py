@@ -251,7 +251,8 @@ def test_a_meta_model_is_refused_where_it_cannot_be_materialized(world2):
 def test_a_released_parameters_values_are_never_read_silently(world2, units):
     # A logging callback's weight norms after optimizer.step() got 0.0 for every weight, and an L2
     # penalty over model.parameters() after the forward died inside autograd: each read now raises,
-    # naming the parameter and whole_parameters(); inside whole_parameters() the norms are right.
+    # naming the parameter and whole_parameters(); inside whole_parameters() the norms are right, and
+    # copies of the module (EMA, torch.save) are plain modules.
     for rank, seen in enumerate(world2.run(sharded_units.reads_between_steps, units=units)):
         first = seen["named"][0]
         assert seen["norms"] == ("ReleasedParameterError", first, True), f"rank {rank}: {seen['norms']}"
@@ -259,5 +260,9 @@ def test_a_released_parameters_values_are_never_read_silently(world2, units):
         if units is True:  # (one unit is whole from the forward to the step's end: the penalty reads it)
             kind, name, says = seen["penalty"]
             assert kind == "ReleasedParameterError" and name.startswith("blocks.") and says, seen["penalty"]
+        assert seen["copied"] == ("ReleasedParameterError", first, True), f"rank {rank}: {seen['copied']}"
         assert all(n > 0 for n in seen["whole_norms"]), f"rank {rank}: {seen['whole_norms']}"
+        # Copies made whole (EMA, torch.save of the module): exact, and without the wrapper's hooks (a copy
+        # of the module used to copy the wrapper and fail with "no attribute '_parameters'").
+        assert seen["copies_off"] == 0.0 and seen["copy_hooks_inert"], f"rank {rank}: {seen}"
         assert seen["grad_of_released"] == len(seen["named"]), "the .grad of a sharded parameter reads as None"

@@ -11,7 +11,10 @@ holds; a parameter two units hold belongs to the first::
 
 and what ``sharding.units`` keeps per unit: :class:`Unit` (its
 parameters, buckets and needs) and :class:`BackwardEnds` (the hook that
-sees a unit's backward end).
+sees a unit's backward end). Every hook gradsync puts on a module is a
+:class:`ModuleHook`: a copy of the module (``copy.deepcopy``, an EMA
+model, ``torch.save(model.module)``) carries it inert, a plain module of
+its own, never a copy of the wrapper.
 """
 
 import torch
@@ -119,3 +122,33 @@ class BackwardEnds(torch.autograd.Function):
         ctx.ended()
         return (None, *grads)
 
+
+class ModuleHook:
+    """A hook gradsync puts on a module (``fn``, called as the module
+    calls it) that a copy of the module does not carry along: a deep copy
+    or a pickle of the module holds an inert hook instead (the wrapper's
+    state, which ``fn`` refers to, stays the wrapper's alone)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        """``fn``'s answer (the module calls its hooks with their arguments)."""
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """An inert hook: the copy is a plain module."""
+        return _Inert()
+
+    def __reduce__(self):
+        """Pickled as an inert hook."""
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a copy of a module holds for one of gradsync's hooks: nothing happens."""
+
+    def __call__(self, *args, **kwargs):
+        return None

@@ -88,7 +88,7 @@ from gradsync.torch.sharding.layout import flat_values
 from gradsync.torch.sharding.norm import LOST
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.released import mark_whole
-from gradsync.torch.sharding.unit_modules import BackwardEnds, Unit, entries
+from gradsync.torch.sharding.unit_modules import BackwardEnds, ModuleHook, Unit, entries
 
 #: How long one look at the lane or the reductions lasts while a rank waits
 #: for whichever of the two comes first (seconds): a poll's tick, not a
@@ -143,8 +143,9 @@ class UnitResidence(ShardedParameters):
         self._handles = []
         for unit, m in zip(self.units[1:], modules):
             for entry in entries(m):
-                self._handles.append(entry.register_forward_pre_hook(self._before_forward(unit), with_kwargs=True))
-                self._handles.append(entry.register_forward_hook(self._after_forward(unit)))
+                self._handles.append(
+                    entry.register_forward_pre_hook(ModuleHook(self._before_forward(unit)), with_kwargs=True))
+                self._handles.append(entry.register_forward_hook(ModuleHook(self._after_forward(unit))))
 
     @property
     def prefetch(self):

@@ -40,6 +40,7 @@ from gradsync.torch.sharding.members import ShardedMembers
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.partition import Partition
+from gradsync.torch.sharding.unit_modules import ModuleHook
 from gradsync.torch.sharding.units import UnitResidence
 
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
@@ -202,11 +203,11 @@ class Sharding(ShardedMembers):
             self._direct = []
             handles = [
                 # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
-                self.module.register_state_dict_pre_hook(lambda *_: refuse("state_dict()")),
-                self.module.register_load_state_dict_pre_hook(lambda *_: refuse("load_state_dict()")),
+                self.module.register_state_dict_pre_hook(ModuleHook(lambda *_: refuse("state_dict()"))),
+                self.module.register_load_state_dict_pre_hook(ModuleHook(lambda *_: refuse("load_state_dict()"))),
                 # The module called itself, not through this wrapper (HF Trainer's evaluation does).
-                self.module.register_forward_pre_hook(self._direct_forward_begins),
-                self.module.register_forward_hook(self._direct_forward_ends),
+                self.module.register_forward_pre_hook(ModuleHook(self._direct_forward_begins)),
+                self.module.register_forward_hook(ModuleHook(self._direct_forward_ends)),
             ]
             # Closed or retired, the wrapper takes them off: a newer wrapper of the module would meet them.
             self._sync.on_close.append(lambda: [handle.remove() for handle in handles])
