@@ -91,9 +91,14 @@ def main():
     parser.add_argument("--static-graph", action="store_true")
     parser.add_argument("--find-unused", action="store_true")
     parser.add_argument("--shard", action="store_true", help="gradsync's shard_gradients=True (two optimizers)")
+    parser.add_argument("--shard-parameters", action="store_true",
+                        help="gradsync's shard_parameters=True (ZeRO-3: the generator's layers are units, the "
+                             "discriminator the root; each step ends inside the wrapper's forward)")
     args = parser.parse_args()
     options = {"static_graph": args.static_graph, "find_unused_parameters": args.find_unused}
     sharded = {"shard_gradients": True} if args.shard else {}
+    if args.shard_parameters:
+        sharded = {"shard_parameters": True}
     if args.impl == "replace":
         import gradsync.torch
 

@@ -277,6 +277,9 @@ class ShardedParameters:
         the failed step left."""
         self.release()
 
+    def forward_begins(self):
+        """Nothing: the wrapper's forward gathers every parameter (:meth:`assemble`)."""
+
     def forward_ended(self):
         """Nothing: the parameters stay whole until the step ends."""
 

@@ -99,10 +99,11 @@ TICK_S = 0.002
 class UnitResidence(ShardedParameters):
     """``ShardedParameters`` gathered a unit at a time (see the module
     docs). ``units``: each parameter's unit (``choose``); ``modules``: the
-    listed modules, unit ``u`` is ``modules[u - 1]``. Its :attr:`lane` is
-    set by the wrapper once its hooks exist."""
+    listed modules, unit ``u`` is ``modules[u - 1]``; ``model``: the
+    wrapped module (its modules holding root parameters are hooked too).
+    Its :attr:`lane` is set by the wrapper once its hooks exist."""
 
-    def __init__(self, partition, units, names, modules):
+    def __init__(self, partition, units, names, modules, model):
         super().__init__(partition)
         #: The gather lane (``sharding.gather.LaneGather``).
         self.lane = None
@@ -140,12 +141,19 @@ class UnitResidence(ShardedParameters):
         self._flight = None
         #: A failure posting the round's words, answered when its sum is awaited.
         self._post_failed = None
+        #: Whether the wrapper's forward is running (from its assemble to its end).
+        self._forwarding = False
         self._handles = []
         for unit, m in zip(self.units[1:], modules):
             for entry in entries(m):
                 self._handles.append(
                     entry.register_forward_pre_hook(ModuleHook(self._before_forward(unit)), with_kwargs=True))
                 self._handles.append(entry.register_forward_hook(ModuleHook(self._after_forward(unit))))
+        in_units = {id(sub) for m in modules for sub in m.modules()}
+        root = {id(partition.params[i]) for i in self.units[0].params}
+        for m in model.modules():
+            if id(m) not in in_units and any(id(p) in root for p in m._parameters.values() if p is not None):
+                self._handles.append(m.register_forward_pre_hook(ModuleHook(_outside_compile(self._root_needed))))
 
     @property
     def prefetch(self):
@@ -228,7 +236,11 @@ class UnitResidence(ShardedParameters):
         ``whole_parameters``) ended: serve the others' last rounds, the
         pieces of whole units read their parameters, then every parameter
         is an empty tensor. A step's order of units is what the next step
-        prefetches by."""
+        prefetches by. A step that ends inside the wrapper's forward (manual
+        optimization: a backward and ``optimizer.step()`` in it) leaves the
+        root unit to be gathered again where its modules run next."""
+        if not step_ended:
+            self._forwarding = False
         self.serve()
         part = self._partition
         whole_units = range(len(self.units)) if self.whole else self.protocol.whole_units()
@@ -288,10 +300,26 @@ class UnitResidence(ShardedParameters):
             handle.remove()
         self._handles = []
 
+    def forward_begins(self):
+        """The wrapper's forward begins (whether or not it gathers)."""
+        self._forwarding = True
+
     def forward_ended(self):
         """The wrapper's forward returned: the units nothing holds are released."""
+        self._forwarding = False
         self.protocol.forward_ended()
         self._drive()
+
+    def _root_needed(self, module, args):
+        """A module holding root parameters is called: inside the wrapper's
+        forward, after a step ended in it (manual optimization: backward
+        and ``optimizer.step()`` inside, Lightning's GAN recipe), the root
+        unit is released and is gathered again here, with the values the
+        optimizer just stepped. Elsewhere nothing (a read of a released
+        parameter raises, naming it)."""
+        if self._forwarding and not self.whole and self.protocol.state(0) == "released":
+            self.protocol.assemble()
+            self._drive()
 
     # ---- hooks --------------------------------------------------------------------------------
 

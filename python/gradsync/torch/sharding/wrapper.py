@@ -192,7 +192,7 @@ class Sharding(ShardedMembers):
         )
         if parameters:
             units, names, modules = parameters
-            self._partition.residence = (UnitResidence(self._partition, units, names, modules)
+            self._partition.residence = (UnitResidence(self._partition, units, names, modules, self.module)
                                          if len(names) > 1 else ShardedParameters(self._partition))
             if meta is not None:
                 forms, param_init = meta
@@ -293,6 +293,7 @@ class Sharding(ShardedMembers):
         residence = self._partition.residence if self._partition is not None else None
         if residence is None:
             return False
+        residence.forward_begins()
         if torch.is_grad_enabled() and residence.whole_in_own_dtype():
             # Whole in their own dtype (gathered for a framework's teardown): a step computes in param_dtype.
             self._sync.refuse_if_closed()
