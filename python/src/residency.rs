@@ -184,6 +184,12 @@ impl Residency {
         self.inner.learned().to_vec()
     }
 
+    /// Whether the next unit is gathered while the current one computes.
+    #[getter]
+    fn prefetch(&self) -> bool {
+        self.inner.prefetch()
+    }
+
     /// Turn the prefetch on or off.
     fn set_prefetch(&mut self, on: bool) {
         self.inner.set_prefetch(on);

@@ -269,6 +269,11 @@ impl Residency {
         &self.learned
     }
 
+    /// Whether the next unit (by `learned`) is gathered while the current one computes.
+    pub fn prefetch(&self) -> bool {
+        self.prefetch
+    }
+
     /// Turn the prefetch on or off (`prefetch_units`).
     pub fn set_prefetch(&mut self, on: bool) {
         self.prefetch = on;
@@ -330,7 +335,8 @@ impl Residency {
         };
         if let Some(most) = wait {
             if !self.units[unit].holds.contains(&call) && !self.broken && self.world > 1 {
-                self.tasks.push_back(Task::WaitReductions { most });
+                // (Asked at once; a `false` answer polls: `rounds.rs`.)
+                self.tasks.push_back(Task::Await(Awaiting::Reductions { most, patient: false }));
             }
         }
         self.push_ensure(unit);

@@ -169,7 +169,8 @@ impl From<Then> for Task {
     fn from(then: Then) -> Task {
         match then {
             Then::ServeOn => Task::ServeOn,
-            Then::AfterPoll { most, asked } => Task::AfterPoll { most, asked },
+            // (After a peer asked, the reductions may have settled at once; else wait a tick.)
+            Then::AfterPoll { most, asked } => Task::Await(Awaiting::Reductions { most, patient: !asked }),
         }
     }
 }
@@ -192,13 +193,8 @@ pub(super) enum Task {
     Serve,
     /// The next serving round (the last one's sum had a rank not serving).
     ServeOn,
-    /// Wait for at most `most` buckets in their reduction, joining rounds.
-    WaitReductions { most: usize },
     /// Poll: a round asking for nothing while the reductions settle.
     Poll { most: usize },
-    /// After a poll's round: ask whether the reductions settled (waiting a
-    /// tick for them unless `asked`: a peer is active), and poll again if not.
-    AfterPoll { most: usize, asked: bool },
     /// A command that waits, and what it waits for.
     Await(Awaiting),
     /// A command with no answer.
@@ -313,7 +309,6 @@ impl Residency {
                 None
             }
             Task::ServeOn => self.open_round(&[], RoundKind::Serve),
-            Task::WaitReductions { most } => self.run(Task::Await(Awaiting::Reductions { most, patient: false })),
             Task::Poll { most } => {
                 if self.broken {
                     return None;
@@ -327,10 +322,6 @@ impl Residency {
                 self.counts.polls += 1;
                 self.tasks.push_front(Task::Await(Awaiting::SumOrReductions { most }));
                 Some(Command::Post(self.words(&[], false)))
-            }
-            Task::AfterPoll { most, asked } => {
-                // (After a peer asked, the reductions may have settled at once; else wait a tick.)
-                self.run(Task::Await(Awaiting::Reductions { most, patient: !asked }))
             }
             Task::Await(awaiting) => {
                 let command = match &awaiting {

@@ -103,8 +103,6 @@ pub(super) struct Rank {
     pub(super) posts_after_lost: usize,
     /// Per unit, the `Zeros` commands carried out for it.
     pub(super) zeros: Vec<usize>,
-    /// Commands carried out, by kind, for the scenario's checks.
-    releases: usize,
 }
 
 /// Every rank, the lane that pairs their rounds and the reductions' plan.
@@ -141,7 +139,6 @@ impl World {
                 seen_lost: false,
                 posts_after_lost: 0,
                 zeros: vec![0; units],
-                releases: 0,
             })
             .collect();
         World { ranks, posts: Vec::new(), gathers: Vec::new(), plan: (0..units).rev().collect() }
@@ -214,7 +211,6 @@ impl World {
             Command::Release(u) => {
                 assert!(rank.whole[*u], "rank {r}: unit {u} released twice");
                 rank.whole[*u] = false;
-                rank.releases += 1;
             }
             Command::Post(words) => {
                 assert_eq!(words.len(), rank.whole.len() + 1);

@@ -95,6 +95,10 @@ from gradsync.torch.sharding.unit_modules import BackwardEnds, ModuleHook, Unit,
 #: deadline (the wait goes on until one of them comes).
 TICK_S = 0.002
 
+#: How long a rank looks, once, whether its reductions settled before it
+#: polls (seconds): the answer of a scheduler that has it at hand.
+GLANCE_S = 0.0002
+
 
 class UnitResidence(ShardedParameters):
     """``ShardedParameters`` gathered a unit at a time (see the module
@@ -159,14 +163,11 @@ class UnitResidence(ShardedParameters):
     def prefetch(self):
         """Whether the next unit (by the last step's order) is gathered
         while the current one computes (``prefetch_units``)."""
-        return self._prefetch
+        return self.protocol.prefetch
 
     @prefetch.setter
     def prefetch(self, on):
-        self._prefetch = bool(on)
-        self.protocol.set_prefetch(self._prefetch)
-
-    _prefetch = True
+        self.protocol.set_prefetch(bool(on))
 
     @property
     def counts(self):
@@ -386,7 +387,7 @@ class UnitResidence(ShardedParameters):
                 self._answer_sum(command[1])
             elif kind == "await_reductions":
                 _, most, patient = command
-                protocol.answer("settled", bool(self.await_in_flight(most, TICK_S if patient else 0.0002)))
+                protocol.answer("settled", bool(self.await_in_flight(most, TICK_S if patient else GLANCE_S)))
             elif kind == "gather":
                 self._start(command[1])
             elif kind == "finish_gather":
@@ -462,9 +463,7 @@ class UnitResidence(ShardedParameters):
         self.spoiled = True
         for u in keep:
             for b in self.units[u].buckets:
-                self._allocate(b)
-                for i in self._partition.buckets[b].members:
-                    self._partition.params[i].data.zero_()
+                self._allocate(b, zeros=True)
 
     def _lost(self, error):
         """A collective of the lane failed: the protocol is told (no round
@@ -473,10 +472,11 @@ class UnitResidence(ShardedParameters):
         self.protocol.answer("lost")
         self.lost(error, self._exact)
 
-    def _allocate(self, b):
+    def _allocate(self, b, zeros=False):
         """Bucket ``b``'s parameters given their memory again: the storage a
         release inside the step emptied grows back to its size (the tensors
-        autograd saved of the parameter see it again), else a new one."""
+        autograd saved of the parameter see it again), else a new one;
+        ``zeros``: filled with zeros (a gather that failed)."""
         part = self._partition
         for i in part.buckets[b].members:
             p, kept = part.params[i], self._kept[i]
@@ -489,6 +489,8 @@ class UnitResidence(ShardedParameters):
             else:
                 self._new_whole(i, self._exact)
                 self._nbytes[i] = p.untyped_storage().nbytes()
+            if zeros:
+                p.data.zero_()
 
     def _empty(self, i, inside_step):
         """Parameter ``i`` released: an empty tensor. ``inside_step``: its
