@@ -12,7 +12,7 @@ Sources, never edited by hand:
 * ``docs/data/membership/*.json``: ``gradsync-bench membership --json`` and
   ``benches/torch/membership_scale.py --json`` (see ``gen_membership.py``);
 * ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
-  ``sharded_side_by_side.py``, ``sharded_elastic.py`` and ``meta_init.py --json``;
+  ``sharded_side_by_side.py``, ``sharded_elastic.py``, ``meta_init.py`` and ``sharded_checkpoint.py --json``;
 * ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
   (host time per step and per gradient, world 1);
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
@@ -49,6 +49,7 @@ SHARDED_STEPS = ROOT / "docs" / "data" / "sharded" / "steps.json"
 SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
 SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
 SHARDED_META = ROOT / "docs" / "data" / "sharded" / "meta.json"
+SHARDED_CHECKPOINT = ROOT / "docs" / "data" / "sharded" / "checkpoint.json"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
 MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
@@ -364,17 +365,23 @@ def _bench_run(path: Path, bench: str) -> dict:
     return json.loads(path.read_text())
 
 
+def _table(columns, rows) -> list:
+    """A markdown table's lines: ``columns`` (names) and ``rows`` (each a
+    sequence of cells, already formatted)."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
+        ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
 def sharded_elastic() -> str:
     """A buddy copy's memory and a lost rank's cost, sharded against
     unsharded elastic jobs (``benches/torch/sharded_elastic.py --json``)."""
     run = _bench_run(SHARDED_ELASTIC, "sharded_elastic.py")
     what = {"unsharded": "unsharded", "gradients": "`shard_gradients=True`, with a buddy copy",
             "parameters": "`shard_parameters=True`, with a buddy copy"}
-    out = ["| world | sharded | parameters per rank between steps, MB | averaged gradients per rank, MB | "
-           "optimizer state per rank, MB |", "|---|---|---|---|---|"]
-    for r in run["memory"]:
-        out.append(f"| {r['world']} | {what[r['mode']]} | {r['parameter_bytes'] / 1e6:.2f} | "
-                   f"{r['runtime_bytes'] / 1e6:.2f} | {r['optimizer_bytes'] / 1e6:.2f} |")
+    out = _table(["world", "sharded", "parameters per rank between steps, MB", "averaged gradients per rank, MB",
+                  "optimizer state per rank, MB"],
+                 [(r["world"], what[r["mode"]], f"{r['parameter_bytes'] / 1e6:.2f}", f"{r['runtime_bytes'] / 1e6:.2f}",
+                   f"{r['optimizer_bytes'] / 1e6:.2f}") for r in run["memory"]])
     out += ["", "| a rank killed | sharded | failure → new group, ms | steps skipped |", "|---|---|---|---|"]
     for k in run["kills"]:
         when = "before its optimizer step" if k["phase"] == "optimizer" else f"in its {k['phase']}"
@@ -401,6 +408,25 @@ def sharded_meta() -> str:
     meta = run["meta"]
     out.append(f"\n{meta['machine']}, torch {meta['torch']}; a GPT-2-shaped model of {meta['layers']} blocks of "
                f"width {meta['width']}, a tied {meta['vocab']}-word embedding; `{meta['command']}`.")
+    return "\n".join(out)
+
+
+def sharded_checkpoint() -> str:
+    """What a sharded checkpoint of a model built on the meta device costs a
+    rank, each rank writing and reading its pieces against the model
+    gathered whole first (``benches/torch/sharded_checkpoint.py --json``)."""
+    run = _bench_run(SHARDED_CHECKPOINT, "sharded_checkpoint.py")
+    mib = 1 << 20
+    way = {"pieces": "`checkpoint.save` / `load`: each rank its pieces",
+           "whole": "the same inside `whole_parameters()`: the model gathered first"}
+    out = _table(["how", "what", "ranks", "peak resident memory growth in it, MiB", "peak, MiB", "pieces kept, MiB",
+                  "the model, MiB"],
+                 [(way[r["way"]], r["what"], r["world"], *(f"{r[k] / mib:.0f}" for k in ("growth", "peak", "pieces", "whole")))
+                  for r in run["rows"]])
+    meta = run["meta"]
+    out.append(f"\n{meta['machine']}, torch {meta['torch']}; a GPT-2-shaped model of {meta['layers']} blocks of "
+               f"width {meta['width']}, a tied {meta['vocab']}-word embedding, built on the meta device, one AdamW "
+               f"step before the save; `{meta['command']}`.")
     return "\n".join(out)
 
 
@@ -572,6 +598,7 @@ GENERATORS = {
     "sharded-steps": sharded_steps,
     "sharded-elastic": sharded_elastic,
     "sharded-meta": sharded_meta,
+    "sharded-checkpoint": sharded_checkpoint,
 }
 
 

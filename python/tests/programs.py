@@ -262,15 +262,16 @@ def channels_last(rank, world, steps=3, **wrap):
         model.close()
 
 
-def checkpoint_save(rank, world, path, steps=4):
+def checkpoint_save(rank, world, path, steps=4, sharding=None):
     """nanoGPT's model at the default bucket size (one bucket: with two ranks
     rank 0 holds no piece of the embeddings), AdamW in two groups, saved
     with ``gradsync.torch.checkpoint`` after ``steps`` steps. Returns (rank
-    0) the consolidated optimizer state and the parameters saved."""
+    0) the consolidated optimizer state and the parameters saved.
+    ``sharding``: the wrapper's setting (default ``shard_gradients=True``)."""
     from gradsync.torch import checkpoint
 
     torch.manual_seed(0)
-    model = DDP(TinyGPT(), shard_gradients=True)
+    model = DDP(TinyGPT(), **(sharding or {"shard_gradients": True}))
     optimizer = _nanogpt_optimizer(model, 1e-3)
     data = torch.randint(0, 64, (steps, world * 2, 17), generator=torch.Generator().manual_seed(5))
     try:
@@ -281,30 +282,36 @@ def checkpoint_save(rank, world, path, steps=4):
             optimizer.step()
         checkpoint.save(path, model, optimizer)
         optimizer.consolidate_state_dict(to=0)
-        if rank == 0:
-            return {"optimizer": optimizer.state_dict(), "params": [p.detach().clone() for p in model.parameters()]}
-        return None
+        with model.whole_parameters():
+            params = [p.detach().clone() for p in model.parameters()]
+        return {"optimizer": optimizer.state_dict(), "params": params} if rank == 0 else None
     finally:
         model.close()
 
 
-def checkpoint_load(rank, world, path, saved):
+def checkpoint_load(rank, world, path, saved, sharding=None):
     """:func:`checkpoint_save`'s checkpoint loaded into a fresh wrapper on
-    this world size: the largest difference of the parameters and of the
-    consolidated optimizer state from what was saved."""
+    this world size (``sharding``: its setting, default
+    ``shard_gradients=True``; sharded parameters are released first, as a
+    resumed job's are after a step): the largest difference of the
+    parameters and of the consolidated optimizer state from what was saved."""
     from gradsync.torch import checkpoint
 
     torch.manual_seed(9)  # other initial values: the load must replace them
-    model = DDP(TinyGPT(), shard_gradients=True)
+    model = DDP(TinyGPT(), **(sharding or {"shard_gradients": True}))
     optimizer = _nanogpt_optimizer(model, 0.5)
     try:
+        if model._partition.residence is not None:
+            model._partition.residence.release()
         checkpoint.load(path, model, optimizer)
         optimizer.consolidate_state_dict(to=-1)
         got, want = optimizer.state_dict(), saved["optimizer"]
         state = max(((got["state"][n][k].double() - v.double()).abs().max().item()
                      for n in want["state"] for k, v in want["state"][n].items()), default=float("inf"))
+        with model.whole_parameters():
+            params = max((a - b).abs().max().item() for a, b in zip(model.parameters(), saved["params"]))
         return {
-            "params": max((a - b).abs().max().item() for a, b in zip(model.parameters(), saved["params"])),
+            "params": params,
             "state": state if sorted(got["state"]) == sorted(want["state"]) else float("inf"),
             "lr": [g["lr"] for g in got["param_groups"]],
         }
@@ -320,3 +327,4 @@ def checkpoint_load_error(rank, world, path):
     except Exception as e:  # (torch's CheckpointException is a BaseException: it would pass through)
         return f"{type(e).__name__}: ranks {getattr(e, 'ranks', None)}: {e}"
     return None
+

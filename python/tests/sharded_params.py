@@ -76,9 +76,9 @@ def residence(rank, world, steps=3, units=True):
             _reference_step(reference, ref_opt, step, world)
             opt.zero_grad()
             _loss(wrapped, step, rank, world).backward()
-            seen["after_backward"].append(sum(p.numel() for p in wrapped.parameters()))
+            seen["after_backward"].append(sum(p.data.numel() for p in wrapped.parameters()))
             opt.step()
-            seen["after_step"].append(sum(p.numel() for p in wrapped.parameters()))
+            seen["after_step"].append(sum(p.data.numel() for p in wrapped.parameters()))
             seen["worst"] = max(seen["worst"], _diff(reference, wrapped))
         seen["held"] = sum(piece.tensor.numel() for piece in wrapped._partition.pieces)
         seen["whole"] = sum(p.numel() for p in reference.parameters())
@@ -89,7 +89,7 @@ def residence(rank, world, steps=3, units=True):
         with torch.no_grad():
             x = _batch(steps, rank, world)
             seen["eval"] = (wrapped(x) - reference(x)).abs().max().item()
-        seen["after_eval"] = sum(p.numel() for p in wrapped.parameters())
+        seen["after_eval"] = sum(p.data.numel() for p in wrapped.parameters())
         loss = _loss(wrapped, steps, rank, world)
         before = [p.data_ptr() for p in wrapped.parameters()]
         with torch.no_grad():
@@ -97,7 +97,7 @@ def residence(rank, world, steps=3, units=True):
         seen["gathered_again"] = before != [p.data_ptr() for p in wrapped.parameters()]
         # Between its forward and its backward a unit's parameters are empty;
         # gathered once per step, they are whole, and what is written into them is kept.
-        seen["between"] = wrapped.module[2].bias.numel()
+        seen["between"] = wrapped.module[2].bias.data.numel()
         if not units:
             with torch.no_grad():
                 wrapped.module[2].bias.add_(1.0)
@@ -201,7 +201,7 @@ def mixed_parameters(rank, world, steps=3):
                 (reference(x[r * 2 : (r + 1) * 2]) / world).backward()
             opt.step()
             ref_opt.step()
-        seen = {n: {"between": p.numel()} for n, p in wrapped.module.named_parameters()}
+        seen = {n: {"between": p.data.numel()} for n, p in wrapped.module.named_parameters()}
         with wrapped.whole_parameters():
             for (n, p), q in zip(wrapped.module.named_parameters(), reference.parameters()):
                 seen[n].update(diff=(p.detach() - q.detach()).abs().max().item(), dtype=p.dtype,
@@ -230,7 +230,7 @@ def direct_evaluation(rank, world, units=True, steps=2):
             with torch.no_grad():
                 x = _batch(100 + step, rank, world)
                 seen["eval"] = max(seen["eval"], (wrapped.module(x) - reference(x)).abs().max().item())
-            seen["after"].append(sum(p.numel() for p in wrapped.module.parameters()))
+            seen["after"].append(sum(p.data.numel() for p in wrapped.module.parameters()))
         seen["with_grad"] = _refused(lambda: wrapped.module(_batch(0, rank, world)))
         return seen
     finally:

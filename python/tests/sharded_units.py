@@ -116,7 +116,7 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
             before = list(residence.counts["gathers"])
             loss = wrapped(_batch(step, rank, world)).square().mean()
             # A unit's parameters are empty between its forward and its backward.
-            between = [p.numel() for p in wrapped.module.blocks.parameters()]
+            between = [p.data.numel() for p in wrapped.module.blocks.parameters()]
             loss.backward()
             gathers = [g + now - then for g, now, then in zip(gathers, residence.counts["gathers"], before)]
             opt.step()
@@ -438,7 +438,7 @@ def meta_init(rank, world, units=True, steps=3, param_dtype=None, default_init=F
         return {"recorded": list(recorded.values()), "start": [start[n].sum().item() for n in order], "worst": worst,
                 "most_whole": max(whole_now, default=0), "unit_bytes": unit_bytes, "root_bytes": root_bytes,
                 "model_bytes": sum(p.numel() * 8 for p in reference.parameters()),
-                "released": all(p.numel() == 0 for p in wrapped.module.parameters())}
+                "released": all(p.data.numel() == 0 for p in wrapped.module.parameters())}
     finally:
         wrapped.close()
 
@@ -537,6 +537,92 @@ def reads_between_steps(rank, world, units=True):
                                        for h in m._forward_pre_hooks.values())
         seen["grad_of_released"] = [p.grad for p in wrapped.module.parameters()].count(None)
         seen["named"] = [n for n, _ in wrapped.module.named_parameters()]
+        # What reads no values answers as the whole parameter: a parameter count, shapes, sizes.
+        seen["count"] = (sum(p.numel() for p in wrapped.module.parameters()),
+                         sum(p.numel() for p in reference.parameters()))
+        seen["shapes"] = ([(tuple(p.shape), p.size(), p.dim(), p.ndim, p.size(-1)) for p in wrapped.module.parameters()],
+                          [(tuple(p.shape), p.size(), p.dim(), p.ndim, p.size(-1)) for p in reference.parameters()])
+        seen["held"] = sum(p.data.numel() for p in wrapped.module.parameters())
         return seen
+    finally:
+        wrapped.close()
+
+
+def _meta_stack(seed):
+    """:class:`Stack` built on the meta device and wrapped (units), its
+    values drawn from ``seed`` as it is materialized."""
+    with torch.device("meta"):
+        model = Stack().double()
+    draws = torch.Generator().manual_seed(seed)
+
+    def init(module):
+        for p in module.parameters(recurse=False):
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=draws) * 0.3)
+
+    return GradsyncDDP(model, shard_parameters=True, bucket_cap_mb=0.001, param_init=init)
+
+
+def _train(model, opt, steps, rank, world, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        model(_batch(step, rank, world)).square().mean().backward()
+        opt.step()
+
+
+def _untouched(wrapped, call):
+    """``call()`` with no parameter gathered: the protocol's gathers before
+    and after, and whether every parameter stayed released."""
+    residence = wrapped._partition.residence
+    before = residence.counts["gathers"]
+    call()
+    return {"gathers": [now - then for now, then in zip(residence.counts["gathers"], before)],
+            "released": all(p.data.numel() == 0 for p in wrapped.module.parameters())}
+
+
+def meta_save(rank, world, path, steps=3):
+    """A :class:`Stack` built on the meta device, trained ``steps`` steps
+    with AdamW and saved with ``gradsync.torch.checkpoint`` to ``path``:
+    whether the save gathered anything, and (rank 0) the whole values it
+    started from and the state dict it saved (gathered before and after,
+    for the reference)."""
+    from gradsync.torch import checkpoint
+
+    wrapped = _meta_stack(11)
+    try:
+        with wrapped.whole_parameters():
+            start = {n: p.detach().clone() for n, p in wrapped.module.named_parameters()}
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+        _train(wrapped, opt, steps, rank, world)
+        seen = _untouched(wrapped, lambda: checkpoint.save(path, wrapped, opt))
+        with wrapped.whole_parameters():
+            saved = {n: t.detach().clone() for n, t in wrapped.module.state_dict().items()}
+        return {**seen, "start": start if rank == 0 else None, "saved": saved if rank == 0 else None}
+    finally:
+        wrapped.close()
+
+
+def meta_load(rank, world, path, start, saved_world, saved_steps=3, steps=2):
+    """Another :class:`Stack` on the meta device (other values), on this
+    world size: ``path`` loaded into it, then ``steps`` more steps, next to
+    one process that ran the saved job's steps (``saved_world`` ranks'
+    batches) and then these: whether the load gathered anything, and the
+    largest difference of the parameters after the loaded steps."""
+    from gradsync.torch import checkpoint
+
+    reference = Stack().double()
+    reference.load_state_dict(start)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    _train(reference, ref_opt, saved_steps, None, saved_world)
+    _train(reference, ref_opt, steps, None, world, first=saved_steps)
+    wrapped = _meta_stack(99)
+    try:
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+        seen = _untouched(wrapped, lambda: checkpoint.load(path, wrapped, opt))
+        _train(wrapped, opt, steps, rank, world, first=saved_steps)
+        with wrapped.whole_parameters():
+            worst = max((a - b).abs().max().item()
+                        for a, b in zip(reference.parameters(), wrapped.module.parameters()))
+        return {**seen, "worst": worst}
     finally:
         wrapped.close()

@@ -182,6 +182,14 @@ def test_meta_init_builds_on_both_devices(tmp_path):
     assert rows[0]["pieces"] == rows[1]["pieces"] and rows[0]["pieces"] < rows[0]["whole"], rows
 
 
+def test_sharded_checkpoint_saves_and_loads_at_another_world(tmp_path):
+    bench("sharded_checkpoint.py", "--save-world", "2", "--load-world", "3", "--layers", "2", "--width", "64",
+          "--vocab", "256", "--ways", "pieces", "--json", tmp_path / "c.json", timeout=300)
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [(r["what"], r["world"]) for r in rows] == [("save", 2), ("load", 3)], rows
+    assert all(r["pieces"] < r["whole"] for r in rows), rows
+
+
 def test_elastic_recovery_its_parts(tmp_path):
     # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
     parts = ["recovery", "torchrun", "liveness"]

@@ -75,6 +75,19 @@ def test_a_sharded_checkpoint_of_one_bucket_loads_on_the_same_and_another_world(
         assert message.startswith("CheckpointError: ranks [0, 1]: reading the sharded checkpoint"), message
 
 
+def test_a_checkpoint_of_whole_parameters_loads_into_sharded_ones_and_back(world2, world3, tmp_path):
+    # Under shard_parameters=True each rank writes and reads its pieces as blocks of the parameters' own
+    # shapes (the head tied to the embedding among them), so the checkpoint is the one a job holding the
+    # parameters whole writes: either loads into the other, at another world size, exactly.
+    ways = [("whole", {"shard_gradients": True}, world2, {"shard_parameters": True}, world3),
+            ("pieces", {"shard_parameters": True}, world3, {"shard_gradients": True}, world2)]
+    for name, saving, saver, loading, loader in ways:
+        path = str(tmp_path / name)
+        saved = saver.run(programs.checkpoint_save, path, sharding=saving)[0]
+        for rank, got in enumerate(loader.run(programs.checkpoint_load, path, saved, sharding=loading)):
+            assert got["params"] == 0.0 and got["state"] == 0.0, f"saved {saving}, loaded {loading}, rank {rank}: {got}"
+
+
 PARAMETERS = {"shard_parameters": True}
 #: Parameter sharding paced for the least memory: no bucket still reducing when a block's
 #: backward begins, no block gathered ahead.

@@ -9,6 +9,8 @@ float32 pieces) train exactly. ``buckets_in_flight`` bounds the reductions
 a block's backward starts behind, and its wait runs out rather than hang a
 rank whose peer needs it in a round."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -16,6 +18,7 @@ import torch.nn as nn
 import sharded
 import sharded_units
 from gradsync import ConfigError
+from gradsync.torch.sharding.model_state import blocks
 from gradsync.torch.sharding.unit_modules import choose
 from gradsync.torch.sharding.wrapper import BUCKETS_IN_FLIGHT, pacing_of, param_dtype_of
 from world import World
@@ -240,6 +243,35 @@ def test_a_model_built_on_the_meta_device_is_materialized_a_unit_at_a_time(world
             assert seen["most_whole"] <= max(seen["unit_bytes"], seen["root_bytes"]) < seen["model_bytes"], seen
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (4, 5), (3, 4, 5), (2, 1, 3, 2)])
+def test_a_pieces_run_is_cut_into_blocks_that_tile_it_in_order(shape):
+    # What a sharded checkpoint writes a piece as: rectangular blocks of the parameter's own shape that hold
+    # exactly the piece's run of flat values, in order, few of them (at most two per dimension but one).
+    numel = math.prod(shape)
+    flat = torch.arange(numel).reshape(shape)
+    for lo in range(numel):
+        for hi in range(lo + 1, numel + 1):
+            cut = blocks(shape, lo, hi)
+            held = [flat[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1) for offsets, sizes in cut]
+            assert torch.cat(held).tolist() == list(range(lo, hi)), (shape, lo, hi, cut)
+            assert len(cut) <= max(1, 2 * len(shape) - 1), (shape, lo, hi, cut)
+
+
+def test_a_meta_model_is_saved_on_two_ranks_and_loaded_on_three_without_any_gather(world2, world3, tmp_path):
+    # gradsync.torch.checkpoint used to gather the whole model on every rank to save it, so a model built on
+    # the meta device because it fits no rank trained and could not be saved. Each rank now writes its pieces'
+    # blocks and reads back those of its pieces under the new world: no gather, every parameter stays
+    # released, and the loaded job (other initial values, AdamW's moments and step from the checkpoint)
+    # trains on exactly as one process that ran every step.
+    path = str(tmp_path / "ckpt")
+    saved = world2.run(sharded_units.meta_save, path)
+    for rank, seen in enumerate(saved):
+        assert seen["gathers"] == [0] * len(seen["gathers"]) and seen["released"], f"rank {rank}: {seen}"
+    for rank, seen in enumerate(world3.run(sharded_units.meta_load, path, saved[0]["start"], 2)):
+        assert seen["gathers"] == [0] * len(seen["gathers"]) and seen["released"], f"rank {rank}: {seen}"
+        assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+
+
 def test_a_meta_model_is_refused_where_it_cannot_be_materialized(world2):
     for rank, message in enumerate(world2.run(sharded_units.meta_refusals)):
         assert message == ["shard_parameters=True, which materializes it", "no reset_parameters()",
@@ -252,7 +284,7 @@ def test_a_released_parameters_values_are_never_read_silently(world2, units):
     # A logging callback's weight norms after optimizer.step() got 0.0 for every weight, and an L2
     # penalty over model.parameters() after the forward died inside autograd: each read now raises,
     # naming the parameter and whole_parameters(); inside whole_parameters() the norms are right, and
-    # copies of the module (EMA, torch.save) are plain modules.
+    # copies of the module (EMA, torch.save) are plain modules. Shapes and counts are the whole's.
     for rank, seen in enumerate(world2.run(sharded_units.reads_between_steps, units=units)):
         first = seen["named"][0]
         assert seen["norms"] == ("ReleasedParameterError", first, True), f"rank {rank}: {seen['norms']}"
@@ -266,3 +298,6 @@ def test_a_released_parameters_values_are_never_read_silently(world2, units):
         # of the module used to copy the wrapper and fail with "no attribute '_parameters'").
         assert seen["copies_off"] == 0.0 and seen["copy_hooks_inert"], f"rank {rank}: {seen}"
         assert seen["grad_of_released"] == len(seen["named"]), "the .grad of a sharded parameter reads as None"
+        # A parameter count (HF's num_parameters(), Lightning's summary) used to read 0 between steps.
+        assert seen["count"][0] == seen["count"][1] and seen["held"] == 0, f"rank {rank}: {seen['count']}"
+        assert seen["shapes"][0] == seen["shapes"][1], f"rank {rank}: {seen['shapes']}"

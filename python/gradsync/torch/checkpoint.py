@@ -9,8 +9,15 @@
     checkpoint.load("ckpt/step-1000", model, optimizer)    # every rank, on any world size
 
 The checkpoint is an ordinary DCP directory: the model's ``state_dict()``
-(whole on every rank, written once) under ``"model"``, the optimizer's state
-under ``"optimizer"``. Each state tensor of a parameter (AdamW's
+under ``"model"``, the optimizer's state under ``"optimizer"``. With
+``shard_parameters=True`` no rank gathers the model for it: each writes the
+blocks of its pieces of every parameter (``sharding.model_state``) and
+reads back only those of its pieces under the world it loads on, so a model
+too big for one rank (built on the meta device) is saved and loaded. The
+entries have the parameters' own keys, shapes and dtypes (a complex tensor
+as its real view) whichever way the model was held: a checkpoint of
+``shard_gradients=True`` (parameters whole on every rank, written once)
+loads under ``shard_parameters=True`` and back. Each state tensor of a parameter (AdamW's
 ``exp_avg``, ``exp_avg_sq``) is saved as one flat tensor of the parameter's
 element count, of which each rank writes the pieces it holds
 (:meth:`ShardedOptimizer.sharded_state_dict`: a ``ShardedTensor`` whose
@@ -43,11 +50,14 @@ Without sharding, ``optimizer.consolidate_state_dict(to=0)`` and
 
 import contextlib
 import json
+import warnings
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gradsync._errors import CheckpointError, ConfigError
+from gradsync.torch.sharding import model_state
 from gradsync.torch.sharding.wrapper import sharded_optimizer_of
 
 #: Where an elastic job's progress (``Elastic.progress``, as JSON) lies in the checkpoint.
@@ -67,63 +77,77 @@ def save(checkpoint_id, model, optimizer):
     """Write ``model`` (a sharded ``DistributedDataParallel``) and its
     ``optimizer`` (any optimizer over its parameters, converted) to
     ``checkpoint_id`` (a directory); in an elastic job, where the job
-    stands too. Every rank of the wrapper calls it. With sharded parameters
-    they are gathered whole for it, and released after."""
+    stands too. Every rank of the wrapper calls it, between steps. With
+    sharded parameters each rank writes its pieces: nothing is gathered."""
     optimizer = _sharded(model, optimizer)
-    with model.whole_parameters():
-        _save(checkpoint_id, model, optimizer)
-
-
-def _save(checkpoint_id, model, optimizer):
-    """:func:`save`, the parameters whole."""
     group = model.torch_group()
-    state = {"model": model.module.state_dict(), "optimizer": optimizer.sharded_state_dict(group=group)}
-    elastic = model._sync.elastic
-    if elastic is not None:
-        state[_PROGRESS] = json.dumps(elastic.progress())
-    with _failures_raised("writing", checkpoint_id):
-        dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
+    with _model_state(model, group, to_load=False) as (module_state, _):
+        state = {"model": module_state, "optimizer": optimizer.sharded_state_dict(group=group)}
+        elastic = model._sync.elastic
+        if elastic is not None:
+            state[_PROGRESS] = json.dumps(elastic.progress())
+        with _failures_raised("writing", checkpoint_id):
+            dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
 
 
 def load(checkpoint_id, model, optimizer):
     """Read ``checkpoint_id`` (written by :func:`save`, on any world size)
     into ``model`` and ``optimizer``; an elastic job then goes on at the
     step after the saved one (call it before ``elastic.steps``). Every rank
-    of the wrapper calls it. With sharded parameters each rank's pieces
-    take the loaded values."""
+    of the wrapper calls it, between steps. With sharded parameters each
+    rank reads its pieces' values only: nothing is gathered."""
     optimizer = _sharded(model, optimizer)
-    with model.whole_parameters():
-        _load(checkpoint_id, model, optimizer)
-
-
-def _load(checkpoint_id, model, optimizer):
-    """:func:`load`, the parameters whole."""
     group = model.torch_group()
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
-    saved = {fqn[len("model."):] for fqn in metadata.state_dict_metadata if fqn.startswith("model.")}
-    ours = set(model.module.state_dict())
-    if saved != ours:
-        missing, extra = sorted(ours - saved)[:3], sorted(saved - ours)[:3]
-        raise ConfigError(
-            f"{checkpoint_id} holds another model: it lacks {missing or 'nothing'} and has {extra or 'nothing'} "
-            "that this model does not; load it into the model it was saved from"
-        )
-    keys = {}
-    for fqn, meta in metadata.state_dict_metadata.items():
-        parts = fqn.split(".")
-        if parts[:2] == ["optimizer", "state"] and len(parts) == 4:
-            keys.setdefault(int(parts[2]), {})[parts[3]] = meta
-    state = {"model": model.module.state_dict(),
-             "optimizer": optimizer.sharded_state_dict(template=keys, group=group)}
-    elastic = model._sync.elastic
-    if elastic is not None and _PROGRESS in metadata.state_dict_metadata:
-        state[_PROGRESS] = ""
-    with _failures_raised("reading", checkpoint_id):
-        dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
-    model.module.load_state_dict(state["model"])
-    optimizer.load_sharded_state_dict(state["optimizer"])
+    with _model_state(model, group, to_load=True) as (module_state, keys):
+        saved = {fqn[len("model."):] for fqn in metadata.state_dict_metadata if fqn.startswith("model.")}
+        if saved != keys:
+            missing, extra = sorted(keys - saved)[:3], sorted(saved - keys)[:3]
+            raise ConfigError(
+                f"{checkpoint_id} holds another model: it lacks {missing or 'nothing'} and has {extra or 'nothing'} "
+                "that this model does not; load it into the model it was saved from"
+            )
+        template = {}
+        for fqn, meta in metadata.state_dict_metadata.items():
+            parts = fqn.split(".")
+            if parts[:2] == ["optimizer", "state"] and len(parts) == 4:
+                template.setdefault(int(parts[2]), {})[parts[3]] = meta
+        state = {"model": module_state, "optimizer": optimizer.sharded_state_dict(template=template, group=group)}
+        elastic = model._sync.elastic
+        if elastic is not None and _PROGRESS in metadata.state_dict_metadata:
+            state[_PROGRESS] = ""
+        with _failures_raised("reading", checkpoint_id):
+            dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
+    optimizer.load_sharded_state_dict(state["optimizer"], copy=False)  # (its tensors are this load's own)
     if _PROGRESS in state:
         elastic.restore(json.loads(state[_PROGRESS]))
+
+
+@contextlib.contextmanager
+def _model_state(model, group, to_load):
+    """The wrapped module's state for DCP, and its keys: the module's own
+    ``state_dict()`` while its parameters are whole (unsharded, before the
+    first step, inside ``whole_parameters``), else every sharded
+    parameter as every rank's pieces (``sharding.model_state``). To load
+    (``to_load``), every tensor is the module's or a piece's own memory,
+    which DCP fills in place; what it replaces in the dict instead (extra
+    state) the module takes at the block's end."""
+    part = model._partition
+    residence = part.residence if part is not None else None
+    if residence is None or residence.whole:
+        own = model.module.state_dict()
+        state = {key: model_state.saved_form(value) for key, value in own.items()}
+        yield state, set(own)
+        if to_load:
+            model.module.load_state_dict({key: own[key] if torch.is_tensor(own[key]) else state[key] for key in own})
+        return
+    with residence.reading_pieces():
+        state, keys = model_state.pieces_state(model.module, part, group, to_load)
+        tensors = {key for key, value in state.items() if torch.is_tensor(value)}
+        yield state, keys
+        extra = {key: value for key, value in state.items() if key not in tensors}
+        if to_load and extra:
+            model.module.load_state_dict(extra, strict=False)
 
 
 @contextlib.contextmanager
@@ -132,7 +156,10 @@ def _failures_raised(doing, checkpoint_id):
     :class:`gradsync.CheckpointError` naming the failed ranks and the first
     one's error."""
     try:
-        yield
+        with warnings.catch_warnings():
+            # The pieces are blocks of no even cut, which a DTensor cannot describe: a ShardedTensor can.
+            warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+            yield
     except CheckpointException as e:
         ranks = sorted(e.failures)
         error = e.failures[ranks[0]][0] if ranks else e

@@ -281,9 +281,11 @@ def sharded_state_dict(opt, template=None, group=None):
 
 
 @torch.no_grad()
-def load_sharded(opt, state_dict):
+def load_sharded(opt, state_dict, copy=True):
     """Load :func:`sharded_state_dict`'s form (filled by
-    ``torch.distributed.checkpoint.load``): each piece takes its shard."""
+    ``torch.distributed.checkpoint.load``): each piece takes its shard, a
+    copy of it, or, not ``copy``, the shard's own tensor (a state dict
+    built to be loaded once: no second copy of the state at the peak)."""
     _check_groups(opt, state_dict["param_groups"])
     flat, _ = numbering(opt.entries)
     inner = opt.inner
@@ -295,7 +297,7 @@ def load_sharded(opt, state_dict):
             for key, value in values.items():
                 if hasattr(value, "local_shards"):
                     (shard,) = [s for s in value.local_shards() if s.metadata.shard_offsets[0] == piece.offset]
-                    entry[key] = shard.tensor.clone().to(piece.tensor.device)
+                    entry[key] = (shard.tensor.clone() if copy else shard.tensor).to(piece.tensor.device)
                 else:
                     entry[key] = value.clone() if torch.is_tensor(value) else value
             inner.state[piece.tensor] = entry

@@ -352,11 +352,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``torch_group()``; ``None``: torch's default group)."""
         return optim_state.sharded_state_dict(self, template, group)
 
-    def load_sharded_state_dict(self, state_dict):
+    def load_sharded_state_dict(self, state_dict, copy=True):
         """Load :meth:`sharded_state_dict`'s form (filled by
-        ``torch.distributed.checkpoint.load``): each piece takes its shard;
-        in an elastic job the buddy copies then come from their owners."""
-        optim_state.load_sharded(self, state_dict)
+        ``torch.distributed.checkpoint.load``): each piece takes its shard
+        (a copy; not ``copy``: the shard's own tensor, for a state dict
+        built to be loaded once, as ``gradsync.torch.checkpoint`` builds
+        it); in an elastic job the buddy copies then come from their owners."""
+        optim_state.load_sharded(self, state_dict, copy=copy)
         part = self._partition
         if part.buddy:
             settle(part, self._states, part.rank, part.world, mark=False)

@@ -20,13 +20,15 @@ backward, as under ``shard_gradients=True``, and released between steps.
 Units gathered one at a time, before their forward and again before their
 backward, on a lane of their own, are ``sharding.units``.
 
-A released parameter is an empty tensor (``numel() == 0``) of its dtype
+A released parameter holds an empty tensor (``p.data.numel() == 0``) of its dtype
 and device: the same ``Parameter`` object, so the optimizer, the hooks and
 tied weights keep it; reading its values raises, naming it
 (``sharding.released``), and ``state_dict()`` and ``load_state_dict()``
 of the wrapped module are refused then with what to do
 (``model.whole_parameters()``, a collective every rank enters).
 """
+
+import contextlib
 
 import torch
 
@@ -74,6 +76,9 @@ class ShardedParameters:
         #: collectives, and the members settle). Cleared when they settle
         #: (:meth:`discard`).
         self.broken = None
+        #: Whether the module's state dict is being read for its keys while
+        #: the values come from the pieces (:meth:`reading_pieces`).
+        self._reading_pieces = False
         #: Whether the pieces were written as a model on the meta device was
         #: materialized (``sharding.materialize``): the parameters hold placeholders.
         self.materialized = False
@@ -110,7 +115,7 @@ class ShardedParameters:
         parameter released."""
         for i, p in enumerate(self._partition.params):
             p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
-            mark_released(p, self._partition.names[i])
+            mark_released(p, self._partition.names[i], self._partition.forms[i].shape)
 
     def _shaped(self, i):
         """A tensor of parameter ``i``'s whole shape in its step dtype over
@@ -137,7 +142,7 @@ class ShardedParameters:
             for i, (p, data) in enumerate(zip(part.params, held)):
                 p.data = data
                 if not data.numel():
-                    mark_released(p, part.names[i])
+                    mark_released(p, part.names[i], part.forms[i].shape)
 
     def whole_in_own_dtype(self):
         """Whether some parameter is whole in its own dtype now though it
@@ -148,7 +153,7 @@ class ShardedParameters:
         if self.carries is None or not self.whole:
             return False
         part = self._partition
-        return any(p.dtype != self.step_dtypes[i] for i, p in enumerate(part.params) if p.numel())
+        return any(p.dtype != self.step_dtypes[i] for i, p in enumerate(part.params) if p.data.numel())
 
     def rounded(self, i):
         """Whether parameter ``i`` holds a rounded copy of its pieces now
@@ -165,7 +170,7 @@ class ShardedParameters:
         if self.whole and self.broken is None:  # (after a failed gather they hold zeros)
             part.refresh()
         for i, p in enumerate(part.params):
-            if p.numel():
+            if p.data.numel():
                 self._released(i)
         self.whole = self.gathered = False
         self.hook_again()
@@ -176,7 +181,7 @@ class ShardedParameters:
         p = self._partition.params[i]
         whole = p.data
         p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
-        mark_released(p, self._partition.names[i])
+        mark_released(p, self._partition.names[i], self._partition.forms[i].shape)
         self._flipped |= whole.dtype != p.dtype
         return whole
 
@@ -226,7 +231,7 @@ class ShardedParameters:
         (``exact``: their own); ``zeros``: filled with zeros (a gather that
         failed: :attr:`broken`)."""
         for i in self._partition.buckets[b].members:
-            if not self._partition.params[i].numel():
+            if not self._partition.params[i].data.numel():
                 self._new_whole(i, exact)
                 if zeros:
                     self._partition.params[i].data.zero_()
@@ -266,7 +271,7 @@ class ShardedParameters:
         the next forward gathers on every member."""
         part = self._partition
         for i, p in enumerate(part.params):
-            if p.numel():
+            if p.data.numel():
                 self._released(i)
         self.whole = self.gathered = self.spoiled = False
         self.broken = None
@@ -320,10 +325,31 @@ class ShardedParameters:
     def refuse_if_released(self, what):
         """Refuse ``what`` (reading or writing every parameter: a state
         dict) while the parameters are released, saying what to do."""
-        if self.whole:
+        if self.whole or self._reading_pieces:
             return
         raise ConfigError(
             f"{what} while the parameters are released: with shard_parameters=True each rank holds only its pieces "
             "between a step's end and the next forward. Enter `with model.whole_parameters():` on every rank "
             "(a collective) and call it inside; what is written into the parameters there is kept"
         )
+
+    @contextlib.contextmanager
+    def reading_pieces(self):
+        """Within the block the wrapped module's ``state_dict()`` and
+        ``load_state_dict()`` are not refused while the parameters are
+        released: for a sharded checkpoint, which reads the state dict's
+        keys and buffers and takes every released parameter's values from
+        the pieces (``sharding.model_state``). Refused in the middle of a
+        step (some parameters whole, some released): a checkpoint is
+        written between steps."""
+        part = self._partition
+        if not self.whole and any(p.data.numel() for p in part.params):
+            raise ConfigError(
+                "a sharded checkpoint is written and read between steps (after optimizer.step(), or before "
+                "the first forward); some parameters are whole now, inside a step's forward or backward"
+            )
+        self._reading_pieces = True
+        try:
+            yield
+        finally:
+            self._reading_pieces = False

@@ -12,8 +12,16 @@ naming it and saying what to do; what is not a read of values goes
 through as for any parameter::
 
     released ─▶ p.__class__ = ReleasedParameter   p.norm(), p * 2, p.detach(), copy.deepcopy(p) ─▶ error
-                                                  p.grad, p.shape, p.requires_grad_(), p.register_hook ─▶ as before
+                                                  p.shape, p.size(), p.numel(), p.dim(), p.ndim ─▶ the whole parameter's
+                                                  p.grad, p.requires_grad_(), p.register_hook ─▶ as before
     whole    ─▶ p.__class__ = Parameter           every operation as usual (no cost: the class is torch's)
+
+So a count of the model's parameters (``sum(p.numel() for p in
+model.parameters())``, HF's ``num_parameters()``, Lightning's summary)
+and a check of a weight's shape are right between steps too. What the
+parameter's memory holds now is ``p.data`` (a plain tensor: empty while
+released); gradsync asks that (``p.data.numel()``), as torch's own C++
+does. ``stride()`` and ``is_contiguous()`` are the empty tensor's.
 
 Only plain ``torch.nn.Parameter`` objects change class (a subclass of a
 library's is left as it is). The check costs nothing on a whole parameter
@@ -28,13 +36,24 @@ from gradsync._errors import ReleasedParameterError
 
 #: Operations on a released parameter that do not read its values: they run
 #: as on any parameter (besides every attribute read or write, ``.grad``,
-#: ``.data``, ``.shape``, ``.requires_grad``, ...).
+#: ``.data``, ``.requires_grad``, ...; but its shape: :data:`_SHAPED`).
 _NOT_READS = frozenset({
-    "numel", "size", "dim", "stride", "storage_offset", "untyped_storage", "is_complex", "is_floating_point",
-    "element_size", "nelement", "is_contiguous", "get_device", "data_ptr", "requires_grad_", "retain_grad",
+    "stride", "storage_offset", "untyped_storage", "is_complex", "is_floating_point",
+    "element_size", "is_contiguous", "get_device", "data_ptr", "requires_grad_", "retain_grad",
     "register_hook", "register_post_accumulate_grad_hook", "__hash__", "__eq__", "__repr__", "__format__",
     "_is_view", "__setstate__",
 })
+
+
+#: What a released parameter answers as the whole parameter would, from its
+#: whole shape: methods, and properties (``p.shape``, ``p.ndim``).
+_SHAPED = {
+    "numel": lambda shape: shape.numel(),
+    "nelement": lambda shape: shape.numel(),
+    "dim": len,
+    "size": lambda shape, dim=None: shape if dim is None else shape[dim],
+}
+_SHAPED_PROPERTIES = {"shape": lambda shape: shape, "ndim": len}
 
 
 class ReleasedParameter(torch.nn.Parameter):
@@ -42,8 +61,15 @@ class ReleasedParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """Run ``func`` if it reads no values (``_NOT_READS``, attributes), else refuse it."""
+        """Answer ``func`` from the whole shape (``_SHAPED``), run it if it
+        reads no values (``_NOT_READS``, attributes), else refuse it."""
         name = getattr(func, "__name__", "")
+        if name == "__get__":
+            shaped = _SHAPED_PROPERTIES.get(getattr(getattr(func, "__self__", None), "__name__", None))
+            if shaped is not None and type(args[0]) is ReleasedParameter:
+                return shaped(args[0].__dict__["_gradsync_shape"])
+        elif name in _SHAPED and args and type(args[0]) is ReleasedParameter:
+            return _SHAPED[name](args[0].__dict__["_gradsync_shape"], *args[1:], **(kwargs or {}))
         if name in ("__get__", "__set__", "__delete__") or name in _NOT_READS:
             with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -72,10 +98,12 @@ def refusal(p, what):
     return error
 
 
-def mark_released(p, name):
-    """``p`` (just emptied) refuses reads of its values; ``name`` names it."""
+def mark_released(p, name, shape):
+    """``p`` (just emptied) refuses reads of its values; ``name`` names it,
+    and it answers for its ``shape`` (the whole parameter's)."""
     if type(p) is torch.nn.Parameter:
         p._gradsync_name = name
+        p._gradsync_shape = torch.Size(shape)
         p.__class__ = ReleasedParameter
 
 

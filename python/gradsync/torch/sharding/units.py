@@ -248,7 +248,7 @@ class UnitResidence(ShardedParameters):
         # (After a failed gather the whole units hold zeros, never read back.)
         whole = {i for u in whole_units if self.broken is None for i in self.units[u].params}
         for piece in part.owned:
-            if piece.param in whole and part.params[piece.param].numel() and not self.rounded(piece.param):
+            if piece.param in whole and part.params[piece.param].data.numel() and not self.rounded(piece.param):
                 values = flat_values(part.params[piece.param])
                 piece.tensor.copy_(values[piece.offset : piece.offset + piece.length])
         self.protocol.reset(step_ended)
@@ -480,7 +480,7 @@ class UnitResidence(ShardedParameters):
         part = self._partition
         for i in part.buckets[b].members:
             p, kept = part.params[i], self._kept[i]
-            if p.numel():
+            if p.data.numel():
                 continue
             if kept is not None and not self._exact:
                 kept.untyped_storage().resize_(self._nbytes[i])
@@ -497,7 +497,7 @@ class UnitResidence(ShardedParameters):
         storage is emptied too (freed, though autograd's saved tensors hold
         it) and remembered, to grow back before its backward; between steps
         it is only let go (a state dict taken before may still read it)."""
-        if not self._partition.params[i].numel():
+        if not self._partition.params[i].data.numel():
             return
         whole = self._released(i)
         if inside_step:
