@@ -328,3 +328,38 @@ def checkpoint_load_error(rank, world, path):
         return f"{type(e).__name__}: ranks {getattr(e, 'ranks', None)}: {e}"
     return None
 
+
+def hf_gpt2_config():
+    """A small HF GPT-2 configuration (tied head, as GPT-2 is)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+
+
+def hf_sharded_save(rank, world, path, steps=2):
+    """An HF GPT-2 built on the meta device with ``shard_parameters=True``
+    (initialized by its own ``_init_weights``), trained ``steps`` steps and
+    saved with ``gradsync.torch.checkpoint``: (rank 0) its whole state dict
+    as saved."""
+    from transformers import GPT2LMHeadModel
+
+    from gradsync.torch import checkpoint
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        base = GPT2LMHeadModel(hf_gpt2_config())
+    model = DDP(base, shard_parameters=True, param_init=base._init_weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 96, (steps, world * 2, 12), generator=torch.Generator().manual_seed(3))
+    try:
+        for step in range(steps):
+            optimizer.zero_grad()
+            x = ids[step, 2 * rank : 2 * rank + 2]
+            model(input_ids=x, labels=x).loss.backward()
+            optimizer.step()
+        checkpoint.save(path, model, optimizer)
+        with model.whole_parameters():
+            saved = {n: t.detach().clone() for n, t in model.module.state_dict().items()}
+        return saved if rank == 0 else None
+    finally:
+        model.close()

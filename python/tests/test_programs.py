@@ -8,6 +8,7 @@ size. Each failed before the fix that made it pass (issue 53). The same
 programs run with ``shard_parameters=True`` too."""
 
 import pytest
+import torch
 
 import programs
 
@@ -86,6 +87,24 @@ def test_a_checkpoint_of_whole_parameters_loads_into_sharded_ones_and_back(world
         saved = saver.run(programs.checkpoint_save, path, sharding=saving)[0]
         for rank, got in enumerate(loader.run(programs.checkpoint_load, path, saved, sharding=loading)):
             assert got["params"] == 0.0 and got["state"] == 0.0, f"saved {saving}, loaded {loading}, rank {rank}: {got}"
+
+
+def test_an_hf_model_trained_sharded_is_exported_for_from_pretrained(world2, tmp_path):
+    # A model built on the meta device (it need not fit one rank), its checkpoint exported whole by one
+    # process a file at a time: HF's from_pretrained reads the files, the trained values in every parameter.
+    from transformers import GPT2LMHeadModel
+
+    from gradsync.torch.export import export
+
+    saved = world2.run(programs.hf_sharded_save, str(tmp_path / "ckpt"))[0]
+    out = tmp_path / "exported"
+    export(str(tmp_path / "ckpt"), str(out), max_shard_bytes=20_000)
+    programs.hf_gpt2_config().save_pretrained(out)
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    got = loaded.state_dict()
+    assert all(torch.equal(got[key], value) for key, value in saved.items() if key in got), "the trained values"
+    assert {key for key, _ in loaded.named_parameters()} <= set(saved)
+    assert len(list(out.glob("model-*.safetensors"))) > 1, "files of at most the size asked"
 
 
 PARAMETERS = {"shard_parameters": True}

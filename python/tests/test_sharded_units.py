@@ -9,6 +9,7 @@ float32 pieces) train exactly. ``buckets_in_flight`` bounds the reductions
 a block's backward starts behind, and its wait runs out rather than hang a
 rank whose peer needs it in a round."""
 
+import json
 import math
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn as nn
 import sharded
 import sharded_units
 from gradsync import ConfigError
+from gradsync.torch.export import export
 from gradsync.torch.sharding.model_state import blocks
 from gradsync.torch.sharding.unit_modules import choose
 from gradsync.torch.sharding.wrapper import BUCKETS_IN_FLIGHT, pacing_of, param_dtype_of
@@ -257,7 +259,8 @@ def test_a_pieces_run_is_cut_into_blocks_that_tile_it_in_order(shape):
             assert len(cut) <= max(1, 2 * len(shape) - 1), (shape, lo, hi, cut)
 
 
-def test_a_meta_model_is_saved_on_two_ranks_and_loaded_on_three_without_any_gather(world2, world3, tmp_path):
+def test_a_meta_model_is_saved_on_two_ranks_loaded_on_three_and_exported_without_any_gather(world2, world3,
+                                                                                          tmp_path):
     # gradsync.torch.checkpoint used to gather the whole model on every rank to save it, so a model built on
     # the meta device because it fits no rank trained and could not be saved. Each rank now writes its pieces'
     # blocks and reads back those of its pieces under the new world: no gather, every parameter stays
@@ -270,6 +273,21 @@ def test_a_meta_model_is_saved_on_two_ranks_and_loaded_on_three_without_any_gath
     for rank, seen in enumerate(world3.run(sharded_units.meta_load, path, saved[0]["start"], 2)):
         assert seen["gathers"] == [0] * len(seen["gathers"]) and seen["released"], f"rank {rank}: {seen}"
         assert seen["worst"] <= sharded.ATOL, f"rank {rank}: off by {seen['worst']}"
+    # Exported whole by one process, a file of at most 2 kB at a time (a larger tensor alone): the saved values.
+    from safetensors.torch import load_file
+
+    out = tmp_path / "exported"
+    files, others = export(path, out, max_shard_bytes=2000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert others == [] and len(files) == len(set(index["weight_map"].values())) + 1 > 3, files
+    exported = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(out / name)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 2000, name
+        exported.update(tensors)
+    want = saved[0]["saved"]
+    assert sorted(exported) == sorted(want) == sorted(index["weight_map"])
+    assert all(torch.equal(exported[key], want[key]) for key in want), "the exported values are the saved ones"
 
 
 def test_a_meta_model_is_refused_where_it_cannot_be_materialized(world2):
