@@ -14,7 +14,7 @@ time every other member adopts the same roster without exactly that member
 How fast is the bench's to print (``target/pytest/membership-scale.md``, the
 docs' table), not this test's to judge on a busy two-core machine with the
 tests' unoptimized build: there etcd's 128 members have been detected lost
-in 1.0 to 7.0 s and agreed on in 1.3 to 3.2 s, where the docs' table says
+in 1.2 to 7.0 s and agreed on in 1.3 to 5.3 s, where the docs' table says
 a second and a third of one, because beats that come late widen each
 peer's adaptive window (the detector waits rather than accuse a healthy
 member). The protocol's timing is the Rust tests' (``membership/agreement_tests.rs``,
