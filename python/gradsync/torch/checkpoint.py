@@ -143,11 +143,10 @@ def _model_state(model, group, to_load):
         return
     with residence.reading_pieces():
         state, keys = model_state.pieces_state(model.module, part, group, to_load)
-        tensors = {key for key, value in state.items() if torch.is_tensor(value)}
+        extra = [key for key, value in state.items() if not torch.is_tensor(value)]
         yield state, keys
-        extra = {key: value for key, value in state.items() if key not in tensors}
         if to_load and extra:
-            model.module.load_state_dict(extra, strict=False)
+            model.module.load_state_dict({key: state[key] for key in extra}, strict=False)
 
 
 @contextlib.contextmanager

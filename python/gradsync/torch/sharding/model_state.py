@@ -28,11 +28,9 @@ on every rank and saved as they are.
 import math
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from gradsync.torch.sharding.layout import as_reals
+from gradsync.torch.sharding.optim_state import sharded
 
 
 def blocks(shape, lo, hi):
@@ -61,38 +59,20 @@ def blocks(shape, lo, hi):
     return out
 
 
-def _form(part, i):
-    """Parameter ``i`` as it is saved: its shape and dtype (a complex one as
-    its real view), as a tensor without data."""
-    return as_reals(part.forms[i])
-
-
-def _sharded(part, i, mine, group, dtype):
-    """Parameter ``i`` as a ``ShardedTensor`` of every rank's blocks (``part``:
-    the wrapper's ``Partition``), this rank's local ones views of ``mine``
-    (offset in the parameter -> a flat tensor of that piece's values).
-    Placed by global rank, as ``ShardedTensor`` wants (``group``'s rank
-    ``r`` is process ``ranks[r]``)."""
-    import torch.distributed as dist
-
-    form = _form(part, i)
-    device = part.params[i].device
-    ranks = dist.get_process_group_ranks(group) if group is not None else None
-    shards, local = [], []
+def _sharded(part, i, mine, group):
+    """Parameter ``i`` as it is saved (its shape and dtype; a complex one as
+    its real view) as a ``ShardedTensor`` of every rank's blocks (``part``:
+    the wrapper's ``Partition``), this rank's views of ``mine`` (offset in
+    the parameter -> a flat tensor of that piece's values)."""
+    form = as_reals(part.forms[i])
+    out = []
     for owner, offset, length in part.every_piece(i):
-        placed = ranks[owner] if ranks is not None else owner
         at = 0
         for offsets, sizes in blocks(tuple(form.shape), offset, offset + length):
-            meta = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                                 placement=f"rank:{placed}/{device.type}")
-            shards.append(meta)
             count = math.prod(sizes)
-            if owner == part.rank:
-                local.append(Shard(mine[offset][at : at + count].view(sizes), meta))
+            out.append((owner, offsets, sizes, mine[offset][at : at + count].view(sizes) if owner == part.rank else None))
             at += count
-    properties = TensorProperties(dtype=dtype)
-    metadata = ShardedTensorMetadata(shards_metadata=shards, size=form.shape, tensor_properties=properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
+    return sharded(out, form.shape, form.dtype, part.params[i].device, part.rank, group)
 
 
 def saved_form(value):
@@ -110,15 +90,14 @@ def pieces_state(module, part, group, to_load):
     state dict's keys. ``to_load``: a parameter this rank holds no piece of
     is left out (DCP's loader drops a ``ShardedTensor`` with no local
     shard, then refuses the checkpoint for a missing key)."""
-    index_of = {id(p): i for i, p in enumerate(part.params)}
     own = module.state_dict(keep_vars=True)
     state = {}
     for key, value in own.items():
-        i = index_of.get(id(value))
+        i = part.index_of.get(id(value))
         if i is None:
             state[key] = saved_form(value.detach() if torch.is_tensor(value) else value)
             continue
         mine = {piece.offset: piece.tensor for piece in part.of_param.get(i, ())}
         if mine or not to_load:
-            state[key] = _sharded(part, i, mine, group, _form(part, i).dtype)
+            state[key] = _sharded(part, i, mine, group)
     return state, set(own)

@@ -176,25 +176,33 @@ def load_full(opt, state_dict):
 # ---- the sharded form (torch.distributed.checkpoint) ----------------------------------------
 
 
-def flat_sharded(pieces, numel, dtype, device, rank, group=None):
-    """A 1-D ``ShardedTensor`` of ``numel`` values whose shards are
-    ``pieces``: ``(rank, offset, length, tensor or None)`` for every rank's
-    piece (this rank's, ``rank`` of ``group``, with its tensor; the others'
-    as metadata only). Placed by global rank, as ``ShardedTensor`` wants
-    (``group``'s rank ``r`` is process ``ranks[r]``)."""
+def sharded(blocks, size, dtype, device, rank, group=None):
+    """A ``ShardedTensor`` of ``size`` whose shards are ``blocks``: ``(rank,
+    offsets, sizes, tensor or None)`` for every rank's block (this rank's,
+    ``rank`` of ``group``, with its tensor; the others' as metadata only).
+    Placed by global rank, as ``ShardedTensor`` wants (``group``'s rank
+    ``r`` is process ``ranks[r]``)."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     shards, local = [], []
-    for owner, offset, length, tensor in pieces:
+    for owner, offsets, sizes, tensor in blocks:
         placed = ranks[owner] if ranks is not None else owner
-        meta = ShardMetadata(shard_offsets=[offset], shard_sizes=[length], placement=f"rank:{placed}/{device.type}")
+        meta = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
+                             placement=f"rank:{placed}/{device.type}")
         shards.append(meta)
         if owner == rank:
             local.append(Shard(tensor, meta))
     properties = TensorProperties(dtype=dtype)
-    metadata = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([numel]), tensor_properties=properties)
+    metadata = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size(size), tensor_properties=properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
+
+
+def flat_sharded(pieces, numel, dtype, device, rank, group=None):
+    """A 1-D :func:`sharded` tensor of ``numel`` values whose shards are
+    ``pieces``: ``(rank, offset, length, tensor or None)`` for every rank's piece."""
+    return sharded([(owner, [offset], [length], tensor) for owner, offset, length, tensor in pieces], [numel],
+                   dtype, device, rank, group)
 
 
 def _template_entries(opt, template):
