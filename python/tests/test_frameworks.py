@@ -39,6 +39,18 @@ def failure(output):
     return f"raises `{text[: end.end()] if end else text}`"
 
 
+def reference_run(script, *args):
+    """Run ``script`` with torch's DDP, which must succeed: its exit code
+    and output. Rarely (once in the CI runs on record) one of torch's gloo
+    worker threads aborts a rank at its very end ("terminate called without
+    an active exception", pytorch/pytorch PR 179291), after the report was
+    printed; such a run is made once more, and the second must be clean."""
+    code, out = torchrun(script, *args)
+    if code != 0 and "reference: " in out and "terminate called without an active exception" in out:
+        code, out = torchrun(script, *args)
+    return code, out
+
+
 def run_ok(script, *args):
     """Run ``script`` under torchrun, check a gradsync run's output (the
     wrapper, equal replicas) and return its distance from the replay."""
@@ -216,7 +228,7 @@ def test_lightning_manual_optimization(side_by_side, options):
     assert code != 0, "torch's DDP was expected to refuse this run"
     ddp = failure(theirs)
     if not static:
-        code, found = torchrun(LIGHTNING_MANUAL, "--impl", "ddp", "--find-unused")
+        code, found = reference_run(LIGHTNING_MANUAL, "--impl", "ddp", "--find-unused")
         assert code == 0, found[-3000:]
         ddp += f" (with find_unused_parameters=True: ok, {reference_of(found):.1e})"
     case = "Lightning manual optimization (GAN recipe: two optimizers, two manual_backward a step), "
@@ -233,7 +245,7 @@ def test_accelerate_trigger_sync_in_backward(side_by_side):
     script = REPO / "python" / "tests" / "scripts" / "accelerate_sync.py"
     diff = run_ok(script, "--impl", "gradsync")
     assert diff <= 1e-5
-    code, out = torchrun(script, "--impl", "ddp")
+    code, out = reference_run(script, "--impl", "ddp")
     assert code == 0, out[-3000:]
     side_by_side(
         "Accelerate: two forwards under no_sync, the second backward in trigger_sync_in_backward",

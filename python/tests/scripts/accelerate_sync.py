@@ -67,8 +67,12 @@ def main():
 
     report(f"{type(model).__module__}.{type(model).__name__}", net.parameters(), replay)
     # A clean exit: gloo's threads aborted the process now and then when the
-    # interpreter tore the default group down unannounced (torch's DDP run).
+    # interpreter tore the default group down unannounced (torch's DDP run),
+    # or when one rank tore it down while rank 0 still computed the replay.
+    del model
+    dist.barrier()
     dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()
