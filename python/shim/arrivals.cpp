@@ -18,6 +18,10 @@
 //       change it) and remember the parameter: the synchronized backward's
 //       first firing hands over the whole sum, and `give_held()` hands over
 //       a parameter that backward never reached.
+//   A gradient for a parameter whose memory is released now (sharded by
+//   units, its unit's backward over: autocast's cached cast of a shared
+//   weight) is summed into .grad by a pre hook on the same node
+//   (ReleasedHook) instead of AccumulateGrad, then handed over the same way.
 //
 // Where backward ends. Every autograd task (graph task) that reaches the
 // model is seen: at a gradient's arrival, at a model output's node (a pre
@@ -73,6 +77,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -197,6 +202,9 @@ class Ledger {
       auto node = torch::autograd::impl::grad_accumulator(params_[i]);
       TORCH_CHECK(node, "gradsync: parameter ", i, " has no gradient accumulator (does it require grad?)");
       keys_.push_back(node->add_post_hook(std::make_unique<ArrivalHook>(self_, i)));
+      auto late = std::make_unique<ReleasedHook>(self_, i);
+      late_.push_back(late.get());
+      node->add_pre_hook(std::move(late));
       accumulators_.push_back(std::move(node));
     }
   }
@@ -209,12 +217,21 @@ class Ledger {
     if (closed_) {
       return;
     }
+    unhook();
+    hook();
+  }
+
+  // Take this ledger's hooks off the accumulators it holds, and let them go.
+  void unhook() {
     for (size_t i = 0; i < accumulators_.size(); ++i) {
       accumulators_[i]->del_post_hook(keys_[i]);
+      auto& pre = accumulators_[i]->pre_hooks();
+      pre.erase(std::remove_if(pre.begin(), pre.end(), [&](const auto& h) { return h.get() == late_[i]; }),
+                pre.end());
     }
     accumulators_.clear();
     keys_.clear();
-    hook();
+    late_.clear();
   }
 
   ~Ledger() {
@@ -228,11 +245,7 @@ class Ledger {
   // Take the hooks off the nodes; later gradients stay in .grad.
   void remove() {
     closed_ = true;
-    for (size_t i = 0; i < accumulators_.size(); ++i) {
-      accumulators_[i]->del_post_hook(keys_[i]);
-    }
-    accumulators_.clear();
-    keys_.clear();
+    unhook();
   }
 
   // A new step: no firings, no kept tensors, nothing held, backward not
@@ -453,6 +466,41 @@ class Ledger {
     LedgerRef ledger;
     size_t index;
   };
+
+  // Before a parameter's AccumulateGrad: a gradient for a parameter whose
+  // memory is released now (sharded by units: empty between its unit's
+  // uses) is summed into .grad here, since AccumulateGrad would copy it
+  // into the released parameter's empty shape. It arrives so when autocast's
+  // cast cache gave the unit's forwards one low-precision copy of the weight
+  // (a layer shared by two checkpointed segments, backward inside autocast):
+  // the copy's backward, and the gradient, come after the unit's backward
+  // ended and the unit was released. The post hook then hands it over as any.
+  struct ReleasedHook : torch::autograd::FunctionPreHook {
+    ReleasedHook(LedgerRef ledger, size_t index) : ledger(std::move(ledger)), index(index) {}
+    variable_list operator()(const variable_list& grads) override {
+      if (Ledger* l = *ledger) {
+        return l->into_released(index, grads);
+      }
+      return grads;
+    }
+    LedgerRef ledger;
+    size_t index;
+  };
+
+  // `grads` (AccumulateGrad's input) for parameter `index`: unchanged when
+  // the parameter holds its values; summed into .grad by hand when it is
+  // released (its memory holds fewer elements than the gradient), AccumulateGrad
+  // then given nothing (see ReleasedHook).
+  variable_list into_released(size_t index, const variable_list& grads) {
+    const at::Tensor& param = params_[index];
+    if (closed_ || grads.empty() || !grads[0].defined() || grads[0].layout() != at::kStrided ||
+        param.sym_numel() == grads[0].sym_numel()) {
+      return grads;
+    }
+    at::Tensor& held = params_[index].mutable_grad();
+    held = held.defined() ? held.add(grads[0]) : grads[0].clone(at::MemoryFormat::Contiguous);
+    return {at::Tensor()};
+  }
 
   struct ReachedHook : torch::autograd::FunctionPreHook {
     ReachedHook(LedgerRef ledger, bool synced) : ledger(std::move(ledger)), synced(synced) {}
@@ -678,6 +726,8 @@ class Ledger {
   // recreated at the next forward, without the hook) and the hook's key.
   std::vector<NodePtr> accumulators_;
   std::vector<uintptr_t> keys_;
+  // The ReleasedHook on each accumulator (owned by the node; the address finds it to remove it).
+  std::vector<const torch::autograd::FunctionPreHook*> late_;
   bool closed_ = false;
   // Shared with hooks and callbacks that may outlive this Ledger.
   LedgerRef self_;

@@ -6,6 +6,7 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint_sequential
 
 from gradsync import ConfigError
 from gradsync.torch import DistributedDataParallel as GradsyncDDP
@@ -233,5 +234,54 @@ def direct_evaluation(rank, world, units=True, steps=2):
             seen["after"].append(sum(p.data.numel() for p in wrapped.module.parameters()))
         seen["with_grad"] = _refused(lambda: wrapped.module(_batch(0, rank, world)))
         return seen
+    finally:
+        wrapped.close()
+
+
+class SharedSegments(nn.Module):
+    """A layer used twice in a ``Sequential`` run by ``checkpoint_sequential``
+    (reentrant) in two segments: once in the checkpointed first, once in the
+    plain second. Its children are the units."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        shared = nn.Linear(16, 16)
+        self.seq = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), shared, nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                 shared, nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return checkpoint_sequential(self.seq, 2, x, use_reentrant=True)
+
+
+def _rows(x, rank):
+    """Rank ``rank``'s rows of ``x``, requiring grad (a reentrant checkpoint
+    whose inputs need none gives its parameters no gradient)."""
+    return x[rank * 4 : (rank + 1) * 4].clone().requires_grad_()
+
+
+def shared_layer_under_autocast(rank, world, steps=3):
+    """:class:`SharedSegments` under ``shard_parameters=True`` with forward
+    *and backward* inside bfloat16 autocast (as scripts write it), next to
+    one process doing the same over every rank's batch. Autocast caches
+    one bfloat16 copy of the shared weight for the whole region, so its
+    gradient reaches the weight after its unit's backward ended. Returns
+    the largest parameter difference after ``steps`` steps."""
+    reference = SharedSegments()
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        for step in range(steps):
+            x = torch.randn(world * 4, 8, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                wrapped(_rows(x, rank)).float().square().mean().backward()
+                for r in range(world):
+                    (reference(_rows(x, r)).float().square().mean() / world).backward()
+            opt.step()
+            ref_opt.step()
+        return _diff(reference, wrapped)
     finally:
         wrapped.close()

@@ -24,6 +24,14 @@ def test_every_case_trains_exactly_paced_for_memory(world2, name):
     check(world2.run(case, "gradsync-params-lean", name))
 
 
+def test_a_layer_shared_by_two_checkpointed_segments_under_autocast_is_exact(world2):
+    # Backward inside the autocast region: the shared weight's bfloat16 copy is cast once and
+    # cached, so its gradient arrives after its unit was released (it once failed in
+    # AccumulateGrad: "The size of tensor a (0) must match the size of tensor b (16)").
+    for rank, diff in enumerate(world2.run(sharded_params.shared_layer_under_autocast)):
+        assert diff <= 1e-6, f"rank {rank}: off by {diff}"
+
+
 @pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
 def test_parameters_are_released_between_steps_and_whole_in_forward(world2, units):
     for rank, seen in enumerate(world2.run(sharded_params.residence, units=units)):
