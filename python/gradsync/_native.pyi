@@ -97,6 +97,33 @@ class Lane:
     def close(self) -> None:
         """Stop the lane's thread."""
 
+class PieceServer:
+    """This rank's server of its parameter pieces: threads of the runtime
+    that answer other ranks' :class:`PieceReader` at their step, so one
+    rank reads the whole model alone (``sharding.pieces``)."""
+
+    def __init__(self, host: str) -> None: ...
+    @property
+    def address(self) -> str:
+        """``host:port``, where readers reach it."""
+    def register(self, pieces: list[tuple[int, int, int, int]]) -> None:
+        """Serve ``(parameter, offset, host address, bytes)`` pieces from now
+        on; their memory must live until the next call or :meth:`close`."""
+    def writing(self) -> None:
+        """The pieces are about to be written: returns once no copy runs."""
+    def written(self, steps: int) -> None:
+        """They were written and are at step ``steps``."""
+    def close(self) -> None:
+        """Stop serving; reads waiting are told so."""
+
+class PieceReader:
+    """One rank's reader of the other ranks' :class:`PieceServer` s."""
+
+    def __init__(self, servers: list[Optional[str]]) -> None: ...
+    def read(self, steps: int, params: list[int], timeout_s: float) -> list[tuple[int, int, int, bytes]]:
+        """Every other rank's pieces of ``params`` at step ``steps``:
+        ``(rank, parameter, offset, bytes)`` each."""
+
 class Residency:
     """One rank's residency protocol of parameter sharding by units: the
     hooks report events, :meth:`next_command` says what to do (tuples named

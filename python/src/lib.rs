@@ -28,8 +28,10 @@
 //! `params` and `memory` (gradient memory by address), `tensor_grads`
 //! (the store: payloads that are tensors held in place, on either plane),
 //! `plane` (the device plane's operations), `given` (a gradient as the C++
-//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `lane` (parameter sharding's
-//! gather lane), `residency` (its residency protocol, the runtime's state machine), `membership` (an elastic
+//! shims hand it over), `arrivals` (the C entry of the C++ hooks), `lane`
+//! (parameter sharding's gather lane), `pieces` (one rank reading the
+//! others' pieces alone), `residency` (its residency protocol, the
+//! runtime's state machine), `membership` (an elastic
 //! job's membership protocol over torch's store), `transport` (the
 //! communicator thread's engines, and failures classified once) and
 //! `collectives` (the shim's table), `errors`, `closing`.
@@ -45,6 +47,7 @@ mod lane;
 mod membership;
 mod memory;
 mod params;
+mod pieces;
 mod plane;
 mod report;
 mod residency;
@@ -109,6 +112,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<step::Step>()?;
     m.add_class::<gathers::Gathers>()?;
     m.add_class::<lane::Lane>()?;
+    m.add_class::<pieces::PieceServer>()?;
+    m.add_class::<pieces::PieceReader>()?;
     m.add_class::<residency::Residency>()?;
     m.add_class::<report::StepReport>()?;
     m.add_class::<arrivals::ArrivalSink>()?;

@@ -3,6 +3,7 @@ rank of a test world: where the whole parameters stand through a step, and
 what a program may do with them between steps."""
 
 import copy
+import time
 
 import torch
 import torch.nn as nn
@@ -61,7 +62,8 @@ def residence(rank, world, steps=3, units=True):
     it (torch's AdamW over ``model.parameters()``, after wrapping). Returns
     what each phase saw: the parameters' element counts after backward,
     after the step and after an evaluation forward, this rank's piece
-    values, the refusals of a state dict between steps, the evaluation's
+    values, a state dict between steps against the reference's, the
+    element count after it and a load of the reference's, the evaluation's
     output against the reference's, whether a forward without gradients
     inside a step gathered again, the largest parameter difference, and the
     state dict read inside ``whole_parameters()`` against the reference's.
@@ -83,8 +85,15 @@ def residence(rank, world, steps=3, units=True):
             seen["worst"] = max(seen["worst"], _diff(reference, wrapped))
         seen["held"] = sum(piece.tensor.numel() for piece in wrapped._partition.pieces)
         seen["whole"] = sum(p.numel() for p in reference.parameters())
-        seen["state_dict"] = _refused(wrapped.state_dict)
-        seen["load_state_dict"] = _refused(lambda: wrapped.module.load_state_dict(reference.state_dict()))
+        # A state dict between steps is whole (read from every rank's pieces), and a load of one on
+        # every rank reaches the pieces (the evaluation and the steps below see it); both leave
+        # the parameters released.
+        state = wrapped.state_dict()
+        seen["state_dict"] = max((state[f"module.{k}"] - v).abs().max().item() for k, v in reference.state_dict().items())
+        with torch.no_grad():
+            reference[4].bias.add_(0.25)
+        wrapped.module.load_state_dict(reference.state_dict())
+        seen["after_state_dicts"] = sum(p.data.numel() for p in wrapped.parameters())
         # An evaluation forward between steps gathers and releases again; a forward without
         # gradients inside a step (after the training forward) neither gathers nor releases.
         with torch.no_grad():
@@ -283,5 +292,40 @@ def shared_layer_under_autocast(rank, world, steps=3):
             opt.step()
             ref_opt.step()
         return _diff(reference, wrapped)
+    finally:
+        wrapped.close()
+
+
+def saved_by_one_rank(rank, world, units=True, steps=3, saver=0):
+    """The DDP tutorial's save under ``shard_parameters``: after each step
+    rank ``saver`` alone takes the wrapper's ``state_dict()`` (as ``if rank
+    == 0: torch.save(ddp_model.state_dict(), PATH)`` does) while the others
+    go straight on to their next forward; in the second step rank 1 is
+    still before its ``optimizer.step()`` when the saver reads (the read is
+    at the saver's step). Returns, on the saver, per step the largest
+    difference of the saved values from the one-process reference's and
+    the parameters' element count after the save (released again); on
+    every rank the final difference, gathered whole."""
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    seen = {"saved": [], "after": [], "keys": None}
+    try:
+        for step in range(steps):
+            _reference_step(reference, ref_opt, step, world)
+            opt.zero_grad()
+            _loss(wrapped, step, rank, world).backward()
+            if step == 1 and rank == 1:
+                time.sleep(0.3)  # (the saver's read arrives before this rank's step: it waits for the step)
+            opt.step()
+            if rank == saver:
+                state = wrapped.state_dict()
+                seen["keys"] = sorted(state)
+                seen["saved"].append(max((state[f"module.{n}"] - p).abs().max().item()
+                                         for n, p in reference.named_parameters()))
+                seen["after"].append(sum(p.data.numel() for p in wrapped.module.parameters()))
+        seen["final"] = _diff(reference, wrapped)
+        return seen
     finally:
         wrapped.close()

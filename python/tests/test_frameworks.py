@@ -252,3 +252,11 @@ def test_accelerate_trigger_sync_in_backward(side_by_side):
         f"ok, {reference_of(out):.1e}",
         f"ok, {diff:.1e} (one-process replay)",
     )
+
+
+def test_the_ddp_tutorials_rank_zero_checkpoint_with_sharded_parameters():
+    # The tutorial's save and load with only shard_parameters=True added: rank 0 alone saves
+    # ddp_model.state_dict() (the other rank's runtime serves its pieces while it waits in a
+    # barrier), every rank loads it, training goes on exactly.
+    script = REPO / "python" / "tests" / "scripts" / "ddp_tutorial_checkpoint.py"
+    assert run_ok(script, "--impl", "gradsync") <= 1e-6

@@ -27,6 +27,7 @@ mod lane;
 pub mod local;
 pub mod membership;
 pub mod metrics;
+pub mod pieces;
 pub mod rendezvous;
 pub mod trace;
 

@@ -190,6 +190,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._quiet = False
         # The step under way follows a skipped step: no collective, no gather (``ShardedStep.stepping``).
         self._noop = False
+        # Between before_step and after_step: other ranks' reads of the pieces wait (``sharding.served``).
+        self._writing = False
         # A rank out of data (join) steps the last optimizer built, for the others.
         partition.optimizer = weakref.ref(self)
         if adopt is not None:
@@ -272,6 +274,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._noop = part.sharded_step.stepping()
         if self._quiet or self._noop:
             return
+        if part.served is not None:  # (other ranks' reads of the pieces wait for the step: sharding.served)
+            part.served.writing()
+            self._writing = True
         if part.residence is None:  # (released parameters hold nothing to read: the pieces are the values)
             part.refresh()
         if part.sharded_step.settled or part.recover is None:
@@ -281,12 +286,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except LOST as error:
             part.recover(error)
 
-    @torch.no_grad()
     def after_step(self):
         """Called by the global step post-hook after the inner optimizer
         stepped: count the step, and gather every rank's pieces into the
         parameters (a member lost here is recovered from in an elastic job);
-        under parameter sharding the next forward gathers them instead."""
+        under parameter sharding the next forward gathers them instead, and
+        the pieces are served again, at the step taken."""
+        try:
+            self._after_step()
+        finally:
+            if self._writing:
+                self._writing = False
+                self._partition.served.written()
+
+    @torch.no_grad()
+    def _after_step(self):
+        """:meth:`after_step`'s count and gather."""
         part = self._partition
         if self._quiet or part.sharded_step.settled or self._noop:
             return

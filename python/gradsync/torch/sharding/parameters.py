@@ -23,9 +23,12 @@ backward, on a lane of their own, are ``sharding.units``.
 A released parameter holds an empty tensor (``p.data.numel() == 0``) of its dtype
 and device: the same ``Parameter`` object, so the optimizer, the hooks and
 tied weights keep it; reading its values raises, naming it
-(``sharding.released``), and ``state_dict()`` and ``load_state_dict()``
-of the wrapped module are refused then with what to do
-(``model.whole_parameters()``, a collective every rank enters).
+(``sharding.released``). The wrapped module's ``state_dict()`` then reads
+the whole values alone, on any rank, from every rank's piece server
+(``sharding.served``), and its ``load_state_dict()`` writes each rank's
+pieces; where the pieces are not served (on a device, in an elastic job)
+both are refused with what to do (``model.whole_parameters()``, a
+collective every rank enters).
 """
 
 import contextlib
@@ -79,6 +82,9 @@ class ShardedParameters:
         #: Whether the module's state dict is being read for its keys while
         #: the values come from the pieces (:meth:`reading_pieces`).
         self._reading_pieces = False
+        #: Whether the parameters are whole for one state dict, read from
+        #: every rank's piece server by this rank alone (:meth:`state_dict_begins`).
+        self._read_alone = False
         #: Whether the pieces were written as a model on the meta device was
         #: materialized (``sharding.materialize``): the parameters hold placeholders.
         self.materialized = False
@@ -325,13 +331,63 @@ class ShardedParameters:
     def refuse_if_released(self, what):
         """Refuse ``what`` (reading or writing every parameter: a state
         dict) while the parameters are released, saying what to do."""
-        if self.whole or self._reading_pieces:
+        if self.whole or self._reading_pieces or self._read_alone:
             return
         raise ConfigError(
             f"{what} while the parameters are released: with shard_parameters=True each rank holds only its pieces "
             "between a step's end and the next forward. Enter `with model.whole_parameters():` on every rank "
             "(a collective) and call it inside; what is written into the parameters there is kept"
         )
+
+    def state_dict_begins(self):
+        """The wrapped module's ``state_dict()`` begins. While the
+        parameters are released, this rank alone makes them whole for it:
+        its pieces and every other rank's, read from their runtimes' piece
+        servers at this rank's step (``sharding.served``), so rank 0 may
+        save alone while the others train on. Refused as
+        :meth:`refuse_if_released` says where the pieces are not served
+        (on a device, in an elastic job) or in the middle of a step."""
+        self._whole_alone("state_dict()")
+
+    def state_dict_ended(self):
+        """The state dict holds the values read alone: the parameters are
+        released again (the state dict keeps its own tensors)."""
+        if not self._read_alone:
+            return
+        self._read_alone = False
+        for i, p in enumerate(self._partition.params):
+            if p.data.numel():
+                self._released(i)
+        self.hook_again()
+
+    def load_begins(self):
+        """The wrapped module's ``load_state_dict()`` begins: while the
+        parameters are released, whole for it as for a state dict (the
+        values a partial load leaves are this step's)."""
+        self._whole_alone("load_state_dict()")
+
+    def load_ended(self):
+        """The load ended: this rank's pieces take what it wrote, and the
+        parameters are released again. Each rank loads its own pieces, so
+        every rank loads (as under DDP, where a rank that does not keeps
+        other values)."""
+        if self._read_alone:
+            self._partition.refresh()
+            self.state_dict_ended()
+
+    def _whole_alone(self, what):
+        """The parameters whole on this rank alone for ``what`` (see
+        :meth:`state_dict_begins`); nothing to do when they are whole."""
+        part = self._partition
+        served = part.served
+        if (self.whole or self._reading_pieces or self._read_alone or served is None or not served.serves
+                or any(p.data.numel() for p in part.params)):
+            self.refuse_if_released(what)
+            return
+        for i, tensor in served.read_whole(range(len(part.params))).items():
+            mark_whole(part.params[i])
+            part.params[i].data = tensor
+        self._read_alone = True
 
     @contextlib.contextmanager
     def reading_pieces(self):

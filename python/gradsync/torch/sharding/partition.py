@@ -19,6 +19,7 @@ partitions meet the parameters is the :class:`~gradsync.torch.sharding.layout.La
 after backward. Where the step stands is :class:`~gradsync.torch.sharding.step.ShardedStep`.
 """
 
+import contextlib
 import weakref
 
 import torch
@@ -67,6 +68,10 @@ class Partition(Layout, Packing, Clipping):
         #: released at the end of each step, gathered by the next forward;
         #: ``None``: the parameters are always whole (ZeRO-2).
         self.residence = None
+        #: Under parameter sharding outside elastic jobs, this rank's piece
+        #: server and its reader of the others' (``sharding.served``): a rank
+        #: reads the whole model alone from them; ``None``: not served.
+        self.served = None
         #: Checks that every rank makes once over the state group (that all
         #: built the same sharded optimizer), held until an elastic job's
         #: first step boundary, where a member lost meanwhile is recovered
@@ -242,10 +247,25 @@ class Partition(Layout, Packing, Clipping):
         parameters since, a load or a broadcast, is what the step updates).
         A parameter whole in another dtype than its own (a rounded copy:
         ``param_dtype``) is not read back."""
-        for piece in self.owned:
-            if self.params[piece.param].dtype != self.forms[piece.param].dtype:
-                continue
-            piece.tensor.copy_(flat_values(self.params[piece.param])[piece.offset : piece.offset + piece.length])
+        with self.writing_pieces():
+            for piece in self.owned:
+                if self.params[piece.param].dtype != self.forms[piece.param].dtype:
+                    continue
+                piece.tensor.copy_(flat_values(self.params[piece.param])[piece.offset : piece.offset + piece.length])
+
+    @contextlib.contextmanager
+    def writing_pieces(self):
+        """Within the block the pieces are written: no other rank's read of
+        them copies meanwhile (``sharding.served``), and they are served
+        again after it at the step taken."""
+        if self.served is None:
+            yield
+            return
+        self.served.writing()
+        try:
+            yield
+        finally:
+            self.served.written()
 
     @torch.no_grad()
     def write_owned(self):

@@ -129,7 +129,7 @@ class ModuleHook:
     or a pickle of the module holds an inert hook instead (the wrapper's
     state, which ``fn`` refers to, stays the wrapper's alone)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "_from_public_api")  # (torch marks its state dict post hooks so)
 
     def __init__(self, fn):
         self.fn = fn

@@ -40,6 +40,7 @@ from gradsync.torch.sharding.members import ShardedMembers
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.partition import Partition
+from gradsync.torch.sharding.served import PieceService
 from gradsync.torch.sharding.unit_modules import ModuleHook
 from gradsync.torch.sharding.units import UnitResidence
 
@@ -199,12 +200,17 @@ class Sharding(ShardedMembers):
                 materialize(self._partition, self._partition.residence, built, forms, param_init, self._states)
             if param_dtype is not None:
                 self._partition.residence.compute_in(param_dtype)
-            refuse = self._partition.residence.refuse_if_released
+            residence = self._partition.residence
+            if elastic is None:  # (an elastic job's members change: their servers are not followed yet)
+                self._partition.served = PieceService(self._partition, self._store, self._prefix, self._timeout_s)
+                self._sync.on_close.append(self._partition.served.close)
             self._direct = []
             handles = [
-                # A released parameter is empty: a state dict of it would save nothing, or load into nothing.
-                self.module.register_state_dict_pre_hook(ModuleHook(lambda *_: refuse("state_dict()"))),
-                self.module.register_load_state_dict_pre_hook(ModuleHook(lambda *_: refuse("load_state_dict()"))),
+                # A released parameter is empty: a state dict reads it from every rank's pieces, a load writes them.
+                self.module.register_state_dict_pre_hook(ModuleHook(lambda *_: residence.state_dict_begins())),
+                self.module.register_state_dict_post_hook(ModuleHook(lambda *_: residence.state_dict_ended())),
+                self.module.register_load_state_dict_pre_hook(ModuleHook(lambda *_: residence.load_begins())),
+                self.module.register_load_state_dict_post_hook(ModuleHook(lambda *_: residence.load_ended())),
                 # The module called itself, not through this wrapper (HF Trainer's evaluation does).
                 self.module.register_forward_pre_hook(ModuleHook(self._direct_forward_begins)),
                 self.module.register_forward_hook(ModuleHook(self._direct_forward_ends)),

@@ -1,0 +1,480 @@
+//! Reads of a parameter-sharded model's pieces by one rank alone.
+//!
+//! Under parameter sharding each rank holds only its pieces of every
+//! parameter between steps. A rank that reads the whole model by itself (a
+//! `state_dict()` saved by rank 0 only, as the DDP tutorial and nanoGPT do)
+//! needs every other rank's pieces, while those ranks' training threads are
+//! somewhere else: in their next forward, waiting for this rank, or still
+//! in `optimizer.step()`. So each rank runs a [`PieceServer`]: threads of its
+//! own that answer any [`PieceReader`] from the pieces registered with it,
+//! at the reader's step, with nothing asked of the training thread:
+//!
+//! ```text
+//! reader (between its steps k and k+1)                  server (rank r: its own threads)
+//!   PieceReader::read(at = k, params) ── request ──▶ connection thread ── Ask ──▶ owner thread (the table:
+//!                                                                                 step, pieces, writing)
+//!                                                    answered at once when the pieces are at step k and
+//!                                                    nothing writes them; queued until `written(k)` else
+//!   ◀── each piece of those parameters (parameter, offset, bytes) ──
+//!
+//! the server's training thread: writing() ─ waits for a copy in progress ─▶ optimizer.step() writes the
+//!                               pieces ─▶ written(k + 1) ─▶ the queued reads at k + 1 are answered
+//! ```
+//!
+//! A read never waits for a timer to break a wait: a server behind the
+//! reader is inside the step the reader already finished, which needs
+//! nothing more from the reader, so it reaches the reader's step. A server
+//! *ahead* of the reader cannot be (its next step needs the reader's
+//! gradients) and is answered with [`PieceReadError::Ahead`]. The deadline a
+//! read is given is for failures (a rank gone), like a collective's.
+//!
+//! The wire is plain TCP, little-endian: a request is `GSPR`, the step (u64),
+//! the parameter count (u32) and the parameter indices (u32 each); an answer
+//! is a status byte, then either the piece count (u32) and per piece its
+//! parameter (u32), offset (u64, in elements) and byte length (u64) followed
+//! by the bytes, or a message (u32 length, UTF-8).
+
+use std::collections::HashSet;
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+
+/// What a request starts with.
+const MAGIC: &[u8; 4] = b"GSPR";
+/// An answer's status byte: the pieces follow.
+const OK: u8 = 0;
+/// An answer's status byte: a message follows.
+const REFUSED: u8 = 1;
+
+/// Why a read of other ranks' pieces failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PieceReadError {
+    /// The rank's server could not be reached (it exited, or its host is gone).
+    #[error("rank {rank}'s piece server at {addr} could not be reached ({source}); is that rank still running?")]
+    Connect {
+        /// The rank whose server it is.
+        rank: usize,
+        /// Where it said it listens.
+        addr: SocketAddr,
+        /// What connecting said.
+        source: io::Error,
+    },
+    /// The connection broke or gave no answer within the deadline.
+    #[error(
+        "reading rank {rank}'s pieces failed ({source}): that rank stopped answering; if it is busy in a long \
+         optimizer step, give the read a longer deadline"
+    )]
+    Io {
+        /// The rank that did not answer.
+        rank: usize,
+        /// What the connection said.
+        source: io::Error,
+    },
+    /// The rank's pieces are at a later step than the reader's: the ranks
+    /// do not train the same steps.
+    #[error(
+        "rank {rank}'s pieces are at step {theirs}, the reader's at {at}: every rank must run the same \
+         optimizer steps (a read is served at the reader's step)"
+    )]
+    Ahead {
+        /// The rank ahead.
+        rank: usize,
+        /// The step the reader asked for.
+        at: u64,
+        /// The step its pieces are at.
+        theirs: u64,
+    },
+    /// The rank's server is closing (its wrapper was closed).
+    #[error("rank {rank}'s piece server is closed (its wrapper was closed): read before closing every rank's")]
+    Closed {
+        /// The rank whose server closed.
+        rank: usize,
+    },
+    /// The answer was not this protocol's.
+    #[error("rank {rank} answered a piece read with something else ({what}): is it running the same gradsync?")]
+    Garbled {
+        /// The rank that answered.
+        rank: usize,
+        /// What was wrong.
+        what: String,
+    },
+}
+
+/// One piece as its server holds it: `bytes` bytes at address `addr`, the
+/// values at `offset` (elements) on of parameter `param`'s flat values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PieceAt {
+    /// The parameter (its index in the wrapper's registration order).
+    pub param: u32,
+    /// Where in the parameter's flat values the piece begins (in elements).
+    pub offset: u64,
+    /// The piece's memory: host memory, `bytes` long.
+    pub addr: usize,
+    /// Its length in bytes.
+    pub bytes: usize,
+}
+
+/// One piece as a reader receives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadPiece {
+    /// The rank that holds it.
+    pub rank: usize,
+    /// The parameter.
+    pub param: u32,
+    /// Where in the parameter's flat values it begins (in elements).
+    pub offset: u64,
+    /// Its values, as they lie in memory.
+    pub bytes: Vec<u8>,
+}
+
+/// An answer to one request, as the owner thread gives it.
+type Answer = Result<Vec<(u32, u64, Vec<u8>)>, Refusal>;
+
+/// Why the owner thread did not answer with pieces.
+#[derive(Clone, Debug)]
+enum Refusal {
+    /// Its pieces are at a later step.
+    Ahead(u64),
+    /// It is closing.
+    Closed,
+}
+
+/// What the owner thread receives.
+enum Msg {
+    /// A reader's request: the pieces of `params` at step `at`.
+    Ask { at: u64, params: HashSet<u32>, reply: Sender<Answer> },
+    /// The training thread is about to write the pieces: acknowledged once no copy runs.
+    Writing { ack: Sender<()> },
+    /// The training thread wrote them; they are at step `step` now.
+    Written { step: u64 },
+    /// The pieces are these now.
+    Register { pieces: Vec<PieceAt> },
+    /// Answer what waits with `Closed`, then end.
+    Close,
+}
+
+/// The table the owner thread keeps (one owner: no lock).
+struct Table {
+    /// The step the pieces are at (optimizer steps taken).
+    step: u64,
+    /// Whether the training thread is writing them now.
+    writing: bool,
+    pieces: Vec<PieceAt>,
+    /// Requests for a step not reached yet, or made while writing.
+    waiting: Vec<(u64, HashSet<u32>, Sender<Answer>)>,
+}
+
+impl Table {
+    /// Answer the request now if it can be; else keep it.
+    fn ask(&mut self, at: u64, params: HashSet<u32>, reply: Sender<Answer>) {
+        if at < self.step {
+            let _ = reply.send(Err(Refusal::Ahead(self.step)));
+        } else if self.writing || at > self.step {
+            self.waiting.push((at, params, reply));
+        } else {
+            let _ = reply.send(Ok(self.copy(&params)));
+        }
+    }
+
+    /// The pieces of `params`, copied out.
+    fn copy(&self, params: &HashSet<u32>) -> Vec<(u32, u64, Vec<u8>)> {
+        self.pieces
+            .iter()
+            .filter(|p| params.contains(&p.param))
+            .map(|p| {
+                // SAFETY: `PieceServer::register`'s contract: the memory is
+                // live host memory of `bytes` bytes until the next register
+                // or close, and nothing writes it outside a `writing()` ..
+                // `written()` bracket; this thread is the only one copying and
+                // runs no copy inside a bracket.
+                let values = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.bytes) };
+                (p.param, p.offset, values.to_vec())
+            })
+            .collect()
+    }
+
+    /// Answer what can be answered of the waiting requests.
+    fn retry(&mut self) {
+        for (at, params, reply) in std::mem::take(&mut self.waiting) {
+            self.ask(at, params, reply);
+        }
+    }
+}
+
+/// The owner thread's loop: the table's one writer.
+fn own(messages: Receiver<Msg>) {
+    let mut table = Table { step: 0, writing: false, pieces: Vec::new(), waiting: Vec::new() };
+    for msg in messages {
+        match msg {
+            Msg::Ask { at, params, reply } => table.ask(at, params, reply),
+            Msg::Writing { ack } => {
+                table.writing = true;
+                let _ = ack.send(());
+            }
+            Msg::Written { step } => {
+                table.writing = false;
+                table.step = step;
+                table.retry();
+            }
+            Msg::Register { pieces } => table.pieces = pieces,
+            Msg::Close => break,
+        }
+    }
+    for (_, _, reply) in table.waiting {
+        let _ = reply.send(Err(Refusal::Closed));
+    }
+}
+
+/// One rank's server of its pieces (see the module docs). Closed when dropped.
+pub struct PieceServer {
+    addr: SocketAddr,
+    owner: Sender<Msg>,
+    /// Set at close: the accept loop ends at its next connection.
+    closing: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl PieceServer {
+    /// A server listening on `host` (an ephemeral port), holding no pieces,
+    /// at step 0.
+    pub fn bind(host: IpAddr) -> io::Result<PieceServer> {
+        let listener = TcpListener::bind(SocketAddr::new(host, 0))?;
+        let addr = listener.local_addr()?;
+        let (owner, messages) = unbounded();
+        let closing = Arc::new(AtomicBool::new(false));
+        let own_thread = std::thread::Builder::new().name("gradsync-pieces".into()).spawn(move || own(messages))?;
+        let (to_owner, stop) = (owner.clone(), closing.clone());
+        let accept = std::thread::Builder::new()
+            .name("gradsync-pieces-accept".into())
+            .spawn(move || accept_loop(listener, to_owner, stop))?;
+        Ok(PieceServer { addr, owner, closing, threads: vec![own_thread, accept] })
+    }
+
+    /// Where readers reach it.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The pieces it serves from now on (replacing those before).
+    ///
+    /// # Safety
+    /// Every piece's memory must be host memory of `bytes` bytes that stays
+    /// allocated until the next `register` or the server's close, and
+    /// nothing may write it except between [`writing`](Self::writing) and
+    /// [`written`](Self::written).
+    pub unsafe fn register(&self, pieces: Vec<PieceAt>) {
+        let _ = self.owner.send(Msg::Register { pieces });
+    }
+
+    /// The pieces are about to be written: returns once no copy of them is
+    /// running, and none starts until [`written`](Self::written).
+    pub fn writing(&self) {
+        let (ack, acked) = bounded(1);
+        if self.owner.send(Msg::Writing { ack }).is_ok() {
+            let _ = acked.recv();
+        }
+    }
+
+    /// The pieces were written and are at step `step` now (optimizer steps taken).
+    pub fn written(&self, step: u64) {
+        let _ = self.owner.send(Msg::Written { step });
+    }
+
+    /// Stop serving: reads waiting are answered `Closed`; the threads end.
+    pub fn close(&mut self) {
+        if self.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let _ = self.owner.send(Msg::Close);
+        let _ = TcpStream::connect(self.addr); // (wakes the accept loop to see `closing`)
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for PieceServer {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Accept readers until closing; each connection gets a thread.
+fn accept_loop(listener: TcpListener, owner: Sender<Msg>, closing: Arc<AtomicBool>) {
+    for stream in listener.incoming() {
+        if closing.load(Ordering::SeqCst) {
+            break;
+        }
+        let Ok(stream) = stream else { continue };
+        let owner = owner.clone();
+        let _ = std::thread::Builder::new().name("gradsync-pieces-conn".into()).spawn(move || {
+            let _ = serve(stream, owner);
+        });
+    }
+}
+
+/// Answer one reader's requests until it hangs up.
+fn serve(stream: TcpStream, owner: Sender<Msg>) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut input = BufReader::new(stream.try_clone()?);
+    let mut output = BufWriter::new(stream);
+    loop {
+        let mut magic = [0u8; 4];
+        if input.read_exact(&mut magic).is_err() {
+            return Ok(()); // (the reader hung up)
+        }
+        if &magic != MAGIC {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "not a piece read"));
+        }
+        let at = read_u64(&mut input)?;
+        let count = read_u32(&mut input)?;
+        let params = (0..count).map(|_| read_u32(&mut input)).collect::<io::Result<HashSet<u32>>>()?;
+        let (reply, answer) = bounded(1);
+        let answer = match owner.send(Msg::Ask { at, params, reply }) {
+            Ok(()) => answer.recv().unwrap_or(Err(Refusal::Closed)),
+            Err(_) => Err(Refusal::Closed),
+        };
+        match answer {
+            Ok(pieces) => {
+                output.write_all(&[OK])?;
+                output.write_all(&(pieces.len() as u32).to_le_bytes())?;
+                for (param, offset, bytes) in pieces {
+                    output.write_all(&param.to_le_bytes())?;
+                    output.write_all(&offset.to_le_bytes())?;
+                    output.write_all(&(bytes.len() as u64).to_le_bytes())?;
+                    output.write_all(&bytes)?;
+                }
+            }
+            Err(refusal) => {
+                let text = match refusal {
+                    Refusal::Ahead(step) => format!("ahead {step}"),
+                    Refusal::Closed => "closed".to_string(),
+                };
+                output.write_all(&[REFUSED])?;
+                output.write_all(&(text.len() as u32).to_le_bytes())?;
+                output.write_all(text.as_bytes())?;
+            }
+        }
+        output.flush()?;
+    }
+}
+
+fn read_u32(input: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    input.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn read_u64(input: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    input.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// One rank's reader of the other ranks' pieces: a connection to each
+/// server, made at its first read and kept.
+pub struct PieceReader {
+    /// Per rank, its server (`None`: this rank, read from its own memory).
+    servers: Vec<Option<SocketAddr>>,
+    connections: Vec<Option<TcpStream>>,
+}
+
+impl PieceReader {
+    /// A reader of the servers `servers` (per rank; `None` for the reader's own).
+    pub fn new(servers: Vec<Option<SocketAddr>>) -> PieceReader {
+        let connections = servers.iter().map(|_| None).collect();
+        PieceReader { servers, connections }
+    }
+
+    /// Every piece of `params` held by every other rank, at step `at`, each
+    /// server given `deadline` to answer. The requests go out to every
+    /// server first, then the answers are read, in rank order.
+    pub fn read(&mut self, at: u64, params: &[u32], deadline: Duration) -> Result<Vec<ReadPiece>, PieceReadError> {
+        let mut request = Vec::with_capacity(16 + 4 * params.len());
+        request.extend_from_slice(MAGIC);
+        request.extend_from_slice(&at.to_le_bytes());
+        request.extend_from_slice(&(params.len() as u32).to_le_bytes());
+        for p in params {
+            request.extend_from_slice(&p.to_le_bytes());
+        }
+        let asked: Vec<usize> = (0..self.servers.len()).filter(|r| self.servers[*r].is_some()).collect();
+        for &rank in &asked {
+            let stream = self.connection(rank, deadline)?;
+            stream.write_all(&request).map_err(|source| self.broken(rank, source))?;
+        }
+        let mut out = Vec::new();
+        for &rank in &asked {
+            let stream = self.connections[rank].as_mut().expect("connected above");
+            match answer(stream, rank, at) {
+                Ok(pieces) => out.extend(pieces),
+                Err(PieceReadError::Io { rank, source }) => return Err(self.broken(rank, source)),
+                Err(other) => return Err(other),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The connection to `rank`'s server, made now if there is none.
+    fn connection(&mut self, rank: usize, deadline: Duration) -> Result<&mut TcpStream, PieceReadError> {
+        if self.connections[rank].is_none() {
+            let addr = self.servers[rank].expect("a server to read");
+            let stream = TcpStream::connect_timeout(&addr, deadline)
+                .and_then(|s| s.set_nodelay(true).map(|_| s))
+                .map_err(|source| PieceReadError::Connect { rank, addr, source })?;
+            self.connections[rank] = Some(stream);
+        }
+        let stream = self.connections[rank].as_mut().expect("connected above");
+        stream.set_read_timeout(Some(deadline)).map_err(|source| PieceReadError::Io { rank, source })?;
+        Ok(stream)
+    }
+
+    /// Forget `rank`'s connection (a read broke it); the error.
+    fn broken(&mut self, rank: usize, source: io::Error) -> PieceReadError {
+        if let Some(stream) = self.connections[rank].take() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        PieceReadError::Io { rank, source }
+    }
+}
+
+/// Read one answer from `rank`'s server to a request at step `at`.
+fn answer(stream: &mut TcpStream, rank: usize, at: u64) -> Result<Vec<ReadPiece>, PieceReadError> {
+    let io = |source| PieceReadError::Io { rank, source };
+    let mut input = BufReader::new(stream);
+    let mut status = [0u8; 1];
+    input.read_exact(&mut status).map_err(io)?;
+    let count = read_u32(&mut input).map_err(io)?;
+    if status[0] == REFUSED {
+        let mut text = vec![0u8; count as usize];
+        input.read_exact(&mut text).map_err(io)?;
+        let text = String::from_utf8_lossy(&text).into_owned();
+        return Err(match text.strip_prefix("ahead ").and_then(|s| s.parse().ok()) {
+            Some(theirs) => PieceReadError::Ahead { rank, at, theirs },
+            None if text == "closed" => PieceReadError::Closed { rank },
+            None => PieceReadError::Garbled { rank, what: text },
+        });
+    }
+    if status[0] != OK {
+        return Err(PieceReadError::Garbled { rank, what: format!("status byte {}", status[0]) });
+    }
+    let mut pieces = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let param = read_u32(&mut input).map_err(io)?;
+        let offset = read_u64(&mut input).map_err(io)?;
+        let len = read_u64(&mut input).map_err(io)?;
+        let mut bytes = vec![0u8; len as usize];
+        input.read_exact(&mut bytes).map_err(io)?;
+        pieces.push(ReadPiece { rank, param, offset, bytes });
+    }
+    // (A BufReader over the stream may read ahead only what this answer holds:
+    // the server sends nothing unasked, so nothing is lost when it is dropped.)
+    Ok(pieces)
+}
+
+#[cfg(test)]
+mod tests;
