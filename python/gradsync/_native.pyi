@@ -106,9 +106,10 @@ class PieceServer:
     @property
     def address(self) -> str:
         """``host:port``, where readers reach it."""
-    def register(self, pieces: list[tuple[int, int, int, int]]) -> None:
-        """Serve ``(parameter, offset, host address, bytes)`` pieces from now
-        on; their memory must live until the next call or :meth:`close`."""
+    def register(self, pieces: list[tuple[int, int, int, int, str]]) -> None:
+        """Serve ``(parameter, offset, host address, bytes, tag)`` pieces from
+        now on (tag ``""``: the values; else a state of them, by name); their
+        memory must live until the next call or :meth:`close`."""
     def writing(self) -> None:
         """The pieces are about to be written: returns once no copy runs."""
     def written(self, steps: int) -> None:
@@ -120,9 +121,10 @@ class PieceReader:
     """One rank's reader of the other ranks' :class:`PieceServer` s."""
 
     def __init__(self, servers: list[Optional[str]]) -> None: ...
-    def read(self, steps: int, params: list[int], timeout_s: float) -> list[tuple[int, int, int, bytes]]:
-        """Every other rank's pieces of ``params`` at step ``steps``:
-        ``(rank, parameter, offset, bytes)`` each."""
+    def read(self, steps: int, params: list[int], tagged: bool,
+             timeout_s: float) -> list[tuple[int, int, int, str, bytes]]:
+        """Every other rank's pieces of ``params`` at step ``steps`` (their
+        tagged ones, or their values): ``(rank, parameter, offset, tag, bytes)`` each."""
 
 class Residency:
     """One rank's residency protocol of parameter sharding by units: the

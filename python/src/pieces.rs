@@ -3,10 +3,10 @@
 //! so one rank reads the whole model alone.
 //!
 //! ```text
-//! every rank:  PieceServer(host).register([(param, offset, address, bytes)…])   its pieces' host memory
-//!              .writing() … optimizer.step() … .written(steps)                  the step gate
-//! the reader:  PieceReader([address or None per rank]).read(steps, params, timeout_s)
-//!              ─▶ [(rank, param, offset, bytes)…] from every other rank's server (interpreter released)
+//! every rank:  PieceServer(host).register([(param, offset, address, bytes, tag)…])   its pieces' host memory
+//!              .writing() … optimizer.step() … .written(steps)                       the step gate
+//! the reader:  PieceReader([address or None per rank]).read(steps, params, tagged, timeout_s)
+//!              ─▶ [(rank, param, offset, tag, bytes)…] from every other rank's server (interpreter released)
 //! ```
 
 use std::net::{IpAddr, SocketAddr};
@@ -73,11 +73,13 @@ impl PieceServer {
     }
 
     /// Serve these pieces from now on: `(parameter index, offset in its
-    /// flat values, host address, byte length)` each. Their memory must stay
-    /// allocated until the next call or :meth:`close`, and be written only
-    /// between :meth:`writing` and :meth:`written`.
-    fn register(&self, py: Python<'_>, pieces: Vec<(u32, u64, usize, usize)>) -> PyResult<()> {
-        let pieces = pieces.into_iter().map(|(param, offset, addr, bytes)| PieceAt { param, offset, addr, bytes });
+    /// flat values, host address, byte length, tag)` each (the tag empty
+    /// for the parameter's values, else the state it is). Their memory must
+    /// stay allocated until the next call or :meth:`close`, and be written
+    /// only between :meth:`writing` and :meth:`written`.
+    fn register(&self, py: Python<'_>, pieces: Vec<(u32, u64, usize, usize, String)>) -> PyResult<()> {
+        let pieces =
+            pieces.into_iter().map(|(param, offset, addr, bytes, tag)| PieceAt { param, offset, addr, bytes, tag });
         // SAFETY: the documented contract of this method, which the wrapper
         // keeps (sharding.pieces: the piece tensors are held with the
         // registration, and every write of them is inside the step gate).
@@ -106,8 +108,8 @@ impl PieceServer {
     }
 }
 
-/// One piece read, as Python gets it: `(rank, parameter, offset, bytes)`.
-type Read<'py> = (usize, u32, u64, Bound<'py, PyBytes>);
+/// One piece read, as Python gets it: `(rank, parameter, offset, tag, bytes)`.
+type Read<'py> = (usize, u32, u64, String, Bound<'py, PyBytes>);
 
 /// One rank's reader of the other ranks' pieces (see the module docs).
 #[pyclass(module = "gradsync._native")]
@@ -135,12 +137,20 @@ impl PieceReader {
         Ok(PieceReader { reader: pieces::PieceReader::new(servers) })
     }
 
-    /// Every other rank's pieces of `params` at step `steps`: `(rank,
-    /// parameter, offset, bytes)` each; each server may take `timeout_s`.
-    fn read<'py>(&mut self, py: Python<'py>, steps: u64, params: Vec<u32>, timeout_s: f64) -> PyResult<Vec<Read<'py>>> {
+    /// Every other rank's pieces of `params` at step `steps` (`tagged`:
+    /// their tagged pieces, else their values): `(rank, parameter, offset,
+    /// tag, bytes)` each; each server may take `timeout_s`.
+    fn read<'py>(
+        &mut self,
+        py: Python<'py>,
+        steps: u64,
+        params: Vec<u32>,
+        tagged: bool,
+        timeout_s: f64,
+    ) -> PyResult<Vec<Read<'py>>> {
         let deadline = Duration::from_secs_f64(timeout_s.max(0.001));
         let reader = &mut self.reader;
-        let read = py.detach(|| reader.read(steps, &params, deadline)).map_err(|e| read_error(py, e))?;
-        Ok(read.into_iter().map(|p| (p.rank, p.param, p.offset, PyBytes::new(py, &p.bytes))).collect())
+        let read = py.detach(|| reader.read(steps, &params, tagged, deadline)).map_err(|e| read_error(py, e))?;
+        Ok(read.into_iter().map(|p| (p.rank, p.param, p.offset, p.tag, PyBytes::new(py, &p.bytes))).collect())
     }
 }

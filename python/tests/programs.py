@@ -363,3 +363,73 @@ def hf_sharded_save(rank, world, path, steps=2):
         return saved if rank == 0 else None
     finally:
         model.close()
+
+
+def nanogpt_master_checkpoint(rank, world, path, steps=6, interval=2):
+    """nanoGPT's evaluation and checkpoint under ``shard_parameters=True``:
+    at the top of every ``interval``-th iteration the master process
+    alone runs ``estimate_loss()`` (eval mode, no gradients, three
+    batches) and saves ``{"model": raw_model.state_dict(), "optimizer":
+    optimizer.state_dict(), "iter_num": ...}`` with ``torch.save``, while
+    the other ranks go on to the iteration's forward. Then every rank
+    resumes as nanoGPT does from the last checkpoint (the module and the
+    optimizer loaded before wrapping) and trains to the end. Returns, on
+    rank 0, the largest difference of its evaluation losses from the
+    replay's; on every rank the resumed model's largest difference from
+    the replay's at the end."""
+    torch.manual_seed(0)
+    base = TinyGPT()
+    data = torch.randint(0, 64, (steps, world * 2, 17), generator=torch.Generator().manual_seed(5))
+    held_out = torch.randint(0, 64, (3, 4, 17), generator=torch.Generator().manual_seed(6))
+
+    def estimate_loss(model):
+        model.eval()
+        with torch.no_grad():
+            losses = [float(model(x[:, :-1], x[:, 1:])) for x in held_out]
+        model.train()
+        return losses
+
+    def train(model, optimizer, step, ranks):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step)
+        for r in ranks:
+            x, y = data[step, 2 * r : 2 * r + 2, :-1], data[step, 2 * r : 2 * r + 2, 1:]
+            (model(x, y) / len(ranks)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    replay = copy.deepcopy(base)
+    replay_opt = _nanogpt_optimizer(replay, _lr_at(0))
+    replay_losses = {}
+    for step in range(steps):
+        if step % interval == 0:
+            replay_losses[step] = estimate_loss(replay)
+        train(replay, replay_opt, step, range(world))
+    seen = {"eval": 0.0}
+    model = DDP(copy.deepcopy(base), shard_parameters=True)
+    optimizer = _nanogpt_optimizer(model, _lr_at(0))
+    try:
+        for step in range(steps):
+            if step % interval == 0 and rank == 0:
+                losses = estimate_loss(model)
+                seen["eval"] = max([seen["eval"]] + [abs(a - b) for a, b in zip(losses, replay_losses[step])])
+                if step > 0:
+                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                "iter_num": step}, path)
+            train(model, optimizer, step, [rank])
+    finally:
+        model.close()
+    torch.distributed.barrier()
+    checkpoint = torch.load(path, weights_only=True)
+    resumed = TinyGPT()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = _nanogpt_optimizer(resumed, _lr_at(0))
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    resumed = DDP(resumed, shard_parameters=True)
+    try:
+        for step in range(checkpoint["iter_num"], steps):
+            train(resumed, resumed_opt, step, [rank])
+        seen["resumed"] = _diff(resumed, replay)
+        return seen
+    finally:
+        resumed.close()

@@ -304,8 +304,9 @@ def saved_by_one_rank(rank, world, units=True, steps=3, saver=0):
     still before its ``optimizer.step()`` when the saver reads (the read is
     at the saver's step). Returns, on the saver, per step the largest
     difference of the saved values from the one-process reference's and
-    the parameters' element count after the save (released again); on
-    every rank the final difference, gathered whole."""
+    the parameters' element count after the save (released again), and
+    the difference of the optimizer's ``state_dict()`` (taken alone too)
+    from the reference's; on every rank the final difference, gathered whole."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
@@ -325,7 +326,54 @@ def saved_by_one_rank(rank, world, units=True, steps=3, saver=0):
                 seen["saved"].append(max((state[f"module.{n}"] - p).abs().max().item()
                                          for n, p in reference.named_parameters()))
                 seen["after"].append(sum(p.data.numel() for p in wrapped.module.parameters()))
+                seen["optimizer"] = _state_difference(opt.state_dict(), ref_opt.state_dict())
         seen["final"] = _diff(reference, wrapped)
         return seen
     finally:
         wrapped.close()
+
+
+def evaluated_by_one_rank(rank, world, units=True, steps=3, evaluator=0):
+    """nanoGPT's ``estimate_loss()`` under ``shard_parameters``: after each
+    step rank ``evaluator`` alone runs the model in eval mode without
+    gradients over a few batches, while the others go straight on to their
+    next step. Returns, on the evaluator, the largest difference of its
+    outputs from the one-process reference's and the parameters' element
+    count after each evaluation; on every rank the final difference."""
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    seen = {"eval": 0.0, "after": []}
+    try:
+        for step in range(steps):
+            _reference_step(reference, ref_opt, step, world)
+            opt.zero_grad()
+            _loss(wrapped, step, rank, world).backward()
+            opt.step()
+            if rank == evaluator:
+                wrapped.eval()
+                with torch.no_grad():
+                    for k in range(3):
+                        x = _batch(50 + k, None, world)
+                        seen["eval"] = max(seen["eval"], (wrapped(x) - reference(x)).abs().max().item())
+                wrapped.train()
+                seen["after"].append(sum(p.data.numel() for p in wrapped.module.parameters()))
+        seen["final"] = _diff(reference, wrapped)
+        return seen
+    finally:
+        wrapped.close()
+
+
+def _state_difference(state, want):
+    """The largest difference between two optimizer state dicts (``inf``
+    if their parameters, keys or groups differ)."""
+    if state["param_groups"] != want["param_groups"] or sorted(state["state"]) != sorted(want["state"]):
+        return float("inf")
+    worst = 0.0
+    for n, entry in want["state"].items():
+        if sorted(entry) != sorted(state["state"][n]):
+            return float("inf")
+        for key, value in entry.items():
+            worst = max(worst, (torch.as_tensor(state["state"][n][key]).double() - value.double()).abs().max().item())
+    return worst

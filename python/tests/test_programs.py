@@ -89,6 +89,15 @@ def test_a_checkpoint_of_whole_parameters_loads_into_sharded_ones_and_back(world
             assert got["params"] == 0.0 and got["state"] == 0.0, f"saved {saving}, loaded {loading}, rank {rank}: {got}"
 
 
+def test_nanogpts_master_process_evaluates_and_checkpoints_alone_with_sharded_parameters(world2, tmp_path):
+    # nanoGPT with only shard_parameters=True added: estimate_loss() and torch.save of the
+    # model's and the optimizer's state_dict() on the master process alone, then its resume.
+    seen = world2.run(programs.nanogpt_master_checkpoint, str(tmp_path / "ckpt.pt"))
+    assert seen[0]["eval"] <= 1e-6, f"the master's evaluation is off by {seen[0]['eval']}"
+    for rank, s in enumerate(seen):
+        assert s["resumed"] <= 1e-6, f"rank {rank}: the resumed run is off by {s['resumed']}"
+
+
 def test_an_hf_model_trained_sharded_is_exported_for_from_pretrained(world2, tmp_path):
     # A model built on the meta device (it need not fit one rank), its checkpoint exported whole by one
     # process a file at a time: HF's from_pretrained reads the files, the trained values in every parameter.

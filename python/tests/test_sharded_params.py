@@ -26,14 +26,27 @@ def test_every_case_trains_exactly_paced_for_memory(world2, name):
 
 @pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
 def test_one_rank_alone_saves_the_whole_state_dict_while_the_others_train_on(world3, units):
-    # Rank 1 saves (not rank 0); the others' runtimes serve their pieces, the saver's
-    # read waits for a rank still before its optimizer step, nothing is gathered.
+    # Rank 1 saves (not rank 0) the model's and the optimizer's state dicts; the others'
+    # runtimes serve their pieces and the optimizer's state of them, the saver's read waits
+    # for a rank still before its optimizer step, nothing is gathered.
     seen = world3.run(sharded_params.saved_by_one_rank, units=units, saver=1)
     saver = seen[1]
     assert saver["keys"] == [f"module.{n}" for n in ("0.bias", "0.weight", "2.bias", "2.weight", "4.bias",
                                                      "4.weight")], saver["keys"]
     assert max(saver["saved"]) <= sharded.ATOL, f"the saved state is off by {saver['saved']}"
     assert saver["after"] == [0, 0, 0], f"the saver's parameters stayed whole: {saver['after']}"
+    assert saver["optimizer"] <= sharded.ATOL, f"the optimizer's state, read alone, is off by {saver['optimizer']}"
+    for rank, s in enumerate(seen):
+        assert s["final"] <= sharded.ATOL, f"rank {rank}: off by {s['final']}"
+
+
+@pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
+def test_one_rank_alone_evaluates_between_steps_while_the_others_train_on(world3, units):
+    # nanoGPT's estimate_loss() on the master process only: its units are read from the
+    # others' piece servers, no round is asked of them, and they are released after.
+    seen = world3.run(sharded_params.evaluated_by_one_rank, units=units)
+    assert seen[0]["eval"] <= sharded.ATOL, f"the evaluation is off by {seen[0]['eval']}"
+    assert seen[0]["after"] == [0, 0, 0], f"the evaluation left parameters whole: {seen[0]['after']}"
     for rank, s in enumerate(seen):
         assert s["final"] <= sharded.ATOL, f"rank {rank}: off by {s['final']}"
 

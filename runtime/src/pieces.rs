@@ -28,11 +28,16 @@
 //! gradients) and is answered with [`PieceReadError::Ahead`]. The deadline a
 //! read is given is for failures (a rank gone), like a collective's.
 //!
+//! A piece is a parameter's values, or, *tagged*, a state that lies as they
+//! do (an optimizer's per-element state of the piece, its tag naming it):
+//! a read asks for one or the other.
+//!
 //! The wire is plain TCP, little-endian: a request is `GSPR`, the step (u64),
-//! the parameter count (u32) and the parameter indices (u32 each); an answer
-//! is a status byte, then either the piece count (u32) and per piece its
-//! parameter (u32), offset (u64, in elements) and byte length (u64) followed
-//! by the bytes, or a message (u32 length, UTF-8).
+//! whether it asks for tagged pieces (u8), the parameter count (u32) and the
+//! parameter indices (u32 each); an answer is a status byte, then either the
+//! piece count (u32) and per piece its parameter (u32), offset (u64, in
+//! elements), tag (u16 length, UTF-8) and byte length (u64) followed by the
+//! bytes, or a message (u32 length, UTF-8).
 
 use std::collections::HashSet;
 use std::io::{self, BufReader, BufWriter, Read, Write};
@@ -106,8 +111,9 @@ pub enum PieceReadError {
 }
 
 /// One piece as its server holds it: `bytes` bytes at address `addr`, the
-/// values at `offset` (elements) on of parameter `param`'s flat values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// values at `offset` (elements) on of parameter `param`'s flat values, or
+/// the state `tag` names of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PieceAt {
     /// The parameter (its index in the wrapper's registration order).
     pub param: u32,
@@ -117,6 +123,8 @@ pub struct PieceAt {
     pub addr: usize,
     /// Its length in bytes.
     pub bytes: usize,
+    /// Empty for the parameter's values; else the state it is (an optimizer's, by name).
+    pub tag: String,
 }
 
 /// One piece as a reader receives it.
@@ -128,12 +136,17 @@ pub struct ReadPiece {
     pub param: u32,
     /// Where in the parameter's flat values it begins (in elements).
     pub offset: u64,
+    /// Empty for the parameter's values; else the state it is.
+    pub tag: String,
     /// Its values, as they lie in memory.
     pub bytes: Vec<u8>,
 }
 
+/// One piece copied out: parameter, offset, tag, bytes.
+type Copied = (u32, u64, String, Vec<u8>);
+
 /// An answer to one request, as the owner thread gives it.
-type Answer = Result<Vec<(u32, u64, Vec<u8>)>, Refusal>;
+type Answer = Result<Vec<Copied>, Refusal>;
 
 /// Why the owner thread did not answer with pieces.
 #[derive(Clone, Debug)]
@@ -146,8 +159,8 @@ enum Refusal {
 
 /// What the owner thread receives.
 enum Msg {
-    /// A reader's request: the pieces of `params` at step `at`.
-    Ask { at: u64, params: HashSet<u32>, reply: Sender<Answer> },
+    /// A reader's request: the pieces of `params` (`tagged`: their tagged ones) at step `at`.
+    Ask { at: u64, ask: Asked, reply: Sender<Answer> },
     /// The training thread is about to write the pieces: acknowledged once no copy runs.
     Writing { ack: Sender<()> },
     /// The training thread wrote them; they are at step `step` now.
@@ -166,26 +179,32 @@ struct Table {
     writing: bool,
     pieces: Vec<PieceAt>,
     /// Requests for a step not reached yet, or made while writing.
-    waiting: Vec<(u64, HashSet<u32>, Sender<Answer>)>,
+    waiting: Vec<(u64, Asked, Sender<Answer>)>,
+}
+
+/// What a request asks for: the pieces of `params`, tagged ones or the values.
+struct Asked {
+    params: HashSet<u32>,
+    tagged: bool,
 }
 
 impl Table {
     /// Answer the request now if it can be; else keep it.
-    fn ask(&mut self, at: u64, params: HashSet<u32>, reply: Sender<Answer>) {
+    fn ask(&mut self, at: u64, ask: Asked, reply: Sender<Answer>) {
         if at < self.step {
             let _ = reply.send(Err(Refusal::Ahead(self.step)));
         } else if self.writing || at > self.step {
-            self.waiting.push((at, params, reply));
+            self.waiting.push((at, ask, reply));
         } else {
-            let _ = reply.send(Ok(self.copy(&params)));
+            let _ = reply.send(Ok(self.copy(&ask)));
         }
     }
 
-    /// The pieces of `params`, copied out.
-    fn copy(&self, params: &HashSet<u32>) -> Vec<(u32, u64, Vec<u8>)> {
+    /// The pieces asked for, copied out.
+    fn copy(&self, ask: &Asked) -> Vec<Copied> {
         self.pieces
             .iter()
-            .filter(|p| params.contains(&p.param))
+            .filter(|p| ask.params.contains(&p.param) && p.tag.is_empty() != ask.tagged)
             .map(|p| {
                 // SAFETY: `PieceServer::register`'s contract: the memory is
                 // live host memory of `bytes` bytes until the next register
@@ -193,15 +212,15 @@ impl Table {
                 // `written()` bracket; this thread is the only one copying and
                 // runs no copy inside a bracket.
                 let values = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.bytes) };
-                (p.param, p.offset, values.to_vec())
+                (p.param, p.offset, p.tag.clone(), values.to_vec())
             })
             .collect()
     }
 
     /// Answer what can be answered of the waiting requests.
     fn retry(&mut self) {
-        for (at, params, reply) in std::mem::take(&mut self.waiting) {
-            self.ask(at, params, reply);
+        for (at, ask, reply) in std::mem::take(&mut self.waiting) {
+            self.ask(at, ask, reply);
         }
     }
 }
@@ -211,7 +230,7 @@ fn own(messages: Receiver<Msg>) {
     let mut table = Table { step: 0, writing: false, pieces: Vec::new(), waiting: Vec::new() };
     for msg in messages {
         match msg {
-            Msg::Ask { at, params, reply } => table.ask(at, params, reply),
+            Msg::Ask { at, ask, reply } => table.ask(at, ask, reply),
             Msg::Writing { ack } => {
                 table.writing = true;
                 let _ = ack.send(());
@@ -332,10 +351,13 @@ fn serve(stream: TcpStream, owner: Sender<Msg>) -> io::Result<()> {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "not a piece read"));
         }
         let at = read_u64(&mut input)?;
+        let mut tagged = [0u8; 1];
+        input.read_exact(&mut tagged)?;
         let count = read_u32(&mut input)?;
         let params = (0..count).map(|_| read_u32(&mut input)).collect::<io::Result<HashSet<u32>>>()?;
         let (reply, answer) = bounded(1);
-        let answer = match owner.send(Msg::Ask { at, params, reply }) {
+        let ask = Asked { params, tagged: tagged[0] != 0 };
+        let answer = match owner.send(Msg::Ask { at, ask, reply }) {
             Ok(()) => answer.recv().unwrap_or(Err(Refusal::Closed)),
             Err(_) => Err(Refusal::Closed),
         };
@@ -343,9 +365,11 @@ fn serve(stream: TcpStream, owner: Sender<Msg>) -> io::Result<()> {
             Ok(pieces) => {
                 output.write_all(&[OK])?;
                 output.write_all(&(pieces.len() as u32).to_le_bytes())?;
-                for (param, offset, bytes) in pieces {
+                for (param, offset, tag, bytes) in pieces {
                     output.write_all(&param.to_le_bytes())?;
                     output.write_all(&offset.to_le_bytes())?;
+                    output.write_all(&(tag.len() as u16).to_le_bytes())?;
+                    output.write_all(tag.as_bytes())?;
                     output.write_all(&(bytes.len() as u64).to_le_bytes())?;
                     output.write_all(&bytes)?;
                 }
@@ -391,13 +415,21 @@ impl PieceReader {
         PieceReader { servers, connections }
     }
 
-    /// Every piece of `params` held by every other rank, at step `at`, each
-    /// server given `deadline` to answer. The requests go out to every
-    /// server first, then the answers are read, in rank order.
-    pub fn read(&mut self, at: u64, params: &[u32], deadline: Duration) -> Result<Vec<ReadPiece>, PieceReadError> {
-        let mut request = Vec::with_capacity(16 + 4 * params.len());
+    /// Every piece of `params` held by every other rank (`tagged`: their
+    /// tagged pieces, else their values), at step `at`, each server given
+    /// `deadline` to answer. The requests go out to every server first, then
+    /// the answers are read, in rank order.
+    pub fn read(
+        &mut self,
+        at: u64,
+        params: &[u32],
+        tagged: bool,
+        deadline: Duration,
+    ) -> Result<Vec<ReadPiece>, PieceReadError> {
+        let mut request = Vec::with_capacity(17 + 4 * params.len());
         request.extend_from_slice(MAGIC);
         request.extend_from_slice(&at.to_le_bytes());
+        request.push(u8::from(tagged));
         request.extend_from_slice(&(params.len() as u32).to_le_bytes());
         for p in params {
             request.extend_from_slice(&p.to_le_bytes());
@@ -466,10 +498,15 @@ fn answer(stream: &mut TcpStream, rank: usize, at: u64) -> Result<Vec<ReadPiece>
     for _ in 0..count {
         let param = read_u32(&mut input).map_err(io)?;
         let offset = read_u64(&mut input).map_err(io)?;
+        let mut tag_len = [0u8; 2];
+        input.read_exact(&mut tag_len).map_err(io)?;
+        let mut tag = vec![0u8; u16::from_le_bytes(tag_len) as usize];
+        input.read_exact(&mut tag).map_err(io)?;
+        let tag = String::from_utf8(tag).map_err(|e| PieceReadError::Garbled { rank, what: e.to_string() })?;
         let len = read_u64(&mut input).map_err(io)?;
         let mut bytes = vec![0u8; len as usize];
         input.read_exact(&mut bytes).map_err(io)?;
-        pieces.push(ReadPiece { rank, param, offset, bytes });
+        pieces.push(ReadPiece { rank, param, offset, tag, bytes });
     }
     // (A BufReader over the stream may read ahead only what this answer holds:
     // the server sends nothing unasked, so nothing is lost when it is dropped.)

@@ -116,7 +116,9 @@ def load(checkpoint_id, model, optimizer):
         elastic = model._sync.elastic
         if elastic is not None and _PROGRESS in metadata.state_dict_metadata:
             state[_PROGRESS] = ""
-        with _failures_raised("reading", checkpoint_id):
+        # (DCP writes the pieces in place: no other rank's read copies them meanwhile, sharding.served)
+        gate = model._partition.writing_pieces() if model._partition is not None else contextlib.nullcontext()
+        with _failures_raised("reading", checkpoint_id), gate:
             dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
     optimizer.load_sharded_state_dict(state["optimizer"], copy=False)  # (its tensors are this load's own)
     if _PROGRESS in state:

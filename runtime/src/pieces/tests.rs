@@ -16,8 +16,10 @@ fn server_over(memory: &[u8], split: usize) -> PieceServer {
     let server = PieceServer::bind(LOOPBACK).expect("bind");
     let base = memory.as_ptr() as usize;
     let pieces = vec![
-        PieceAt { param: 0, offset: 4, addr: base, bytes: split },
-        PieceAt { param: 1, offset: 0, addr: base + split, bytes: memory.len() - split },
+        PieceAt { param: 0, offset: 4, addr: base, bytes: split, tag: String::new() },
+        PieceAt { param: 1, offset: 0, addr: base + split, bytes: memory.len() - split, tag: String::new() },
+        // (parameter 1's state, lying as its values do: the same memory here)
+        PieceAt { param: 1, offset: 0, addr: base + split, bytes: memory.len() - split, tag: "exp_avg".into() },
     ];
     // SAFETY: `memory` outlives the server in every test (declared before it,
     // dropped after), and is written only inside writing() .. written().
@@ -31,18 +33,22 @@ fn a_reader_gets_every_other_ranks_pieces_of_the_parameters_it_asks_for() {
     let two = vec![7u8, 8, 9, 10];
     let (s1, s2) = (server_over(&one, 2), server_over(&two, 3));
     let mut reader = PieceReader::new(vec![None, Some(s1.addr()), Some(s2.addr())]);
-    let read = reader.read(0, &[1], DEADLINE).expect("read");
+    let read = reader.read(0, &[1], false, DEADLINE).expect("read");
     assert_eq!(
         read,
         vec![
-            ReadPiece { rank: 1, param: 1, offset: 0, bytes: vec![3, 4, 5, 6] },
-            ReadPiece { rank: 2, param: 1, offset: 0, bytes: vec![10] },
+            ReadPiece { rank: 1, param: 1, offset: 0, tag: String::new(), bytes: vec![3, 4, 5, 6] },
+            ReadPiece { rank: 2, param: 1, offset: 0, tag: String::new(), bytes: vec![10] },
         ]
     );
     // Again on the same connections, both parameters.
-    let read = reader.read(0, &[0, 1], DEADLINE).expect("second read");
+    let read = reader.read(0, &[0, 1], false, DEADLINE).expect("second read");
     assert_eq!(read.len(), 4);
-    assert_eq!(read[0], ReadPiece { rank: 1, param: 0, offset: 4, bytes: vec![1, 2] });
+    assert_eq!(read[0], ReadPiece { rank: 1, param: 0, offset: 4, tag: String::new(), bytes: vec![1, 2] });
+    // Their tagged pieces only (the state of parameter 1).
+    let read = reader.read(0, &[0, 1], true, DEADLINE).expect("tagged read");
+    let tags: Vec<_> = read.iter().map(|p| (p.rank, p.param, p.tag.as_str(), p.bytes.len())).collect();
+    assert_eq!(tags, vec![(1, 1, "exp_avg", 4), (2, 1, "exp_avg", 1)]);
 }
 
 #[test]
@@ -52,12 +58,12 @@ fn a_read_at_a_step_the_server_has_not_finished_is_answered_after_it() {
     let addr = server.addr();
     // The server's training thread is inside its optimizer step: writing.
     server.writing();
-    let reader = std::thread::spawn(move || PieceReader::new(vec![None, Some(addr)]).read(1, &[0], DEADLINE));
+    let reader = std::thread::spawn(move || PieceReader::new(vec![None, Some(addr)]).read(1, &[0], false, DEADLINE));
     // (What the step writes; a copy made before `written` would hold the zeros.)
     memory.iter_mut().for_each(|b| *b = 9);
     server.written(1);
     let read = reader.join().expect("reader").expect("read");
-    assert_eq!(read, vec![ReadPiece { rank: 1, param: 0, offset: 4, bytes: vec![9; 8] }]);
+    assert_eq!(read, vec![ReadPiece { rank: 1, param: 0, offset: 4, tag: String::new(), bytes: vec![9; 8] }]);
     drop(server);
     drop(memory);
 }
@@ -68,7 +74,7 @@ fn a_read_for_a_step_the_server_passed_names_the_rank_and_both_steps() {
     let server = server_over(&memory, 4);
     server.writing();
     server.written(2);
-    let err = PieceReader::new(vec![None, Some(server.addr())]).read(1, &[0], DEADLINE).unwrap_err();
+    let err = PieceReader::new(vec![None, Some(server.addr())]).read(1, &[0], false, DEADLINE).unwrap_err();
     assert!(matches!(err, PieceReadError::Ahead { rank: 1, at: 1, theirs: 2 }), "{err}");
 }
 
@@ -80,9 +86,9 @@ fn a_read_waiting_when_its_server_closes_is_told_so() {
     let (asked, sent) = crossbeam_channel::bounded(1);
     let reader = std::thread::spawn(move || {
         let mut reader = PieceReader::new(vec![None, Some(addr)]);
-        reader.read(0, &[0], DEADLINE).expect("a read at the server's step");
+        reader.read(0, &[0], false, DEADLINE).expect("a read at the server's step");
         asked.send(()).expect("test alive");
-        reader.read(5, &[0], DEADLINE)
+        reader.read(5, &[0], false, DEADLINE)
     });
     sent.recv().expect("first read");
     // The second read waits for step 5, which never comes: close answers it.
@@ -98,7 +104,7 @@ fn a_rank_whose_server_is_gone_is_named() {
         let listener = TcpListener::bind((LOOPBACK, 0)).expect("bind");
         listener.local_addr().expect("addr")
     }; // (dropped: nothing listens there)
-    let err = PieceReader::new(vec![None, None, Some(gone)]).read(0, &[0], DEADLINE).unwrap_err();
+    let err = PieceReader::new(vec![None, None, Some(gone)]).read(0, &[0], false, DEADLINE).unwrap_err();
     assert!(matches!(err, PieceReadError::Connect { rank: 2, .. }), "{err}");
     assert!(err.to_string().contains("rank 2"), "{err}");
 }

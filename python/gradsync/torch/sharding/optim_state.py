@@ -6,8 +6,10 @@ Outside, the state takes one of two forms:
 * **whole**, torch's own format (:func:`full_state`, :func:`load_full`):
   per parameter, numbered across the groups in order as torch numbers
   them (frozen parameters in the groups count), its state tensors whole;
-  collected from every rank's pieces per bucket (a collective), and loaded
-  on any world size by slicing each rank's pieces out of it;
+  collected from every rank's pieces per bucket (a collective), or, under
+  parameter sharding, by one rank alone from every rank's piece server
+  (:func:`full_state_alone`); loaded on any world size by slicing each
+  rank's pieces out of it;
 * **sharded**, for ``torch.distributed.checkpoint``
   (:func:`sharded_state_dict`, :func:`load_sharded`): per parameter and
   state key, one flat tensor of the parameter's element count whose shards
@@ -94,6 +96,25 @@ def full_state(opt):
     for n, values in scalars.items():
         state.setdefault(n, {}).update(values)
     state = {n: values for n, values in state.items() if n in present}
+    state.update(_frozen_state(opt))
+    return {"state": dict(sorted(state.items())), "param_groups": groups_by_number(opt)}
+
+
+@torch.no_grad()
+def full_state_alone(opt):
+    """:func:`full_state` on this rank alone: every rank's pieces of every
+    state tensor read from their piece servers at this rank's step
+    (``sharding.served``), nothing asked of the others' training threads
+    (nanoGPT's ``if master_process: torch.save({"optimizer":
+    optimizer.state_dict(), ...})``)."""
+    part = opt._partition
+    _, number = numbering(opt.entries)
+    state = {}
+    for i, entry in part.served.read_state(list(number)).items():
+        p = part.forms[i]
+        like = torch.view_as_real(p) if p.is_complex() else p
+        state[number[i]] = {key: value.to(like.dtype).reshape(like.shape) if kind_of(value) == "tensor" else value
+                            for key, value in entry.items()}
     state.update(_frozen_state(opt))
     return {"state": dict(sorted(state.items())), "param_groups": groups_by_number(opt)}
 

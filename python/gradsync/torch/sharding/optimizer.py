@@ -341,7 +341,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The full optimizer state, as the unsharded optimizer's
         ``state_dict()`` would be: per parameter (numbered across groups
         in order) its state tensors whole. Call
-        :meth:`consolidate_state_dict` on every rank first."""
+        :meth:`consolidate_state_dict` on every rank first; under parameter
+        sharding any rank may call it alone instead (every rank's state read
+        from its piece server, ``sharding.served``)."""
+        served = self._partition.served
+        if self._consolidated is None and served is not None and served.serves:
+            return optim_state.full_state_alone(self)  # (parameter sharding: any rank alone, sharding.served)
         if self._consolidated is None:
             raise ConfigError(
                 "a ShardedOptimizer's state is spread over the ranks: call optimizer.consolidate_state_dict(to=R) "
@@ -358,7 +363,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a full state (from :meth:`state_dict`, or the unsharded
         optimizer's, over the same parameters in the same groups), on any
         world size: each rank takes its pieces' slices."""
-        optim_state.load_full(self, state_dict)
+        if self._partition.served is not None:
+            self._partition.served.everyone_read("optimizer.load_state_dict()")
+        with self._partition.writing_pieces():
+            optim_state.load_full(self, state_dict)
+            self._serve_state()
+        self._state_loaded()
+
+    def _serve_state(self):
+        """The state changed (a load): serve the new state tensors (inside
+        :meth:`Partition.writing_pieces`: no read copies the old ones now)."""
+        if self._partition.served is not None:
+            self._partition.served.register()
+
+    def _state_loaded(self):
+        """A load of the state ended (every rank loads): a read of it asks
+        for the new version."""
+        if self._partition.served is not None:
+            self._partition.served.wrote()
 
     def sharded_state_dict(self, template=None, group=None):
         """This rank's part of the state for ``torch.distributed.checkpoint``
@@ -373,7 +395,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (a copy; not ``copy``: the shard's own tensor, for a state dict
         built to be loaded once, as ``gradsync.torch.checkpoint`` builds
         it); in an elastic job the buddy copies then come from their owners."""
-        optim_state.load_sharded(self, state_dict, copy=copy)
+        with self._partition.writing_pieces():
+            optim_state.load_sharded(self, state_dict, copy=copy)
+            self._serve_state()
+        self._state_loaded()
         part = self._partition
         if part.buddy:
             settle(part, self._states, part.rank, part.world, mark=False)

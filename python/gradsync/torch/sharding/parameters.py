@@ -178,7 +178,7 @@ class ShardedParameters:
         for i, p in enumerate(part.params):
             if p.data.numel():
                 self._released(i)
-        self.whole = self.gathered = False
+        self.whole = self.gathered = self._read_alone = False
         self.hook_again()
 
     def _released(self, i):
@@ -370,10 +370,30 @@ class ShardedParameters:
         """The load ended: this rank's pieces take what it wrote, and the
         parameters are released again. Each rank loads its own pieces, so
         every rank loads (as under DDP, where a rank that does not keeps
-        other values)."""
+        other values), and the pieces' version moves on (a read at it waits
+        for the ranks whose load is not through)."""
         if self._read_alone:
+            self._partition.served.everyone_read("load_state_dict()")
             self._partition.refresh()
+            self._partition.served.wrote()
             self.state_dict_ended()
+
+    def evaluates_alone(self):
+        """Whether the forward beginning now is an evaluation this rank
+        runs alone: without gradients, between steps (every parameter
+        released), the pieces served (``sharding.served``). It reads the
+        parameters from every rank's piece server (:meth:`assemble_alone`)
+        and makes no collective, so the others need not evaluate with it
+        (nanoGPT's ``estimate_loss()`` on the master process only)."""
+        part = self._partition
+        return (not torch.is_grad_enabled() and not self.whole and not self._read_alone and part.served is not None
+                and part.served.serves and not any(p.data.numel() for p in part.params))
+
+    def assemble_alone(self):
+        """:meth:`evaluates_alone`'s forward begins: every parameter whole,
+        read alone (released again at its end). Returns ``True``."""
+        self._whole_alone("an evaluation forward")
+        return True
 
     def _whole_alone(self, what):
         """The parameters whole on this rank alone for ``what`` (see

@@ -14,21 +14,35 @@ rank's server for its pieces at its own step::
     optimizer.step():     writing() ─ the pieces stepped ─ written(steps taken)   (reads wait meanwhile)
     the reader, alone:    PieceReader.read(steps taken, a bucket's parameters) per bucket
                           ─▶ each parameter whole: its own pieces, then every other rank's
+                          (or, tagged, the optimizer's state of them: optimizer.state_dict() alone)
 
-The servers answer a read at the reader's step only (``steps taken``, equal
-on every rank): a rank still inside the step the reader finished answers
-once it has stepped; nothing waits for a timer. Pieces on a device are not
-served (the servers copy host memory): there, every rank reads inside
-``model.whole_parameters()``.
+The servers answer a read at the reader's version of the pieces only: the
+writes every rank makes to them in the same order (optimizer steps taken,
+loads, ``whole_parameters()`` blocks), so a rank still inside the step or
+the load the reader finished answers once it is through; nothing waits for
+a timer. Pieces on a device are not served (the servers copy host memory):
+there, every rank reads inside ``model.whole_parameters()``.
+
+A rank that closes its wrapper (or exits) first waits, serving, until every
+rank has closed its own (bounded by the collective timeout), so a rank that
+reads alone at the end of a run (a last save on rank 0) finds the others'
+servers still there.
 """
 
+import atexit
+import datetime
+import logging
 import os
 import socket
+import weakref
 
 import torch
 
+from gradsync._errors import ConfigError
 from gradsync._native import PieceReader, PieceServer
 from gradsync.torch.sharding.layout import flat_values
+
+log = logging.getLogger("gradsync")
 
 #: Set to the IP address this rank's piece server listens on (default: the
 #: address this host reaches the job's store from; loopback on one host).
@@ -69,8 +83,16 @@ class PieceService:
         self._held = []
         #: The other ranks' servers (made at the first read).
         self._reader = None
+        #: How many parameters the optimizer held state for when registered.
+        self._state_entries = 0
+        #: Writes of the pieces every rank makes besides optimizer steps
+        #: (loads, ``whole_parameters()`` blocks): part of the version read.
+        self._writes = 0
+        self._closed = False
         self.register()
         store.set(f"{self._key}/{partition.rank}", self._server.address)
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
 
     @property
     def serves(self):
@@ -78,29 +100,112 @@ class PieceService:
         return all(piece.tensor.device.type == "cpu" for piece in self._partition.pieces)
 
     def register(self):
-        """Serve the pieces of the current layout (call after it changes)."""
+        """Serve the pieces of the current layout, and the optimizer's state
+        of them (call after either changes: a load, the first step)."""
         pieces = self._partition.pieces if self.serves else []
-        self._held = [piece.tensor for piece in pieces]
-        self._server.register([(piece.param, piece.offset, piece.tensor.data_ptr(),
-                                piece.tensor.numel() * piece.tensor.element_size()) for piece in pieces])
+        served = [(piece.param, piece.offset, piece.tensor, "") for piece in pieces]
+        state = self._optimizer_state()
+        for piece in pieces:
+            for key, value in state.get(piece.tensor, {}).items():
+                if torch.is_tensor(value) and value.device.type == "cpu" and value.is_contiguous():
+                    kind = "tensor" if value.dim() > 0 else "scalar"
+                    served.append((piece.param, piece.offset, value, f"{key}|{kind}|{str(value.dtype)[6:]}"))
+        self._held = [t for _, _, t, _ in served]
+        self._state_entries = len(state)
+        self._server.register([(i, offset, t.data_ptr(), t.numel() * t.element_size(), tag)
+                               for i, offset, t, tag in served])
+
+    def _optimizer_state(self):
+        """The state of the sharded optimizer built last over the partition
+        (keyed by piece tensors), or nothing."""
+        ref = self._partition.optimizer
+        optimizer = ref() if ref is not None else None
+        return optimizer.inner.state if optimizer is not None else {}
 
     def writing(self):
         """The pieces are about to be written: returns once no read copies them."""
         self._server.writing()
 
     def written(self):
-        """They were written; they are at the step the partition has taken."""
-        self._server.written(self._partition.sharded_step.taken)
+        """They were written; they are at the step the partition has taken
+        (served with the optimizer's state as it is now: a first step made it)."""
+        if len(self._optimizer_state()) != self._state_entries:
+            self.register()
+        self._server.written(self.step)
+
+    @property
+    def step(self):
+        """The version the pieces are at, which a read asks for: optimizer
+        steps taken and the other writes every rank makes (:meth:`wrote`)."""
+        return self._partition.sharded_step.taken + self._writes
+
+    def everyone_read(self, what):
+        """Wait until every rank is here, at the version this rank read at,
+        before ``what`` (a load: every rank loads) writes the pieces: no
+        rank's read at this version is left to find the pieces at the next
+        one (a load needs no collective, so a rank would move on alone).
+        A :class:`ConfigError` names the ranks that did not come within
+        the collective timeout."""
+        part = self._partition
+        keys = [f"{self._key}/read/{self.step}/{r}" for r in range(part.world)]
+        self._store.set(keys[part.rank], "1")
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
+        except Exception as error:
+            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
+            raise ConfigError(
+                f"{what} under shard_parameters: ranks {missing} did not load within {self._timeout_s:.0f} s. Each "
+                "rank loads its own pieces, so every rank loads, at the same point (as under DDP)"
+            ) from error
+
+    def wrote(self):
+        """Every rank wrote its pieces outside an optimizer step (a load, a
+        ``whole_parameters()`` block), at the same point of its program:
+        the version moves on (a read at the new one waits for the ranks
+        not through yet)."""
+        self._server.writing()
+        self._writes += 1
+        self._server.written(self.step)
+
+    def _readers(self):
+        """The reader of every other rank's server (made at the first read)."""
+        if self._reader is None:
+            part = self._partition
+            self._reader = PieceReader([None if r == part.rank else self._store.get(f"{self._key}/{r}").decode()
+                                        for r in range(part.world)])
+        return self._reader
+
+    def read_state(self, indices):
+        """The optimizer's state of parameters ``indices``, whole: ``{index:
+        {key: tensor of the parameter's values as reals, flat | scalar}}``,
+        this rank's pieces' and every other rank's (read at this rank's
+        step), each scalar (a step count) from the piece at offset 0. A
+        parameter no rank holds state for is left out."""
+        part, state = self._partition, self._optimizer_state()
+        found = [(part.rank, piece.param, piece.offset, key, value) for piece in part.pieces
+                 for key, value in state.get(piece.tensor, {}).items()]
+        for rank, i, offset, tag, data in self._readers().read(self.step, list(indices), True, self._timeout_s):
+            key, kind, dtype = tag.split("|")
+            values = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype))
+            found.append((rank, i, offset, key, values if kind == "tensor" else values.reshape(())))
+        whole = {}
+        for _, i, offset, key, value in found:
+            entry = whole.setdefault(i, {})
+            if not torch.is_tensor(value) or value.dim() == 0:
+                if offset == 0:
+                    entry[key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            if key not in entry:
+                entry[key] = torch.zeros(flat_values(part.forms[i]).numel(), dtype=value.dtype)
+            entry[key][offset : offset + value.numel()].copy_(value)
+        return whole
 
     def read_whole(self, indices):
         """Parameters ``indices`` whole, each a new tensor of its own dtype
         and shape: this rank's pieces, and every other rank's read from its
         server at this rank's step, one bucket's parameters at a time."""
         part = self._partition
-        if self._reader is None:
-            addresses = [None if r == part.rank else self._store.get(f"{self._key}/{r}").decode()
-                         for r in range(part.world)]
-            self._reader = PieceReader(addresses)
+        self._readers()
         wanted = set(indices)
         whole = {}
         for bucket in part.buckets:
@@ -111,13 +216,26 @@ class PieceService:
                 whole[i] = torch.empty_like(flat_values(part.forms[i]), device="cpu")
                 for piece in part.of_param.get(i, ()):
                     whole[i][piece.offset : piece.offset + piece.length].copy_(piece.tensor)
-            for _, i, offset, data in self._reader.read(part.sharded_step.taken, members, self._timeout_s):
+            for _, i, offset, _, data in self._reader.read(self.step, members, False, self._timeout_s):
                 values = torch.frombuffer(bytearray(data), dtype=whole[i].dtype)
                 whole[i][offset : offset + values.numel()].copy_(values)
         return {i: _shaped(flat, part.forms[i]) for i, flat in whole.items()}
 
     def close(self):
-        """Stop serving (reads waiting are told so)."""
+        """Stop serving, once every rank closed its own (each rank waits,
+        serving, up to the collective timeout: a rank reading alone at the
+        end of a run finds the others' servers); reads still waiting are
+        told so."""
+        if self._closed:
+            return
+        self._closed = True
+        part = self._partition
+        try:
+            self._store.set(f"{self._key}/closed/{part.rank}", "1")
+            self._store.wait([f"{self._key}/closed/{r}" for r in range(part.world)],
+                             datetime.timedelta(seconds=self._timeout_s))
+        except Exception as error:  # (a rank gone, the store with it: nobody is left to read)
+            log.debug("gradsync: piece server of rank %d closes before every rank closed its own: %s", part.rank, error)
         self._server.close()
         self._held = []
 

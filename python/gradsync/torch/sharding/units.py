@@ -147,6 +147,9 @@ class UnitResidence(ShardedParameters):
         self._post_failed = None
         #: Whether the wrapper's forward is running (from its assemble to its end).
         self._forwarding = False
+        #: Whether the forward running is an evaluation this rank runs alone
+        #: (:meth:`assemble_alone`): its units are read from the piece servers.
+        self._alone = False
         self._handles = []
         for unit, m in zip(self.units[1:], modules):
             for entry in entries(m):
@@ -213,6 +216,23 @@ class UnitResidence(ShardedParameters):
         self._drive()
         return True
 
+    def assemble_alone(self):
+        """An evaluation forward this rank runs alone (``evaluates_alone``):
+        the root unit read from every rank's piece server now, each other
+        unit as its forward begins, released as it ends; no round, nothing
+        asked of the other ranks' training threads. Returns ``True``."""
+        self._alone = True
+        self._read_alone_units([0])
+        return True
+
+    def _read_alone_units(self, units):
+        """The parameters of ``units`` not whole yet, read alone."""
+        part = self._partition
+        wanted = [i for u in units for i in self.units[u].params if not part.params[i].data.numel()]
+        for i, tensor in part.served.read_whole(wanted).items():
+            mark_whole(part.params[i])
+            part.params[i].data = tensor
+
     @torch.no_grad()
     def assemble_all(self):
         """Every unit whole in its own dtype (``whole_parameters``): one
@@ -242,6 +262,10 @@ class UnitResidence(ShardedParameters):
         root unit to be gathered again where its modules run next."""
         if not step_ended:
             self._forwarding = False
+        if self._alone:  # (an evaluation alone: nothing to serve, nothing to read back)
+            self._alone = False
+            super().release(step_ended)
+            return
         self.serve()
         part = self._partition
         whole_units = range(len(self.units)) if self.whole else self.protocol.whole_units()
@@ -318,7 +342,7 @@ class UnitResidence(ShardedParameters):
         unit is released and is gathered again here, with the values the
         optimizer just stepped. Elsewhere nothing (a read of a released
         parameter raises, naming it)."""
-        if self._forwarding and not self.whole and self.protocol.state(0) == "released":
+        if self._forwarding and not self.whole and not self._alone and self.protocol.state(0) == "released":
             self.protocol.assemble()
             self._drive()
 
@@ -327,6 +351,9 @@ class UnitResidence(ShardedParameters):
     def _before_forward(self, unit):
         def hook(module, args, kwargs):
             if self.whole:
+                return None
+            if self._alone:
+                self._read_alone_units(unit.needs)
                 return None
             # Recomputed inside backward (checkpointing): held until the unit's backward ends.
             call = self.protocol.forward_begins(unit.index, torch._C._current_graph_task_id() != -1)
@@ -346,6 +373,10 @@ class UnitResidence(ShardedParameters):
     def _after_forward(self, unit):
         def hook(module, args, output):
             if self.whole:
+                return None
+            if self._alone:
+                for i in (i for u in unit.needs if u != 0 for i in self.units[u].params):
+                    self._empty(i, inside_step=False)
                 return None
             call = self.protocol.forward_ends(unit.index, torch._C._current_graph_task_id() != -1)
             if call is None or not torch.is_grad_enabled():

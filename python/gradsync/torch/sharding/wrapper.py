@@ -307,6 +307,8 @@ class Sharding(ShardedMembers):
         if residence.whole:
             return False
         self._sync.refuse_if_closed()
+        if residence.evaluates_alone():  # (no collective: the others need not evaluate with it)
+            return residence.assemble_alone()
         return residence.assemble()
 
     def _direct_forward_begins(self, module, args):
@@ -375,6 +377,8 @@ class Sharding(ShardedMembers):
             yield self
         finally:
             residence.release(step_ended=False)
+            if self._partition.served is not None:  # (what was written there is read at a new version)
+                self._partition.served.wrote()
 
     def shard_optimizer(self, optimizer_class, params=None, **defaults):
         """The optimizer for a sharded wrapper: ``optimizer_class`` (an
