@@ -24,9 +24,9 @@ a timer. Pieces on a device are not served (the servers copy host memory):
 there, every rank reads inside ``model.whole_parameters()``.
 
 A rank that closes its wrapper (or exits) first waits, serving, until every
-rank has closed its own (bounded by the collective timeout), so a rank that
-reads alone at the end of a run (a last save on rank 0) finds the others'
-servers still there.
+other rank has closed its own or is gone (bounded by the collective
+timeout), so a rank that reads alone at the end of a run (a last save on
+rank 0) finds the others' servers still there.
 """
 
 import atexit
@@ -34,6 +34,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 import weakref
 
 import torch
@@ -222,22 +223,48 @@ class PieceService:
         return {i: _shaped(flat, part.forms[i]) for i, flat in whole.items()}
 
     def close(self):
-        """Stop serving, once every rank closed its own (each rank waits,
-        serving, up to the collective timeout: a rank reading alone at the
-        end of a run finds the others' servers); reads still waiting are
-        told so."""
+        """Stop serving, once every other rank closed its own or is gone
+        (each rank waits, serving, up to the collective timeout: a rank
+        reading alone at the end of a run finds the others' servers; a rank
+        whose server no longer answers a connection has exited and is not
+        waited for); reads still waiting are told so."""
         if self._closed:
             return
         self._closed = True
         part = self._partition
         try:
             self._store.set(f"{self._key}/closed/{part.rank}", "1")
-            self._store.wait([f"{self._key}/closed/{r}" for r in range(part.world)],
-                             datetime.timedelta(seconds=self._timeout_s))
-        except Exception as error:  # (a rank gone, the store with it: nobody is left to read)
+            self._until_the_others_closed()
+        except Exception as error:  # (the store gone with the rank that held it: nobody is left to read)
             log.debug("gradsync: piece server of rank %d closes before every rank closed its own: %s", part.rank, error)
         self._server.close()
         self._held = []
+
+    def _until_the_others_closed(self):
+        """Wait until every other rank closed its server or is gone, at most
+        the collective timeout (a shutdown's courtesy: looked at every 50 ms,
+        whether a rank's server still answers every second)."""
+        part = self._partition
+        waiting = [r for r in range(part.world) if r != part.rank]
+        deadline = time.monotonic() + self._timeout_s
+        probed = time.monotonic()
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not self._store.check([f"{self._key}/closed/{r}"])]
+            if waiting and time.monotonic() - probed >= 1.0:
+                waiting = [r for r in waiting if _answers(self._store.get(f"{self._key}/{r}").decode())]
+                probed = time.monotonic()
+            if waiting:
+                time.sleep(0.05)
+
+
+def _answers(address):
+    """Whether a piece server listens at ``address`` (``host:port``)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _shaped(flat, form):
