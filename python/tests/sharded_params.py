@@ -56,6 +56,23 @@ def _refused(call):
     return None
 
 
+def _pair(units, reference=None, optimizer=torch.optim.AdamW, lr=LR, bucket_cap_mb=0.001):
+    """The one-process ``reference`` (default: :func:`_model`) and a copy of
+    it wrapped with ``shard_parameters=units``, each with its ``optimizer``:
+    ``(reference, its optimizer, wrapper, its optimizer)``."""
+    reference = _model() if reference is None else reference
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=bucket_cap_mb)
+    return (reference, optimizer(reference.parameters(), lr=lr), wrapped, optimizer(wrapped.parameters(), lr=lr))
+
+
+def _backward_both(reference, ref_opt, wrapped, opt, step, rank, world):
+    """Step ``step``: the reference's whole step, the wrapper's backward
+    (its optimizer steps where the caller says)."""
+    _reference_step(reference, ref_opt, step, world)
+    opt.zero_grad()
+    _loss(wrapped, step, rank, world).backward()
+
+
 def residence(rank, world, steps=3, units=True):
     """A parameter-sharded wrapper through ``steps`` steps next to one
     process over the whole batch, with the optimizer built as scripts build
@@ -69,16 +86,11 @@ def residence(rank, world, steps=3, units=True):
     state dict read inside ``whole_parameters()`` against the reference's.
     ``units``: ``shard_parameters``'s value (``True``: each linear layer a
     unit; ``[]``: one unit, the whole model, gathered once per step)."""
-    reference = _model()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    reference, ref_opt, wrapped, opt = _pair(units)
     seen = {"after_backward": [], "after_step": [], "worst": 0.0}
     try:
         for step in range(steps):
-            _reference_step(reference, ref_opt, step, world)
-            opt.zero_grad()
-            _loss(wrapped, step, rank, world).backward()
+            _backward_both(reference, ref_opt, wrapped, opt, step, rank, world)
             seen["after_backward"].append(sum(p.data.numel() for p in wrapped.parameters()))
             opt.step()
             seen["after_step"].append(sum(p.data.numel() for p in wrapped.parameters()))
@@ -121,9 +133,7 @@ def residence(rank, world, steps=3, units=True):
             reference[0].weight.mul_(0.5)
         seen["state_diff"] = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
         for step in range(steps + 1, steps + 3):
-            _reference_step(reference, ref_opt, step, world)
-            opt.zero_grad()
-            _loss(wrapped, step, rank, world).backward()
+            _backward_both(reference, ref_opt, wrapped, opt, step, rank, world)
             opt.step()
         seen["after_writes"] = _diff(reference, wrapped)
     finally:
@@ -197,10 +207,7 @@ def mixed_parameters(rank, world, steps=3):
     """:class:`Mixed` under ``shard_parameters=True`` and SGD next to one
     process: per parameter, its element count between steps, its largest
     difference, dtype and strides once gathered."""
-    reference = Mixed()
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.0001)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference, ref_opt, wrapped, opt = _pair(True, Mixed(), torch.optim.SGD, 0.5, 0.0001)
     try:
         for step in range(steps):
             x = torch.randn(world * 2, 4, generator=torch.Generator().manual_seed(step))
@@ -226,16 +233,11 @@ def direct_evaluation(rank, world, units=True, steps=2):
     ``Trainer``'s evaluation loop does this) under ``no_grad`` after each
     step: its outputs against the one-process reference's, the parameters
     released after it; and the message of a direct call with gradients on."""
-    reference = _model()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    reference, ref_opt, wrapped, opt = _pair(units)
     seen = {"eval": 0.0, "after": []}
     try:
         for step in range(steps):
-            _reference_step(reference, ref_opt, step, world)
-            opt.zero_grad()
-            _loss(wrapped, step, rank, world).backward()
+            _backward_both(reference, ref_opt, wrapped, opt, step, rank, world)
             opt.step()
             with torch.no_grad():
                 x = _batch(100 + step, rank, world)
@@ -276,10 +278,7 @@ def shared_layer_under_autocast(rank, world, steps=3):
     one bfloat16 copy of the shared weight for the whole region, so its
     gradient reaches the weight after its unit's backward ended. Returns
     the largest parameter difference after ``steps`` steps."""
-    reference = SharedSegments()
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.0001)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference, ref_opt, wrapped, opt = _pair(True, SharedSegments(), torch.optim.SGD, 0.1, 0.0001)
     try:
         for step in range(steps):
             x = torch.randn(world * 4, 8, generator=torch.Generator().manual_seed(step))
@@ -307,16 +306,11 @@ def saved_by_one_rank(rank, world, units=True, steps=3, saver=0):
     the parameters' element count after the save (released again), and
     the difference of the optimizer's ``state_dict()`` (taken alone too)
     from the reference's; on every rank the final difference, gathered whole."""
-    reference = _model()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    reference, ref_opt, wrapped, opt = _pair(units)
     seen = {"saved": [], "after": [], "keys": None}
     try:
         for step in range(steps):
-            _reference_step(reference, ref_opt, step, world)
-            opt.zero_grad()
-            _loss(wrapped, step, rank, world).backward()
+            _backward_both(reference, ref_opt, wrapped, opt, step, rank, world)
             if step == 1 and rank == 1:
                 time.sleep(0.3)  # (the saver's read arrives before this rank's step: it waits for the step)
             opt.step()
@@ -340,16 +334,11 @@ def evaluated_by_one_rank(rank, world, units=True, steps=3, evaluator=0):
     next step. Returns, on the evaluator, the largest difference of its
     outputs from the one-process reference's and the parameters' element
     count after each evaluation; on every rank the final difference."""
-    reference = _model()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=units, bucket_cap_mb=0.001)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    reference, ref_opt, wrapped, opt = _pair(units)
     seen = {"eval": 0.0, "after": []}
     try:
         for step in range(steps):
-            _reference_step(reference, ref_opt, step, world)
-            opt.zero_grad()
-            _loss(wrapped, step, rank, world).backward()
+            _backward_both(reference, ref_opt, wrapped, opt, step, rank, world)
             opt.step()
             if rank == evaluator:
                 wrapped.eval()
