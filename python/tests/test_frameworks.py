@@ -260,3 +260,17 @@ def test_the_ddp_tutorials_rank_zero_checkpoint_with_sharded_parameters():
     # barrier), every rank loads it, training goes on exactly.
     script = REPO / "python" / "tests" / "scripts" / "ddp_tutorial_checkpoint.py"
     assert run_ok(script, "--impl", "gradsync") <= 1e-6
+
+
+@pytest.mark.parametrize("library", ["accelerate", "fabric"])
+def test_a_libraries_rank_zero_save_with_sharded_parameters(library):
+    # Accelerate's unwrap_model(model).state_dict() on the main process and Fabric's
+    # fabric.save (model and optimizer) with only replace_ddp(shard_parameters=True) added:
+    # the state is read on rank 0 alone from every rank's pieces.
+    pytest.importorskip("accelerate" if library == "accelerate" else "lightning")
+    script = REPO / "python" / "tests" / "scripts" / "rank_zero_saves.py"
+    code, out = torchrun(script, "--library", library)
+    assert code == 0, out[-3000:]
+    assert float(re.search(r"model: (\S+)", out).group(1)) <= 1e-6, out[-2000:]
+    if library == "fabric":
+        assert float(re.search(r"optimizer: (\S+)", out).group(1)) <= 1e-6, out[-2000:]
