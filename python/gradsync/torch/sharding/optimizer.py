@@ -36,6 +36,7 @@ with torch's ``ZeroRedundancyOptimizer``), and ``load_state_dict`` takes
 such a full state on any world size (``sharding.optim_state``).
 """
 
+import contextlib
 import hashlib
 import weakref
 
@@ -365,22 +366,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         world size: each rank takes its pieces' slices."""
         if self._partition.served is not None:
             self._partition.served.everyone_read("optimizer.load_state_dict()")
-        with self._partition.writing_pieces():
+        with self._loading_state():
             optim_state.load_full(self, state_dict)
-            self._serve_state()
-        self._state_loaded()
 
-    def _serve_state(self):
-        """The state changed (a load): serve the new state tensors (inside
-        :meth:`Partition.writing_pieces`: no read copies the old ones now)."""
-        if self._partition.served is not None:
-            self._partition.served.register()
-
-    def _state_loaded(self):
-        """A load of the state ended (every rank loads): a read of it asks
-        for the new version."""
-        if self._partition.served is not None:
-            self._partition.served.wrote()
+    @contextlib.contextmanager
+    def _loading_state(self):
+        """Within the block the state is loaded (every rank loads): no other
+        rank's read copies the pieces' state meanwhile; after it the new
+        state tensors are served, at the pieces' next version (``sharding.served``)."""
+        served = self._partition.served
+        with self._partition.writing_pieces():
+            yield
+            if served is not None:
+                served.register()
+        if served is not None:
+            served.wrote()
 
     def sharded_state_dict(self, template=None, group=None):
         """This rank's part of the state for ``torch.distributed.checkpoint``
@@ -395,10 +395,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (a copy; not ``copy``: the shard's own tensor, for a state dict
         built to be loaded once, as ``gradsync.torch.checkpoint`` builds
         it); in an elastic job the buddy copies then come from their owners."""
-        with self._partition.writing_pieces():
+        with self._loading_state():
             optim_state.load_sharded(self, state_dict, copy=copy)
-            self._serve_state()
-        self._state_loaded()
         part = self._partition
         if part.buddy:
             settle(part, self._states, part.rank, part.world, mark=False)

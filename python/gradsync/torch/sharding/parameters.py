@@ -175,10 +175,15 @@ class ShardedParameters:
         part = self._partition
         if self.whole and self.broken is None:  # (after a failed gather they hold zeros)
             part.refresh()
-        for i, p in enumerate(part.params):
+        self._release_every_parameter()
+        self.whole = self.gathered = self._read_alone = False
+
+    def _release_every_parameter(self):
+        """Every parameter that holds values now released (an empty tensor),
+        the hooks made again where a dtype changed."""
+        for i, p in enumerate(self._partition.params):
             if p.data.numel():
                 self._released(i)
-        self.whole = self.gathered = self._read_alone = False
         self.hook_again()
 
     def _released(self, i):
@@ -352,13 +357,9 @@ class ShardedParameters:
     def state_dict_ended(self):
         """The state dict holds the values read alone: the parameters are
         released again (the state dict keeps its own tensors)."""
-        if not self._read_alone:
-            return
-        self._read_alone = False
-        for i, p in enumerate(self._partition.params):
-            if p.data.numel():
-                self._released(i)
-        self.hook_again()
+        if self._read_alone:
+            self._read_alone = False
+            self._release_every_parameter()
 
     def load_begins(self):
         """The wrapped module's ``load_state_dict()`` begins: while the
@@ -404,10 +405,16 @@ class ShardedParameters:
                 or any(p.data.numel() for p in part.params)):
             self.refuse_if_released(what)
             return
-        for i, tensor in served.read_whole(range(len(part.params))).items():
+        self.read_alone(range(len(part.params)))
+        self._read_alone = True
+
+    def read_alone(self, indices):
+        """Parameters ``indices`` made whole from every rank's pieces, read
+        by this rank alone from the piece servers (``sharding.served``)."""
+        part = self._partition
+        for i, tensor in part.served.read_whole(indices).items():
             mark_whole(part.params[i])
             part.params[i].data = tensor
-        self._read_alone = True
 
     @contextlib.contextmanager
     def reading_pieces(self):

@@ -227,11 +227,8 @@ class UnitResidence(ShardedParameters):
 
     def _read_alone_units(self, units):
         """The parameters of ``units`` not whole yet, read alone."""
-        part = self._partition
-        wanted = [i for u in units for i in self.units[u].params if not part.params[i].data.numel()]
-        for i, tensor in part.served.read_whole(wanted).items():
-            mark_whole(part.params[i])
-            part.params[i].data = tensor
+        params = self._partition.params
+        self.read_alone([i for u in units for i in self.units[u].params if not params[i].data.numel()])
 
     @torch.no_grad()
     def assemble_all(self):
