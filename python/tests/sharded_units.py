@@ -491,11 +491,12 @@ def meta_refusals(rank, world):
 
 def reads_between_steps(rank, world, units=True):
     """What a training loop written the usual way reads of a sharded
-    model's parameters: a weight-norm log after ``optimizer.step()``, an L2
-    penalty summed over ``model.parameters()`` after the forward, a deep
-    copy between steps; inside ``whole_parameters()`` the same log, an EMA
-    deep copy and a ``torch.save`` of the module, each run beside it.
-    Returns, per read, the error's class and parameter, or the value."""
+    model's parameters: an L2 penalty summed over ``model.parameters()``
+    after the forward, a weight-norm log between the backward and
+    ``optimizer.step()`` and after it, a deep copy (an EMA) and a
+    ``torch.save`` of the module between steps, writes between steps; and
+    inside ``whole_parameters()`` the same log, run beside it. Returns,
+    per read, the error's class, parameter and message, or the value."""
     from gradsync import ReleasedParameterError
 
     reference = Stack().double()
@@ -507,7 +508,10 @@ def reads_between_steps(rank, world, units=True):
         try:
             seen[what] = read()
         except ReleasedParameterError as error:
-            seen[what] = (type(error).__name__, error.parameter, "whole_parameters" in str(error))
+            seen[what] = (type(error).__name__, error.parameter, str(error))
+
+    def norms():
+        return [p.norm().item() for p in wrapped.module.parameters()]
 
     try:
         for step in range(2):
@@ -516,17 +520,27 @@ def reads_between_steps(rank, world, units=True):
             if step == 1:
                 attempt("penalty", lambda: float(sum(p.square().sum() for p in wrapped.parameters())))
             loss.backward()
+            if step == 1:
+                with torch.no_grad():
+                    attempt("pending", norms)
             opt.step()
         with torch.no_grad():
-            attempt("norms", lambda: [p.norm().item() for p in wrapped.module.parameters()])
-            attempt("detached", lambda: [p.detach().norm().item() for p in wrapped.module.parameters()])
-        attempt("copied", lambda: copy.deepcopy(wrapped.module))
+            attempt("norms", norms)
+        attempt("graphed", norms)  # (autograd on: no gradient could reach the pieces)
+        attempt("detached", lambda: [p.detach().norm().item() for p in wrapped.module.parameters()])
+        first = next(wrapped.module.parameters())
+        with torch.no_grad():
+            attempt("written", lambda: first.mul_(1.0))
+        attempt("copy_written", lambda: first.detach().add_(0.0))
+        seen["repr"] = repr(first)
+        # An EMA copy, and a pickle of the module, between steps: plain modules of their own, without the wrapper.
+        ema, saved = copy.deepcopy(wrapped.module), io.BytesIO()
+        torch.save(wrapped.module, saved)
+        seen["held"] = sum(p.data.numel() for p in wrapped.module.parameters())
+        x = _batch(7, rank, world)
         with wrapped.whole_parameters():
-            seen["whole_norms"] = [p.norm().item() for p in wrapped.module.parameters()]
-            # An EMA copy, and a pickle of the module: plain modules of their own, without the wrapper.
-            ema, saved = copy.deepcopy(wrapped.module), io.BytesIO()
-            torch.save(wrapped.module, saved)
-            x = _batch(7, rank, world)
+            seen["whole_norms"] = norms()
+            seen["whole_first"] = first.detach().clone()
             with torch.no_grad():
                 want = wrapped.module(x)
         saved.seek(0)
@@ -535,6 +549,7 @@ def reads_between_steps(rank, world, units=True):
             seen["copies_off"] = max(float((ema(x) - want).abs().max()), float((loaded(x) - want).abs().max()))
         seen["copy_hooks_inert"] = all(type(h).__name__ == "_Inert" for m in ema.modules()
                                        for h in m._forward_pre_hooks.values())
+        seen["copies_plain"] = {type(p).__name__ for m in (ema, loaded) for p in m.parameters()}
         seen["grad_of_released"] = [p.grad for p in wrapped.module.parameters()].count(None)
         seen["named"] = [n for n, _ in wrapped.module.named_parameters()]
         # What reads no values answers as the whole parameter: a parameter count, shapes, sizes.
@@ -542,7 +557,6 @@ def reads_between_steps(rank, world, units=True):
                          sum(p.numel() for p in reference.parameters()))
         seen["shapes"] = ([(tuple(p.shape), p.size(), p.dim(), p.ndim, p.size(-1)) for p in wrapped.module.parameters()],
                           [(tuple(p.shape), p.size(), p.dim(), p.ndim, p.size(-1)) for p in reference.parameters()])
-        seen["held"] = sum(p.data.numel() for p in wrapped.module.parameters())
         return seen
     finally:
         wrapped.close()

@@ -262,6 +262,18 @@ def test_the_ddp_tutorials_rank_zero_checkpoint_with_sharded_parameters():
     assert run_ok(script, "--impl", "gradsync") <= 1e-6
 
 
+def test_averaged_copies_of_a_sharded_model_torchvisions_ema_and_torchs_swa():
+    # torchvision's EMA of model.module and PyTorch's AveragedModel(ddp_model) with SWALR, updated
+    # between steps from the released parameters, a norm log, rank 0 alone evaluating the SWA model
+    # and saving all three: with only shard_parameters=True added, each is exact against a one-process
+    # replay. The EMA's update used to raise ("detach of parameter '0.weight', which is released").
+    script = REPO / "python" / "tests" / "scripts" / "averaged_copies.py"
+    code, out = torchrun(script, "--impl", "gradsync")
+    assert code == 0 and "wrapper: gradsync.torch.ddp.DistributedDataParallel" in out, out[-3000:]
+    for what in ("reference", "checkpoint", "evaluated"):
+        assert float(re.search(rf"{what}: (\S+)", out).group(1)) <= 1e-6, out[-2000:]
+
+
 @pytest.mark.parametrize("library", ["accelerate", "fabric"])
 def test_a_libraries_rank_zero_save_with_sharded_parameters(library):
     # Accelerate's unwrap_model(model).state_dict() on the main process and Fabric's

@@ -32,12 +32,13 @@ collective every rank enters).
 """
 
 import contextlib
+import weakref
 
 import torch
 
 from gradsync._errors import ConfigError, StepFailedError
 from gradsync.torch.sharding.norm import LOST
-from gradsync.torch.sharding.released import mark_released, mark_whole
+from gradsync.torch.sharding.released import PENDING, mark_released, mark_whole, refusal
 
 
 class ShardedParameters:
@@ -121,7 +122,7 @@ class ShardedParameters:
         parameter released."""
         for i, p in enumerate(self._partition.params):
             p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
-            mark_released(p, self._partition.names[i], self._partition.forms[i].shape)
+            self._mark_released(i)
 
     def _shaped(self, i):
         """A tensor of parameter ``i``'s whole shape in its step dtype over
@@ -148,7 +149,7 @@ class ShardedParameters:
             for i, (p, data) in enumerate(zip(part.params, held)):
                 p.data = data
                 if not data.numel():
-                    mark_released(p, part.names[i], part.forms[i].shape)
+                    self._mark_released(i)
 
     def whole_in_own_dtype(self):
         """Whether some parameter is whole in its own dtype now though it
@@ -192,9 +193,29 @@ class ShardedParameters:
         p = self._partition.params[i]
         whole = p.data
         p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
-        mark_released(p, self._partition.names[i], self._partition.forms[i].shape)
+        self._mark_released(i)
         self._flipped |= whole.dtype != p.dtype
         return whole
+
+    def _mark_released(self, i):
+        """Parameter ``i`` (emptied) marked released: a read of its values
+        is served alone (:meth:`read_released`) or refused, naming it."""
+        part, owner = self._partition, weakref.ref(self)
+        mark_released(part.params[i], part.names[i], part.forms[i].shape,
+                      lambda what: owner() and owner().read_released(i, what))
+
+    def read_released(self, i, what):
+        """Released parameter ``i``'s whole values in its own dtype, read for
+        ``what`` (an operation's name) by this rank alone from every rank's pieces (``sharding.served``),
+        or ``None`` where they are not served (on a device, in an elastic
+        job, after a failed gather)."""
+        part = self._partition
+        served = part.served
+        if served is None or not served.serves or self.broken is not None:
+            return None
+        if part.sharded_step.pending:
+            raise refusal(part.params[i], what, pending=True)
+        return served.read_one(i)
 
     @torch.no_grad()
     def assemble(self, exact=False):
@@ -405,6 +426,10 @@ class ShardedParameters:
                 or any(p.data.numel() for p in part.params)):
             self.refuse_if_released(what)
             return
+        if part.sharded_step.pending:
+            raise ConfigError(f"{what} between this step's backward and optimizer.step(), on this rank alone: "
+                              f"{PENDING} Call it after optimizer.step(), or inside `with model.whole_parameters():` "
+                              "on every rank")
         self.read_alone(range(len(part.params)))
         self._read_alone = True
 

@@ -89,6 +89,9 @@ class PieceService:
         #: Writes of the pieces every rank makes besides optimizer steps
         #: (loads, ``whole_parameters()`` blocks): part of the version read.
         self._writes = 0
+        #: The last bucket read for :meth:`read_one`: ``(version, {index:
+        #: whole tensor})`` (a loop over the parameters reads each bucket once).
+        self._last_read = None
         self._closed = False
         self.register()
         store.set(f"{self._key}/{partition.rank}", self._server.address)
@@ -125,6 +128,7 @@ class PieceService:
 
     def writing(self):
         """The pieces are about to be written: returns once no read copies them."""
+        self._last_read = None
         self._server.writing()
 
     def written(self):
@@ -221,6 +225,17 @@ class PieceService:
                 values = torch.frombuffer(bytearray(data), dtype=whole[i].dtype)
                 whole[i][offset : offset + values.numel()].copy_(values)
         return {i: _shaped(flat, part.forms[i]) for i, flat in whole.items()}
+
+    def read_one(self, i):
+        """Parameter ``i`` whole (as :meth:`read_whole` gives it), read with
+        the rest of its bucket, which is kept until the version moves on or
+        another bucket is read: a loop over the parameters (a norm log, an
+        EMA update, a deep copy) reads each bucket once."""
+        if self._last_read is None or self._last_read[0] != self.step or i not in self._last_read[1]:
+            bucket = next(layout for layout in self._partition.buckets if i in layout.members)
+            self._last_read = None
+            self._last_read = (self.step, self.read_whole(bucket.members))
+        return self._last_read[1][i]
 
     def close(self):
         """Stop serving, once every other rank closed its own or is gone
