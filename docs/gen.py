@@ -12,7 +12,7 @@ Sources, never edited by hand:
 * ``docs/data/membership/*.json``: ``gradsync-bench membership --json`` and
   ``benches/torch/membership_scale.py --json`` (see ``gen_membership.py``);
 * ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
-  ``sharded_side_by_side.py``, ``sharded_elastic.py``, ``meta_init.py`` and ``sharded_checkpoint.py --json``;
+  ``sharded_side_by_side.py``, ``sharded_elastic.py``, ``meta_init.py``, ``sharded_checkpoint.py`` and ``read_alone.py --json``;
 * ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
   (host time per step and per gradient, world 1);
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
@@ -50,6 +50,7 @@ SHARDED_PEERS = ROOT / "docs" / "data" / "sharded" / "peers.json"
 SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
 SHARDED_META = ROOT / "docs" / "data" / "sharded" / "meta.json"
 SHARDED_CHECKPOINT = ROOT / "docs" / "data" / "sharded" / "checkpoint.json"
+SHARDED_READS = ROOT / "docs" / "data" / "sharded" / "reads.json"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
 MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
@@ -430,6 +431,27 @@ def sharded_checkpoint() -> str:
     return "\n".join(out)
 
 
+def sharded_reads() -> str:
+    """What a read of the whole model between steps costs, on rank 0 alone
+    against every rank inside ``whole_parameters()``
+    (``benches/torch/read_alone.py --json``)."""
+    run = _bench_run(SHARDED_READS, "read_alone.py")
+    mib = 1 << 20
+    what = {"state_dict": "`model.state_dict()` on rank 0 alone",
+            "norms": "a norm log over `model.parameters()` on rank 0 alone (`torch.no_grad()`)",
+            "deepcopy": "`copy.deepcopy(model.module)` on rank 0 alone",
+            "whole": "`model.state_dict()` inside `whole_parameters()` on every rank"}
+    out = _table(["ranks", "read", "time on rank 0, ms", "GB/s of the model",
+                  "peak resident memory growth on the other ranks, MiB"],
+                 [(r["world"], what[r["way"]], f"{r['seconds'] * 1e3:.0f}", f"{r['whole'] / r['seconds'] / 1e9:.2f}",
+                   f"{r['others_growth'] / mib:.0f}") for r in run["rows"]])
+    meta, whole = run["meta"], run["rows"][0]["whole"]
+    out.append(f"\n{meta['machine']}, torch {meta['torch']}; a GPT-2-shaped model of {meta['layers']} blocks of "
+               f"width {meta['width']}, a tied {meta['vocab']}-word embedding ({whole / mib:.0f} MiB), after one "
+               f"AdamW step; the fastest of the repeats; `{meta['command']}`.")
+    return "\n".join(out)
+
+
 #: The sharded benchmarks' configurations, as the tables name them.
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
@@ -599,6 +621,7 @@ GENERATORS = {
     "sharded-elastic": sharded_elastic,
     "sharded-meta": sharded_meta,
     "sharded-checkpoint": sharded_checkpoint,
+    "sharded-reads": sharded_reads,
 }
 
 

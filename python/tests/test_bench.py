@@ -190,6 +190,14 @@ def test_sharded_checkpoint_saves_and_loads_at_another_world(tmp_path):
     assert all(r["pieces"] < r["whole"] for r in rows), rows
 
 
+def test_read_alone_reads_on_rank_zero_and_inside_whole_parameters(tmp_path):
+    bench("read_alone.py", "--worlds", "2", "--layers", "2", "--width", "64", "--vocab", "256", "--repeat", "1",
+          "--json", str(tmp_path / "reads.json"))
+    rows = json.loads((tmp_path / "reads.json").read_text())["rows"]
+    assert [r["way"] for r in rows] == ["state_dict", "norms", "deepcopy", "whole"]
+    assert all(r["seconds"] > 0 and r["whole"] > r["pieces"] > 0 for r in rows), rows
+
+
 def test_elastic_recovery_its_parts(tmp_path):
     # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
     parts = ["recovery", "torchrun", "liveness"]

@@ -1,0 +1,118 @@
+"""What a read of a ``shard_parameters=True`` model on one rank alone costs,
+beside the collective way (``whole_parameters()`` on every rank).
+
+    python benches/torch/read_alone.py [--worlds 2 4] [--layers 12] [--width 512] [--vocab 8192] [--repeat 3]
+                                       [--json docs/data/sharded/reads.json]
+
+The model is ``sharded_memory.py``'s GPT-2-shaped stack. Every rank trains
+one AdamW step; then rank 0 alone reads the model between steps while the
+other ranks wait in a barrier (their runtimes' piece servers answer):
+
+* ``state_dict``: ``model.state_dict()``, the DDP tutorial's rank-0 save;
+* ``norms``: a logging callback's ``[p.norm() for p in model.parameters()]``
+  under ``torch.no_grad()``, each released parameter read with its bucket;
+* ``deepcopy``: ``copy.deepcopy(model.module)``, an EMA's copy.
+
+Then every rank runs ``model.state_dict()`` inside ``whole_parameters()``
+(``whole``: a collective gather). Each is repeated and the fastest kept.
+Each rank reports its peak resident memory (``ru_maxrss``) before and after
+each read: the other ranks' growth shows whether they held the model whole.
+Fresh CPU processes over gloo; the time is rank 0's.
+"""
+
+import argparse
+import copy
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_world import spawn, write_json  # noqa: E402
+from sharded_memory import Stack  # noqa: E402
+
+MIB = 1 << 20
+TOKENS = 16
+WAYS = ("state_dict", "norms", "deepcopy", "whole")
+
+
+def _peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rank(rank, world, port, args, results):
+    import gradsync.torch as gt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    wrapped = gt.DistributedDataParallel(Stack(args.layers, args.width, vocab=args.vocab), shard_parameters=True)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    ids = torch.randint(0, args.vocab, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
+    logits = wrapped(ids)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    opt.step()
+    del logits
+
+    def read(way):
+        if way == "state_dict":
+            return wrapped.state_dict()
+        if way == "norms":
+            with torch.no_grad():
+                return [p.norm() for p in wrapped.module.parameters()]
+        if way == "deepcopy":
+            return copy.deepcopy(wrapped.module)
+        with wrapped.whole_parameters():
+            return wrapped.state_dict()
+
+    out = {}
+    for way in WAYS:
+        before, best = _peak(), float("inf")
+        for _ in range(args.repeat):
+            dist.barrier()
+            start = time.perf_counter()
+            if way == "whole" or rank == 0:
+                got = read(way)
+                del got
+            best = min(best, time.perf_counter() - start)
+            dist.barrier()
+        out[way] = {"seconds": best, "growth": _peak() - before}
+    whole_bytes = sum(form.numel() * form.element_size() for form in wrapped.parameter_forms().values())
+    results.put((rank, {"ways": out, "pieces": wrapped.parameter_bytes, "whole": whole_bytes}))
+    wrapped.close()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="write the numbers here (docs/data/sharded/reads.json)")
+    args = parser.parse_args()
+    rows = []
+    for world in args.worlds:
+        got, dead = spawn(_rank, world, (args,), deadline=900)
+        if dead or len(got) < world:
+            sys.exit(f"read_alone: world {world}: ranks {dead or 'missing'} failed")
+        for way in WAYS:
+            others = [got[r]["ways"][way]["growth"] for r in range(1, world)]
+            row = {"world": world, "way": way, "seconds": got[0]["ways"][way]["seconds"],
+                   "reader_growth": got[0]["ways"][way]["growth"], "others_growth": max(others),
+                   "whole": got[0]["whole"], "pieces": got[0]["pieces"]}
+            rows.append(row)
+            print(f"world {world}, {way}: {row['seconds'] * 1e3:.0f} ms on rank 0 "
+                  f"({row['whole'] / row['seconds'] / 1e9:.2f} GB/s of the {row['whole'] / MIB:.0f} MiB model); "
+                  f"peak resident memory grew {row['reader_growth'] / MIB:.0f} MiB on rank 0, at most "
+                  f"{row['others_growth'] / MIB:.0f} MiB on the others", flush=True)
+    if args.json:
+        write_json(args.json, rows, layers=args.layers, width=args.width, vocab=args.vocab)
+
+
+if __name__ == "__main__":
+    main()
