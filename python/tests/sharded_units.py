@@ -533,6 +533,10 @@ def reads_between_steps(rank, world, units=True):
             attempt("written", lambda: first.mul_(1.0))
         attempt("copy_written", lambda: first.detach().add_(0.0))
         seen["repr"] = repr(first)
+        wrapped.module.to("cpu")  # (where it is: nothing changes, as torch's no-op move)
+        seen["moved"] = {type(p).__name__ for p in wrapped.module.parameters()}
+        attempt("cast", lambda: wrapped.module.float())
+        seen["dtypes"] = {p.dtype for p in wrapped.module.parameters()}
         # An EMA copy, and a pickle of the module, between steps: plain modules of their own, without the wrapper.
         ema, saved = copy.deepcopy(wrapped.module), io.BytesIO()
         torch.save(wrapped.module, saved)

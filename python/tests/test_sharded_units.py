@@ -319,6 +319,8 @@ def test_a_released_parameters_values_are_read_alone_right_or_refused(world2, un
         assert refused("written", "writes parameter") == first
         assert refused("copy_written", "writes parameter") == first
         assert refused("pending", "optimizer.step()") == first
+        assert seen["moved"] == {"ReleasedParameter"}, "module.to() where the module is changes nothing"
+        assert refused("cast", "setting .data") == first and seen["dtypes"] == {torch.float64}
         if units is True:  # (one unit is whole from the forward to the step's end: the penalty reads another)
             assert refused("penalty", "autograd on").startswith("blocks.")
         assert seen["repr"] == repr(torch.nn.Parameter(seen["whole_first"])), seen["repr"]

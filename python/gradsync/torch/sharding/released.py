@@ -60,7 +60,7 @@ _NOT_READS = frozenset({
     "stride", "storage_offset", "untyped_storage", "is_complex", "is_floating_point",
     "element_size", "is_contiguous", "get_device", "data_ptr", "requires_grad_", "retain_grad",
     "register_hook", "register_post_accumulate_grad_hook", "__hash__", "__eq__", "__format__",
-    "_is_view", "__setstate__",
+    "_is_view", "__setstate__", "_has_compatible_shallow_copy_type",
 })
 
 #: Reads that make no autograd graph, served with autograd on too.
@@ -103,6 +103,12 @@ class ReleasedParameter(torch.nn.Parameter):
                 return shaped(args[0].__dict__["_gradsync_shape"])
         elif name in _SHAPED and args and type(args[0]) is ReleasedParameter:
             return _SHAPED[name](args[0].__dict__["_gradsync_shape"], *args[1:], **(kwargs or {}))
+        elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
+            # ``p.data = x`` (``module.to()``, ``.float()``: ``param.data = param.float()``) would leave
+            # the parameter whole with values its pieces do not hold; gradsync marks it whole first.
+            if args[1] is args[0]:
+                return None
+            raise refusal(args[0], "setting .data (module.to(), module.float(), ...)", writes=True)
         if name in ("__get__", "__set__", "__delete__") or name in _NOT_READS:
             with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -172,7 +178,10 @@ def _served(func, name, args, kwargs):
         if graphed is not None:
             raise refusal(graphed, name, graphed=True)
     copies = {id(p): _read(p, name) for p in released}
-    return func(*tree_map(lambda t: copies.get(id(t), t), args), **tree_map(lambda t: copies.get(id(t), t), kwargs))
+    out = func(*tree_map(lambda t: copies.get(id(t), t), args), **tree_map(lambda t: copies.get(id(t), t), kwargs))
+    # An op that gives its input back (``p.to(p.device)``, ``p.contiguous()``) gives the parameter back,
+    # as torch does: ``module.to(device)`` on the device it is on changes nothing.
+    return next((p for p in released if copies[id(p)] is out), out)
 
 
 def _read(p, what):
