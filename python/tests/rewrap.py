@@ -167,6 +167,56 @@ def wrap_again(rank, world, impl):
     return result
 
 
+def sgd_step_by_parameters(wrapped, opt, model, reference, world, rank, number, outcome, reading):
+    """One SGD step of ``wrapped`` (over ``model``) and of the one-process
+    ``reference`` (lr 0.05, the parameters ``model`` trains), then the
+    parameters compared, read inside ``reading`` (a context): for sharded
+    gradients, whose ``.grad`` stays ``None``."""
+    opt.zero_grad()
+    wrapped(batch(number, rank)).square().sum().backward()
+    opt.step()
+    want = reference_grads(reference, world, number)  # (every reference parameter requires grad)
+    with torch.no_grad():
+        for p, g, mine in zip(reference.parameters(), want, model.parameters()):
+            if mine.requires_grad:
+                p.sub_(0.05 * g)
+    with reading:
+        outcome.record(diff([p.detach().clone() for p in model.parameters()], list(reference.parameters())))
+
+
+def wrap_a_copy_sharded(rank, world, impl):
+    """:func:`wrap_a_copy` with ``shard_parameters=True`` under gradsync
+    (torch's DDP, beside it, unsharded): ``copy.deepcopy(ddp.module)``
+    between steps is read alone from every rank's pieces (a whole, plain
+    module), and a wrapper of it trains exactly while the first goes on.
+    Every step compares the parameters read between steps, under
+    ``torch.no_grad()`` alone, with the reference's."""
+    settings = {"shard_parameters": True} if impl == "gradsync" else {}
+    model = mlp()
+    reference = copy.deepcopy(model)
+    wrapped = wrap_default(model, impl, **settings)
+    second = None
+
+    def step(ddp, opt, module, ref, number, outcome):
+        sgd_step_by_parameters(ddp, opt, module, ref, world, rank, number, outcome, torch.no_grad())
+
+    with Outcome(impl, wrapped) as outcome:
+        first = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        step(wrapped, first, model, reference, 0, outcome)
+        snap = copy.deepcopy(wrapped.module)
+        snap_reference = copy.deepcopy(reference)
+        outcome.record(0.0 if all(type(p) is nn.Parameter and p.numel() == p.data.numel()
+                                  for p in snap.parameters()) else float("inf"))
+        step(wrapped, first, model, reference, 1, outcome)
+        second = wrap_default(snap, impl, **settings)
+        opt = torch.optim.SGD(second.parameters(), lr=0.05)
+        for number in (2, 3):
+            step(second, opt, snap, snap_reference, number, outcome)
+        step(wrapped, first, model, reference, 4, outcome)
+    close(second)
+    return outcome.result
+
+
 def wrap_again_sharded(rank, world, impl):
     """:func:`wrap_again` with ``shard_parameters=True`` under gradsync
     (torch's DDP, beside it, unsharded). The gradients are sharded (``.grad``
@@ -183,16 +233,8 @@ def wrap_again_sharded(rank, world, impl):
     retired = None
 
     def step(wrapped, opt, number, outcome):
-        opt.zero_grad()
-        wrapped(batch(number, rank)).square().sum().backward()
-        opt.step()
-        want = reference_grads(reference, world, number)  # (every reference parameter requires grad)
-        with torch.no_grad():
-            for p, g, mine in zip(reference.parameters(), want, model.parameters()):
-                if mine.requires_grad:
-                    p.sub_(0.05 * g)
-        with wrapped.whole_parameters() if sharded else contextlib.nullcontext():
-            outcome.record(diff([p.detach().clone() for p in model.parameters()], list(reference.parameters())))
+        sgd_step_by_parameters(wrapped, opt, model, reference, world, rank, number, outcome,
+                               wrapped.whole_parameters() if sharded else contextlib.nullcontext())
 
     def optimizer():  # (one per wrapper, over what it trains: a new one's first step follows the old one's)
         return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)

@@ -19,6 +19,8 @@ CASES = {
     "module_checkpoints": "torch.save / pickle / deepcopy(...).half() of ddp.module between steps (whole-module checkpoints)",
     "wrap_a_copy": "DDP(copy.deepcopy(ddp.module)) while the first wrapper lives (restart from the best weights)",
     "copy_the_wrapper": "copy.deepcopy(ddp) and torch.save(ddp) / torch.load: working wrappers of their own",
+    "wrap_a_copy_sharded": "the same with shard_parameters=True, the copy read alone between steps (gradsync; DDP "
+                           "beside it unsharded)",
     "wrap_again": "ddp = DDP(model) again after unfreezing a layer, no close()",
     "wrap_again_sharded": "the same with shard_parameters=True (gradsync; DDP beside it unsharded)",
 }
