@@ -81,8 +81,9 @@ def test_hf_trainer_with_reentrant_checkpointing(side_by_side):
 
 def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
     """``replace_ddp(shard_gradients=True)``, then ``shard_parameters=True``
-    (its saves gather the parameters; the model's weights in the checkpoint
-    are whole): the Trainer's own AdamW (built
+    (its saves read the parameters and the optimizer's state on the saving
+    rank alone, from every rank's pieces; the model's weights in the
+    checkpoint are whole): the Trainer's own AdamW (built
     before Accelerate wraps the model) is converted at its first step,
     Accelerate's clipping takes the global norm, the Trainer's
     ``model.zero_grad()`` clears the partitions; its checkpoints (one half
@@ -100,7 +101,7 @@ def test_hf_trainer_sharded_by_one_setting(side_by_side_sharded):
         diff = float(re.search(r"equivalence: max \|param - reference\| = (\S+)", out).group(1))
         state = float(re.search(r"checkpointed optimizer state: \d+ parameters, max \|state - reference\| = (\S+)",
                                 out).group(1))
-        # The checkpoint's weights are whole (shard_parameters: the save gathers them).
+        # The checkpoint's weights are whole (shard_parameters: the saving rank reads them alone).
         assert "max |saved - param| = 0.0e+00" in out, out[-3000:]
         assert diff <= 1e-4 and state <= 1e-4 and "MISMATCH" not in out, out[-3000:]
         cells.append(f"ok, {diff:.1e} (one-process replay), checkpointed state {state:.1e}")

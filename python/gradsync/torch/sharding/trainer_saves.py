@@ -12,9 +12,13 @@ loads it back with ``optimizer.load_state_dict`` on any world size.
 Likewise ``Trainer.save_model``, ``_load_from_checkpoint`` (a resume
 after the model was wrapped) and ``_load_best_model``
 (``load_best_model_at_end``), which every rank calls: with sharded
-parameters they run inside ``whole_parameters()``, so the model's
-``state_dict()`` on the saving rank is whole and a load reaches every
-rank's pieces. This module imports nothing
+parameters the loads run inside ``whole_parameters()``, so a load
+reaches every rank's pieces. Where the pieces are served
+(``sharding.served``: parameter sharding on the CPU, not elastic) the
+saving rank reads the model's ``state_dict()`` and the optimizer's alone,
+and the other ranks gather nothing (they hold no more than in training);
+elsewhere ``save_model`` runs inside ``whole_parameters()`` and the
+optimizer's state is collected, as above. This module imports nothing
 of ``transformers``: it is given the class.
 """
 
@@ -52,7 +56,7 @@ def install(trainer_class):
     @functools.wraps(torch_save)
     def _save_optimizer_and_scheduler(self, output_dir):
         sharded = sharded_under(getattr(self, "optimizer", None))
-        if sharded is None:
+        if sharded is None or _read_alone(sharded._partition):
             return torch_save(self, output_dir)
         # Every rank calls this; the ranks that save get the whole state.
         sharded.consolidate_state_dict(to=-1 if getattr(self.args, "save_on_each_node", False) else 0)
@@ -65,18 +69,31 @@ def install(trainer_class):
     # Every rank calls these; with sharded parameters they read or write every parameter.
     for name in ("save_model", "_load_from_checkpoint", "_load_best_model"):
         if hasattr(trainer_class, name):
-            setattr(trainer_class, name, _whole_while(getattr(trainer_class, name), "model_wrapped"))
+            setattr(trainer_class, name, _whole_while(getattr(trainer_class, name), "model_wrapped",
+                                                      unless_served=name == "save_model"))
     _WRAPPED.add(trainer_class)
 
 
-def _whole_while(method, wrapper):
+def _read_alone(partition):
+    """Whether a rank reads ``partition``'s parameters and optimizer state
+    alone (its pieces are served: ``sharding.served``)."""
+    served = getattr(partition, "served", None)
+    return served is not None and served.serves
+
+
+def _whole_while(method, wrapper, unless_served=False):
     """``method`` (every rank calls it) run with the parameters of the
     wrapper at attribute ``wrapper`` of its object whole meanwhile, when
-    they are sharded: gathered on every rank, released after."""
+    they are sharded: gathered on every rank, released after.
+    ``unless_served``: not where the pieces are served (a read, which the
+    saving rank makes alone)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        whole = getattr(getattr(self, wrapper, None), "whole_parameters", None)
+        ddp = getattr(self, wrapper, None)
+        whole = getattr(ddp, "whole_parameters", None)
+        if unless_served and _read_alone(getattr(ddp, "_partition", None)):
+            whole = None
         with whole() if whole is not None else contextlib.nullcontext():
             return method(self, *args, **kwargs)
 
