@@ -55,13 +55,13 @@ class scatter_on_gloo:
         self.on = on
 
     def __enter__(self):
-        from gradsync.torch.sharding import wrapper as _sharding
+        from gradsync.torch.sharding import settings as _sharding
 
         self.before, _sharding.GLOO_REDUCE_SCATTER = _sharding.GLOO_REDUCE_SCATTER, self.on
         return self
 
     def __exit__(self, *exc):
-        from gradsync.torch.sharding import wrapper as _sharding
+        from gradsync.torch.sharding import settings as _sharding
 
         _sharding.GLOO_REDUCE_SCATTER = self.before
         return False

@@ -160,7 +160,7 @@ def test_misuse_is_refused_with_what_to_do(world2):
 
 def test_sparse_sharding_is_refused_before_anything_starts():
     import gradsync
-    from gradsync.torch.sharding.wrapper import refuse
+    from gradsync.torch.sharding.settings import refuse
 
     with pytest.raises(gradsync.ConfigError, match="sparse=False") as refused:
         refuse({"shard_gradients": True}, ["emb.weight"])

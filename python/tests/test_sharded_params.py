@@ -13,7 +13,7 @@ import pytest
 import sharded
 import sharded_params
 from gradsync import ConfigError
-from gradsync.torch.sharding.wrapper import refuse
+from gradsync.torch.sharding.settings import refuse
 from sharded import case, check
 
 

@@ -22,7 +22,7 @@ from gradsync import ConfigError
 from gradsync.torch.export import export
 from gradsync.torch.sharding.model_state import blocks
 from gradsync.torch.sharding.unit_modules import choose
-from gradsync.torch.sharding.wrapper import BUCKETS_IN_FLIGHT, pacing_of, param_dtype_of
+from gradsync.torch.sharding.settings import BUCKETS_IN_FLIGHT, pacing_of, param_dtype_of
 from world import World
 
 

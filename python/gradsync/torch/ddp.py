@@ -73,8 +73,8 @@ from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch.sharding.unit_modules import choose as choose_units
 from gradsync.torch.sharding.wrapper import Sharding
-from gradsync.torch.sharding.wrapper import refuse as refuse_sharded
-from gradsync.torch.sharding.wrapper import pacing_of, param_dtype_of, scatters
+from gradsync.torch.sharding.settings import refuse as refuse_sharded
+from gradsync.torch.sharding.settings import pacing_of, param_dtype_of, scatters
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
 from gradsync.torch._surface import DdpSurface, timeout_seconds
 

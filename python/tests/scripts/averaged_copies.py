@@ -17,7 +17,6 @@ the only change (``--impl gradsync``):
 from a one-process replay, and the checkpoint's (``checkpoint:``)."""
 
 import argparse
-import copy
 import os
 import tempfile
 
