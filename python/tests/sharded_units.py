@@ -529,6 +529,12 @@ def reads_between_steps(rank, world, units=True):
         attempt("graphed", norms)  # (autograd on: no gradient could reach the pieces)
         attempt("detached", lambda: [p.detach().norm().item() for p in wrapped.module.parameters()])
         first = next(wrapped.module.parameters())
+        # A hand-written EMA over .data, and a norm log over it: p.data reads as p does.
+        seen["data_norms"] = [p.data.norm().item() for p in wrapped.module.parameters()]
+        ema_by_data = [torch.zeros(p.shape, dtype=p.dtype) for p in wrapped.module.parameters()]
+        for e, p in zip(ema_by_data, wrapped.module.parameters()):
+            e.data.mul_(0.5).add_(p.data, alpha=0.5)
+        attempt("data_written", lambda: first.data.normal_())
         with torch.no_grad():
             attempt("written", lambda: first.mul_(1.0))
         attempt("copy_written", lambda: first.detach().add_(0.0))
@@ -545,6 +551,8 @@ def reads_between_steps(rank, world, units=True):
         with wrapped.whole_parameters():
             seen["whole_norms"] = norms()
             seen["whole_first"] = first.detach().clone()
+            seen["ema_by_data_off"] = max(float((e - 0.5 * p).abs().max())
+                                          for e, p in zip(ema_by_data, wrapped.module.parameters()))
             with torch.no_grad():
                 want = wrapped.module(x)
         saved.seek(0)

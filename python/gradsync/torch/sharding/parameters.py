@@ -38,7 +38,7 @@ import torch
 
 from gradsync._errors import ConfigError, StepFailedError
 from gradsync.torch.sharding.norm import LOST
-from gradsync.torch.sharding.released import PENDING, mark_released, mark_whole, refusal
+from gradsync.torch.sharding.released import PENDING, held, mark_released, mark_whole, refusal
 
 
 class ShardedParameters:
@@ -139,14 +139,14 @@ class ShardedParameters:
             return
         self._flipped = False
         part = self._partition
-        held = [p.data for p in part.params]
+        memory = [held(p) for p in part.params]
         for i, p in enumerate(part.params):
             mark_whole(p)
             p.data = self._shaped(i)
         try:
             self.rehook()
         finally:
-            for i, (p, data) in enumerate(zip(part.params, held)):
+            for i, (p, data) in enumerate(zip(part.params, memory)):
                 p.data = data
                 if not data.numel():
                     self._mark_released(i)
@@ -160,7 +160,7 @@ class ShardedParameters:
         if self.carries is None or not self.whole:
             return False
         part = self._partition
-        return any(p.dtype != self.step_dtypes[i] for i, p in enumerate(part.params) if p.data.numel())
+        return any(p.dtype != self.step_dtypes[i] for i, p in enumerate(part.params) if held(p).numel())
 
     def rounded(self, i):
         """Whether parameter ``i`` holds a rounded copy of its pieces now
@@ -183,7 +183,7 @@ class ShardedParameters:
         """Every parameter that holds values now released (an empty tensor),
         the hooks made again where a dtype changed."""
         for i, p in enumerate(self._partition.params):
-            if p.data.numel():
+            if held(p).numel():
                 self._released(i)
         self.hook_again()
 
@@ -191,7 +191,7 @@ class ShardedParameters:
         """Parameter ``i`` an empty tensor of its step dtype; returns its
         whole tensor (what it held)."""
         p = self._partition.params[i]
-        whole = p.data
+        whole = held(p)
         p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
         self._mark_released(i)
         self._flipped |= whole.dtype != p.dtype
@@ -263,10 +263,10 @@ class ShardedParameters:
         (``exact``: their own); ``zeros``: filled with zeros (a gather that
         failed: :attr:`broken`)."""
         for i in self._partition.buckets[b].members:
-            if not self._partition.params[i].data.numel():
+            if not held(self._partition.params[i]).numel():
                 self._new_whole(i, exact)
                 if zeros:
-                    self._partition.params[i].data.zero_()
+                    held(self._partition.params[i]).zero_()
 
     def _new_whole(self, i, exact):
         """Parameter ``i`` given new whole memory in its step dtype
@@ -303,7 +303,7 @@ class ShardedParameters:
         the next forward gathers on every member."""
         part = self._partition
         for i, p in enumerate(part.params):
-            if p.data.numel():
+            if held(p).numel():
                 self._released(i)
         self.whole = self.gathered = self.spoiled = False
         self.broken = None
@@ -409,7 +409,7 @@ class ShardedParameters:
         (nanoGPT's ``estimate_loss()`` on the master process only)."""
         part = self._partition
         return (not torch.is_grad_enabled() and not self.whole and not self._read_alone and part.served is not None
-                and part.served.serves and not any(p.data.numel() for p in part.params))
+                and part.served.serves and not any(held(p).numel() for p in part.params))
 
     def assemble_alone(self):
         """:meth:`evaluates_alone`'s forward begins: every parameter whole,
@@ -423,7 +423,7 @@ class ShardedParameters:
         part = self._partition
         served = part.served
         if (self.whole or self._reading_pieces or self._read_alone or served is None or not served.serves
-                or any(p.data.numel() for p in part.params)):
+                or any(held(p).numel() for p in part.params)):
             self.refuse_if_released(what)
             return
         if part.sharded_step.pending:
@@ -451,7 +451,7 @@ class ShardedParameters:
         step (some parameters whole, some released): a checkpoint is
         written between steps."""
         part = self._partition
-        if not self.whole and any(p.data.numel() for p in part.params):
+        if not self.whole and any(held(p).numel() for p in part.params):
             raise ConfigError(
                 "a sharded checkpoint is written and read between steps (after optimizer.step(), or before "
                 "the first forward); some parameters are whole now, inside a step's forward or backward"

@@ -37,9 +37,12 @@ stays a ``ReadCopy``).
 
 A parameter count (``sum(p.numel() for p in model.parameters())``, HF's
 ``num_parameters()``, Lightning's summary) and a check of a weight's
-shape are right between steps too, at no cost. What the parameter's
-memory holds now is ``p.data`` (a plain tensor: empty while released);
-gradsync asks that (``p.data.numel()``), as torch's own C++ does.
+shape are right between steps too, at no cost. ``p.data`` is what the
+parameter's memory holds now, the empty tensor (a :class:`ReleasedData`:
+its ``numel()`` is 0), whose value reads are served as ``p``'s are
+(``p.data.norm()``, a hand-written EMA's ``ema.data.add_(p.data, ...)``)
+and whose writes are refused (``p.data.normal_()`` would write nothing);
+gradsync itself asks :func:`held`, as torch's own C++ does.
 ``stride()`` and ``is_contiguous()`` are the empty tensor's.
 
 Only plain ``torch.nn.Parameter`` objects change class (a subclass of a
@@ -98,9 +101,12 @@ class ReleasedParameter(torch.nn.Parameter):
         whole values read alone (``_served``)."""
         name = getattr(func, "__name__", "")
         if name == "__get__":
-            shaped = _SHAPED_PROPERTIES.get(getattr(getattr(func, "__self__", None), "__name__", None))
+            attribute = getattr(getattr(func, "__self__", None), "__name__", None)
+            shaped = _SHAPED_PROPERTIES.get(attribute)
             if shaped is not None and type(args[0]) is ReleasedParameter:
                 return shaped(args[0].__dict__["_gradsync_shape"])
+            if attribute == "data" and type(args[0]) is ReleasedParameter:
+                return _released_data(args[0])
         elif name in _SHAPED and args and type(args[0]) is ReleasedParameter:
             return _SHAPED[name](args[0].__dict__["_gradsync_shape"], *args[1:], **(kwargs or {}))
         elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
@@ -162,6 +168,68 @@ class ReadCopy(torch.Tensor):
     def __reduce_ex__(self, proto):
         """Pickled as a plain tensor."""
         return self.as_subclass(torch.Tensor).clone().__reduce_ex__(proto)
+
+
+class ReleasedData(torch.Tensor):
+    """``p.data`` of a released parameter ``p``: the empty tensor its memory
+    holds (its ``numel()``, ``shape`` and ``dim()`` are the empty
+    tensor's), whose value reads are served as ``p``'s are (``p.data.norm()``,
+    ``ema.data.add_(p.data, alpha=...)``) and whose writes are refused
+    (``p.data.normal_()`` would write nothing). Once ``p`` is whole again, a
+    ``ReleasedData`` kept from before is a plain empty tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Run ``func`` as on the empty tensor if it reads no values, else
+        on the owner's whole values read alone; refuse a write."""
+        name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        if name in ("__get__", "__set__", "__delete__") or name in _NOT_READS or name in _EMPTY_AS_IT_IS:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        written = next((t for t in _written(name, args, kwargs) if _owner(t) is not None), None)
+        if written is not None:
+            raise refusal(_owner(written), f"{name} of its .data", writes=True)
+
+        def value(t):
+            if not isinstance(t, ReleasedData):
+                return t
+            owner = _owner(t)
+            return _read(owner, name) if owner is not None else t.as_subclass(torch.Tensor)
+
+        return func(*tree_map(value, args), **tree_map(value, kwargs))
+
+
+#: What ``p.data`` of a released parameter answers as the empty tensor it
+#: is, besides what reads no values (``_NOT_READS``): its size, and new
+#: tensors shaped like it.
+_EMPTY_AS_IT_IS = frozenset({
+    "numel", "nelement", "dim", "size", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
+    "empty_like", "zeros_like", "ones_like", "full_like",
+})
+
+
+def _released_data(p):
+    """``p.data`` of released parameter ``p``: a :class:`ReleasedData`."""
+    with DisableTorchFunctionSubclass():
+        data = p.data
+    view = data.as_subclass(ReleasedData)
+    view._gradsync_owner = p
+    return view
+
+
+def _owner(t):
+    """The parameter ``t`` is the ``.data`` of, while it is released, or ``None``."""
+    owner = t.__dict__.get("_gradsync_owner") if isinstance(t, ReleasedData) else None
+    return owner if type(owner) is ReleasedParameter else None
+
+
+def held(p):
+    """What parameter ``p``'s memory holds now: ``p.data`` as torch's own
+    C++ sees it (empty while released), a plain tensor (not the
+    :class:`ReleasedData` a program gets, whose reads are served)."""
+    with DisableTorchFunctionSubclass():
+        return p.data
 
 
 def _served(func, name, args, kwargs):

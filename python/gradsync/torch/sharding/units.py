@@ -87,7 +87,7 @@ from gradsync._native import Residency
 from gradsync.torch.sharding.layout import flat_values
 from gradsync.torch.sharding.norm import LOST
 from gradsync.torch.sharding.parameters import ShardedParameters
-from gradsync.torch.sharding.released import mark_whole
+from gradsync.torch.sharding.released import held, mark_whole
 from gradsync.torch.sharding.unit_modules import BackwardEnds, ModuleHook, Unit, entries
 
 #: How long one look at the lane or the reductions lasts while a rank waits
@@ -228,7 +228,7 @@ class UnitResidence(ShardedParameters):
     def _read_alone_units(self, units):
         """The parameters of ``units`` not whole yet, read alone."""
         params = self._partition.params
-        self.read_alone([i for u in units for i in self.units[u].params if not params[i].data.numel()])
+        self.read_alone([i for u in units for i in self.units[u].params if not held(params[i]).numel()])
 
     @torch.no_grad()
     def assemble_all(self):
@@ -269,7 +269,7 @@ class UnitResidence(ShardedParameters):
         # (After a failed gather the whole units hold zeros, never read back.)
         whole = {i for u in whole_units if self.broken is None for i in self.units[u].params}
         for piece in part.owned:
-            if piece.param in whole and part.params[piece.param].data.numel() and not self.rounded(piece.param):
+            if piece.param in whole and held(part.params[piece.param]).numel() and not self.rounded(piece.param):
                 values = flat_values(part.params[piece.param])
                 piece.tensor.copy_(values[piece.offset : piece.offset + piece.length])
         self.protocol.reset(step_ended)
@@ -508,7 +508,7 @@ class UnitResidence(ShardedParameters):
         part = self._partition
         for i in part.buckets[b].members:
             p, kept = part.params[i], self._kept[i]
-            if p.data.numel():
+            if held(p).numel():
                 continue
             if kept is not None and not self._exact:
                 kept.untyped_storage().resize_(self._nbytes[i])
@@ -518,14 +518,14 @@ class UnitResidence(ShardedParameters):
                 self._new_whole(i, self._exact)
                 self._nbytes[i] = p.untyped_storage().nbytes()
             if zeros:
-                p.data.zero_()
+                held(p).zero_()
 
     def _empty(self, i, inside_step):
         """Parameter ``i`` released: an empty tensor. ``inside_step``: its
         storage is emptied too (freed, though autograd's saved tensors hold
         it) and remembered, to grow back before its backward; between steps
         it is only let go (a state dict taken before may still read it)."""
-        if not self._partition.params[i].data.numel():
+        if not held(self._partition.params[i]).numel():
             return
         whole = self._released(i)
         if inside_step:
