@@ -525,6 +525,18 @@ def reads_between_steps(rank, world, units=True):
                     attempt("pending", norms)
             opt.step()
         with torch.no_grad():
+            seen["before_closure"] = norms()
+
+        def closure():  # (as Lightning steps: forward and backward inside optimizer.step, given positionally)
+            opt.zero_grad()
+            loss = wrapped(_batch(2, rank, world)).square().mean()
+            with torch.no_grad():
+                attempt("in_closure", norms)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        with torch.no_grad():
             attempt("norms", norms)
         attempt("graphed", norms)  # (autograd on: no gradient could reach the pieces)
         attempt("detached", lambda: [p.detach().norm().item() for p in wrapped.module.parameters()])

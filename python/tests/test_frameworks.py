@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import without_exit_noise
 from world import free_port
@@ -261,6 +262,26 @@ def test_the_ddp_tutorials_rank_zero_checkpoint_with_sharded_parameters():
     # barrier), every rank loads it, training goes on exactly.
     script = REPO / "python" / "tests" / "scripts" / "ddp_tutorial_checkpoint.py"
     assert run_ok(script, "--impl", "gradsync") <= 1e-6
+
+
+def test_lightnings_swa_callback_and_a_norm_log_inside_training_step_with_sharded_parameters(tmp_path):
+    # Lightning runs training_step inside optimizer.step(closure): a norm log there is read alone while
+    # every rank is inside its step (it hung: each rank's step held its pieces for writing before the
+    # closure), and the SWA callback's transfer of the averaged weights writes every rank's pieces. With
+    # only replace_ddp(shard_parameters=True) added, the norms and the trained weights equal torch's DDP's.
+    pytest.importorskip("lightning")
+    script = REPO / "python" / "tests" / "scripts" / "lightning_swa.py"
+    runs = {}
+    for impl in ("ddp", "gradsync"):
+        out = tmp_path / f"{impl}.pt"
+        code, log = reference_run(script, "--impl", impl, "--out", str(out)) if impl == "ddp" else \
+            torchrun(script, "--impl", impl, "--out", str(out))
+        assert code == 0 and f"{impl}: saved" in log, log[-3000:]
+        runs[impl] = torch.load(out, weights_only=True)
+    ours, theirs = runs["gradsync"], runs["ddp"]
+    assert len(ours["norms"]) == len(theirs["norms"]) > 0
+    assert max(abs(a - b) for a, b in zip(ours["norms"], theirs["norms"])) <= 1e-5, (ours["norms"], theirs["norms"])
+    assert max((a - b).abs().max().item() for a, b in zip(ours["params"], theirs["params"])) <= 1e-6
 
 
 def test_averaged_copies_of_a_sharded_model_torchvisions_ema_and_torchs_swa():

@@ -315,6 +315,8 @@ def test_a_released_parameters_values_are_read_alone_right_or_refused(world2, un
 
         assert seen["norms"] == seen["whole_norms"] and all(n > 0 for n in seen["norms"]), f"rank {rank}: {seen}"
         assert seen["detached"] == seen["whole_norms"], f"rank {rank}: {seen['detached']}"
+        # Inside a closure's forward (optimizer.step(closure)), before its backward: read alone, not a hang.
+        assert seen["in_closure"] == seen["before_closure"] != seen["norms"], f"rank {rank}: {seen}"
         # p.data of a released parameter reads as p does (it read 0.0), and is not written silently.
         assert seen["data_norms"] == seen["whole_norms"] and seen["ema_by_data_off"] == 0.0, f"rank {rank}: {seen}"
         assert refused("data_written", "writes parameter") == first

@@ -49,7 +49,8 @@ def _check_before_optimizer_step(optimizer, args, kwargs):
         wrapper._raise_if_unaveraged(optimizer)
     sharded = sharded_optimizer_of(optimizer)
     if sharded is not None:
-        sharded.before_step()
+        return sharded.before_step(args, kwargs)  # (the step's arguments, a closure wrapped, or None)
+    return None
 
 
 def _steps_a_wrapper(optimizer):

@@ -262,30 +262,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
                               "before step()")
         return self.inner.step() if closure is None else self.inner.step(closure)
 
-    def before_step(self):
-        """Called by the global step pre-hook before the inner optimizer
-        steps. After a skipped step: nothing to do, on any rank (no piece
-        holds a gradient; the gather is not made). Otherwise the pieces that
-        hold their values themselves read them from the parameters, and in
-        an elastic job every member holds the step's averages before any
-        steps them (a member lost now leaves no survivor a step ahead that
-        the others could not follow, ``sharding.reshard``); a member lost here is
-        recovered from, and the step then finds nothing to step."""
+    def before_step(self, args=(), kwargs=None):
+        """Called by the global step pre-hook (with the step's ``args`` and
+        ``kwargs``) before the inner optimizer steps. After a skipped step:
+        nothing to do, on any rank (no piece holds a gradient; the gather is
+        not made). Otherwise the pieces that hold their values themselves
+        read them from the parameters, and in an elastic job every member
+        holds the step's averages before any steps them (a member lost now
+        leaves no survivor a step ahead that the others could not follow,
+        ``sharding.reshard``); a member lost here is recovered from, and the
+        step then finds nothing to step. The other ranks' reads of the
+        pieces wait from here, or, given a closure (Lightning's: forward and
+        backward run inside the step, where a read alone must be answered),
+        from the closure's end: returns the step's ``(args, kwargs)`` with
+        the closure wrapped so, else ``None``."""
         part = self._partition
         self._noop = part.sharded_step.stepping()
         if self._quiet or self._noop:
-            return
-        if part.served is not None:  # (other ranks' reads of the pieces wait for the step: sharding.served)
-            part.served.writing()
-            self._writing = True
+            return None
+        kwargs = dict(kwargs or {})
+        # (``args`` are the step's own: the optimizer first, then the closure if given positionally.)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        changed = None
+        if part.served is not None and closure is not None:
+            def then_writing():
+                try:
+                    return closure()
+                finally:
+                    self._pieces_written_from_here()
+
+            if "closure" in kwargs:
+                kwargs["closure"] = then_writing
+            else:
+                args = (args[0], then_writing, *args[2:])
+            changed = (args, kwargs)
+        else:
+            self._pieces_written_from_here()
         if part.residence is None:  # (released parameters hold nothing to read: the pieces are the values)
             part.refresh()
         if part.sharded_step.settled or part.recover is None:
-            return
+            return changed
         try:
             self._states.everyones([1])
         except LOST as error:
             part.recover(error)
+        return changed
+
+    def _pieces_written_from_here(self):
+        """The other ranks' reads of the pieces wait until the step ends
+        (``sharding.served``); once per step."""
+        served = self._partition.served
+        if served is not None and not self._writing:
+            served.writing()
+            self._writing = True
 
     def after_step(self):
         """Called by the global step post-hook after the inner optimizer

@@ -299,7 +299,7 @@ def refusal(p, what, writes=False, graphed=False, pending=False):
     name = p.__dict__.get("_gradsync_name", "?")
     whole = "inside `with model.whole_parameters():` on every rank (a collective)"
     if pending:
-        message = (f"{what} of parameter {name!r}, which is released, between this step's backward and "
+        message = (f"{what} of parameter {name!r}, which is released, between this step's backward and the end of "
                    f"optimizer.step(): {PENDING} Read it after optimizer.step() (served alone), or {whole}")
     elif writes:
         message = (f"{what} writes parameter {name!r}, which is released (or a copy of its values read alone): with "

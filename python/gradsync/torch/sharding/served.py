@@ -92,6 +92,9 @@ class PieceService:
         #: The last bucket read for :meth:`read_one`: ``(version, {index:
         #: whole tensor})`` (a loop over the parameters reads each bucket once).
         self._last_read = None
+        #: Whether this rank's pieces are being written (between
+        #: :meth:`writing` and :meth:`written`): no read alone is made then.
+        self.writes_now = False
         self._closed = False
         self.register()
         store.set(f"{self._key}/{partition.rank}", self._server.address)
@@ -130,6 +133,7 @@ class PieceService:
         """The pieces are about to be written: returns once no read copies them."""
         self._last_read = None
         self._server.writing()
+        self.writes_now = True
 
     def written(self):
         """They were written; they are at the step the partition has taken
@@ -137,6 +141,7 @@ class PieceService:
         if len(self._optimizer_state()) != self._state_entries:
             self.register()
         self._server.written(self.step)
+        self.writes_now = False
 
     @property
     def step(self):

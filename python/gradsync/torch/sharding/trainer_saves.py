@@ -28,6 +28,8 @@ import logging
 
 import torch
 
+from gradsync.torch.sharding import clip as _clip
+
 log = logging.getLogger("gradsync")
 
 # The Trainer classes whose save was wrapped.
@@ -128,6 +130,30 @@ def install_lightning(strategy_class):
     if hasattr(strategy_class, "load_model_state_dict"):
         strategy_class.load_model_state_dict = _whole_while(strategy_class.load_model_state_dict, "model")
     _LIGHTNING.add(strategy_class)
+
+
+def install_lightning_swa(callback_class):
+    """Lightning's ``StochasticWeightAveraging`` with sharded parameters:
+    every rank calls its ``transfer_weights(average, module)`` (at the last
+    averaging epoch's end), which writes the averaged weights into the
+    module's parameters; wrapped (once) to run inside the
+    ``whole_parameters()`` of the live wrapper that holds them, so each
+    rank's pieces take what was written (a write into a released parameter
+    is refused: ``sharding.released``). Its updates of the average only
+    read the module, alone, from every rank's pieces."""
+    if callback_class in _LIGHTNING or not hasattr(callback_class, "transfer_weights"):
+        return
+    transfer = callback_class.transfer_weights
+
+    @functools.wraps(transfer)
+    def whole_transfer(src_pl_module, dst_pl_module):
+        params = list(dst_pl_module.parameters())
+        holders = [w for w in _clip.live() if w.parameters_sharded and w._holds_any(params)]
+        with holders[0].whole_parameters() if holders else contextlib.nullcontext():
+            return transfer(src_pl_module, dst_pl_module)
+
+    callback_class.transfer_weights = staticmethod(whole_transfer)
+    _LIGHTNING.add(callback_class)
 
 
 def installed():

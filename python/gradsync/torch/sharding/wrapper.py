@@ -134,6 +134,10 @@ class Sharding(ShardedMembers):
         if parameters and strategies is not None and hasattr(strategies, "DDPStrategy"):
             # Lightning's checkpoints then hold whole parameters.
             trainer_saves.install_lightning(strategies.DDPStrategy)
+        averaging = sys.modules.get("lightning.pytorch.callbacks.stochastic_weight_avg")
+        if parameters and averaging is not None and hasattr(averaging, "StochasticWeightAveraging"):
+            # Its transfer of the averaged weights into the model then writes every rank's pieces.
+            trainer_saves.install_lightning_swa(averaging.StochasticWeightAveraging)
 
     @property
     def sharded(self):
