@@ -51,6 +51,23 @@ def spawn(target, world, args, deadline):
     return got, dead
 
 
+def spawn_every(target, world, args, deadline, what):
+    """:func:`spawn`, every rank's value by rank; exits naming the ranks
+    that failed, ``what`` saying which run it was."""
+    got, dead = spawn(target, world, args, deadline)
+    if dead or len(got) < world:
+        sys.exit(f"{what}: ranks {dead or sorted(set(range(world)) - set(got))} failed")
+    return got
+
+
+def model_shape_arguments(parser, layers, width, vocab):
+    """The GPT-2-shaped model's ``--layers``, ``--width`` and ``--vocab``
+    (``sharded_memory.Stack``), with these defaults, on ``parser``."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--vocab", type=int, default=vocab)
+
+
 def write_json(path, rows, **meta):
     """The run's ``rows`` and what it ran on (the command, this machine,
     torch's version, and ``meta``) as JSON at ``path``, for docs/gen.py."""

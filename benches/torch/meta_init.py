@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import spawn, write_json  # noqa: E402
+from cpu_world import model_shape_arguments, spawn_every, write_json  # noqa: E402
 from sharded_memory import Stack  # noqa: E402
 
 MIB = 1 << 20
@@ -58,17 +58,14 @@ def _rank(rank, world, port, meta, args, results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=50257)
+    model_shape_arguments(parser, layers=12, width=768, vocab=50257)
     parser.add_argument("--json", help="write the numbers here (docs/data/sharded/meta.json)")
     args = parser.parse_args()
     rows = []
     for world in args.worlds:
         for meta in (False, True):
-            got, dead = spawn(_rank, world, (meta, args), deadline=600)
-            if dead or len(got) < world:
-                sys.exit(f"meta_init: world {world}, {'meta' if meta else 'cpu'}: ranks {dead or 'missing'} failed")
+            got = spawn_every(_rank, world, (meta, args), 600, f"meta_init: world {world}, "
+                              f"{'meta' if meta else 'cpu'}")
             row = {"world": world, "built_on": "meta" if meta else "cpu",
                    **{k: max(r[k] for r in got.values()) for k in ("growth", "pieces", "whole", "block")}}
             rows.append(row)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import spawn, write_json  # noqa: E402
+from cpu_world import model_shape_arguments, spawn_every, write_json  # noqa: E402
 from sharded_memory import Stack  # noqa: E402
 
 MIB = 1 << 20
@@ -89,17 +89,13 @@ def _rank(rank, world, port, args, results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=8192)
+    model_shape_arguments(parser, layers=12, width=512, vocab=8192)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="write the numbers here (docs/data/sharded/reads.json)")
     args = parser.parse_args()
     rows = []
     for world in args.worlds:
-        got, dead = spawn(_rank, world, (args,), deadline=900)
-        if dead or len(got) < world:
-            sys.exit(f"read_alone: world {world}: ranks {dead or 'missing'} failed")
+        got = spawn_every(_rank, world, (args,), 900, f"read_alone: world {world}")
         for way in WAYS:
             others = [got[r]["ways"][way]["growth"] for r in range(1, world)]
             row = {"world": world, "way": way, "seconds": got[0]["ways"][way]["seconds"],

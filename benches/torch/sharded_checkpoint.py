@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import spawn, write_json  # noqa: E402
+from cpu_world import model_shape_arguments, spawn_every, write_json  # noqa: E402
 from sharded_memory import Stack  # noqa: E402
 
 MIB = 1 << 20
@@ -87,9 +87,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--save-world", type=int, default=2)
     parser.add_argument("--load-world", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=50257)
+    model_shape_arguments(parser, layers=12, width=768, vocab=50257)
     parser.add_argument("--ways", nargs="+", choices=("pieces", "whole"), default=["pieces", "whole"])
     parser.add_argument("--json", help="write the numbers here (docs/data/sharded/checkpoint.json)")
     args = parser.parse_args()
@@ -98,9 +96,8 @@ def main():
         path = tempfile.mkdtemp(prefix="gradsync-checkpoint-bench-")
         try:
             for what, world in (("save", args.save_world), ("load", args.load_world)):
-                got, dead = spawn(_rank, world, (path, what == "load", way == "whole", args), deadline=900)
-                if dead or len(got) < world:
-                    sys.exit(f"sharded_checkpoint: {way}, {what} on {world}: ranks {dead or 'missing'} failed")
+                got = spawn_every(_rank, world, (path, what == "load", way == "whole", args), 900,
+                                  f"sharded_checkpoint: {way}, {what} on {world}")
                 row = {"way": way, "what": what, "world": world,
                        **{k: max(r[k] for r in got.values()) for k in ("growth", "peak", "pieces", "whole")}}
                 rows.append(row)

@@ -213,7 +213,7 @@ class ShardedParameters:
         served = part.served
         if served is None or not served.serves or self.broken is not None:
             return None
-        if part.sharded_step.pending or served.writes_now:
+        if served.mid_update:
             raise refusal(part.params[i], what, pending=True)
         return served.read_one(i)
 
@@ -426,7 +426,7 @@ class ShardedParameters:
                 or any(held(p).numel() for p in part.params)):
             self.refuse_if_released(what)
             return
-        if part.sharded_step.pending or served.writes_now:
+        if served.mid_update:
             raise ConfigError(f"{what} between this step's backward and the end of optimizer.step(), on this rank "
                               f"alone: {PENDING} Call it after optimizer.step(), or inside "
                               "`with model.whole_parameters():` on every rank")

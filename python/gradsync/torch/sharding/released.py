@@ -100,8 +100,9 @@ class ReleasedParameter(torch.nn.Parameter):
         reads no values (``_NOT_READS``, attributes), else run it on the
         whole values read alone (``_served``)."""
         name = getattr(func, "__name__", "")
+        # (For a property's __get__ / __set__: the property's name.)
+        attribute = getattr(getattr(func, "__self__", None), "__name__", None)
         if name == "__get__":
-            attribute = getattr(getattr(func, "__self__", None), "__name__", None)
             shaped = _SHAPED_PROPERTIES.get(attribute)
             if shaped is not None and type(args[0]) is ReleasedParameter:
                 return shaped(args[0].__dict__["_gradsync_shape"])
@@ -109,7 +110,7 @@ class ReleasedParameter(torch.nn.Parameter):
                 return _released_data(args[0])
         elif name in _SHAPED and args and type(args[0]) is ReleasedParameter:
             return _SHAPED[name](args[0].__dict__["_gradsync_shape"], *args[1:], **(kwargs or {}))
-        elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
+        elif name == "__set__" and attribute == "data":
             # ``p.data = x`` (``module.to()``, ``.float()``: ``param.data = param.float()``) would leave
             # the parameter whole with values its pieces do not hold; gradsync marks it whole first.
             if args[1] is args[0]:

@@ -94,7 +94,7 @@ class PieceService:
         self._last_read = None
         #: Whether this rank's pieces are being written (between
         #: :meth:`writing` and :meth:`written`): no read alone is made then.
-        self.writes_now = False
+        self._writes_now = False
         self._closed = False
         self.register()
         store.set(f"{self._key}/{partition.rank}", self._server.address)
@@ -133,7 +133,7 @@ class PieceService:
         """The pieces are about to be written: returns once no read copies them."""
         self._last_read = None
         self._server.writing()
-        self.writes_now = True
+        self._writes_now = True
 
     def written(self):
         """They were written; they are at the step the partition has taken
@@ -141,7 +141,14 @@ class PieceService:
         if len(self._optimizer_state()) != self._state_entries:
             self.register()
         self._server.written(self.step)
-        self.writes_now = False
+        self._writes_now = False
+
+    @property
+    def mid_update(self):
+        """Whether a read alone now would race a step's update: this step's
+        averages wait for the optimizer (another rank may have stepped its
+        pieces already), or this rank's own step is writing its pieces."""
+        return self._partition.sharded_step.pending or self._writes_now
 
     @property
     def step(self):
@@ -238,7 +245,7 @@ class PieceService:
         EMA update, a deep copy) reads each bucket once."""
         if self._last_read is None or self._last_read[0] != self.step or i not in self._last_read[1]:
             bucket = next(layout for layout in self._partition.buckets if i in layout.members)
-            self._last_read = None
+            self._last_read = None  # (the bucket kept goes first: one bucket whole at a time)
             self._last_read = (self.step, self.read_whole(bucket.members))
         return self._last_read[1][i]
 
