@@ -22,7 +22,8 @@ rank shard them (ZeRO-2): ``DistributedDataParallel(model,
 shard_gradients=True)`` and ``model.shard_optimizer(torch.optim.AdamW, ...)``
 (:class:`ShardedOptimizer`; see ``gradsync.torch.sharding.wrapper``);
 ``shard_parameters=True`` shards the parameters too, released between steps
-(``gradsync.torch.sharding.parameters``).
+(``gradsync.torch.sharding.parameters``); their EMA or SWA is
+:class:`ShardedAveragedModel`, each rank averaging its pieces.
 
 An elastic job (a lost rank does not end it; a replacement joins) is
 :class:`Elastic`, launched with ``python -m gradsync.launch`` (see
@@ -30,6 +31,7 @@ An elastic job (a lost rank does not end it; a replacement joins) is
 """
 
 from gradsync.torch._replace import ddp_replaced, replace_ddp, restore_ddp
+from gradsync.torch.sharding.averaged import ShardedAveragedModel
 from gradsync.torch.sharding.optimizer import ELEMENTWISE, ShardedOptimizer, elementwise
 from gradsync.torch.ddp import DistributedDataParallel
 from gradsync.torch.elastic import Elastic, MembershipEvent
@@ -39,6 +41,7 @@ __all__ = [
     "DistributedDataParallel",
     "Elastic",
     "MembershipEvent",
+    "ShardedAveragedModel",
     "ShardedOptimizer",
     "ddp_replaced",
     "elementwise",

@@ -65,24 +65,29 @@ _PROGRESS = "elastic_progress"
 
 
 def _sharded(model, optimizer):
-    """``optimizer``'s ``ShardedOptimizer`` (converted now if it was not yet)."""
-    sharded = sharded_optimizer_of(optimizer, model)
-    if sharded is None:
+    """``optimizer``'s ``ShardedOptimizer`` (converted now if it was not
+    yet), or ``None`` without one (the model of a sharded wrapper only)."""
+    sharded = sharded_optimizer_of(optimizer, model) if optimizer is not None else None
+    if sharded is None and (optimizer is not None or getattr(model, "_partition", None) is None):
         raise ConfigError("gradsync.torch.checkpoint saves and loads sharded models: build the wrapper with "
                           "shard_gradients=True (an unsharded optimizer saves with torch.save(optimizer.state_dict()))")
     return sharded
 
 
-def save(checkpoint_id, model, optimizer):
+def save(checkpoint_id, model, optimizer=None):
     """Write ``model`` (a sharded ``DistributedDataParallel``) and its
-    ``optimizer`` (any optimizer over its parameters, converted) to
-    ``checkpoint_id`` (a directory); in an elastic job, where the job
-    stands too. Every rank of the wrapper calls it, between steps. With
-    sharded parameters each rank writes its pieces: nothing is gathered."""
+    ``optimizer`` (any optimizer over its parameters, converted; ``None``:
+    the model only, e.g. an averaged model inside
+    ``ShardedAveragedModel.applied()``) to ``checkpoint_id`` (a
+    directory); in an elastic job, where the job stands too. Every rank
+    of the wrapper calls it, between steps. With sharded parameters each
+    rank writes its pieces: nothing is gathered."""
     optimizer = _sharded(model, optimizer)
     group = model.torch_group()
     with _model_state(model, group, to_load=False) as (module_state, _):
-        state = {"model": module_state, "optimizer": optimizer.sharded_state_dict(group=group)}
+        state = {"model": module_state}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(group=group)
         elastic = model._sync.elastic
         if elastic is not None:
             state[_PROGRESS] = json.dumps(elastic.progress())
@@ -90,9 +95,10 @@ def save(checkpoint_id, model, optimizer):
             dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
 
 
-def load(checkpoint_id, model, optimizer):
+def load(checkpoint_id, model, optimizer=None):
     """Read ``checkpoint_id`` (written by :func:`save`, on any world size)
-    into ``model`` and ``optimizer``; an elastic job then goes on at the
+    into ``model`` and ``optimizer`` (``None``: the model only); an
+    elastic job then goes on at the
     step after the saved one (call it before ``elastic.steps``). Every rank
     of the wrapper calls it, between steps. With sharded parameters each
     rank reads its pieces' values only: nothing is gathered."""
@@ -112,7 +118,9 @@ def load(checkpoint_id, model, optimizer):
             parts = fqn.split(".")
             if parts[:2] == ["optimizer", "state"] and len(parts) == 4:
                 template.setdefault(int(parts[2]), {})[parts[3]] = meta
-        state = {"model": module_state, "optimizer": optimizer.sharded_state_dict(template=template, group=group)}
+        state = {"model": module_state}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(template=template, group=group)
         elastic = model._sync.elastic
         if elastic is not None and _PROGRESS in metadata.state_dict_metadata:
             state[_PROGRESS] = ""
@@ -120,7 +128,8 @@ def load(checkpoint_id, model, optimizer):
         gate = model._partition.writing_pieces() if model._partition is not None else contextlib.nullcontext()
         with _failures_raised("reading", checkpoint_id), gate:
             dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
-    optimizer.load_sharded_state_dict(state["optimizer"], copy=False)  # (its tensors are this load's own)
+    if optimizer is not None:
+        optimizer.load_sharded_state_dict(state["optimizer"], copy=False)  # (its tensors are this load's own)
     if _PROGRESS in state:
         elastic.restore(json.loads(state[_PROGRESS]))
 

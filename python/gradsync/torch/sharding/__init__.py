@@ -21,6 +21,7 @@ One idea per module, imported in one direction: ``layout``, ``norm`` and
 ``parameters`` imports nothing of it either (it is given the partition);
 ``gather``, ``optim_state``, ``clip`` and ``trainer_saves`` stand alone;
 ``reshard`` imports ``layout``, ``norm`` and ``optim_state``;
-``optimizer`` imports ``norm``, ``optim_state`` and ``reshard``; ``wrapper``
+``optimizer`` imports ``norm``, ``optim_state`` and ``reshard``; ``averaged``
+(an EMA or SWA kept as each rank's pieces) imports ``released``; ``wrapper``
 imports what builds a sharded wrapper.
 """

@@ -277,6 +277,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from the closure's end: returns the step's ``(args, kwargs)`` with
         the closure wrapped so, else ``None``."""
         part = self._partition
+        if part.averaged_applied:
+            raise ConfigError("optimizer.step() inside ShardedAveragedModel.applied(): the pieces hold the average "
+                              "there, not the trained values; step after the block")
         self._noop = part.sharded_step.stepping()
         if self._quiet or self._noop:
             return None

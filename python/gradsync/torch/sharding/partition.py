@@ -77,6 +77,9 @@ class Partition(Layout, Packing, Clipping):
         #: first step boundary, where a member lost meanwhile is recovered
         #: from (a list until then); ``None``: made at once.
         self.start_checks = None
+        #: Whether the pieces hold an averaged model's values now (inside
+        #: ``ShardedAveragedModel.applied()``): an optimizer step is refused.
+        self.averaged_applied = False
         #: The gradients the last optimizer step applied, by parameter index
         #: (weak references: a gradient dropped since is gone from here too),
         #: so a second optimizer whose first step would apply them again is

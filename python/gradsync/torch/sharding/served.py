@@ -30,6 +30,7 @@ rank 0) finds the others' servers still there.
 """
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -158,7 +159,8 @@ class PieceService:
 
     def everyone_read(self, what):
         """Wait until every rank is here, at the version this rank read at,
-        before ``what`` (a load: every rank loads) writes the pieces: no
+        before ``what`` (a load: every rank loads; the end of an averaged
+        model's ``applied()``) writes the pieces: no
         rank's read at this version is left to find the pieces at the next
         one (a load needs no collective, so a rank would move on alone).
         A :class:`ConfigError` names the ranks that did not come within
@@ -171,8 +173,9 @@ class PieceService:
         except Exception as error:
             missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
             raise ConfigError(
-                f"{what} under shard_parameters: ranks {missing} did not load within {self._timeout_s:.0f} s. Each "
-                "rank loads its own pieces, so every rank loads, at the same point (as under DDP)"
+                f"{what} under shard_parameters: ranks {missing} did not come to it within {self._timeout_s:.0f} s. "
+                "Each rank writes its own pieces there, so every rank calls it, at the same point (as every rank "
+                "loads under DDP)"
             ) from error
 
     def wrote(self):
@@ -180,9 +183,21 @@ class PieceService:
         ``whole_parameters()`` block), at the same point of its program:
         the version moves on (a read at the new one waits for the ranks
         not through yet)."""
-        self._server.writing()
-        self._writes += 1
-        self._server.written(self.step)
+        with self.rewriting():
+            pass
+
+    @contextlib.contextmanager
+    def rewriting(self):
+        """Within the block every rank writes its pieces outside an
+        optimizer step, at the same point of its program (an averaged
+        model's values swapped in): no read copies them meanwhile, and
+        after it they are served at the next version (:meth:`wrote`)."""
+        self.writing()
+        try:
+            yield
+        finally:
+            self._writes += 1
+            self.written()
 
     def _readers(self):
         """The reader of every other rank's server (made at the first read)."""

@@ -1,0 +1,257 @@
+"""An averaged copy of a parameter-sharded model (EMA, SWA) that is never whole.
+
+``torch.optim.swa_utils.AveragedModel(model)`` deep-copies the model: every
+rank then holds the average whole, which a model sharded because it does
+not fit one rank cannot afford. :class:`ShardedAveragedModel` keeps, on each
+rank, the average of *its pieces* only (``1/world`` of the model, as its
+optimizer state is), updated where they lie, with no communication::
+
+    optimizer.step()           each rank steps its pieces
+    averaged.update_parameters(model)
+                               each rank: average ← fn(average, its pieces)   (no collective)
+    with averaged.applied():   every rank: its pieces hold the average, the
+                               model's buffers the averaged copy's; the
+                               parameters are released, so whatever reads the
+                               model reads the average: an evaluation (on every
+                               rank, or on one alone), ``model.state_dict()``
+                               saved by rank 0 alone, a sharded checkpoint
+                               (``gradsync.torch.checkpoint``), a load
+    (block ends)               every rank: the average takes what the pieces
+                               hold (what a load wrote), the trained values
+                               come back
+
+An average is elementwise (torch's SWA and EMA functions are, and
+``get_ema_multi_avg_fn`` works as given), so each rank's part of it is
+exactly the whole average's part: the values equal ``AveragedModel``'s of
+the same training, element for element.
+
+Buffers are not sharded (every rank holds them whole): as in
+``AveragedModel``, with ``use_buffers=False`` the copy keeps the model's
+buffers as they were at the last update, and with ``use_buffers=True``
+averages them too.
+"""
+
+import contextlib
+
+import torch
+from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _group_tensors_by_device_and_dtype
+
+from gradsync._errors import ConfigError
+from gradsync.torch.sharding.released import held
+
+
+class ShardedAveragedModel:
+    """The running average of a parameter-sharded wrapper's parameters, each
+    rank keeping its pieces' (see the module docs). ``model``: a gradsync
+    ``DistributedDataParallel`` built with ``shard_parameters=True``;
+    ``avg_fn`` / ``multi_avg_fn`` / ``use_buffers``: as
+    ``torch.optim.swa_utils.AveragedModel`` takes them (default: the equal
+    average, SWA's), each elementwise. Every rank builds it, at the same
+    point, between steps.
+
+    Not yet in elastic jobs, whose members re-shard the pieces when one is
+    lost (a :class:`gradsync.ConfigError` says so)."""
+
+    def __init__(self, model, avg_fn=None, multi_avg_fn=None, use_buffers=False):
+        part = getattr(model, "_partition", None)
+        if part is None or part.residence is None:
+            raise ConfigError(
+                "ShardedAveragedModel averages a model whose parameters are sharded: wrap it with gradsync's "
+                "DistributedDataParallel(model, shard_parameters=True). A model whose parameters are whole on every "
+                "rank (unsharded, or shard_gradients=True) averages with torch.optim.swa_utils.AveragedModel(model)"
+            )
+        if part.recover is not None:
+            raise ConfigError(
+                "ShardedAveragedModel is not built in elastic jobs yet (a lost member's pieces are re-sharded, and "
+                "their averages would be lost): average with torch.optim.swa_utils.AveragedModel(model.module), "
+                "whose copy is whole, or run the job without elastic"
+            )
+        self._model = model
+        self._partition = part
+        self._avg_fn = avg_fn
+        self._multi_avg_fn = multi_avg_fn
+        self._use_buffers = use_buffers
+        #: How many times the average was updated (``AveragedModel.n_averaged``).
+        self.n_averaged = torch.tensor(0, dtype=torch.long)
+        #: This rank's pieces of every sharded parameter, in the partition's
+        #: order, as ``(piece, average)``: the piece's tensor is the
+        #: trained values (stepped in place by the optimizer), ``average``
+        #: the running average of them (this rank's only copy).
+        self._pieces = [(piece, piece.tensor.detach().clone()) for piece in part.every_held_piece()]
+        sharded = {id(p) for p in part.params}
+        #: The module's parameters that are not sharded (whole on every
+        #: rank: not synchronized), averaged whole: ``(parameter, average)``.
+        self._whole = [(p, p.detach().clone()) for p in model.module.parameters() if id(p) not in sharded]
+        #: The module's buffers and the copy's (averaged under
+        #: ``use_buffers``, else as at the last update).
+        self._buffers = [(b, b.detach().clone()) for b in model.module.buffers()]
+        #: Inside :meth:`applied`: the trained values put aside, as
+        #: ``(pieces, whole parameters, buffers)``; ``None`` outside.
+        self._aside = None
+
+    def _pairs(self):
+        """``(averages, current values)``: what :meth:`update_parameters` averages."""
+        pairs = [(average, piece.tensor) for piece, average in self._pieces]
+        pairs += [(average, p.detach()) for p, average in self._whole]
+        if self._use_buffers:
+            pairs += [(average, b.detach()) for b, average in self._buffers]
+        return [a for a, _ in pairs], [t for _, t in pairs]
+
+    @torch.no_grad()
+    def update_parameters(self, model=None):
+        """Average the model's current values in (after ``optimizer.step()``):
+        each rank its pieces, with no collective. ``model``: the wrapper this
+        average was built over (or its module), or ``None``."""
+        if model is not None and model is not self._model and model is not self._model.module:
+            raise ConfigError("ShardedAveragedModel.update_parameters(model): the model must be the wrapper it was "
+                              "built over (or its module); build one ShardedAveragedModel per model")
+        self._refuse_inside("update_parameters()")
+        served = self._partition.served
+        if served is not None and served.mid_update:
+            raise ConfigError("ShardedAveragedModel.update_parameters() inside optimizer.step() (its closure): "
+                              "call it after optimizer.step() returns")
+        averages, values = self._pairs()
+        if self.n_averaged == 0:
+            for average, value in zip(averages, values):
+                average.copy_(value)
+        else:
+            self._average(averages, values)
+        if not self._use_buffers:
+            for b, copy in self._buffers:
+                copy.copy_(b.detach())
+        self.n_averaged += 1
+
+    def _average(self, averages, values):
+        """``averages`` ← the average function of them and ``values``, as
+        ``AveragedModel.update_parameters`` calls it (grouped by device and
+        dtype for the multi-tensor functions)."""
+        if self._multi_avg_fn is None and self._avg_fn is not None:
+            for average, value in zip(averages, values):
+                average.copy_(self._avg_fn(average, value, self.n_averaged.to(average.device)))
+            return
+        groups = _group_tensors_by_device_and_dtype([averages, values])
+        for (device, _), ([group_averages, group_values], _) in groups.items():
+            n = self.n_averaged.to(device)
+            if self._multi_avg_fn is not None:
+                self._multi_avg_fn(group_averages, group_values, n)
+            elif device is not None and device.type in _get_foreach_kernels_supported_devices():
+                get_swa_multi_avg_fn()(group_averages, group_values, n)
+            else:
+                for average, value in zip(group_averages, group_values):
+                    average.copy_(get_swa_avg_fn()(average, value, n))
+
+    @contextlib.contextmanager
+    def applied(self):
+        """Within the block the model holds the average (a collective: every
+        rank enters it at the same point, between steps, and leaves it
+        together). The parameters are released (those whole before the
+        first forward first): an evaluation on every
+        rank gathers the average, one rank alone reads it from the others'
+        pieces (``model.state_dict()`` saved by rank 0 only), a sharded
+        checkpoint saves or loads it. What is loaded inside becomes the
+        average. ``optimizer.step()`` inside is refused."""
+        self._refuse_inside("applied()")
+        part = self._partition
+        served = part.served
+        if served is not None and served.mid_update:
+            raise ConfigError("ShardedAveragedModel.applied() between this step's backward and the end of "
+                              "optimizer.step(): call it after optimizer.step()")
+        mid_step = self._model._sync.record.sync_pending  # (a forward of a step ran; its backward did not end)
+        if part.residence.whole and not mid_step:  # (before the first forward, or inside whole_parameters())
+            part.residence.release(step_ended=False)
+            if served is not None:
+                served.wrote()
+        elif mid_step or any(held(p).numel() for p in part.params):
+            raise ConfigError("ShardedAveragedModel.applied() between steps only (after optimizer.step()): some "
+                              "parameters are whole now, inside a forward or backward")
+        with torch.no_grad():
+            aside = ([piece.tensor.clone() for piece, _ in self._pieces],
+                     [p.detach().clone() for p, _ in self._whole],
+                     [b.detach().clone() for b, _ in self._buffers])
+            self._swap_in(lambda: self._copy_pairs(reverse=False))
+        self._aside = aside
+        part.averaged_applied = True
+        try:
+            yield self
+        finally:
+            part.averaged_applied = False
+            self._aside = None
+            # Every rank leaves together: a rank reading the average alone
+            # (rank 0's save) finds the others' pieces still holding it.
+            if served is not None:
+                served.everyone_read("ShardedAveragedModel.applied()")
+            with torch.no_grad():
+                self._swap_in(lambda: self._restore(aside))
+
+    def _copy_pairs(self, reverse):
+        """The averages into the model (``reverse``: the model's values into the averages)."""
+        pairs = [(piece.tensor, average) for piece, average in self._pieces]
+        pairs += [(p.detach(), average) for p, average in self._whole]
+        pairs += [(b.detach(), copy) for b, copy in self._buffers]
+        for model_side, average in pairs:
+            if reverse:
+                average.copy_(model_side)
+            else:
+                model_side.copy_(average)
+
+    def _restore(self, aside):
+        """The block ends: the averages take what the model holds (a load's
+        values), and the trained values come back."""
+        self._copy_pairs(reverse=True)
+        pieces, whole, buffers = aside
+        for (piece, _), values in zip(self._pieces, pieces):
+            piece.tensor.copy_(values)
+        for (p, _), values in zip(self._whole, whole):
+            p.detach().copy_(values)
+        for (b, _), values in zip(self._buffers, buffers):
+            b.detach().copy_(values)
+
+    def _swap_in(self, write):
+        """``write`` the pieces as every rank does at the same point: the
+        pieces' version moves on (a read alone at it waits for the ranks
+        not through yet)."""
+        served = self._partition.served
+        with served.rewriting() if served is not None else contextlib.nullcontext():
+            write()
+
+    def _refuse_inside(self, what):
+        if self._aside is not None:
+            raise ConfigError(f"ShardedAveragedModel.{what} inside its own applied() block: leave the block first")
+
+    def state_dict(self):
+        """This rank's part of the average, for a checkpoint saved by every
+        rank (each its own file), loadable at the same world and layout:
+        ``n_averaged`` and the averages of its pieces, the unsharded
+        parameters and the buffers. A checkpoint at another world: save
+        the model inside :meth:`applied` with ``gradsync.torch.checkpoint``."""
+        return {
+            "n_averaged": self.n_averaged.clone(),
+            "layout": self._layout(),
+            "pieces": [average.clone() for _, average in self._pieces],
+            "whole": [average.clone() for _, average in self._whole],
+            "buffers": [copy.clone() for _, copy in self._buffers],
+        }
+
+    def load_state_dict(self, state):
+        """What :meth:`state_dict` gave on this rank, at the same layout
+        (refused, naming both, at another)."""
+        if state.get("layout") != self._layout():
+            raise ConfigError(
+                f"ShardedAveragedModel.load_state_dict(): the state is of another layout ({state.get('layout')}) "
+                f"than this rank's ({self._layout()}): load it on the rank that saved it at the same world size, or "
+                "save and load the average as a model inside applied() with gradsync.torch.checkpoint"
+            )
+        with torch.no_grad():
+            for (_, average), values in zip(self._pieces, state["pieces"]):
+                average.copy_(values)
+            for (_, average), values in zip(self._whole, state["whole"]):
+                average.copy_(values)
+            for (_, copy), values in zip(self._buffers, state["buffers"]):
+                copy.copy_(values)
+        self.n_averaged = state["n_averaged"].clone()
+
+    def _layout(self):
+        """Where this rank's pieces lie: ``(rank, world, (parameter, offset, length) per piece)``."""
+        part = self._partition
+        return (part.rank, part.world, [(piece.param, piece.offset, piece.length) for piece, _ in self._pieces])
