@@ -51,6 +51,7 @@ SHARDED_ELASTIC = ROOT / "docs" / "data" / "sharded" / "elastic.json"
 SHARDED_META = ROOT / "docs" / "data" / "sharded" / "meta.json"
 SHARDED_CHECKPOINT = ROOT / "docs" / "data" / "sharded" / "checkpoint.json"
 SHARDED_READS = ROOT / "docs" / "data" / "sharded" / "reads.json"
+SHARDED_AVERAGED = ROOT / "docs" / "data" / "sharded" / "averaged.json"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
 MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
@@ -452,6 +453,25 @@ def sharded_reads() -> str:
     return "\n".join(out)
 
 
+def sharded_averaged() -> str:
+    """What an EMA of a parameter-sharded model costs each rank, kept as
+    its pieces against ``AveragedModel``'s whole copy
+    (``benches/torch/averaged.py --json``)."""
+    run = _bench_run(SHARDED_AVERAGED, "averaged.py")
+    mib = 1 << 20
+    what = {"sharded": "`ShardedAveragedModel(model, ...)`", "whole": "`AveragedModel(model.module, ...)`"}
+    out = _table(["ranks", "average", "held per rank, MiB", "peak resident memory its construction added, MiB",
+                  "an update, ms", "an evaluation forward of it, ms"],
+                 [(r["world"], what[r["kind"]], f"{r['bytes'] / mib:.1f}", f"{r['growth'] / mib:.0f}",
+                   f"{r['update_s'] * 1e3:.1f}", f"{r['evaluate_s'] * 1e3:.0f}") for r in run["rows"]])
+    meta, model = run["meta"], run["rows"][0]["model"]
+    out.append(f"\n{meta['machine']}, torch {meta['torch']}; a GPT-2-shaped model of {meta['layers']} blocks of "
+               f"width {meta['width']}, a tied {meta['vocab']}-word embedding ({model / mib:.0f} MiB), AdamW, an "
+               f"EMA (decay 0.999) updated after each of {meta['steps']} steps; the largest over the ranks (the "
+               f"evaluation: rank 0's); `{meta['command']}`.")
+    return "\n".join(out)
+
+
 #: The sharded benchmarks' configurations, as the tables name them.
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
@@ -622,6 +642,7 @@ GENERATORS = {
     "sharded-meta": sharded_meta,
     "sharded-checkpoint": sharded_checkpoint,
     "sharded-reads": sharded_reads,
+    "sharded-averaged": sharded_averaged,
 }
 
 

@@ -198,6 +198,15 @@ def test_read_alone_reads_on_rank_zero_and_inside_whole_parameters(tmp_path):
     assert all(r["seconds"] > 0 and r["whole"] > r["pieces"] > 0 for r in rows), rows
 
 
+def test_averaged_holds_each_ranks_pieces_beside_a_whole_copy(tmp_path):
+    bench("averaged.py", "--worlds", "2", "--layers", "2", "--width", "64", "--vocab", "256", "--steps", "2",
+          "--json", str(tmp_path / "averaged.json"))
+    rows = {r["kind"]: r for r in json.loads((tmp_path / "averaged.json").read_text())["rows"]}
+    assert rows["sharded"]["bytes"] < 0.6 * rows["whole"]["bytes"], rows
+    assert rows["whole"]["bytes"] == rows["whole"]["model"], rows
+    assert all(r["update_s"] > 0 and r["evaluate_s"] > 0 for r in rows.values()), rows
+
+
 def test_elastic_recovery_its_parts(tmp_path):
     # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
     parts = ["recovery", "torchrun", "liveness"]
