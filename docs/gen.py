@@ -52,6 +52,7 @@ SHARDED_META = ROOT / "docs" / "data" / "sharded" / "meta.json"
 SHARDED_CHECKPOINT = ROOT / "docs" / "data" / "sharded" / "checkpoint.json"
 SHARDED_READS = ROOT / "docs" / "data" / "sharded" / "reads.json"
 SHARDED_AVERAGED = ROOT / "docs" / "data" / "sharded" / "averaged.json"
+SHARDED_RESHARD = ROOT / "docs" / "data" / "sharded" / "reshard.json"
 README = ROOT / "README.md"
 COST_SVG = ROOT / "docs" / "img" / "cost.svg"
 MARKER = re.compile(r"<!-- gen: ([a-z0-9-]+) -->")
@@ -472,6 +473,26 @@ def sharded_averaged() -> str:
     return "\n".join(out)
 
 
+def sharded_reshard() -> str:
+    """What a change of members moves per member of a sharded elastic job,
+    point to point beside the broadcasts it replaced
+    (``benches/torch/reshard_scale.py --json``)."""
+    run = _bench_run(SHARDED_RESHARD, "reshard_scale.py")
+    mib = 1 << 20
+    out = _table(["members", "received per member, MiB", "peers per bucket", "broadcast to every member, MiB",
+                  "broadcasts per member", "a member's plan per bucket, ms", "the sources per bucket, ms"],
+                 [(f"{r['world']} → {r['world'] - 1}", f"{r['received'] / mib:.1f}", r["peers"],
+                   f"{r['broadcast_received'] / mib:.0f}", r["broadcasts"], f"{r['plan_s'] * 1e3:.2f}",
+                   f"{r['runs_s'] * 1e3:.2f}") for r in run["rows"]])
+    meta = run["meta"]
+    out.append(f"\nA {meta['model_mib']} MiB float32 model in {meta['bucket_mib']} MiB buckets, buddies "
+               f"{meta['stride']} ranks on, one rank lost; per value its parameter and "
+               f"{meta['rows_per_value'] - 1} optimizer states moved as float64; the largest over the members "
+               f"sampled (the lost rank's and its buddy's neighbours among them), each member's plan computed as it "
+               f"computes it (no processes), on {meta['machine'].split(', CPU')[0]}; `{meta['command']}`.")
+    return "\n".join(out)
+
+
 #: The sharded benchmarks' configurations, as the tables name them.
 SHARDED_NAMES = {
     "gradsync-sharded": "gradsync, `shard_gradients=True`",
@@ -643,6 +664,7 @@ GENERATORS = {
     "sharded-checkpoint": sharded_checkpoint,
     "sharded-reads": sharded_reads,
     "sharded-averaged": sharded_averaged,
+    "sharded-reshard": sharded_reshard,
 }
 
 

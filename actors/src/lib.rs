@@ -42,6 +42,7 @@ pub mod policy;
 pub mod report;
 pub mod residency;
 pub mod scheduler;
+pub mod sources;
 pub mod store;
 pub mod telemetry;
 pub mod timeline;

@@ -379,6 +379,13 @@ def held_ranges(numel: int, rank: int, world: int, buddy_stride: int) -> list[tu
     in the buffer a step lends; its own partition first, then its buddy's
     (with a ``buddy_stride`` above 0). The runtime's rule."""
 
+def sources(numel: int, places: list[Optional[tuple[int, int, int]]]) -> list[tuple[int, int, Optional[int]]]:
+    """Where each value of a bucket of ``numel`` values comes from after a
+    change of members, from every member's old place ``(rank, world,
+    buddy_stride)`` (``None``: it holds nothing): ``[(start, end,
+    source)]`` covering the bucket, each source a member's index (an owner
+    first, else a buddy), ``None`` where nobody holds it."""
+
 def partition(numel: int, rank: int, world: int) -> tuple[int, int]:
     """Rank ``rank``'s partition ``(start, end)`` of a bucket of ``numel``
     values reduce-scattered over ``world`` ranks."""

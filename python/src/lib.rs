@@ -100,6 +100,17 @@ fn held_ranges(numel: usize, rank: usize, world: usize, buddy_stride: usize) -> 
         .collect()
 }
 
+/// Where each value of a bucket of `numel` values comes from after a
+/// change of members, from every member's old `places` (`(rank, world,
+/// buddy_stride)`, or `None`: it holds nothing): `[(start, end, source)]`
+/// covering the bucket, each source a member's index (an owner first,
+/// else a buddy) or `None` where nobody holds it. The elastic re-shard's
+/// one rule (`gradsync_actors::sources`).
+#[pyfunction]
+fn sources(numel: usize, places: Vec<Option<(usize, usize, usize)>>) -> Vec<(usize, usize, Option<usize>)> {
+    gradsync_runtime::backend::sources(numel, &places).into_iter().map(|(r, s)| (r.start, r.end, s)).collect()
+}
+
 /// The runtime's version.
 #[pyfunction]
 fn version() -> &'static str {
@@ -123,6 +134,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(held_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(sources, m)?)?;
     m.add_function(wrap_pyfunction!(closing::wait_for_closing, m)?)?;
     Ok(())
 }

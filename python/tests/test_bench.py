@@ -207,6 +207,16 @@ def test_averaged_holds_each_ranks_pieces_beside_a_whole_copy(tmp_path):
     assert all(r["update_s"] > 0 and r["evaluate_s"] > 0 for r in rows.values()), rows
 
 
+def test_reshard_scale_moves_a_members_share_not_the_model(tmp_path):
+    bench("reshard_scale.py", "--worlds", "16", "64", "--model-mib", "64", "--bucket-mib", "8",
+          "--json", str(tmp_path / "reshard.json"))
+    rows = json.loads((tmp_path / "reshard.json").read_text())["rows"]
+    for r in rows:  # (a member's new partitions: 2 / (world - 1) of the model's values and states)
+        assert r["received"] <= 2 * r["model"] * 6 / (r["world"] - 1) < r["broadcast_received"], r
+        assert r["peers"] <= 8, r
+    assert rows[1]["received"] < rows[0]["received"], "a larger world moves less per member"
+
+
 def test_elastic_recovery_its_parts(tmp_path):
     # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
     parts = ["recovery", "torchrun", "liveness"]

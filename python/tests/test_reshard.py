@@ -14,7 +14,8 @@ import torch
 
 import gradsync
 from gradsync.torch.sharding.partition import Partition
-from gradsync.torch.sharding.reshard import _settle_step, runs, settle
+from gradsync.torch.sharding.reshard import _settle_step, runs, settle, transfers
+from gradsync._native import held_ranges
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
 
 
@@ -32,6 +33,12 @@ class OneRank:
 
     def broadcast(self, tensors, root=0):
         pass
+
+    def exchange(self, sends, receives, tag=0):
+        assert not sends and not receives, "one rank sends nothing"
+
+    def all_gather(self, mine):
+        return mine.clone()
 
 
 def member(rank, world, taken=3, ready=False, clipped=None, asked=None, holds=True, stride=1):
@@ -64,6 +71,43 @@ def test_buddies_two_ranks_on_survive_a_lost_node():
     assert runs(8, everyone) == [(0, 2, 0), (2, 4, 1), (4, 6, 0), (6, 8, 1)]
     # With the next rank as buddy (stride 1) the same loss takes partition 3 and its copy.
     assert (6, 8, None) in runs(8, [member(0, 4), member(1, 4)])
+
+
+@pytest.mark.parametrize("old_world,lost,joined,stride", [(4, [1], 0, 1), (8, [3], 0, 2), (16, [0, 9], 0, 4),
+                                                          (5, [], 1, 1), (64, [17], 0, 1), (7, [2], 2, 3)])
+@pytest.mark.parametrize("numel", [1, 10, 97, 1000])
+def test_each_member_moves_what_it_holds_point_to_point_not_the_model(old_world, lost, joined, stride, numel):
+    # The move broadcast every run of every bucket to every member: each member received the whole
+    # model's values and state, in a broadcast per run (O(world) collectives per bucket). Now each
+    # new holder receives its new partitions from their sources, and nothing else.
+    survivors = [member(r, old_world, stride=stride) for r in range(old_world) if r not in lost]
+    everyone = survivors + [member(0, 0, holds=False, stride=stride) for _ in range(joined)]
+    world = len(everyone)
+    new_stride = min(stride, world - 1)
+    bucket_runs = runs(numel, everyone)
+    plans = [transfers(numel, bucket_runs, r, world, new_stride) for r in range(world)]
+    for r, (sends, receives) in enumerate(plans):
+        wanted = sorted((lo, hi) for lo, hi, _ in held_ranges(numel, r, world, new_stride) if lo < hi)
+        got = sorted(span for spans in receives.values() for span in spans)
+        assert _merged(got) == _merged(wanted), f"member {r} receives {receives}, holds {wanted}"
+        for source, spans in receives.items():
+            assert plans[source][0].get(r) == spans, f"{source} -> {r}: sends {plans[source][0].get(r)}, {spans}"
+        assert all(plans[dst][1].get(r) == spans for dst, spans in sends.items()), f"member {r}: {sends}"
+        # What a member sends is what it held: its old partition and its buddy's, at most.
+        sent = sum(hi - lo for dst, spans in sends.items() for lo, hi in spans if dst != r)
+        assert sent <= 4 * (numel // old_world + 1), (r, sent, numel)
+        # A few peers whatever the world: each old partition overlaps at most three new ones, two holders each.
+        assert len(sends) <= 12 and len(receives) <= 6, f"member {r} exchanges with {sends} and {receives}"
+
+
+def _merged(spans):
+    out = []
+    for lo, hi in spans:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def test_a_replacement_sends_nothing_and_mixed_layouts_are_read_as_held():

@@ -66,5 +66,6 @@ pub mod backend {
     pub use gradsync_actors::error::{AllocError, CollectiveKind, CollectiveTag, CommError};
     pub use gradsync_actors::failure::Failure;
     pub use gradsync_actors::plan::{held, partition};
+    pub use gradsync_actors::sources::{sources, Place};
     pub use gradsync_actors::store::{GradStore, HostStore};
 }

@@ -108,6 +108,29 @@ class StateBroadcast:
                     f"one (DDP's buffer rule): {error}"
                 ) from error
 
+    def exchange(self, sends, receives, tag=0):
+        """Point to point: ``sends`` ``{rank: tensor}`` to each rank, and
+        ``receives`` ``{rank: tensor}`` filled from each (flat CPU
+        tensors of the sizes both sides agreed), every message posted
+        before any is waited for, so no order of the ranks' calls
+        deadlocks. ``tag`` tells apart exchanges between the same pair.
+
+        Gloo's point-to-point work reports completion only once waited
+        for, so these are waited for at once, not polled for an elastic
+        job's abandonment (looked at before they are posted): a peer that
+        dies meanwhile fails them when its connection closes, one that
+        goes silent at the collective timeout."""
+        if self._world == 1 or not (sends or receives):
+            return
+        self._reap()
+        why = self._abandon() if self._abandon is not None else None
+        if why:
+            raise Abandoned(why)
+        works = [self._group.send([t.contiguous()], dst, tag) for dst, t in sends.items()]
+        works += [self._group.recv([t], src, tag) for src, t in receives.items()]
+        for work in works:
+            work.wait()
+
     def sum_sparse(self, tensor):
         """The sum of every rank's sparse ``tensor`` (same shape and dtype on
         every rank), coalesced: gloo's sparse all-reduce gathers every rank's

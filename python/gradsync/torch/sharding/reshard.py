@@ -28,10 +28,14 @@ at), on the new group's state group:
 
 2. **The move**: every element of every bucket has a *source*, a member that
    holds it (its owner first, else the owner's buddy); each source sends
-   its runs of parameters and optimizer state (bit for bit, a broadcast per
-   run), every member writes the parameters (repairing an all-gather the
-   loss cut short) and keeps the state of its new partition and new buddy
-   partition. Under parameter sharding (``shard_parameters=True``) the
+   the parameters' values and optimizer state of its runs (bit for bit)
+   point to point to the members whose new partition or new buddy
+   partition they fall in (:func:`transfers`), so each member sends and
+   receives what it holds, about ``2/world`` of the model, not the model;
+   every member keeps the state of its new partition and new buddy
+   partition, and with unsharded parameters gathers each bucket's new
+   partitions into its parameters (repairing an all-gather the loss cut
+   short). Under parameter sharding (``shard_parameters=True``) the
    parameters are released and the pieces hold their values: each member
    writes its new pieces (its own and its buddy's) instead, and its next
    forward gathers. An element no member holds (a rank and its buddy lost
@@ -48,6 +52,7 @@ import torch
 from gradsync._errors import MembershipError
 from gradsync._native import held_ranges
 from gradsync._native import partition as partition_of
+from gradsync._native import sources
 from gradsync.torch.sharding.layout import write_values
 from gradsync.torch.sharding.norm import norm_of
 from gradsync.torch.sharding.optim_state import kind_of
@@ -56,25 +61,12 @@ from gradsync.torch.sharding.optim_state import kind_of
 def runs(numel, everyone):
     """Bucket of ``numel`` values: ``[(lo, hi, source)]`` covering it, each
     source a member (index into ``everyone``: its old place and buddy
-    stride) holding ``[lo, hi)``: an owner first, else a buddy; ``None``
-    where no member holds it."""
-    owns, buddies = [], []
-    for member, e in enumerate(everyone):
-        if e["holds"]:
-            (lo, hi, _), *buddy = held_ranges(numel, e["rank"], e["world"], e["stride"])
-            owns.append(((lo, hi), member))
-            buddies += [((lo, hi), member) for lo, hi, _ in buddy]
-    cuts = sorted({0, numel, *(x for (lo, hi), _ in owns + buddies for x in (lo, hi) if 0 <= x <= numel)})
-    out = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        if lo >= hi:
-            continue
-        source = next((m for (a, b), m in owns + buddies if a <= lo and hi <= b), None)
-        if out and out[-1][2] == source and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi, source)
-        else:
-            out.append((lo, hi, source))
-    return out
+    stride) holding ``[lo, hi)``: an owner first (the first member in
+    order), else a buddy; ``None`` where no member holds it. The runtime's
+    rule (``gradsync._native.sources``: one sweep, ``O(world log world)``
+    a bucket)."""
+    places = [(e["rank"], e["world"], e["stride"]) if e["holds"] else None for e in everyone]
+    return sources(numel, places)
 
 
 def _values(pieces, lo, hi, value_of):
@@ -88,6 +80,22 @@ def _values(pieces, lo, hi, value_of):
             if value is not None:
                 out[a - lo : b - lo].copy_(value.reshape(-1)[a - piece.start : b - piece.start])
     return out
+
+
+def _write_gathered(part, states, b, numel, members, held):
+    """Bucket ``b``'s parameters whole on every member (unsharded
+    parameters): each member's new partition of it (its own pieces'
+    values, ``held``: rows by piece) gathered from every member in rank
+    order, one all-gather per bucket."""
+    lo, hi = partition_of(numel, part.rank, part.world)
+    chunk = partition_of(numel, 0, part.world)[1]
+    mine = torch.zeros(chunk, dtype=torch.float64)
+    for piece in part.of_bucket.get(b, ()):
+        mine[piece.start - lo : piece.start - lo + piece.length] = held[id(piece)][0]
+    whole = states.all_gather(mine)[:numel]
+    sizes = [part.reals(part.params[i]) for i in members]
+    for i, values in zip(members, whole.split(sizes)):
+        write_values(part.params[i], values)
 
 
 def _entry_kinds(entry):
@@ -200,10 +208,55 @@ def _settle_step(part, optimizer, states, rank, everyone, layout):
     return False, top if behind else top + 1
 
 
+def transfers(numel, bucket_runs, rank, world, stride):
+    """What ``rank`` of the new ``world`` (buddies ``stride`` on) sends and
+    receives of a bucket of ``numel`` values whose old holders are
+    ``bucket_runs`` (:func:`runs`): ``(sends, receives)``, each
+    ``{member: [(lo, hi), ...]}`` by ``lo``, ``sends`` to the members whose
+    new partitions (their own or their buddy's) cover values this rank is
+    the source of, ``receives`` from the sources of this rank's new
+    partitions (itself included: what it keeps). Every member derives every
+    pair's list the same way, so a send and its receive agree without a
+    word; each member moves what it holds, not the model.
+
+    The members a run goes to are found by arithmetic on the partitions
+    (chunks in rank order; partition ``q``'s buddy holder is ``q - stride``),
+    not by a look at every member's layout: past the scan of the bucket's
+    runs, a member's work and messages are those of the values it holds,
+    whatever the world."""
+    chunk = partition_of(numel, 0, world)[1]
+    sends, receives = {}, {}
+    if chunk == 0:
+        return sends, receives
+    mine = [(lo, hi) for lo, hi, _ in held_ranges(numel, rank, world, stride)]
+    for lo, hi, source in bucket_runs:
+        for a, b in mine:
+            if max(lo, a) < min(hi, b):
+                receives.setdefault(source, []).append((max(lo, a), min(hi, b)))
+        if source != rank:
+            continue
+        for q in range(lo // chunk, min(world, (hi - 1) // chunk + 1)):
+            a, b = partition_of(numel, q, world)
+            if max(lo, a) >= min(hi, b):
+                continue
+            holders = {q} | ({(q - stride) % world} if stride > 0 else set())
+            for member in holders:
+                sends.setdefault(member, []).append((max(lo, a), min(hi, b)))
+    for lists in (sends, receives):
+        for member in lists:
+            lists[member].sort()
+    return sends, receives
+
+
 def _move(part, optimizer, states, rank, world, layout, buddy_stride):
-    """Step 2 of the module docs: parameters to every member, optimizer
-    state to its new holders (``part`` laid out for ``rank`` of ``world``,
-    buddies ``buddy_stride`` on)."""
+    """Step 2 of the module docs: the new holders of each partition get
+    its parameters' values and optimizer state, point to point from the
+    values' sources (:func:`transfers`: each member sends and receives what
+    it holds, O(model / world), in a few messages per bucket); with
+    unsharded parameters (``shard_gradients=True``) every member then
+    gathers each bucket's new partitions into its whole parameters
+    (repairing an all-gather the loss cut short). ``part`` is laid out for
+    ``rank`` of ``world``, buddies ``buddy_stride`` on."""
     old = part.held_of_bucket  # (the layout being left: lay_out below builds new dicts)
     state = optimizer.inner.state
     # Which parameters have optimizer state, of which kinds (the same on every holder after step 1).
@@ -221,35 +274,50 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
     # Sharded parameters are released: the new pieces are written from the sources' below.
     sharded_parameters = part.residence is not None
     part.lay_out(rank, world, buddy_stride, read=not sharded_parameters)
+    rows = 1 + len(keys)
     fresh = {}
     for b, (numel, members) in enumerate(part.plan):
-        rows = 1 + len(keys)
-        full = torch.zeros(rows, numel, dtype=torch.float64)
-        for lo, hi, source in layout[b]:
-            if source == rank:
-                data = torch.stack(
-                    [_values(old.get(b, ()), lo, hi, lambda p: p.tensor)]
-                    + [_values(old.get(b, ()), lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k)) for k in keys]
-                )
-            else:
-                data = torch.empty(rows, hi - lo, dtype=torch.float64)
-            if world > 1:
-                states.broadcast([data], source)
-            full[:, lo:hi] = data
+        sends, receives = transfers(numel, layout[b], rank, world, part.buddy_stride)
+
+        def rows_of(lo, hi, pieces=old.get(b, ())):
+            return torch.stack([_values(pieces, lo, hi, lambda p: p.tensor)]
+                               + [_values(pieces, lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k))
+                                  for k in keys])
+
+        outgoing = {m: torch.cat([rows_of(lo, hi) for lo, hi in spans], dim=1) for m, spans in sends.items()}
+        incoming = {m: torch.empty(rows, sum(hi - lo for lo, hi in spans), dtype=torch.float64)
+                    for m, spans in receives.items() if m != rank}
+        states.exchange({m: t for m, t in outgoing.items() if m != rank}, incoming, tag=b)
+        if rank in receives:
+            incoming[rank] = outgoing[rank]
+        got = {}  # (lo, hi) -> rows of the values there
+        for m, spans in receives.items():
+            at = 0
+            for lo, hi in spans:
+                got[(lo, hi)] = incoming[m][:, at : at + hi - lo]
+                at += hi - lo
+
+        def new_rows(piece):
+            out = torch.empty(rows, piece.length, dtype=torch.float64)
+            for (lo, hi), data in got.items():
+                a, z = max(lo, piece.start), min(hi, piece.start + piece.length)
+                if a < z:
+                    out[:, a - piece.start : z - piece.start] = data[:, a - lo : z - lo]
+            return out
+
+        held = {id(piece): new_rows(piece) for piece in part.held_of_bucket.get(b, ())}
         if sharded_parameters:
             for piece in part.held_of_bucket.get(b, ()):
-                piece.tensor.copy_(full[0, piece.start : piece.start + piece.length])
+                piece.tensor.copy_(held[id(piece)][0])
         else:
-            sizes = [part.reals(part.params[i]) for i in members]
-            for i, values in zip(members, full[0].split(sizes)):
-                write_values(part.params[i], values)
+            _write_gathered(part, states, b, numel, members, held)
         for piece in part.held_of_bucket.get(b, ()):
             if piece.param not in merged:
                 continue
             entry = {}
             for key, (kind, value) in merged[piece.param].items():
                 if kind == "tensor":
-                    row = full[1 + keys.index(key), piece.start : piece.start + piece.length]
+                    row = held[id(piece)][1 + keys.index(key)]
                     entry[key] = row.to(getattr(torch, dtypes[key])).to(piece.tensor.device).clone()
                 else:
                     entry[key] = value.clone() if torch.is_tensor(value) else value
