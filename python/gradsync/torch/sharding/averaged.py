@@ -101,16 +101,14 @@ class ShardedAveragedModel:
     @torch.no_grad()
     def update_parameters(self, model=None):
         """Average the model's current values in (after ``optimizer.step()``):
-        each rank its pieces, with no collective. ``model``: the wrapper this
-        average was built over (or its module), or ``None``."""
+        each rank its pieces, with no collective (so any rank may call it
+        at any point; every rank calls it after the same steps, as under
+        DDP, where each rank's copy is its own). ``model``: the wrapper
+        this average was built over (or its module), or ``None``."""
         if model is not None and model is not self._model and model is not self._model.module:
             raise ConfigError("ShardedAveragedModel.update_parameters(model): the model must be the wrapper it was "
                               "built over (or its module); build one ShardedAveragedModel per model")
         self._refuse_inside("update_parameters()")
-        served = self._partition.served
-        if served is not None and served.mid_update:
-            raise ConfigError("ShardedAveragedModel.update_parameters() inside optimizer.step() (its closure): "
-                              "call it after optimizer.step() returns")
         averages, values = self._pairs()
         if self.n_averaged == 0:
             for average, value in zip(averages, values):
@@ -177,6 +175,10 @@ class ShardedAveragedModel:
         finally:
             part.averaged_applied = False
             self._aside = None
+            # What a forward with gradients gathered inside is released
+            # (its pieces read it back: the average, as it was left).
+            if not self._model._sync.record.sync_pending and any(held(p).numel() for p in part.params):
+                part.residence.release(step_ended=False)
             # Every rank leaves together: a rank reading the average alone
             # (rank 0's save) finds the others' pieces still holding it.
             if served is not None:
