@@ -229,3 +229,4 @@ def refusals(rank, world):
         return seen
     finally:
         wrapped.close()
+

@@ -327,6 +327,27 @@ def saved_by_one_rank(rank, world, units=True, steps=3, saver=0):
         wrapped.close()
 
 
+def a_rank_never_loads(rank, world, timeout_s=3.0):
+    """Rank 0 loads a state dict between steps while rank 1 never does (it
+    serves, elsewhere): the error rank 0 gets and how long it waited."""
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001, timeout=timeout_s)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    try:
+        _backward_both(reference, ref_opt, wrapped, opt, 0, rank, world)
+        opt.step()
+        if rank != 0:
+            time.sleep(timeout_s + 3)
+            return None
+        state = wrapped.module.state_dict()  # (read alone)
+        began = time.monotonic()
+        error = _refused(lambda: wrapped.module.load_state_dict(state))
+        return {"error": error, "waited": time.monotonic() - began}
+    finally:
+        wrapped.close()
+
+
 def evaluated_by_one_rank(rank, world, units=True, steps=3, evaluator=0):
     """nanoGPT's ``estimate_loss()`` under ``shard_parameters``: after each
     step rank ``evaluator`` alone runs the model in eval mode without

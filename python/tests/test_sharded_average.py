@@ -42,3 +42,4 @@ def test_an_average_of_a_model_that_is_not_parameter_sharded_or_mid_step_is_refu
         assert "AveragedModel(model)" in seen["unsharded"] and "AveragedModel(model)" in seen["zero2"], seen
         assert "between steps only" in seen["mid_forward"], f"rank {rank}: {seen}"
         assert "after optimizer.step()" in seen["mid_step"], f"rank {rank}: {seen}"
+

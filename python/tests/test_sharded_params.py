@@ -40,6 +40,15 @@ def test_one_rank_alone_saves_the_whole_state_dict_while_the_others_train_on(wor
         assert s["final"] <= sharded.ATOL, f"rank {rank}: off by {s['final']}"
 
 
+def test_a_load_every_rank_must_make_names_the_rank_that_never_made_it(world2):
+    # Each rank loads its own pieces, so a load waits until every rank is through the reads of the
+    # version it replaces: now by a counter and one gate key (it waited on every rank's key, O(world)
+    # store operations for each rank); the rank that never comes is still named.
+    seen = world2.run(sharded_params.a_rank_never_loads)[0]
+    assert "ranks [1] did not come to it within 3 s" in seen["error"], seen
+    assert 2.5 < seen["waited"] < 30, seen
+
+
 @pytest.mark.parametrize("units", [True, []], ids=["units", "one-gather"])
 def test_one_rank_alone_evaluates_between_steps_while_the_others_train_on(world3, units):
     # nanoGPT's estimate_loss() on the master process only: its units are read from the

@@ -164,14 +164,21 @@ class PieceService:
         rank's read at this version is left to find the pieces at the next
         one (a load needs no collective, so a rank would move on alone).
         A :class:`ConfigError` names the ranks that did not come within
-        the collective timeout."""
+        the collective timeout.
+
+        Each rank counts itself in and the last opens a gate that the
+        others wait on: a few store operations per rank, whatever the
+        world (waiting on every rank's key cost each rank O(world) of
+        them); the ranks' own keys are read only to name the missing."""
         part = self._partition
-        keys = [f"{self._key}/read/{self.step}/{r}" for r in range(part.world)]
-        self._store.set(keys[part.rank], "1")
+        base = f"{self._key}/read/{self.step}"
+        self._store.set(f"{base}/{part.rank}", "1")
+        if self._store.add(f"{base}/count", 1) >= part.world:
+            self._store.set(f"{base}/all", "1")
         try:
-            self._store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
+            self._store.wait([f"{base}/all"], datetime.timedelta(seconds=self._timeout_s))
         except Exception as error:
-            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
+            missing = [r for r in range(part.world) if not self._store.check([f"{base}/{r}"])]
             raise ConfigError(
                 f"{what} under shard_parameters: ranks {missing} did not come to it within {self._timeout_s:.0f} s. "
                 "Each rank writes its own pieces there, so every rank calls it, at the same point (as every rank "
