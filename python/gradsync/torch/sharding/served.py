@@ -283,6 +283,7 @@ class PieceService:
         part = self._partition
         try:
             self._store.set(f"{self._key}/closed/{part.rank}", "1")
+            self._store.add(f"{self._key}/closed", 1)
             self._until_the_others_closed()
         except Exception as error:  # (the store gone with the rank that held it: nobody is left to read)
             log.debug("gradsync: piece server of rank %d closes before every rank closed its own: %s", part.rank, error)
@@ -291,19 +292,33 @@ class PieceService:
 
     def _until_the_others_closed(self):
         """Wait until every other rank closed its server or is gone, at most
-        the collective timeout (a shutdown's courtesy: looked at every 50 ms,
-        whether a rank's server still answers every second)."""
+        the collective timeout (a shutdown's courtesy). One counter is
+        looked at, backing off from 1 ms to a pause that grows with the
+        world (as ``_states.meet`` does); when it stalls for a second, the
+        ranks not closed yet are found by their keys once (then only among
+        those), and a rank whose server no longer answers a connection has
+        exited and is not waited for. So a rank makes a few store
+        operations a second whatever the world, and looks at each other
+        rank at most once (it looked at every rank's key every 50 ms)."""
         part = self._partition
-        waiting = [r for r in range(part.world) if r != part.rank]
         deadline = time.monotonic() + self._timeout_s
-        probed = time.monotonic()
-        while waiting and time.monotonic() < deadline:
-            waiting = [r for r in waiting if not self._store.check([f"{self._key}/closed/{r}"])]
-            if waiting and time.monotonic() - probed >= 1.0:
-                waiting = [r for r in waiting if _answers(self._store.get(f"{self._key}/{r}").decode())]
-                probed = time.monotonic()
-            if waiting:
-                time.sleep(0.05)
+        nap, longest = 0.001, min(0.5, max(0.005, part.world * 50e-6))
+        waiting, gone = None, set()
+        seen, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            closed = int(self._store.add(f"{self._key}/closed", 0))
+            if closed + len(gone) >= part.world:
+                return
+            if closed != seen:
+                seen, since = closed, time.monotonic()
+            elif time.monotonic() - since >= 1.0:
+                candidates = waiting if waiting is not None else [r for r in range(part.world) if r != part.rank]
+                waiting = [r for r in candidates if not self._store.check([f"{self._key}/closed/{r}"])]
+                gone |= {r for r in waiting
+                         if r not in gone and not _answers(self._store.get(f"{self._key}/{r}").decode())}
+                since = time.monotonic()
+            time.sleep(nap)
+            nap = min(2 * nap, longest)
 
 
 def _answers(address):
