@@ -305,8 +305,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             part.refresh()
         if part.sharded_step.settled or part.recover is None:
             return changed
-        try:
-            self._states.everyones([1])
+        try:  # (every member holds the averages: one word summed, O(1) bytes a member, not a word per member)
+            self._states.reduce(torch.ones(1, dtype=torch.int64), "sum")
         except LOST as error:
             part.recover(error)
         return changed
