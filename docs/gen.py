@@ -12,7 +12,8 @@ Sources, never edited by hand:
 * ``docs/data/membership/*.json``: ``gradsync-bench membership --json`` and
   ``benches/torch/membership_scale.py --json`` (see ``gen_membership.py``);
 * ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
-  ``sharded_side_by_side.py``, ``sharded_elastic.py``, ``meta_init.py``, ``sharded_checkpoint.py`` and ``read_alone.py --json``;
+  ``sharded_side_by_side.py``, ``sharded_elastic.py``, ``meta_init.py``, ``sharded_checkpoint.py``,
+  ``read_alone.py``, ``averaged.py`` and ``reshard_scale.py --json``;
 * ``docs/data/host/*.json``: ``benches/torch/host_profile.py --json`` runs
   (host time per step and per gradient, world 1);
 * ``docs/gpu/``: what ``scripts/gpu/run`` wrote on a lent GPU (the device,
