@@ -18,7 +18,6 @@ processes over gloo.
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -27,16 +26,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import model_shape_arguments, spawn_every, write_json  # noqa: E402
-from sharded_memory import Stack  # noqa: E402
+from cpu_world import model_shape_arguments, peak_resident, spawn_every, write_json  # noqa: E402
+from sharded_memory import sharded_stack  # noqa: E402
 
 MIB = 1 << 20
 TOKENS = 16
 KINDS = ("sharded", "whole")
-
-
-def _peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _rank(rank, world, port, args, results):
@@ -44,12 +39,7 @@ def _rank(rank, world, port, args, results):
 
     import gradsync.torch as gt
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    wrapped = gt.DistributedDataParallel(Stack(args.layers, args.width, vocab=args.vocab), shard_parameters=True)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
-    ids = torch.randint(0, args.vocab, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
+    wrapped, opt, ids = sharded_stack(rank, world, port, args, TOKENS)
 
     def step():
         opt.zero_grad()
@@ -60,12 +50,12 @@ def _rank(rank, world, port, args, results):
     step()  # (the parameters are released from the first step's end)
     fn = get_ema_multi_avg_fn(0.999)
     out = {}
-    before = _peak()
+    before = peak_resident()
     sharded = gt.ShardedAveragedModel(wrapped, multi_avg_fn=fn)
-    out["sharded"] = {"growth": _peak() - before, "bytes": sum(a.numel() * a.element_size() for _, a in sharded._pieces)}
-    before = _peak()
+    out["sharded"] = {"growth": peak_resident() - before, "bytes": sum(a.numel() * a.element_size() for _, a in sharded._pieces)}
+    before = peak_resident()
     whole = AveragedModel(wrapped.module, multi_avg_fn=fn)  # (reads every parameter alone: served)
-    out["whole"] = {"growth": _peak() - before, "bytes": sum(p.numel() * p.element_size() for p in whole.parameters())}
+    out["whole"] = {"growth": peak_resident() - before, "bytes": sum(p.numel() * p.element_size() for p in whole.parameters())}
     updates = {kind: [] for kind in KINDS}
     for _ in range(args.steps):
         step()

@@ -68,6 +68,13 @@ def model_shape_arguments(parser, layers, width, vocab):
     parser.add_argument("--vocab", type=int, default=vocab)
 
 
+def peak_resident():
+    """This process's peak resident memory so far (``ru_maxrss``), in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def write_json(path, rows, **meta):
     """The run's ``rows`` and what it ran on (the command, this machine,
     torch's version, and ``meta``) as JSON at ``path``, for docs/gen.py."""

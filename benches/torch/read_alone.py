@@ -23,7 +23,6 @@ Fresh CPU processes over gloo; the time is rank 0's.
 import argparse
 import copy
 import os
-import resource
 import sys
 import time
 
@@ -31,27 +30,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_world import model_shape_arguments, spawn_every, write_json  # noqa: E402
-from sharded_memory import Stack  # noqa: E402
+from cpu_world import model_shape_arguments, peak_resident, spawn_every, write_json  # noqa: E402
+from sharded_memory import sharded_stack  # noqa: E402
 
 MIB = 1 << 20
 TOKENS = 16
 WAYS = ("state_dict", "norms", "deepcopy", "whole")
 
 
-def _peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _rank(rank, world, port, args, results):
-    import gradsync.torch as gt
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    wrapped = gt.DistributedDataParallel(Stack(args.layers, args.width, vocab=args.vocab), shard_parameters=True)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
-    ids = torch.randint(0, args.vocab, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
+    wrapped, opt, ids = sharded_stack(rank, world, port, args, TOKENS)
     logits = wrapped(ids)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     opt.step()
@@ -70,7 +58,7 @@ def _rank(rank, world, port, args, results):
 
     out = {}
     for way in WAYS:
-        before, best = _peak(), float("inf")
+        before, best = peak_resident(), float("inf")
         for _ in range(args.repeat):
             dist.barrier()
             start = time.perf_counter()
@@ -79,7 +67,7 @@ def _rank(rank, world, port, args, results):
                 del got
             best = min(best, time.perf_counter() - start)
             dist.barrier()
-        out[way] = {"seconds": best, "growth": _peak() - before}
+        out[way] = {"seconds": best, "growth": peak_resident() - before}
     whole_bytes = sum(form.numel() * form.element_size() for form in wrapped.parameter_forms().values())
     results.put((rank, {"ways": out, "pieces": wrapped.parameter_bytes, "whole": whole_bytes}))
     wrapped.close()

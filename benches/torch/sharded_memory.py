@@ -97,6 +97,22 @@ class Stack(nn.Module):
         return self.ln(x) @ self.embed.weight.t()
 
 
+def sharded_stack(rank, world, port, args, tokens=16):
+    """This process as ``rank`` of ``world`` (gloo on ``port``, one thread)
+    holding the :class:`Stack` of ``args`` (``--layers``, ``--width``,
+    ``--vocab``) wrapped with ``shard_parameters=True``, its AdamW and this
+    rank's ``tokens`` token ids: ``(wrapper, optimizer, ids)``."""
+    import gradsync.torch as gt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    wrapped = gt.DistributedDataParallel(Stack(args.layers, args.width, vocab=args.vocab), shard_parameters=True)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    ids = torch.randint(0, args.vocab, (1, tokens), generator=torch.Generator().manual_seed(rank))
+    return wrapped, opt, ids
+
+
 def _bytes(tensors):
     """Bytes of the distinct storages behind ``tensors``."""
     seen, total = set(), 0
