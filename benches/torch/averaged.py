@@ -52,7 +52,7 @@ def _rank(rank, world, port, args, results):
     out = {}
     before = peak_resident()
     sharded = gt.ShardedAveragedModel(wrapped, multi_avg_fn=fn)
-    out["sharded"] = {"growth": peak_resident() - before, "bytes": sum(a.numel() * a.element_size() for _, a in sharded._pieces)}
+    out["sharded"] = {"growth": peak_resident() - before, "bytes": sharded.held_bytes}
     before = peak_resident()
     whole = AveragedModel(wrapped.module, multi_avg_fn=fn)  # (reads every parameter alone: served)
     out["whole"] = {"growth": peak_resident() - before, "bytes": sum(p.numel() * p.element_size() for p in whole.parameters())}

@@ -120,7 +120,7 @@ def averaged_training(rank, world, kind="ema", use_buffers=False, units=True, st
         probe = _batch(100, None, world)
         ref_average.eval()
         wrapped.eval()
-        seen = {"pieces_bytes": sum(a.numel() * a.element_size() for _, a in averaged._pieces)}
+        seen = {"pieces_bytes": averaged.held_bytes}
         with torch.no_grad():
             want = ref_average(probe)
             with averaged.applied():

@@ -110,7 +110,7 @@ class StateBroadcast:
 
     def exchange(self, sends, receives, tag=0):
         """Point to point: ``sends`` ``{rank: tensor}`` to each rank, and
-        ``receives`` ``{rank: tensor}`` filled from each (flat CPU
+        ``receives`` ``{rank: tensor}`` filled from each (contiguous CPU
         tensors of the sizes both sides agreed), every message posted
         before any is waited for, so no order of the ranks' calls
         deadlocks. ``tag`` tells apart exchanges between the same pair.

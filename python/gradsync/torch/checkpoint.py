@@ -67,8 +67,8 @@ _PROGRESS = "elastic_progress"
 def _sharded(model, optimizer):
     """``optimizer``'s ``ShardedOptimizer`` (converted now if it was not
     yet), or ``None`` without one (the model of a sharded wrapper only)."""
-    sharded = sharded_optimizer_of(optimizer, model) if optimizer is not None else None
-    if sharded is None and (optimizer is not None or getattr(model, "_partition", None) is None):
+    sharded = None if optimizer is None else sharded_optimizer_of(optimizer, model)
+    if getattr(model, "_partition", None) is None or (optimizer is not None and sharded is None):
         raise ConfigError("gradsync.torch.checkpoint saves and loads sharded models: build the wrapper with "
                           "shard_gradients=True (an unsharded optimizer saves with torch.save(optimizer.state_dict()))")
     return sharded

@@ -74,29 +74,31 @@ class ShardedAveragedModel:
         self._use_buffers = use_buffers
         #: How many times the average was updated (``AveragedModel.n_averaged``).
         self.n_averaged = torch.tensor(0, dtype=torch.long)
-        #: This rank's pieces of every sharded parameter, in the partition's
-        #: order, as ``(piece, average)``: the piece's tensor is the
-        #: trained values (stepped in place by the optimizer), ``average``
-        #: the running average of them (this rank's only copy).
-        self._pieces = [(piece, piece.tensor.detach().clone()) for piece in part.every_held_piece()]
         sharded = {id(p) for p in part.params}
-        #: The module's parameters that are not sharded (whole on every
-        #: rank: not synchronized), averaged whole: ``(parameter, average)``.
-        self._whole = [(p, p.detach().clone()) for p in model.module.parameters() if id(p) not in sharded]
-        #: The module's buffers and the copy's (averaged under
-        #: ``use_buffers``, else as at the last update).
-        self._buffers = [(b, b.detach().clone()) for b in model.module.buffers()]
-        #: Inside :meth:`applied`: the trained values put aside, as
-        #: ``(pieces, whole parameters, buffers)``; ``None`` outside.
+        #: What is averaged, as ``(owner, average, kind)``: this rank's
+        #: pieces of every sharded parameter (``"piece"``: the owner a
+        #: ``Piece``, whose tensor the optimizer steps in place), the
+        #: module's parameters that are not sharded (``"whole"``: not
+        #: synchronized, whole on every rank) and its buffers (``"buffer"``:
+        #: averaged under ``use_buffers``, else copied at each update).
+        self._averages = [(piece, piece.tensor.detach().clone(), "piece") for piece in part.every_held_piece()]
+        self._averages += [(p, p.detach().clone(), "whole") for p in model.module.parameters() if id(p) not in sharded]
+        self._averages += [(b, b.detach().clone(), "buffer") for b in model.module.buffers()]
+        #: Inside :meth:`applied`: the trained values put aside (in the
+        #: order of ``_averages``); ``None`` outside.
         self._aside = None
 
-    def _pairs(self):
-        """``(averages, current values)``: what :meth:`update_parameters` averages."""
-        pairs = [(average, piece.tensor) for piece, average in self._pieces]
-        pairs += [(average, p.detach()) for p, average in self._whole]
-        if self._use_buffers:
-            pairs += [(average, b.detach()) for b, average in self._buffers]
-        return [a for a, _ in pairs], [t for _, t in pairs]
+    @property
+    def held_bytes(self):
+        """Bytes this rank holds of the sharded parameters' average: its pieces'."""
+        return sum(a.numel() * a.element_size() for _, a, kind in self._averages if kind == "piece")
+
+    def _sides(self, buffers=True):
+        """``(current values, averages)``, each in the order of
+        ``_averages`` (without the buffers unless ``buffers``)."""
+        chosen = [(owner, a, kind) for owner, a, kind in self._averages if buffers or kind != "buffer"]
+        return [owner.tensor if kind == "piece" else owner.detach() for owner, _, kind in chosen], [
+            a for _, a, _ in chosen]
 
     @torch.no_grad()
     def update_parameters(self, model=None):
@@ -109,15 +111,15 @@ class ShardedAveragedModel:
             raise ConfigError("ShardedAveragedModel.update_parameters(model): the model must be the wrapper it was "
                               "built over (or its module); build one ShardedAveragedModel per model")
         self._refuse_inside("update_parameters()")
-        averages, values = self._pairs()
+        values, averages = self._sides(buffers=self._use_buffers)
         if self.n_averaged == 0:
-            for average, value in zip(averages, values):
-                average.copy_(value)
+            _copy(averages, values)
         else:
             self._average(averages, values)
         if not self._use_buffers:
-            for b, copy in self._buffers:
-                copy.copy_(b.detach())
+            for b, copy, kind in self._averages:
+                if kind == "buffer":
+                    copy.copy_(b.detach())
         self.n_averaged += 1
 
     def _average(self, averages, values):
@@ -163,11 +165,10 @@ class ShardedAveragedModel:
         elif mid_step or any(held(p).numel() for p in part.params):
             raise ConfigError("ShardedAveragedModel.applied() between steps only (after optimizer.step()): some "
                               "parameters are whole now, inside a forward or backward")
+        current, averages = self._sides()
         with torch.no_grad():
-            aside = ([piece.tensor.clone() for piece, _ in self._pieces],
-                     [p.detach().clone() for p, _ in self._whole],
-                     [b.detach().clone() for b, _ in self._buffers])
-            self._swap_in(lambda: self._copy_pairs(reverse=False))
+            aside = [t.clone() for t in current]
+            self._swap_in(lambda: _copy(current, averages))
         self._aside = aside
         part.averaged_applied = True
         try:
@@ -186,28 +187,12 @@ class ShardedAveragedModel:
             with torch.no_grad():
                 self._swap_in(lambda: self._restore(aside))
 
-    def _copy_pairs(self, reverse):
-        """The averages into the model (``reverse``: the model's values into the averages)."""
-        pairs = [(piece.tensor, average) for piece, average in self._pieces]
-        pairs += [(p.detach(), average) for p, average in self._whole]
-        pairs += [(b.detach(), copy) for b, copy in self._buffers]
-        for model_side, average in pairs:
-            if reverse:
-                average.copy_(model_side)
-            else:
-                model_side.copy_(average)
-
     def _restore(self, aside):
         """The block ends: the averages take what the model holds (a load's
-        values), and the trained values come back."""
-        self._copy_pairs(reverse=True)
-        pieces, whole, buffers = aside
-        for (piece, _), values in zip(self._pieces, pieces):
-            piece.tensor.copy_(values)
-        for (p, _), values in zip(self._whole, whole):
-            p.detach().copy_(values)
-        for (b, _), values in zip(self._buffers, buffers):
-            b.detach().copy_(values)
+        values), and the trained values (``aside``) come back."""
+        current, averages = self._sides()
+        _copy(averages, current)
+        _copy(current, aside)
 
     def _swap_in(self, write):
         """``write`` the pieces as every rank does at the same point: the
@@ -227,13 +212,8 @@ class ShardedAveragedModel:
         ``n_averaged`` and the averages of its pieces, the unsharded
         parameters and the buffers. A checkpoint at another world: save
         the model inside :meth:`applied` with ``gradsync.torch.checkpoint``."""
-        return {
-            "n_averaged": self.n_averaged.clone(),
-            "layout": self._layout(),
-            "pieces": [average.clone() for _, average in self._pieces],
-            "whole": [average.clone() for _, average in self._whole],
-            "buffers": [copy.clone() for _, copy in self._buffers],
-        }
+        return {"n_averaged": self.n_averaged.clone(), "layout": self._layout(),
+                "averages": [a.clone() for _, a, _ in self._averages]}
 
     def load_state_dict(self, state):
         """What :meth:`state_dict` gave on this rank, at the same layout
@@ -245,15 +225,17 @@ class ShardedAveragedModel:
                 "save and load the average as a model inside applied() with gradsync.torch.checkpoint"
             )
         with torch.no_grad():
-            for (_, average), values in zip(self._pieces, state["pieces"]):
-                average.copy_(values)
-            for (_, average), values in zip(self._whole, state["whole"]):
-                average.copy_(values)
-            for (_, copy), values in zip(self._buffers, state["buffers"]):
-                copy.copy_(values)
+            _copy([a for _, a, _ in self._averages], state["averages"])
         self.n_averaged = state["n_averaged"].clone()
 
     def _layout(self):
         """Where this rank's pieces lie: ``(rank, world, (parameter, offset, length) per piece)``."""
         part = self._partition
-        return (part.rank, part.world, [(piece.param, piece.offset, piece.length) for piece, _ in self._pieces])
+        return (part.rank, part.world,
+                [(piece.param, piece.offset, piece.length) for piece, _, kind in self._averages if kind == "piece"])
+
+
+def _copy(targets, sources):
+    """Each of ``targets`` takes the values of its ``sources`` (in place)."""
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
