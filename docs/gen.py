@@ -10,7 +10,8 @@ Sources, never edited by hand:
 * ``docs/data/sim.json``: ``gradsync-bench sim --json``;
 * ``docs/data/elastic.json``: ``benches/torch/elastic_recovery.py --json``;
 * ``docs/data/membership/*.json``: ``gradsync-bench membership --json`` and
-  ``benches/torch/membership_scale.py --json`` (see ``gen_membership.py``);
+  ``benches/torch/membership_scale.py --json``, and ``docs/data/groups.json``:
+  ``benches/torch/gloo_groups.py --json`` (see ``gen_membership.py``);
 * ``docs/data/sharded/*.json``: ``benches/torch/sharded_memory.py``,
   ``sharded_side_by_side.py``, ``sharded_elastic.py``, ``meta_init.py``, ``sharded_checkpoint.py``,
   ``read_alone.py``, ``averaged.py`` and ``reshard_scale.py --json``;
@@ -38,7 +39,7 @@ import re
 import sys
 from pathlib import Path
 
-from gen_membership import membership_bench, membership_extrapolation, membership_stores
+from gen_membership import gloo_groups, membership_bench, membership_extrapolation, membership_stores
 from gen_sources import PYTEST, ROOT, Missing
 
 BENCH = ROOT / "docs" / "data" / "bench"
@@ -666,6 +667,7 @@ GENERATORS = {
     "sharded-reads": sharded_reads,
     "sharded-averaged": sharded_averaged,
     "sharded-reshard": sharded_reshard,
+    "gloo-groups": gloo_groups,
 }
 
 

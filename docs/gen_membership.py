@@ -7,7 +7,9 @@
   members in processes against a real TCPStore and a real etcd, and how many
   beats a second each store answers at most);
 * ``membership-extrapolation``: what those measurements say of 16k and 100k
-  members, with the assumptions printed beside it.
+  members, with the assumptions printed beside it;
+* ``gloo-groups``: ``benches/torch/gloo_groups.py --json`` (the connections
+  one of gradsync's gloo groups holds per member, beside torch's way).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ BENCH_COMMAND = ("cargo run --release --features sim --bin gradsync-bench -- mem
                  "> docs/data/membership/bench.json")
 STORES_COMMAND = ("benches/torch/membership_scale.py --capacity --isolate "
                   "--json docs/data/membership/stores.json")
+GROUPS = ROOT / "docs" / "data" / "groups.json"
+GROUPS_COMMAND = "benches/torch/gloo_groups.py --json docs/data/groups.json"
 #: Members per node in the extrapolation's node-voice column (eight GPUs a machine).
 PER_NODE = 8
 
@@ -117,4 +121,21 @@ def membership_extrapolation() -> str:
         "so more cores do not raise its ceiling); the liveness window should stay at about ten beats. The "
         "node-voice column assumes a node beats once for its processes, which gradsync does not do yet."),
     ]
+    return "\n".join(lines)
+
+
+def gloo_groups() -> str:
+    """Sockets a member holds in one gloo group, and the time to make it:
+    torch's group beside gradsync's (pairs connected on first use)."""
+    run = load(GROUPS, GROUPS_COMMAND)
+    names = {"torch": "torch's `ProcessGroupGloo`", "gradsync": "gradsync's (`_comm.gloo_group`)"}
+    lines = ["| members | group | made in | sockets held: made | after an all-reduce | a broadcast | an all-gather |",
+             "|---|---|---|---|---|---|---|"]
+    for r in run["rows"]:
+        lines.append(f"| {r['world']} | {names[r['way']]} | {r['made_s'] * 1e3:.1f} ms | {r['made']} "
+                     f"| {r['all_reduce']} | {r['broadcast']} | {r['all_gather']} |")
+    meta = run["meta"]
+    lines.append(f"\nThe most over the members (processes forked from one, on one TCPStore), sockets counted from "
+                 f"`/proc/self/fd`, the store's own connection aside; on {meta['machine'].split(', CPU')[0]}, torch "
+                 f"{meta['torch']}; `{meta['command']}`.")
     return "\n".join(lines)

@@ -217,6 +217,16 @@ def test_reshard_scale_moves_a_members_share_not_the_model(tmp_path):
     assert rows[1]["received"] < rows[0]["received"], "a larger world moves less per member"
 
 
+def test_gloo_groups_connect_a_member_to_a_few_peers_not_to_every_member(tmp_path):
+    bench("gloo_groups.py", "--worlds", "16", "--json", str(tmp_path / "groups.json"))
+    rows = {r["way"]: r for r in json.loads((tmp_path / "groups.json").read_text())["rows"]}
+    counts = ("made", "all_reduce", "broadcast", "all_gather")
+    assert all(rows["torch"][k] >= 16 for k in counts), rows  # (every pair, when the group is made)
+    # gradsync's: a handful when made, then O(log world) peers (ring neighbours, a broadcast's tree).
+    assert rows["gradsync"]["made"] <= 3, rows
+    assert all(rows["gradsync"][k] <= 2 + 2 * 4 for k in counts), rows
+
+
 def test_elastic_recovery_its_parts(tmp_path):
     # ("partial" and "loaded" are "recovery" with another policy and with busy loops: the same code.)
     parts = ["recovery", "torchrun", "liveness"]

@@ -29,10 +29,31 @@ host reads them at once.
 """
 
 import datetime
+import os
 
 import torch.distributed as dist
 
 from gradsync._gloo import GlooCommunicator, never_free
+
+
+def gloo_group(store, rank, world, timeout):
+    """A ``ProcessGroupGloo`` of ``world`` ranks over ``store`` whose pairs
+    connect on first use: a ring all-reduce connects a rank to its two
+    neighbours, a broadcast or an all-gather to a few more, so a member
+    holds O(1) connections of the group, not one per member. torch's
+    default connects every pair when the group is made: O(world) sockets
+    and handshakes per member, 10,000 at 10,000 members (past the usual
+    limit of 1,024 open files), for each of a wrapper's groups.
+    ``GLOO_SOCKET_IFNAME`` names the interfaces as it does for torch's
+    groups; ``timeout``: each operation's, and a first connection's."""
+    gloo = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._timeout = timeout
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    options._devices = ([gloo.create_device(interface=n, lazy_init=True) for n in names]
+                        or [gloo.create_default_device(lazy_init=True)])
+    options._threads = 2 * len(options._devices)
+    return gloo(store, rank, world, options)
 
 
 class TorchCommunicator(GlooCommunicator):
@@ -111,7 +132,7 @@ class TorchCommunicator(GlooCommunicator):
 
     def _new_group(self):
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
-        self._group = dist.ProcessGroupGloo(store, self.rank, self.world, self._timeout)
+        self._group = gloo_group(store, self.rank, self.world, self._timeout)
         self._abort_data()
         if self.plane_device is not None and self.plane_device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync._errors import MembershipError
+from gradsync.torch._comm import gloo_group
 
 # How long a wait spins on a collective before it sleeps between looks.
 _SPIN_S = 0.0002
@@ -42,7 +43,7 @@ class StateBroadcast:
         states = dist.PrefixStore(f"{prefix}/states", store)
         if abandon is not None and world > 1:
             meet(states, rank, world, timeout_s, abandon)
-        self._group = dist.ProcessGroupGloo(states, rank, world, datetime.timedelta(seconds=timeout_s))
+        self._group = gloo_group(states, rank, world, datetime.timedelta(seconds=timeout_s))
         # Broadcasts this rank sent as root and did not wait for: (work, message),
         # oldest first; the message must live until the receivers took it.
         self._sent = []
