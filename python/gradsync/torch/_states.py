@@ -185,6 +185,16 @@ class StateBroadcast:
         self._wait(self._group.allreduce([tensor], opts))
         return tensor
 
+    def extremes(self, values):
+        """The largest and the smallest over every rank of each of the
+        integers ``values`` (a sequence, the same length on every rank):
+        ``(highest, lowest)``, two lists, in one reduction of twice their
+        length (``everyones`` sends a word per rank: O(world) a member)."""
+        both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
+        self.reduce(both, "max")
+        n = len(values)
+        return both[:n].tolist(), [-v for v in both[n:].tolist()]
+
     def highest(self, mine):
         """The highest rank for which ``mine`` is true on its side, or -1."""
         if self._world == 1:

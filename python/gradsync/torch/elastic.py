@@ -542,24 +542,30 @@ class Elastic:
         training thread's, never the communicator's)."""
         states = self._ddp.state_group
         mine = (0, 0) if self._fresh else (self.applied + 1, self.step + 1)
-        places = [tuple(row) for row in states.everyones(mine).tolist()]
-        best = max(places)
-        if self._ddp._sync.abort_policy == "partial":
-            # Among the members furthest on, the earliest step: a member
-            # that failed at the boundary (a buffer broadcast) had not begun
-            # the step the others then failed and skipped, and under this
-            # policy no step the survivors can finish is skipped: they all
-            # run it (at the new world) instead.
-            best = (best[0], min(step for applied, step in places if applied == best[0]))
-        if all(place == best for place in places):
+        # Reductions of a few words, not a word per member: O(1) bytes a member at any world.
+        highest, lowest = states.extremes(mine)
+        if highest == lowest:
             return
-        source = places.index(best)
+        applied = highest[0]
+        # Among the members furthest on, the furthest step; under the
+        # partial policy the earliest: a member that failed at the boundary
+        # (a buffer broadcast) had not begun the step the others then failed
+        # and skipped, and under this policy no step the survivors can
+        # finish is skipped: they all run it (at the new world) instead.
+        ahead = mine[0] == applied
+        if self._ddp._sync.abort_policy == "partial":
+            step = states.extremes([mine[1] if ahead else 2**62])[1][0]
+        else:
+            step = states.extremes([mine[1] if ahead else -1])[0][0]
+        best = (applied, step)
+        # The lowest rank standing there gives its state.
+        source = -states.extremes([-self.rank if mine == best else -self.world])[0][0]
         payload = pack(self._tracked, self.step, self.applied, self.history) if self.rank == source else None
         size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
         states.broadcast([size], source)
         data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
         states.broadcast([data], source)
-        if places[self.rank] != best:
+        if mine != best:
             self.step, self.applied, self.history = unpack(self._tracked, data)
             self._fresh = False
             log.warning("gradsync elastic: took rank %d's state (%d bytes): step %d, %d steps applied",

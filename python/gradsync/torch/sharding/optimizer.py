@@ -237,9 +237,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (each rank steps its part of one whole); else :class:`ConfigError`
         naming the ranks that differ from rank 0."""
         digest = _digest(optimizer_class, groups, defaults)
-        every = self._states.everyones([digest])[:, 0].tolist()
-        odd = [r for r, d in enumerate(every) if d != every[0]]
-        if odd:
+        highest, lowest = self._states.extremes([digest])
+        if highest != lowest:  # (then, and only then, a word per rank: to name the ones that differ)
+            every = self._states.everyones([digest])[:, 0].tolist()
+            odd = [r for r, d in enumerate(every) if d != every[0]]
             raise ConfigError(
                 f"ranks {odd} built a sharded optimizer that differs from rank 0's (its class, parameter groups or "
                 "options): every rank steps its part of one optimizer, so every rank must build the same one"
