@@ -9,12 +9,19 @@ observed on real tensors. The end-to-end runs are in
 ``test_elastic_sharded.py``.
 """
 
+import random
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import gradsync
+from gradsync.torch._states import StateBroadcast
+from gradsync.torch.sharding import reshard
 from gradsync.torch.sharding.partition import Partition
 from gradsync.torch.sharding.reshard import _settle_step, runs, settle, transfers
+from gradsync.torch.sharding.standing import Standing, record, survey
 from gradsync._native import held_ranges
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
 
@@ -30,6 +37,11 @@ class OneRank:
 
     def reduce(self, tensor, op):
         return tensor
+
+    extremes = StateBroadcast.extremes
+
+    def broadcast_object(self, value, root):
+        return value
 
     def broadcast(self, tensors, root=0):
         pass
@@ -138,7 +150,7 @@ def _settle(part, optimizer, others):
     step = part.sharded_step
     me = member(0, 1, taken=step.taken, ready=step.pending, clipped=step.clipped, asked=step.clip_asked)
     everyone = [me, *others]
-    dropped, taken = _settle_step(part, optimizer, OneRank(), 0, everyone, [runs(5, [me])])
+    dropped, taken = _settle_step(part, optimizer, OneRank(), 0, Standing.of(everyone), [runs(5, [me])])
     assert taken == step.taken, "every holder ends on the steps this one took"
     return dropped
 
@@ -185,8 +197,98 @@ def test_survivors_that_cannot_meet_on_one_step_are_an_error_not_a_guess(sharded
 def test_a_lost_shard_names_the_two_ranks_and_says_what_to_do(sharded, monkeypatch):
     part, optimizer, _ = sharded
     part.rank, part.world = 0, 4  # as if this process were rank 0 of 4, rank 3 the other survivor
-    monkeypatch.setattr(OneRank, "all_gather_objects", lambda self, v: [v, member(3, 4)])
+    monkeypatch.setattr(reshard, "survey", lambda part, *_: Standing.of([record(part), member(3, 4)]))
     with pytest.raises(gradsync.MembershipError) as caught:
         settle(part, OneRank(), 0, 2)
     assert caught.value.kind == "shard_lost"
     assert "ranks [1, 2]" in str(caught.value) and "checkpoint" in str(caught.value)
+
+
+class ThreadStates:
+    """One member's state group in a world of threads: each collective
+    meets every member's call (``reduce``, ``all_gather_objects``,
+    ``broadcast_object``; ``extremes`` is the real one, over ``reduce``),
+    counting the gathers of every member's record."""
+
+    extremes = StateBroadcast.extremes
+
+    def __init__(self, world, rank):
+        self._world, self._rank = world, rank
+
+    def _meet(self, value):
+        world = self._world
+        world.slots[self._rank] = value
+        world.barrier.wait()
+        everyone = list(world.slots)
+        world.barrier.wait()
+        return everyone
+
+    def reduce(self, tensor, op):
+        everyone = torch.stack(self._meet(tensor.clone()))
+        tensor.copy_(everyone.sum(0) if op == "sum" else everyone.max(0).values)
+        return tensor
+
+    def all_gather_objects(self, value):
+        self._world.gathers += 1
+        return self._meet(value)
+
+    def broadcast_object(self, value, root):
+        return self._meet(value)[root]
+
+
+def _surveyed(members):
+    """Every member's :func:`survey` of ``members`` (its ``(old rank, old
+    world, stride)`` or ``None``, and its step), run on threads in new rank
+    order; returns them and how many record gathers were made."""
+    world = SimpleNamespace(slots=[None] * len(members), barrier=threading.Barrier(len(members)), gathers=0)
+    parts = [SimpleNamespace(rank=(place or (0, 1, 1))[0], world=(place or (0, 1, 1))[1],
+                             buddy_stride=(place or (0, 1, 1))[2],
+                             sharded_step=SimpleNamespace(holds=place is not None, **step))
+             for place, step in members]
+    got = [None] * len(members)
+
+    def run(r):
+        got[r] = survey(parts[r], ThreadStates(world, r), r, len(members))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return got, Standing.of([record(p) for p in parts]), world.gathers // len(members)
+
+
+def _steps(rng, n):
+    top = rng.randint(3, 5)
+    out = []
+    for _ in range(n):
+        taken = rng.choice([top, top, top - 1, top - 2])
+        clipped = rng.choice([None, None, (rng.random(), rng.random())])
+        asked = clipped and (1.0, 2.0, tuple(rng.sample(range(9), 3))) or rng.choice([None, (1.0, 2.0, (0, 4))])
+        out.append({"taken": taken, "pending": rng.random() < 0.7, "clipped": clipped, "clip_asked": asked})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_standing_reduced_in_a_few_words_is_what_every_record_gathered_says(seed):
+    rng = random.Random(seed)
+    old_world = rng.randint(3, 70)  # (past one word of the bitmap)
+    stride = rng.randint(1, old_world - 1)
+    lost = set(rng.sample(range(old_world), rng.randint(1, 2)))
+    places = [(r, old_world, stride) for r in range(old_world) if r not in lost] + [None] * rng.randint(0, 2)
+    got, expected, gathers = _surveyed(list(zip(places, _steps(rng, len(places)))))
+    assert all(g == expected for g in got), "every member reads the same standing, the gathered one"
+    assert gathers == 0, "survivors in order, one layout: no member's record is gathered"
+
+
+@pytest.mark.parametrize("how", ["a survivor laid out anew", "ranks out of the old order"])
+def test_a_standing_the_reductions_cannot_tell_is_gathered_record_by_record(how):
+    rng = random.Random(how)
+    places = [(r, 6, 1) for r in (0, 1, 3, 4, 5)] + [None]
+    if how == "a survivor laid out anew":
+        places[2] = (2, 5, 1)  # (a change during a change: it had moved to the layout of 5)
+    else:
+        places[1], places[2] = places[2], places[1]
+    got, expected, gathers = _surveyed(list(zip(places, _steps(rng, len(places)))))
+    assert all(g == expected for g in got)
+    assert gathers == 1, how

@@ -174,6 +174,19 @@ class StateBroadcast:
         everyone = self.all_gather(mine).view(self._world, -1)
         return [pickle.loads(everyone[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
+    def broadcast_object(self, value, root):
+        """Rank ``root``'s picklable ``value`` on every rank (the others
+        pass anything): its length, then its bytes."""
+        if self._world == 1:
+            return value
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8) if self._rank == root else None
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        self.broadcast([size], root)
+        if data is None:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast([data], root)
+        return pickle.loads(data.numpy().tobytes()) if self._rank != root else value
+
     def reduce(self, tensor, op):
         """``tensor`` (a CPU tensor) combined over every rank in place,
         ``op`` ``"sum"`` or ``"max"``; returns it."""

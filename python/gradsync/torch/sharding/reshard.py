@@ -11,10 +11,11 @@ admitted), :func:`settle` runs on every member of the new group, inside the
 wrapper's ``reconfigure`` (before the runtime agrees on the step to go on
 at), on the new group's state group:
 
-1. **Where each stands**: every member says which layout it holds (its old
-   rank and world; a replacement holds none), how many optimizer steps it
-   took, whether it holds this step's averages not stepped yet, and the
-   step's clipping. The step's optimizer update starts only after every
+1. **Where each stands**: which layout each member holds (its old rank and
+   world; a replacement holds none), how many optimizer steps it took,
+   whether it holds this step's averages not stepped yet, and the step's
+   clipping, in a few reductions (``sharding.standing``: O(1) words a member,
+   and a bitmap of the old ranks held). The step's optimizer update starts only after every
    member confirmed it holds the step's averages (``ShardedOptimizer.step``),
    so either nobody stepped, or every member not yet stepped holds what it
    needs to:
@@ -56,6 +57,7 @@ from gradsync._native import sources
 from gradsync.torch.sharding.layout import write_values
 from gradsync.torch.sharding.norm import norm_of
 from gradsync.torch.sharding.optim_state import kind_of
+from gradsync.torch.sharding.standing import survey
 
 
 def runs(numel, everyone):
@@ -126,15 +128,13 @@ def settle(part, states, rank, world, mark=True, buddy_stride=None):
             "model.shard_optimizer(...) right after wrapping"
         )
     step = part.sharded_step
-    me = {"holds": step.holds, "rank": part.rank, "world": part.world, "stride": part.buddy_stride,
-          "taken": step.taken, "ready": step.pending, "clipped": step.clipped, "asked": step.clip_asked}
-    everyone = states.all_gather_objects(me)
+    standing = survey(part, states, rank, world)
     plan = part.plan
-    layout = [runs(numel, everyone) for numel, _ in plan]
+    layout = [sources(numel, standing.places) for numel, _ in plan]
     lost = [(b, lo, hi) for b, bucket in enumerate(layout) for lo, hi, source in bucket if source is None]
     if lost:
         b, lo, hi = lost[0]
-        world_then, stride = next((e["world"], e["stride"]) for e in everyone if e["holds"])
+        world_then, stride = standing.layout_held()
         owner = next(r for r in range(world_then) if partition_of(plan[b][0], r, world_then)[0] <= lo
                      < partition_of(plan[b][0], r, world_then)[1])
         raise MembershipError.of(
@@ -145,42 +145,39 @@ def settle(part, states, rank, world, mark=True, buddy_stride=None):
             "job cannot go on from memory; restart it from the last sharded checkpoint "
             "(gradsync.torch.checkpoint.save/load)",
         )
-    dropped, taken = _settle_step(part, optimizer, states, rank, everyone, layout)
+    dropped, taken = _settle_step(part, optimizer, states, rank, standing, layout)
     _move(part, optimizer, states, rank, world, layout, buddy_stride)
     step.settled_at(taken, latch=mark)
     return dropped
 
 
-def _settle_step(part, optimizer, states, rank, everyone, layout):
+def _settle_step(part, optimizer, states, rank, standing, layout):
     """Step 1 of the module docs: every holder ends on the same optimizer
-    step. Returns whether this rank dropped its pending step, and the
-    optimizer steps every holder has now taken."""
-    holders = [e for e in everyone if e["holds"]]
-    top = max(e["taken"] for e in holders)
-    behind = [e for e in holders if e["taken"] < top]
-    if any(e["taken"] < top - 1 or not e["ready"] for e in behind):
+    step, from the members' ``standing`` (``sharding.standing``). Returns
+    whether this rank dropped its pending step, and the optimizer steps
+    every holder has now taken."""
+    top, behind = standing.top, standing.behind
+    if standing.apart:
         raise MembershipError.of(
             "broken", "the survivors stand more than one optimizer step apart, or one stepped while another never "
             "received the step's averages: this should not happen; report it, with the log of every rank"
         )
     step = part.sharded_step
-    if not behind and not all(e["ready"] for e in holders):
+    if not behind and not standing.ready:
         # Nobody stepped, and some never got the averages: nobody steps.
         dropped = step.holds and step.pending
         if dropped:
             part.clear()
         return dropped, top
     # Some stepped, or every holder can: the step is taken everywhere, clipped alike.
-    clipped = [(e["clipped"], e["asked"]) for e in holders if e["clipped"]]
-    asked = [e["asked"] for e in holders if e["asked"]]
     mine_clipped = step.clipped is not None
     wanted, coef = None, None
-    if clipped:
-        (total, coef), (_, _, indices) = clipped[0]
+    if standing.clipped:
+        (total, coef), (_, _, indices) = standing.clipped
         step.settlement_clipped((total, coef))
         wanted = set(indices)
-    elif asked:
-        max_norm, norm_type, indices = asked[0]
+    elif standing.asked:
+        max_norm, norm_type, indices = standing.asked
         wanted = set(indices)
         grads = []
         for b, bucket in enumerate(layout):
