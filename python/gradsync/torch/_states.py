@@ -132,6 +132,19 @@ class StateBroadcast:
         for work in works:
             work.wait()
 
+    def exchange_objects(self, sends, receives, tag=0):
+        """:meth:`exchange` of picklable objects: ``sends`` ``{rank:
+        value}``, ``receives`` the ranks to receive one from; returns
+        ``{rank: value}`` of those (their lengths, then their bytes)."""
+        if self._world == 1 or not (sends or receives):
+            return {}
+        data = {m: torch.frombuffer(bytearray(pickle.dumps(v)), dtype=torch.uint8) for m, v in sends.items()}
+        sizes = {m: torch.zeros(1, dtype=torch.int64) for m in receives}
+        self.exchange({m: torch.tensor([d.numel()], dtype=torch.int64) for m, d in data.items()}, sizes, tag)
+        got = {m: torch.empty(int(size), dtype=torch.uint8) for m, size in sizes.items()}
+        self.exchange(data, got, tag)
+        return {m: pickle.loads(t.numpy().tobytes()) for m, t in got.items()}
+
     def sum_sparse(self, tensor):
         """The sum of every rank's sparse ``tensor`` (same shape and dtype on
         every rank), coalesced: gloo's sparse all-reduce gathers every rank's

@@ -31,7 +31,8 @@ at), on the new group's state group:
    holds it (its owner first, else the owner's buddy); each source sends
    the parameters' values and optimizer state of its runs (bit for bit)
    point to point to the members whose new partition or new buddy
-   partition they fall in (:func:`transfers`), so each member sends and
+   partition they fall in (:func:`transfers`), each message after the
+   kinds of state of the parameters it carries, so each member sends and
    receives what it holds, about ``2/world`` of the model, not the model;
    every member keeps the state of its new partition and new buddy
    partition, and with unsharded parameters gathers each bucket's new
@@ -82,6 +83,19 @@ def _values(pieces, lo, hi, value_of):
             if value is not None:
                 out[a - lo : b - lo].copy_(value.reshape(-1)[a - piece.start : b - piece.start])
     return out
+
+
+def _kinds_in(pieces, spans, kinds):
+    """The state kinds (``kinds``: parameter -> :func:`_entry_kinds`) of
+    the parameters whose ``pieces`` of a bucket overlap ``spans``."""
+    params = {p.param for p in pieces for lo, hi in spans if max(lo, p.start) < min(hi, p.start + p.length)}
+    return {i: kinds[i] for i in sorted(params) if i in kinds}
+
+
+def _tensor_keys(kinds):
+    """The tensor states' keys among ``kinds`` (parameter -> kinds), sorted:
+    the rows of a message after its values."""
+    return sorted({k for entry in kinds.values() for k, (kind, _) in entry.items() if kind == "tensor"})
 
 
 def _write_gathered(part, states, b, numel, members, held):
@@ -256,66 +270,79 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
     ``rank`` of ``world``, buddies ``buddy_stride`` on."""
     old = part.held_of_bucket  # (the layout being left: lay_out below builds new dicts)
     state = optimizer.inner.state
-    # Which parameters have optimizer state, of which kinds (the same on every holder after step 1).
-    kinds = {}
+    # Which of the parameters this member holds have optimizer state, of
+    # which kinds (the same on every holder after step 1): each message
+    # carries the kinds of the parameters it carries, so no member reads
+    # every member's (a word list per member: O(world) a member).
+    mine = {}
     for piece in part.every_held_piece():
         entry = state.get(piece.tensor)
-        if part.sharded_step.holds and entry and piece.param not in kinds:
-            kinds[piece.param] = _entry_kinds(entry)
-    merged = {}
-    for theirs in states.all_gather_objects(kinds):
-        for i, entry in theirs.items():
-            merged.setdefault(i, entry)
-    keys = sorted({k for entry in merged.values() for k, (kind, _) in entry.items() if kind == "tensor"})
-    dtypes = {k: kind_dtype for entry in merged.values() for k, (kind, kind_dtype) in entry.items() if kind == "tensor"}
+        if part.sharded_step.holds and entry and piece.param not in mine:
+            mine[piece.param] = _entry_kinds(entry)
     # Sharded parameters are released: the new pieces are written from the sources' below.
     sharded_parameters = part.residence is not None
     part.lay_out(rank, world, buddy_stride, read=not sharded_parameters)
-    rows = 1 + len(keys)
     fresh = {}
     for b, (numel, members) in enumerate(part.plan):
         sends, receives = transfers(numel, layout[b], rank, world, part.buddy_stride)
+        pieces_then = old.get(b, ())
+        kinds_out = {m: _kinds_in(pieces_then, spans, mine) for m, spans in sends.items()}
+        kinds_in = states.exchange_objects({m: k for m, k in kinds_out.items() if m != rank},
+                                           [m for m in receives if m != rank], tag=b)
+        if rank in receives:
+            kinds_in[rank] = kinds_out[rank]
+        keys_out = {m: _tensor_keys(k) for m, k in kinds_out.items()}
+        keys_in = {m: _tensor_keys(k) for m, k in kinds_in.items()}
 
-        def rows_of(lo, hi, pieces=old.get(b, ())):
-            return torch.stack([_values(pieces, lo, hi, lambda p: p.tensor)]
-                               + [_values(pieces, lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k))
+        def rows_of(lo, hi, keys):
+            return torch.stack([_values(pieces_then, lo, hi, lambda p: p.tensor)]
+                               + [_values(pieces_then, lo, hi, lambda p, k=k: state.get(p.tensor, {}).get(k))
                                   for k in keys])
 
-        outgoing = {m: torch.cat([rows_of(lo, hi) for lo, hi in spans], dim=1) for m, spans in sends.items()}
-        incoming = {m: torch.empty(rows, sum(hi - lo for lo, hi in spans), dtype=torch.float64)
+        outgoing = {m: torch.cat([rows_of(lo, hi, keys_out[m]) for lo, hi in spans], dim=1)
+                    for m, spans in sends.items()}
+        incoming = {m: torch.empty(1 + len(keys_in[m]), sum(hi - lo for lo, hi in spans), dtype=torch.float64)
                     for m, spans in receives.items() if m != rank}
         states.exchange({m: t for m, t in outgoing.items() if m != rank}, incoming, tag=b)
         if rank in receives:
             incoming[rank] = outgoing[rank]
-        got = {}  # (lo, hi) -> rows of the values there
+        got = {}  # (lo, hi) -> (rows of the values there, the state keys of its rows after the first)
+        kinds = {}  # parameter -> its state's kinds, from the messages that carried it
         for m, spans in receives.items():
+            kinds.update(kinds_in[m])
             at = 0
             for lo, hi in spans:
-                got[(lo, hi)] = incoming[m][:, at : at + hi - lo]
+                got[(lo, hi)] = (incoming[m][:, at : at + hi - lo], keys_in[m])
                 at += hi - lo
 
-        def new_rows(piece):
-            out = torch.empty(rows, piece.length, dtype=torch.float64)
-            for (lo, hi), data in got.items():
+        def new_rows(piece, keys):
+            out = torch.zeros(1 + len(keys), piece.length, dtype=torch.float64)
+            for (lo, hi), (data, their_keys) in got.items():
                 a, z = max(lo, piece.start), min(hi, piece.start + piece.length)
                 if a < z:
-                    out[:, a - piece.start : z - piece.start] = data[:, a - lo : z - lo]
+                    at = slice(a - piece.start, z - piece.start)
+                    out[0, at] = data[0, a - lo : z - lo]
+                    for row, key in enumerate(keys, 1):
+                        if key in their_keys:
+                            out[row, at] = data[1 + their_keys.index(key), a - lo : z - lo]
             return out
 
-        held = {id(piece): new_rows(piece) for piece in part.held_of_bucket.get(b, ())}
+        new_pieces = part.held_of_bucket.get(b, ())
+        key_lists = {id(piece): _tensor_keys({0: kinds.get(piece.param, {})}) for piece in new_pieces}
+        held = {id(piece): new_rows(piece, key_lists[id(piece)]) for piece in new_pieces}
         if sharded_parameters:
-            for piece in part.held_of_bucket.get(b, ()):
+            for piece in new_pieces:
                 piece.tensor.copy_(held[id(piece)][0])
         else:
             _write_gathered(part, states, b, numel, members, held)
-        for piece in part.held_of_bucket.get(b, ()):
-            if piece.param not in merged:
+        for piece in new_pieces:
+            if piece.param not in kinds:
                 continue
             entry = {}
-            for key, (kind, value) in merged[piece.param].items():
+            for key, (kind, value) in kinds[piece.param].items():
                 if kind == "tensor":
-                    row = held[id(piece)][1 + keys.index(key)]
-                    entry[key] = row.to(getattr(torch, dtypes[key])).to(piece.tensor.device).clone()
+                    row = held[id(piece)][1 + key_lists[id(piece)].index(key)]
+                    entry[key] = row.to(getattr(torch, value)).to(piece.tensor.device).clone()
                 else:
                     entry[key] = value.clone() if torch.is_tensor(value) else value
             fresh[piece.tensor] = entry
