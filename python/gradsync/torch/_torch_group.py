@@ -14,13 +14,17 @@ ranks are:
   collective), and takes it down at the next change of members (the old
   group is kept alive, ``_gloo.never_free``, as the wrapper's own: its
   destructor could wait on a lost peer). So ``torch.distributed.get_rank()``
-  and ``get_world_size()`` then answer the member's place too.
+  and ``get_world_size()`` then answer the member's place too. Its pairs
+  connect on first use, as gradsync's own groups' do
+  (``_comm.gloo_group``), unless ``TORCH_GLOO_LAZY_INIT`` says otherwise.
 
 An elastic program that made a default group of its own is refused here:
 its ranks are not the job's members after the first change.
 """
 
+import contextlib
 import datetime
+import os
 
 import torch.distributed as dist
 
@@ -54,8 +58,9 @@ def elastic_world(store, prefix, rank, world, timeout_s, abandon=None):
     scoped = dist.PrefixStore(f"{prefix}/torch-world", store)
     if abandon is not None and world > 1:
         meet(scoped, rank, world, timeout_s, abandon)
-    dist.init_process_group("gloo", store=scoped, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    with _connected_on_first_use():
+        dist.init_process_group("gloo", store=scoped, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     _MADE_FOR = prefix
     return dist.group.WORLD
 
@@ -70,3 +75,19 @@ def retire():
     never_free(dist.distributed_c10d._get_default_group())
     dist.destroy_process_group()
     _MADE_FOR = None
+
+
+@contextlib.contextmanager
+def _connected_on_first_use():
+    """The gloo groups torch makes inside connect a pair on its first use
+    (``init_process_group`` takes no gloo device; torch reads
+    ``TORCH_GLOO_LAZY_INIT`` when it makes a group): not every pair when
+    made, O(world) sockets a member. A value the program set is kept."""
+    if "TORCH_GLOO_LAZY_INIT" in os.environ:
+        yield
+        return
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
