@@ -4,8 +4,9 @@ what ``reshard.settle`` decides the step and the move from (its step 1).
 Every member needs the same few facts: which old place each new member
 holds (the move's sources), the most optimizer steps a holder took, whether
 the holders are apart, ready, or clipped. Gathering every member's record
-for them cost each member O(world) bytes a change (about 150 bytes a
-member, 1.5 MB at 10,000). :func:`survey` reduces them instead:
+for them cost each member O(world) bytes a change (100 to 200 bytes a
+member, padded to the longest: 1 to 2 MB at 10,000). :func:`survey`
+reduces them instead (1.5 KB a member at 10,000):
 
     extremes of 9 words ─▶ the top step, the fewest, all ready, the old world and stride, the first to clip
     a sum of 2 + world/62 words ─▶ how many are apart, how many hold, a bitmap of the old ranks held
