@@ -29,6 +29,16 @@ _SPIN_S = 0.0002
 _NAP_S = 0.001
 
 
+def _pickled(value):
+    """``value`` pickled, as a flat uint8 tensor."""
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+
+
+def _unpickled(data):
+    """What :func:`_pickled` made ``data`` of."""
+    return pickle.loads(data.numpy().tobytes())
+
+
 class StateBroadcast:
     """Broadcasts of model states among ``world`` ranks on a private gloo group.
 
@@ -138,12 +148,12 @@ class StateBroadcast:
         ``{rank: value}`` of those (their lengths, then their bytes)."""
         if self._world == 1 or not (sends or receives):
             return {}
-        data = {m: torch.frombuffer(bytearray(pickle.dumps(v)), dtype=torch.uint8) for m, v in sends.items()}
+        data = {m: _pickled(v) for m, v in sends.items()}
         sizes = {m: torch.zeros(1, dtype=torch.int64) for m in receives}
         self.exchange({m: torch.tensor([d.numel()], dtype=torch.int64) for m, d in data.items()}, sizes, tag)
         got = {m: torch.empty(int(size), dtype=torch.uint8) for m, size in sizes.items()}
         self.exchange(data, got, tag)
-        return {m: pickle.loads(t.numpy().tobytes()) for m, t in got.items()}
+        return {m: _unpickled(t) for m, t in got.items()}
 
     def sum_sparse(self, tensor):
         """The sum of every rank's sparse ``tensor`` (same shape and dtype on
@@ -180,25 +190,31 @@ class StateBroadcast:
         """Every rank's picklable ``value``, as a list in rank order."""
         if self._world == 1:
             return [value]
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        data = _pickled(value)
         lengths = self.everyones([data.numel()])[:, 0].tolist()
         mine = torch.zeros(max(lengths), dtype=torch.uint8)
         mine[: data.numel()] = data
         everyone = self.all_gather(mine).view(self._world, -1)
-        return [pickle.loads(everyone[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+        return [_unpickled(everyone[r, :n]) for r, n in enumerate(lengths)]
 
-    def broadcast_object(self, value, root):
-        """Rank ``root``'s picklable ``value`` on every rank (the others
-        pass anything): its length, then its bytes."""
-        if self._world == 1:
-            return value
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8) if self._rank == root else None
+    def broadcast_bytes(self, data, root):
+        """Rank ``root``'s ``data`` (a flat uint8 tensor; the others pass
+        ``None``) on every rank: its length, then its bytes."""
         size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
         self.broadcast([size], root)
         if data is None:
             data = torch.empty(int(size), dtype=torch.uint8)
         self.broadcast([data], root)
-        return pickle.loads(data.numpy().tobytes()) if self._rank != root else value
+        return data
+
+    def broadcast_object(self, value, root):
+        """Rank ``root``'s picklable ``value`` on every rank (the others
+        pass anything)."""
+        if self._world == 1 or self._rank == root:
+            if self._world > 1:
+                self.broadcast_bytes(_pickled(value), root)
+            return value
+        return _unpickled(self.broadcast_bytes(None, root))
 
     def reduce(self, tensor, op):
         """``tensor`` (a CPU tensor) combined over every rank in place,

@@ -561,10 +561,7 @@ class Elastic:
         # The lowest rank standing there gives its state.
         source = -states.extremes([-self.rank if mine == best else -self.world])[0][0]
         payload = pack(self._tracked, self.step, self.applied, self.history) if self.rank == source else None
-        size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
-        states.broadcast([size], source)
-        data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
-        states.broadcast([data], source)
+        data = states.broadcast_bytes(payload, source)
         if mine != best:
             self.step, self.applied, self.history = unpack(self._tracked, data)
             self._fresh = False

@@ -58,7 +58,7 @@ from gradsync._native import sources
 from gradsync.torch.sharding.layout import write_values
 from gradsync.torch.sharding.norm import norm_of
 from gradsync.torch.sharding.optim_state import kind_of
-from gradsync.torch.sharding.standing import survey
+from gradsync.torch.sharding.standing import places_of, survey
 
 
 def runs(numel, everyone):
@@ -68,8 +68,7 @@ def runs(numel, everyone):
     order), else a buddy; ``None`` where no member holds it. The runtime's
     rule (``gradsync._native.sources``: one sweep, ``O(world log world)``
     a bucket)."""
-    places = [(e["rank"], e["world"], e["stride"]) if e["holds"] else None for e in everyone]
-    return sources(numel, places)
+    return sources(numel, places_of(everyone))
 
 
 def _values(pieces, lo, hi, value_of):
@@ -92,10 +91,10 @@ def _kinds_in(pieces, spans, kinds):
     return {i: kinds[i] for i in sorted(params) if i in kinds}
 
 
-def _tensor_keys(kinds):
-    """The tensor states' keys among ``kinds`` (parameter -> kinds), sorted:
-    the rows of a message after its values."""
-    return sorted({k for entry in kinds.values() for k, (kind, _) in entry.items() if kind == "tensor"})
+def _tensor_keys(entries):
+    """The tensor states' keys among ``entries`` (each a parameter's
+    :func:`_entry_kinds`), sorted: the rows of a message after its values."""
+    return sorted({k for entry in entries for k, (kind, _) in entry.items() if kind == "tensor"})
 
 
 def _write_gathered(part, states, b, numel, members, held):
@@ -291,8 +290,8 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
                                            [m for m in receives if m != rank], tag=b)
         if rank in receives:
             kinds_in[rank] = kinds_out[rank]
-        keys_out = {m: _tensor_keys(k) for m, k in kinds_out.items()}
-        keys_in = {m: _tensor_keys(k) for m, k in kinds_in.items()}
+        keys_out = {m: _tensor_keys(k.values()) for m, k in kinds_out.items()}
+        keys_in = {m: _tensor_keys(k.values()) for m, k in kinds_in.items()}
 
         def rows_of(lo, hi, keys):
             return torch.stack([_values(pieces_then, lo, hi, lambda p: p.tensor)]
@@ -306,30 +305,29 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
         states.exchange({m: t for m, t in outgoing.items() if m != rank}, incoming, tag=b)
         if rank in receives:
             incoming[rank] = outgoing[rank]
-        got = {}  # (lo, hi) -> (rows of the values there, the state keys of its rows after the first)
+        got = {}  # (lo, hi) -> (rows of the values there, each row's name: None for the values, else a state key)
         kinds = {}  # parameter -> its state's kinds, from the messages that carried it
         for m, spans in receives.items():
             kinds.update(kinds_in[m])
-            at = 0
+            names, at = [None, *keys_in[m]], 0
             for lo, hi in spans:
-                got[(lo, hi)] = (incoming[m][:, at : at + hi - lo], keys_in[m])
+                got[(lo, hi)] = (incoming[m][:, at : at + hi - lo], names)
                 at += hi - lo
 
-        def new_rows(piece, keys):
-            out = torch.zeros(1 + len(keys), piece.length, dtype=torch.float64)
-            for (lo, hi), (data, their_keys) in got.items():
+        def new_rows(piece, names):
+            out = torch.zeros(len(names), piece.length, dtype=torch.float64)
+            for (lo, hi), (data, their_names) in got.items():
                 a, z = max(lo, piece.start), min(hi, piece.start + piece.length)
                 if a < z:
-                    at = slice(a - piece.start, z - piece.start)
-                    out[0, at] = data[0, a - lo : z - lo]
-                    for row, key in enumerate(keys, 1):
-                        if key in their_keys:
-                            out[row, at] = data[1 + their_keys.index(key), a - lo : z - lo]
+                    rows = [their_names.index(name) if name in their_names else None for name in names]
+                    for row, theirs in enumerate(rows):
+                        if theirs is not None:
+                            out[row, a - piece.start : z - piece.start] = data[theirs, a - lo : z - lo]
             return out
 
         new_pieces = part.held_of_bucket.get(b, ())
-        key_lists = {id(piece): _tensor_keys({0: kinds.get(piece.param, {})}) for piece in new_pieces}
-        held = {id(piece): new_rows(piece, key_lists[id(piece)]) for piece in new_pieces}
+        names_of = {id(piece): [None, *_tensor_keys([kinds.get(piece.param, {})])] for piece in new_pieces}
+        held = {id(piece): new_rows(piece, names_of[id(piece)]) for piece in new_pieces}
         if sharded_parameters:
             for piece in new_pieces:
                 piece.tensor.copy_(held[id(piece)][0])
@@ -341,7 +339,7 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
             entry = {}
             for key, (kind, value) in kinds[piece.param].items():
                 if kind == "tensor":
-                    row = held[id(piece)][1 + key_lists[id(piece)].index(key)]
+                    row = held[id(piece)][names_of[id(piece)].index(key)]
                     entry[key] = row.to(getattr(torch, value)).to(piece.tensor.device).clone()
                 else:
                     entry[key] = value.clone() if torch.is_tensor(value) else value

@@ -57,7 +57,7 @@ class Standing:
         behind = [e for e in holders if e["taken"] < top]
         clipped = next(((e["clipped"], e["asked"]) for e in holders if e["clipped"]), None)
         return cls(
-            places=[(e["rank"], e["world"], e["stride"]) if e["holds"] else None for e in everyone],
+            places=places_of(everyone),
             top=top,
             behind=bool(behind),
             apart=any(e["taken"] < top - 1 or not e["ready"] for e in behind),
@@ -69,6 +69,12 @@ class Standing:
     def layout_held(self):
         """The old world and buddy stride the first holder holds (for errors)."""
         return next(place[1:] for place in self.places if place is not None)
+
+
+def places_of(everyone):
+    """Per member of ``everyone`` (records, in rank order), the old place it
+    holds: ``(rank, world, stride)``, or ``None``."""
+    return [(e["rank"], e["world"], e["stride"]) if e["holds"] else None for e in everyone]
 
 
 def record(part):
