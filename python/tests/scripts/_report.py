@@ -40,3 +40,16 @@ def report(wrapper, params, replay, batches=None):
         print(f"replicas: {max((g - gathered[0]).abs().max().item() for g in gathered):.1e}", flush=True)
         diff = max((a - b).abs().max().item() for a, b in zip(replay(every), params))
         print(f"reference: {diff:.1e}", flush=True)
+
+
+def leave():
+    """End the job as torch asks programs to end: destroy the default group.
+
+    Without it, the interpreter may finalize while one of gloo's worker
+    threads still holds the last collective's tensors (``report``'s gather,
+    done on this rank while rank 0 replays): dropping them needs the
+    interpreter lock, and a thread that asks for it during finalization
+    aborts the process ("terminate called without an active exception",
+    pytorch/pytorch PR 179291; about one run in four of a Fabric loop)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

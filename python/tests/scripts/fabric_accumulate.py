@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import lightning as L
-from _report import failures_reported, report
+from _report import failures_reported, leave, report
 
 STEPS, MICRO, BATCH, LR, MAX_NORM = 4, 2, 4, 1e-2, 0.05
 
@@ -74,6 +74,7 @@ def main():
         off = max(abs(a - b) / b for a, b in zip(norms, replayed["norms"]))
         clipped = sum(b > MAX_NORM for b in replayed["norms"])
         print(f"clip norms: {off:.1e} from the replay's (relative), {clipped} of {STEPS} steps clipped", flush=True)
+    leave()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning as L
-from _report import failures_reported, report
+from _report import failures_reported, leave, report
 
 STEPS, BATCH, LR = 6, 4, 0.1
 #: ``--clip``: the clip norm (below every step's gradient norm) and the micro-batches per step.
@@ -132,6 +132,7 @@ def main():
                    for n in want)
         assert sorted(saved["state"]) == sorted(want), (sorted(saved["state"]), sorted(want))
         print(f"checkpointed optimizer state: {diff:.1e} from the replay's", flush=True)
+    leave()
 
 if __name__ == "__main__":
     main()

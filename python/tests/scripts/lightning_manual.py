@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import lightning as L
-from _report import failures_reported, report
+from _report import failures_reported, leave, report
 from lightning.pytorch.strategies import DDPStrategy
 
 STEPS, BATCH, LR = 5, 4, 0.05
@@ -126,6 +126,7 @@ def main():
         return replay(initial, [[torch.cat(parts) for parts in zip(*steps)] for steps in zip(*every)]).parameters()
 
     report(model.wrapper, model.parameters(), replay_all, model.seen)
+    leave()
 
 if __name__ == "__main__":
     main()
