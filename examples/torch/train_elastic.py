@@ -36,7 +36,13 @@ moves to the survivors. ``--shard-params``: the parameters sharded too
 and backward; ``--shard-params whole``: the whole model gathered once per
 step), their pieces kept by a buddy as well. ``--adamw``,
 ``--clip MAX_NORM``: AdamW, and clipping by the global norm (the replay
-does the same).
+does the same). ``--read-alone`` (with ``--shard-params``): after each
+optimizer step rank 0 alone logs the parameters' norms, as a logging
+callback does (each released parameter read from every member's piece
+server; after a kill in ``between`` or ``stall``, once the killed rank is
+gone, its pieces from its buddy copy), and at the end reads
+``model.module.state_dict()`` alone: both are checked against the
+parameters every member gathers.
 """
 
 import argparse
@@ -130,12 +136,14 @@ def replay(args, base, data, history, batch, first_world, fixed):
     """One process, the same history: each applied step's gradient is the sum
     of the per-rank mean gradients of the ranks in its sum (their shards, in
     rank order, as the all-reduce adds them) divided by how many they are
-    (fixed: by the first world size). Returns the model and each step's
-    gradient norm."""
+    (fixed: by the first world size). Returns the model, each step's
+    gradient norm, and the parameters' squared norm after each step
+    (``-1``: before the first)."""
     model = copy.deepcopy(base)
     model.recompute = False
     opt = optimizer_of(args, model.parameters())
     norms = {}
+    weights = {-1: squared_norm(model.parameters())}
     for step, _world, _contributors, ranks in history:
         opt.zero_grad()
         for rank in ranks:
@@ -148,7 +156,14 @@ def replay(args, base, data, history, batch, first_world, fixed):
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
-    return model, norms
+        weights[step] = squared_norm(model.parameters())
+    return model, norms, weights
+
+
+@torch.no_grad()
+def squared_norm(params):
+    """The sum of the parameters' squared norms, as a logging callback adds them."""
+    return sum(p.norm().item() ** 2 for p in params)
 
 
 def main():
@@ -183,6 +198,9 @@ def main():
     parser.add_argument("--shard-params", nargs="?", const="blocks", choices=["blocks", "whole"],
                         help="shard the parameters too (ZeRO-3; implies --shard): each block gathered when it runs, "
                              "or (whole) the whole model gathered once per step")
+    parser.add_argument("--read-alone", action="store_true",
+                        help="(with --shard-params) rank 0 alone logs the parameters' norms after each step and "
+                             "reads the state dict at the end")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     parser.add_argument("--break-at-start", action="store_true",
                         help="membership epoch 0 breaks before the optimizer is tracked (what a member that seems "
@@ -206,11 +224,14 @@ def main():
     args.shard = args.shard or args.shard_params is not None
     if (args.save_at is not None or args.resume) and not args.shard:
         parser.error("--save-at and --resume use gradsync.torch.checkpoint, which saves sharded models: add --shard")
+    if args.read_alone and (args.shard_params is None or not args.report):
+        parser.error("--read-alone reads released parameters: add --shard-params (and --report, whose kill marks it "
+                     "waits for)")
     if args.save_at is not None and not args.checkpoint:
         parser.error("--save-at needs --checkpoint DIR")
     try:
         elastic, base, data, model, opt = build(args)
-        loss, applied_at, norms = train(args, elastic, model, opt, data)
+        loss, applied_at, norms, logged = train(args, elastic, model, opt, data)
     except gradsync.MembershipError as e:
         # The job went on without this process (or cannot go on at all).
         print(f"member {os.environ.get('GRADSYNC_MEMBER')}: left the job ({e.kind}): {e}", file=sys.stderr, flush=True)
@@ -218,7 +239,7 @@ def main():
     if not elastic.is_member:
         print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
         return
-    sys.exit(0 if check(args, elastic, model, opt, base, data, loss, applied_at, norms) else 1)
+    sys.exit(0 if check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged) else 1)
 
 
 def build(args):
@@ -258,8 +279,10 @@ def build(args):
 
 
 def train(args, elastic, model, opt, data):
-    """The loop, with the kills asked for; returns the last loss and when
-    each step this process saw applied was applied (wall clock)."""
+    """The loop, with the kills asked for; returns the last loss, when
+    each step this process saw applied was applied (wall clock), each
+    applied step's gradient norm and (``--read-alone``) the parameters'
+    norms rank 0 logged alone after each step."""
     kills = {(rank, step): phase for rank, step, phase in args.kill}
     after_join = {"step": None}
 
@@ -277,6 +300,7 @@ def train(args, elastic, model, opt, data):
     began = time.perf_counter()
     applied_at = {}
     norms = {}
+    logged = {}  # --read-alone: step -> the norms rank 0 logged alone
     loss = None
     for step in elastic.steps(args.steps):
         for event in elastic.changes():
@@ -320,11 +344,18 @@ def train(args, elastic, model, opt, data):
             die(args.report, freeze=True)
         if at("between", step):
             die(args.report)
+        if args.read_alone and elastic.rank == 0:
+            killed = [r for r, s, p in args.kill if s == step and p in ("between", "stall")]
+            if killed:  # (read once it is gone or silent: its pieces come from its buddy copy)
+                while not os.path.exists(f"{args.report}.killed"):
+                    time.sleep(0.01)
+                time.sleep(0.1)
+            logged[step] = squared_norm(model.parameters())  # a logging callback's, on this rank alone
         if elastic.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step + 1:>4}/{args.steps}  loss {loss.item():.4f}  world {elastic.world}  "
                   f"{model.last_report.outcome if model.last_report else '-'}  "
                   f"{(time.perf_counter() - began) * 1e3:7.0f} ms", flush=True)
-    return loss, applied_at, norms
+    return loss, applied_at, norms, logged
 
 
 def memory(model, opt):
@@ -337,12 +368,18 @@ def memory(model, opt):
     return {"runtime": model.memory_bytes, "optimizer": state, "parameters": model.parameter_bytes}
 
 
-def check(args, elastic, model, opt, base, data, loss, applied_at, norms):
+def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged):
     """Every member puts its digest into the store; rank 0 compares them and
     replays the history. Returns whether the run is exact."""
+    alone = None
+    if args.read_alone and elastic.rank == 0:  # (the others wait for it in whole_parameters())
+        names = [n for n, _ in model.module.named_parameters()]
+        state = model.module.state_dict()
+        alone = torch.cat([state[n].flatten() for n in names])
     with model.whole_parameters():  # (sharded parameters: gathered on every member; else nothing to do)
         mine = digest(model.module)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
+        norm_now = squared_norm(model.module.parameters())
     elastic.store.set(f"{elastic.job}/final/{elastic.epoch}/{elastic.rank}", mine)
     outcome = {"member": elastic.member, "rank": elastic.rank, "world": elastic.world, "epoch": elastic.epoch,
                "applied": elastic.applied, "history": elastic.history, "digest": mine, "started": STARTED,
@@ -354,8 +391,8 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms):
         elastic.store.wait(keys)
         digests = [elastic.store.get(k).decode() for k in keys]
         identical = len(set(digests)) == 1
-        reference, replayed = replay(args, base, data, elastic.history, args.batch, elastic.first_world,
-                                     args.fixed_global_batch)
+        reference, replayed, weights = replay(args, base, data, elastic.history, args.batch, elastic.first_world,
+                                              args.fixed_global_batch)
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()
         worlds = [len(ranks) for *_, ranks in elastic.history]
         changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
@@ -375,6 +412,17 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms):
         print(f"equivalence: max |param - replay| = {diff:.2e} (tolerance {TOLERANCE:.0e}) "
               f"{'OK' if ok else 'FAILED'}", flush=True)
         outcome.update(identical=identical, diff=diff, ok=ok, norms_off=off, norms_compared=len(compared))
+        if alone is not None:
+            # Each step's log against the replay after the last step applied by then (a skipped one changes nothing).
+            applied = sorted(weights)
+            want = {s: weights[max(a for a in applied if a <= s)] for s in logged}
+            apart = max((abs(logged[s] - want[s]) / want[s] for s in logged), default=0.0)
+            last = logged[max(logged)] if logged else None
+            outcome.update(read_alone_diff=(alone - trained).abs().max().item(), logged_steps=len(logged),
+                           logged_apart=apart, logged_last=last, norm_now=norm_now)
+            print(f"read alone: state dict {outcome['read_alone_diff']:.1e} from the gathered parameters; norms "
+                  f"logged at {len(logged)} steps, {apart:.1e} from the replay's (relative), the last "
+                  f"{'equal to' if last == norm_now else 'DIFFERENT from'} the gathered parameters'", flush=True)
     if args.report:  # written whole, then renamed: a reader never sees half of it
         with open(f"{args.report}.{elastic.member}.tmp", "w") as f:
             json.dump(outcome, f)

@@ -370,18 +370,12 @@ def test_a_fixed_global_batch_divides_by_the_first_world(tmp_path):
     assert [c for _, _, c, _ in first["history"]][-1] == 2, "two contributors, divided by three (the replay's check)"
 
 
-@pytest.mark.parametrize("rank,phase,extra",
-                         [(1, "freeze", ()), pytest.param(0, "stall", ("--buffer",), marks=pytest.mark.slow)])
-def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tmp_path, rank, phase, extra):
-    """A rank frozen with SIGSTOP keeps its sockets open, as a host whose
-    link was cut: gloo alone would wait out its timeout. The survivors'
-    liveness monitors see its heartbeat stop and go on within 2 s; when the
-    frozen process wakes up, it finds the job went on without it and leaves
-    (exit status 3), which the supervisor does not count as a failure.
-    ``stall``: rank 0 freezes after its optimizer step, so the others wait
-    for it in the next boundary's buffer broadcast (from rank 0): that wait
-    is abandoned too."""
-    cmd = command(tmp_path, 3, "--steps", "300", "--kill", f"{rank}@5:{phase}", *extra)
+def woken_after_a_freeze(tmp_path, *script_args):
+    """Run the example on 3 ranks with ``script_args``, one of whose kills
+    freezes a rank (SIGSTOP); once the two survivors reported, wake it
+    (SIGCONT) and wait for the job's end. Returns the supervisor's process,
+    its output and error, and the frozen rank's kill mark (pid, time)."""
+    cmd = command(tmp_path, 3, *script_args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     try:
@@ -399,6 +393,21 @@ def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tm
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, out, err, frozen
+
+
+@pytest.mark.parametrize("rank,phase,extra",
+                         [(1, "freeze", ()), pytest.param(0, "stall", ("--buffer",), marks=pytest.mark.slow)])
+def test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves(tmp_path, rank, phase, extra):
+    """A rank frozen with SIGSTOP keeps its sockets open, as a host whose
+    link was cut: gloo alone would wait out its timeout. The survivors'
+    liveness monitors see its heartbeat stop and go on within 2 s; when the
+    frozen process wakes up, it finds the job went on without it and leaves
+    (exit status 3), which the supervisor does not count as a failure.
+    ``stall``: rank 0 freezes after its optimizer step, so the others wait
+    for it in the next boundary's buffer broadcast (from rank 0): that wait
+    is abandoned too."""
+    proc, out, err, frozen = woken_after_a_freeze(tmp_path, "--steps", "300", "--kill", f"{rank}@5:{phase}", *extra)
     found = reports(tmp_path)
     assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
     assert sorted(found) == sorted({0, 1, 2} - {rank})

@@ -18,7 +18,7 @@ under ZeRO-3: a loss there shows at the next boundary.
 """
 
 import pytest
-from test_elastic import PACED, exact, explain, launch, rejoined
+from test_elastic import PACED, exact, explain, launch, rejoined, reports, woken_after_a_freeze
 from test_elastic import test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves as _silent
 from test_elastic_sharded import skipped
 
@@ -135,3 +135,52 @@ def test_a_silent_parameter_sharded_rank_is_found_and_its_pieces_move(tmp_path, 
     gather lane's collectives too (the lane waits on the job's
     cancellation), and the survivors settle from the buddy copies."""
     _silent(tmp_path, rank, phase, ("--shard-params",))
+
+
+def _read_alone_right(first, steps):
+    """Rank 0's reads alone (``--read-alone``) were right: a norm log after
+    every step equal to the replay's, the last equal to the gathered
+    parameters', and the state dict read alone at the end equal to them."""
+    assert first["logged_steps"] == steps and first["logged_apart"] <= 1e-6, first
+    assert first["logged_last"] == first["norm_now"] and first["read_alone_diff"] == 0.0, first
+
+
+def test_rank_zero_reads_the_model_alone_through_a_loss_from_the_buddy_copy(tmp_path):
+    """``--read-alone``: after every step rank 0 alone logs the parameters'
+    norms (each released parameter read from every member's piece server,
+    while the others go on to their next forward) and at the end reads
+    ``state_dict()`` alone. Rank 2 is killed after its step 4, and rank 0
+    reads that step once it is gone: rank 2's pieces come from the buddy
+    copy rank 1 serves of them; from step 5 on the servers are the new
+    membership's. Every read is right (they were refused in elastic jobs)."""
+    proc, found = launch(tmp_path, 3, "--steps", "10", *PARAMS, "--read-alone", "--kill", "2@4:between")
+    first = exact(proc, found, {0, 1})
+    assert "rank 2 was lost during a read alone; its pieces are read from its buddy copy" in proc.stderr, \
+        explain(proc)
+    _read_alone_right(first, 10)
+
+
+@pytest.mark.slow
+def test_rank_zero_reads_alone_from_a_replacement_once_it_joined(tmp_path):
+    """Rank 1 killed mid-backward and replaced: the replacement serves its
+    pieces from its first settlement on (not before: it holds none), and
+    rank 0's reads alone stay right at every world (3, 2, 3)."""
+    proc, found = launch(tmp_path, 3, "--steps", "300", *PACED, *PARAMS, "--read-alone", "--kill", "1@3:backward",
+                         rejoin=True)
+    _read_alone_right(rejoined(proc, found), 300)
+
+
+@pytest.mark.slow
+def test_a_read_alone_gives_up_on_a_silent_member_for_its_buddy_copy(tmp_path):
+    """Rank 1 freezes (SIGSTOP) after its step 5's optimizer step, its
+    sockets open, while rank 0 reads the model alone: the read waits for
+    its server a second at a time until the liveness monitor broke the
+    epoch, then takes rank 1's pieces from its own buddy copy of them (it
+    would have waited out the collective timeout). Woken, rank 1 leaves at
+    once (nobody is left for its server to wait for)."""
+    proc, out, err, _ = woken_after_a_freeze(tmp_path, "--steps", "12", *PARAMS, "--read-alone", "--kill", "1@5:stall")
+    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    assert "rank 1 was lost during a read alone" in err, err[-3000:]
+    first = next(r for r in reports(tmp_path).values() if r["rank"] == 0)
+    assert first["ok"], f"{out[-2000:]}\n{err[-3000:]}"
+    _read_alone_right(first, 12)

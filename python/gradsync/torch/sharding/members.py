@@ -79,6 +79,8 @@ class ShardedMembers:
             if self._lane_parts is not None:
                 self._new_lane()
             residence.discard()
+        if self._partition.served is not None:  # (the pieces held now, under the new members: sharding.served)
+            self._partition.served.moved(self._store, self._prefix, self._sync.elastic.epoch)
         return dropped
 
     def broadcast_module_states(self):

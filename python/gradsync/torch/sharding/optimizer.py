@@ -430,6 +430,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         it); in an elastic job the buddy copies then come from their owners."""
         with self._loading_state():
             optim_state.load_sharded(self, state_dict, copy=copy)
-        part = self._partition
-        if part.buddy:
-            settle(part, self._states, part.rank, part.world, mark=False)
+            part = self._partition
+            if part.buddy:  # (inside: the buddy copies it writes are served at the load's version)
+                settle(part, self._states, part.rank, part.world, mark=False)

@@ -26,9 +26,9 @@ tied weights keep it; reading its values raises, naming it
 (``sharding.released``). The wrapped module's ``state_dict()`` then reads
 the whole values alone, on any rank, from every rank's piece server
 (``sharding.served``), and its ``load_state_dict()`` writes each rank's
-pieces; where the pieces are not served (on a device, in an elastic job)
-both are refused with what to do (``model.whole_parameters()``, a
-collective every rank enters).
+pieces; where the pieces are not served (on a device) both are refused
+with what to do (``model.whole_parameters()``, a collective every rank
+enters).
 """
 
 import contextlib
@@ -207,8 +207,8 @@ class ShardedParameters:
     def read_released(self, i, what):
         """Released parameter ``i``'s whole values in its own dtype, read for
         ``what`` (an operation's name) by this rank alone from every rank's pieces (``sharding.served``),
-        or ``None`` where they are not served (on a device, in an elastic
-        job, after a failed gather)."""
+        or ``None`` where they are not served (on a device, after a failed
+        gather)."""
         part = self._partition
         served = part.served
         if served is None or not served.serves or self.broken is not None:
@@ -372,7 +372,7 @@ class ShardedParameters:
         servers at this rank's step (``sharding.served``), so rank 0 may
         save alone while the others train on. Refused as
         :meth:`refuse_if_released` says where the pieces are not served
-        (on a device, in an elastic job) or in the middle of a step."""
+        (on a device) or in the middle of a step."""
         self._whole_alone("state_dict()")
 
     def state_dict_ended(self):

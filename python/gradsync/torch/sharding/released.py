@@ -25,8 +25,8 @@ operation on it::
 So a logging callback's weight norms, an EMA copy of ``model.module``
 (``copy.deepcopy``, ``AveragedModel(model.module)`` and its updates) and
 ``torch.save(model.module)`` are right between steps, on any rank alone,
-with nothing else added; a read the pieces cannot serve (on a device, in
-an elastic job) raises a :class:`gradsync.ReleasedParameterError` naming
+with nothing else added; a read the pieces cannot serve (on a device,
+after a failed gather) raises a :class:`gradsync.ReleasedParameterError` naming
 the parameter and what to do, as before.
 
 What a served read returns is a :class:`ReadCopy`: the values of the
@@ -313,8 +313,8 @@ def refusal(p, what, writes=False, graphed=False, pending=False):
     else:
         message = (f"{what} of parameter {name!r}, which is released: with shard_parameters each rank holds only its "
                    "pieces between a step's end and the next forward, and a unit's parameters between its forward "
-                   "and its backward, and here the other ranks' pieces are not served (pieces on a device, an "
-                   f"elastic job). Read it {whole}, or, inside a step, in the forward of the module that holds it")
+                   "and its backward, and here the other ranks' pieces are not served (pieces on a device, or a "
+                   f"gather of this membership failed). Read it {whole}, or, inside a step, in the forward of the module that holds it")
     error = ReleasedParameterError(message)
     error.parameter = name
     return error

@@ -27,6 +27,17 @@ A rank that closes its wrapper (or exits) first waits, serving, until every
 other rank has closed its own or is gone (bounded by the collective
 timeout), so a rank that reads alone at the end of a run (a last save on
 rank 0) finds the others' servers still there.
+
+In an elastic job the servers follow the members: after each change of
+members every member serves the pieces it holds now (its own and its
+buddy copy, ``sharding.reshard``), publishes its address under the new
+membership, and counts its version from the new epoch (a joiner serves
+from its first settlement). A member lost while another reads alone (its
+server refuses the connection, or stays silent while the liveness monitor
+breaks the epoch) is read from the member that holds its buddy copy,
+stepped with it, so the read is the same; the others' next boundary
+re-shards as usual. Only a member lost together with its buddy ends the
+read, with ``MembershipError(kind="shard_lost")``.
 """
 
 import atexit
@@ -40,7 +51,7 @@ import weakref
 
 import torch
 
-from gradsync._errors import ConfigError
+from gradsync._errors import ConfigError, MembershipError, PeerGoneError
 from gradsync._native import PieceReader, PieceServer
 from gradsync.torch.sharding.layout import flat_values
 
@@ -49,6 +60,21 @@ log = logging.getLogger("gradsync")
 #: Set to the IP address this rank's piece server listens on (default: the
 #: address this host reaches the job's store from; loopback on one host).
 HOST_VARIABLE = "GRADSYNC_PIECES_HOST"
+
+#: A buddy copy's pieces are registered under their parameter's index with
+#: this bit set, apart from the holder's own pieces of the same parameter:
+#: a read asks a holder for them only when their owner is lost.
+BUDDY = 1 << 31
+
+#: A version counts the membership epoch above this many bits of steps
+#: (optimizer steps and other writes within the epoch): a member behind the
+#: reader's epoch (still settling) is behind its version too.
+EPOCH_SHIFT = 40
+
+#: In an elastic job a read waits for a silent server this long at a time,
+#: then asks whether the liveness monitor broke the epoch (a member gone
+#: silent), instead of waiting out the collective timeout at once.
+LOOK_S = 1.0
 
 
 def serving_host(store):
@@ -73,13 +99,19 @@ class PieceService:
     module docs). ``partition``: the wrapper's ``Partition``; its pieces on
     the host are served. ``store``, ``prefix``: where the servers' addresses
     are published (the wrapper's own store prefix); ``timeout_s``: how long
-    a server may take to answer (the collective timeout)."""
+    a server may take to answer (the collective timeout). In an elastic
+    job: ``epoch``, the membership epoch; ``abandon``, the job's question
+    whether the epoch broke (a member gone silent); ``publish``: whether the
+    address is published now (a joiner's is, at its first settlement:
+    :meth:`moved`)."""
 
-    def __init__(self, partition, store, prefix, timeout_s):
+    def __init__(self, partition, store, prefix, timeout_s, epoch=0, abandon=None, publish=True):
         self._partition = partition
         self._store = store
         self._key = f"{prefix}/pieces"
         self._timeout_s = timeout_s
+        self._epoch = epoch
+        self._abandon = abandon
         self._server = PieceServer(serving_host(store))
         #: The piece tensors registered (held: the server copies their memory).
         self._held = []
@@ -88,7 +120,7 @@ class PieceService:
         #: How many parameters the optimizer held state for when registered.
         self._state_entries = 0
         #: Writes of the pieces every rank makes besides optimizer steps
-        #: (loads, ``whole_parameters()`` blocks): part of the version read.
+        #: (loads, ``whole_parameters()`` blocks) in this epoch: part of the version read.
         self._writes = 0
         #: The last bucket read for :meth:`read_one`: ``(version, {index:
         #: whole tensor})`` (a loop over the parameters reads each bucket once).
@@ -96,28 +128,49 @@ class PieceService:
         #: Whether this rank's pieces are being written (between
         #: :meth:`writing` and :meth:`written`): no read alone is made then.
         self._writes_now = False
+        #: Ranks of this membership found lost by a read alone (read from their buddy copies since).
+        self._lost = set()
         self._closed = False
         self.register()
-        store.set(f"{self._key}/{partition.rank}", self._server.address)
+        self._server.written(self.step)
+        if publish:
+            store.set(f"{self._key}/{partition.rank}", self._server.address)
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
+
+    def moved(self, store, prefix, epoch):
+        """The members changed (an elastic job's settlement moved the
+        pieces): serve the pieces held now under the new membership's
+        ``prefix`` of ``store``, at the new ``epoch``'s first version (or,
+        settled inside an optimizer step, at the version it ends at)."""
+        self._store, self._key, self._epoch = store, f"{prefix}/pieces", epoch
+        self._reader, self._last_read, self._writes, self._lost = None, None, 0, set()
+        self._server.writing()  # (no copy of the registered memory runs while it is replaced)
+        self.register()
+        store.set(f"{self._key}/{self._partition.rank}", self._server.address)
+        if not self._writes_now:
+            self._server.written(self.step)
 
     @property
     def serves(self):
         """Whether this rank's pieces are served (they are in host memory)."""
-        return all(piece.tensor.device.type == "cpu" for piece in self._partition.pieces)
+        return all(piece.tensor.device.type == "cpu" for piece in self._partition.every_held_piece())
 
     def register(self):
         """Serve the pieces of the current layout, and the optimizer's state
-        of them (call after either changes: a load, the first step)."""
-        pieces = self._partition.pieces if self.serves else []
-        served = [(piece.param, piece.offset, piece.tensor, "") for piece in pieces]
+        of them (call after either changes: a load, the first step); a
+        buddy copy's under :data:`BUDDY` keys."""
+        part = self._partition
+        owned = [(piece, piece.param) for piece in part.pieces] + [(piece, piece.param | BUDDY)
+                                                                 for piece in part.buddy_pieces]
+        owned = owned if self.serves else []
+        served = [(key, piece.offset, piece.tensor, "") for piece, key in owned]
         state = self._optimizer_state()
-        for piece in pieces:
+        for piece, param_key in owned:
             for key, value in state.get(piece.tensor, {}).items():
                 if torch.is_tensor(value) and value.device.type == "cpu" and value.is_contiguous():
                     kind = "tensor" if value.dim() > 0 else "scalar"
-                    served.append((piece.param, piece.offset, value, f"{key}|{kind}|{str(value.dtype)[6:]}"))
+                    served.append((param_key, piece.offset, value, f"{key}|{kind}|{str(value.dtype)[6:]}"))
         self._held = [t for _, _, t, _ in served]
         self._state_entries = len(state)
         self._server.register([(i, offset, t.data_ptr(), t.numel() * t.element_size(), tag)
@@ -154,8 +207,9 @@ class PieceService:
     @property
     def step(self):
         """The version the pieces are at, which a read asks for: optimizer
-        steps taken and the other writes every rank makes (:meth:`wrote`)."""
-        return self._partition.sharded_step.taken + self._writes
+        steps taken and the other writes every rank makes (:meth:`wrote`),
+        counted within the membership epoch (above :data:`EPOCH_SHIFT` bits)."""
+        return (self._epoch << EPOCH_SHIFT) + self._partition.sharded_step.taken + self._writes
 
     def everyone_read(self, what):
         """Wait until every rank is here, at the version this rank read at,
@@ -206,13 +260,82 @@ class PieceService:
             self._writes += 1
             self.written()
 
-    def _readers(self):
-        """The reader of every other rank's server (made at the first read)."""
-        if self._reader is None:
-            part = self._partition
-            self._reader = PieceReader([None if r == part.rank else self._store.get(f"{self._key}/{r}").decode()
-                                        for r in range(part.world)])
-        return self._reader
+    def _read(self, indices, tagged):
+        """Every other rank's pieces of parameters ``indices`` (``tagged``:
+        their optimizer state, else their values) at this rank's version:
+        ``[(rank, index, offset, tag, bytes)]``, a lost member's from the
+        holder of its buddy copy (see the module docs)."""
+        deadline = time.monotonic() + self._timeout_s
+        lost = self._lost
+        while True:
+            look = self._timeout_s if self._abandon is None else min(LOOK_S, max(0.001, deadline - time.monotonic()))
+            try:
+                return self._read_without(lost, indices, tagged, look)
+            except PeerGoneError as error:
+                self._reader = None  # (its connections may hold answers not read: made anew)
+                if self._abandon is None or not self._partition.buddy:
+                    raise
+                (rank,) = error.ranks
+                address = self._store.get(f"{self._key}/{rank}").decode()
+                if not _answers(address) or self._abandon():
+                    lost.add(rank)
+                    log.warning("gradsync: rank %d was lost during a read alone; its pieces are read from its buddy "
+                                "copy", rank)
+                elif time.monotonic() >= deadline:
+                    raise
+            except ConfigError as error:
+                if self._abandon is None or "are at step" not in str(error):
+                    raise
+                raise MembershipError.of(
+                    "broken", "the members changed while this rank read the model alone (a member is in a later "
+                    f"membership than this one): read again after the next step boundary ({error})"
+                ) from error
+
+    def _read_without(self, lost, indices, tagged, look_s):
+        """:meth:`_read` once, each server given ``look_s``: from every other
+        rank but those ``lost``, whose pieces come from their buddy copies."""
+        part = self._partition
+        if not lost:
+            if self._reader is None:
+                self._reader = PieceReader([None if r == part.rank else self._store.get(f"{self._key}/{r}").decode()
+                                            for r in range(part.world)])
+            return self._reader.read(self.step, list(indices), tagged, look_s)
+        holders = {rank: (rank - part.buddy_stride) % part.world for rank in lost}
+        if any(holder in lost for holder in holders.values()):
+            (rank, holder) = next((r, h) for r, h in holders.items() if h in lost)
+            raise MembershipError.of(
+                "shard_lost", f"ranks {sorted({rank, holder})} were lost together while this rank read the model "
+                f"alone, and with them both copies of partition {rank}: restart the job from its last sharded "
+                "checkpoint (gradsync.torch.checkpoint.save/load)"
+            )
+        addresses = [None if r == part.rank or r in lost else self._store.get(f"{self._key}/{r}").decode()
+                     for r in range(part.world)]
+        found = PieceReader(addresses).read(self.step, list(indices), tagged, look_s)
+        copies = [addresses[r] if r in holders.values() else None for r in range(part.world)]
+        if any(copies):
+            asked = [i | BUDDY for i in indices]
+            found += [(rank, i & ~BUDDY, offset, tag, data)
+                      for rank, i, offset, tag, data in PieceReader(copies).read(self.step, asked, tagged, look_s)]
+        if part.rank in holders.values():
+            found += self._own_buddy_copy(indices, tagged)
+        return found
+
+    def _own_buddy_copy(self, indices, tagged):
+        """This rank's buddy copy of ``indices`` (its owner is lost), as a
+        server would send it."""
+        part, state = self._partition, self._optimizer_state()
+        found = []
+        for i in indices:
+            for piece in part.buddy_of_param.get(i, ()):
+                if not tagged:
+                    found.append((part.rank, i, piece.offset, "", _bytes_of(piece.tensor)))
+                    continue
+                for key, value in state.get(piece.tensor, {}).items():
+                    if torch.is_tensor(value):
+                        kind = "tensor" if value.dim() > 0 else "scalar"
+                        found.append((part.rank, i, piece.offset, f"{key}|{kind}|{str(value.dtype)[6:]}",
+                                      _bytes_of(value)))
+        return found
 
     def read_state(self, indices):
         """The optimizer's state of parameters ``indices``, whole: ``{index:
@@ -223,7 +346,7 @@ class PieceService:
         part, state = self._partition, self._optimizer_state()
         found = [(part.rank, piece.param, piece.offset, key, value) for piece in part.pieces
                  for key, value in state.get(piece.tensor, {}).items()]
-        for rank, i, offset, tag, data in self._readers().read(self.step, list(indices), True, self._timeout_s):
+        for rank, i, offset, tag, data in self._read(list(indices), True):
             key, kind, dtype = tag.split("|")
             values = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype))
             found.append((rank, i, offset, key, values if kind == "tensor" else values.reshape(())))
@@ -244,7 +367,6 @@ class PieceService:
         and shape: this rank's pieces, and every other rank's read from its
         server at this rank's step, one bucket's parameters at a time."""
         part = self._partition
-        self._readers()
         wanted = set(indices)
         whole = {}
         for bucket in part.buckets:
@@ -255,7 +377,7 @@ class PieceService:
                 whole[i] = torch.empty_like(flat_values(part.forms[i]), device="cpu")
                 for piece in part.of_param.get(i, ()):
                     whole[i][piece.offset : piece.offset + piece.length].copy_(piece.tensor)
-            for _, i, offset, _, data in self._reader.read(self.step, members, False, self._timeout_s):
+            for _, i, offset, _, data in self._read(members, False):
                 values = torch.frombuffer(bytearray(data), dtype=whole[i].dtype)
                 whole[i][offset : offset + values.numel()].copy_(values)
         return {i: _shaped(flat, part.forms[i]) for i, flat in whole.items()}
@@ -284,7 +406,9 @@ class PieceService:
         try:
             self._store.set(f"{self._key}/closed/{part.rank}", "1")
             self._store.add(f"{self._key}/closed", 1)
-            self._until_the_others_closed()
+            # (A member whose epoch broke, left out by the others, has nobody to serve: it goes at once.)
+            if self._abandon is None or not self._abandon():
+                self._until_the_others_closed()
         except Exception as error:  # (the store gone with the rank that held it: nobody is left to read)
             log.debug("gradsync: piece server of rank %d closes before every rank closed its own: %s", part.rank, error)
         self._server.close()
@@ -305,7 +429,7 @@ class PieceService:
         nap, longest = 0.001, min(0.5, max(0.005, part.world * 50e-6))
         waiting, gone = None, set()
         seen, since = -1, time.monotonic()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (self._abandon is None or not self._abandon()):
             closed = int(self._store.add(f"{self._key}/closed", 0))
             if closed + len(gone) >= part.world:
                 return
@@ -329,6 +453,11 @@ def _answers(address):
         return True
     except OSError:
         return False
+
+
+def _bytes_of(tensor):
+    """``tensor``'s values as they lie in memory (any dtype)."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _shaped(flat, form):

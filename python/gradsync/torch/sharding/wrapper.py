@@ -103,9 +103,13 @@ class Sharding(ShardedMembers):
             if param_dtype is not None:
                 self._partition.residence.compute_in(param_dtype)
             residence = self._partition.residence
-            if elastic is None:  # (an elastic job's members change: their servers are not followed yet)
-                self._partition.served = PieceService(self._partition, self._store, self._prefix, self._timeout_s)
-                self._sync.on_close.append(self._partition.served.close)
+            # (An elastic job's servers follow its members: ShardedMembers._settle_members.)
+            self._partition.served = PieceService(
+                self._partition, self._store, self._prefix, self._timeout_s,
+                epoch=0 if elastic is None else max(elastic.epoch, 0), abandon=self._abandon,
+                publish=elastic is None or not elastic.joining,
+            )
+            self._sync.on_close.append(self._partition.served.close)
             self._direct = []
             handles = [
                 # A released parameter is empty: a state dict reads it from every rank's pieces, a load writes them.
