@@ -71,6 +71,111 @@ def runs(numel, everyone):
     return sources(numel, places_of(everyone))
 
 
+class Sources:
+    """Where each value of every bucket comes from in one change of members
+    (``places``: every member's old place, :func:`~gradsync.torch.sharding.standing.places_of`),
+    by the rule of :func:`runs`: an owner first, else a buddy.
+
+    When every member that holds a layout holds the same one (an old world
+    and stride: every change but a member caught between two), an old
+    partition's source is its old owner if it is a member, else the
+    holder of its buddy copy (the old rank ``stride`` before it): a table
+    of the members by old rank, built once (``O(world)``), answers each
+    question about a bucket from the few old partitions it spans, so a
+    member's work per bucket is that of the values it holds, whatever the
+    world. Mixed layouts are swept per bucket (:func:`runs`), as every
+    layout is with ``sweep`` (the tests' reference)."""
+
+    def __init__(self, places, sweep=False):
+        self._places = places
+        held = {place[1:] for place in places if place is not None}
+        #: The old layout every holder holds, ``(world, stride)``; ``None``: mixed, swept.
+        self._held = next(iter(held)) if len(held) == 1 and not sweep else None
+        #: Member by old rank (the first in member order, as the rule says).
+        self._member_of = {}
+        for member, place in enumerate(places):
+            if place is not None:
+                self._member_of.setdefault(place[0], member)
+        #: The old partitions no member holds (uniform layouts).
+        self._lost = [] if self._held is None else [p for p in range(self._held[0]) if self._source(p) is None]
+        #: The swept runs by bucket size (mixed layouts).
+        self._swept = {}
+
+    def _source(self, p):
+        """The member holding old partition ``p`` (uniform layouts), or ``None``."""
+        owner = self._member_of.get(p)
+        world, stride = self._held
+        holder = (p - stride) % world
+        if owner is None and stride > 0 and holder != p:
+            return self._member_of.get(holder)
+        return owner
+
+    def _runs(self, numel):
+        if numel not in self._swept:
+            self._swept[numel] = sources(numel, self._places)
+        return self._swept[numel]
+
+    def runs_over(self, numel, lo, hi):
+        """The runs ``[(a, b, source)]`` covering ``[lo, hi)`` of a bucket of
+        ``numel`` values, neighbours with one source merged."""
+        out = []
+        if lo >= hi:
+            return out
+        if self._held is None:
+            found = [(max(a, lo), min(b, hi), m) for a, b, m in self._runs(numel) if max(a, lo) < min(b, hi)]
+        else:
+            world = self._held[0]
+            chunk = partition_of(numel, 0, world)[1]
+            found = []
+            for p in range(lo // chunk, min(world, (hi - 1) // chunk + 1)):
+                a, b = partition_of(numel, p, world)
+                if max(a, lo) < min(b, hi):
+                    found.append((max(a, lo), min(b, hi), self._source(p)))
+        for a, b, m in found:
+            if out and out[-1][1] == a and out[-1][2] == m:
+                out[-1] = (out[-1][0], b, m)
+            else:
+                out.append((a, b, m))
+        return out
+
+    def sourced_by(self, numel, member):
+        """The ranges ``[(lo, hi)]`` of a bucket of ``numel`` values whose
+        source is ``member``, in order, neighbours merged: its old
+        partition, and its buddy copy where the owner is gone."""
+        if self._held is None:
+            return _merged([(a, b) for a, b, m in self._runs(numel) if m == member])
+        place = self._places[member]
+        if place is None:
+            return []
+        world, stride = self._held
+        olds = sorted({place[0], (place[0] + stride) % world} if stride > 0 else {place[0]})
+        return _merged([partition_of(numel, p, world) for p in olds
+                        if self._source(p) == member and partition_of(numel, p, world)[0]
+                        < partition_of(numel, p, world)[1]])
+
+    def lost(self, numel):
+        """The first value of a bucket of ``numel`` values that no member
+        holds, or ``None``."""
+        if self._held is None:
+            return next((a for a, _, m in self._runs(numel) if m is None), None)
+        for p in self._lost:
+            a, b = partition_of(numel, p, self._held[0])
+            if a < b:
+                return a
+        return None
+
+
+def _merged(spans):
+    """``spans`` (sorted ``(lo, hi)``) with neighbours joined."""
+    out = []
+    for lo, hi in spans:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def _values(pieces, lo, hi, value_of):
     """Values ``[lo, hi)`` of a bucket from ``pieces`` of it (which cover
     that range), each ``value_of(piece)`` or zeros, as float64."""
@@ -143,10 +248,11 @@ def settle(part, states, rank, world, mark=True, buddy_stride=None):
     step = part.sharded_step
     standing = survey(part, states, rank, world)
     plan = part.plan
-    layout = [sources(numel, standing.places) for numel, _ in plan]
-    lost = [(b, lo, hi) for b, bucket in enumerate(layout) for lo, hi, source in bucket if source is None]
+    layout = Sources(standing.places)
+    lost = [(b, layout.lost(numel)) for b, (numel, _) in enumerate(plan)]
+    lost = [(b, lo) for b, lo in lost if lo is not None]
     if lost:
-        b, lo, hi = lost[0]
+        b, lo = lost[0]
         world_then, stride = standing.layout_held()
         owner = next(r for r in range(world_then) if partition_of(plan[b][0], r, world_then)[0] <= lo
                      < partition_of(plan[b][0], r, world_then)[1])
@@ -193,11 +299,10 @@ def _settle_step(part, optimizer, states, rank, standing, layout):
         max_norm, norm_type, indices = standing.asked
         wanted = set(indices)
         grads = []
-        for b, bucket in enumerate(layout):
+        for b, (numel, _) in enumerate(part.plan):
             pieces = part.held_of_bucket.get(b, ())
-            for lo, hi, source in bucket:
-                if source == rank:
-                    grads.append(_values(pieces, lo, hi, lambda p: p.tensor.grad if p.param in wanted else None))
+            for lo, hi in layout.sourced_by(numel, rank):
+                grads.append(_values(pieces, lo, hi, lambda p: p.tensor.grad if p.param in wanted else None))
         total = float(norm_of(grads, norm_type, lambda local, op: states.reduce(local.reshape(1).cpu(), op)[0]))
         coef = min(max_norm / (total + 1e-6), 1.0)
         step.settlement_clipped((total, coef))
@@ -218,11 +323,11 @@ def _settle_step(part, optimizer, states, rank, standing, layout):
     return False, top if behind else top + 1
 
 
-def transfers(numel, bucket_runs, rank, world, stride):
+def transfers(numel, layout, rank, world, stride):
     """What ``rank`` of the new ``world`` (buddies ``stride`` on) sends and
-    receives of a bucket of ``numel`` values whose old holders are
-    ``bucket_runs`` (:func:`runs`): ``(sends, receives)``, each
-    ``{member: [(lo, hi), ...]}`` by ``lo``, ``sends`` to the members whose
+    receives of a bucket of ``numel`` values whose sources ``layout`` (a
+    :class:`Sources`) says: ``(sends, receives)``, each
+    ``{member: [(lo, hi), ...]}`` by ``lo``, neighbours merged, ``sends`` to the members whose
     new partitions (their own or their buddy's) cover values this rank is
     the source of, ``receives`` from the sources of this rank's new
     partitions (itself included: what it keeps). Every member derives every
@@ -231,20 +336,17 @@ def transfers(numel, bucket_runs, rank, world, stride):
 
     The members a run goes to are found by arithmetic on the partitions
     (chunks in rank order; partition ``q``'s buddy holder is ``q - stride``),
-    not by a look at every member's layout: past the scan of the bucket's
-    runs, a member's work and messages are those of the values it holds,
-    whatever the world."""
+    and the sources of this rank's values by ``layout``'s table, not by a
+    look at every member's layout: a member's work and messages are those
+    of the values it holds, whatever the world."""
     chunk = partition_of(numel, 0, world)[1]
     sends, receives = {}, {}
     if chunk == 0:
         return sends, receives
-    mine = [(lo, hi) for lo, hi, _ in held_ranges(numel, rank, world, stride)]
-    for lo, hi, source in bucket_runs:
-        for a, b in mine:
-            if max(lo, a) < min(hi, b):
-                receives.setdefault(source, []).append((max(lo, a), min(hi, b)))
-        if source != rank:
-            continue
+    for a, b, _ in held_ranges(numel, rank, world, stride):
+        for lo, hi, source in layout.runs_over(numel, a, b):
+            receives.setdefault(source, []).append((lo, hi))
+    for lo, hi in layout.sourced_by(numel, rank):
         for q in range(lo // chunk, min(world, (hi - 1) // chunk + 1)):
             a, b = partition_of(numel, q, world)
             if max(lo, a) >= min(hi, b):
@@ -254,7 +356,7 @@ def transfers(numel, bucket_runs, rank, world, stride):
                 sends.setdefault(member, []).append((max(lo, a), min(hi, b)))
     for lists in (sends, receives):
         for member in lists:
-            lists[member].sort()
+            lists[member] = _merged(sorted(lists[member]))
     return sends, receives
 
 
@@ -283,7 +385,7 @@ def _move(part, optimizer, states, rank, world, layout, buddy_stride):
     part.lay_out(rank, world, buddy_stride, read=not sharded_parameters)
     fresh = {}
     for b, (numel, members) in enumerate(part.plan):
-        sends, receives = transfers(numel, layout[b], rank, world, part.buddy_stride)
+        sends, receives = transfers(numel, layout, rank, world, part.buddy_stride)
         pieces_then = old.get(b, ())
         kinds_out = {m: _kinds_in(pieces_then, spans, mine) for m, spans in sends.items()}
         kinds_in = states.exchange_objects({m: k for m, k in kinds_out.items() if m != rank},
