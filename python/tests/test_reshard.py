@@ -20,7 +20,7 @@ import gradsync
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch.sharding import reshard
 from gradsync.torch.sharding.partition import Partition
-from gradsync.torch.sharding.reshard import Sources, _settle_step, runs, settle, transfers
+from gradsync.torch.sharding.reshard import Sources, _merged, _settle_step, runs, settle, transfers
 from gradsync.torch.sharding.standing import Standing, places_of, record, survey
 from gradsync._native import held_ranges
 from gradsync.torch.sharding.optimizer import ShardedOptimizer
@@ -114,16 +114,6 @@ def test_each_member_moves_what_it_holds_point_to_point_not_the_model(old_world,
         assert sent <= 4 * (numel // old_world + 1), (r, sent, numel)
         # A few peers whatever the world: each old partition overlaps at most three new ones, two holders each.
         assert len(sends) <= 12 and len(receives) <= 6, f"member {r} exchanges with {sends} and {receives}"
-
-
-def _merged(spans):
-    out = []
-    for lo, hi in spans:
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return out
 
 
 @pytest.mark.parametrize("seed", range(4))
