@@ -41,7 +41,8 @@ optimizer step rank 0 alone logs the parameters' norms, as a logging
 callback does (each released parameter read from every member's piece
 server; after a kill in ``between`` or ``stall``, once the killed rank is
 gone, its pieces from its buddy copy), and at the end reads
-``model.module.state_dict()`` alone: both are checked against the
+``model.module.state_dict()`` and evaluates a batch through the wrapper
+alone (nanoGPT's ``estimate_loss()``): each is checked against the
 parameters every member gathers.
 """
 
@@ -371,15 +372,19 @@ def memory(model, opt):
 def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged):
     """Every member puts its digest into the store; rank 0 compares them and
     replays the history. Returns whether the run is exact."""
-    alone = None
+    alone, held_out = None, shard(data, 0, 0, args.batch)
     if args.read_alone and elastic.rank == 0:  # (the others wait for it in whole_parameters())
         names = [n for n, _ in model.module.named_parameters()]
         state = model.module.state_dict()
         alone = torch.cat([state[n].flatten() for n in names])
+        with torch.no_grad():  # nanoGPT's estimate_loss() on the master process: through the wrapper, alone
+            evaluated_alone = loss_of(model, held_out).item()
     with model.whole_parameters():  # (sharded parameters: gathered on every member; else nothing to do)
         mine = digest(model.module)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
         norm_now = squared_norm(model.module.parameters())
+        with torch.no_grad():
+            evaluated = loss_of(model.module, held_out).item()
     elastic.store.set(f"{elastic.job}/final/{elastic.epoch}/{elastic.rank}", mine)
     outcome = {"member": elastic.member, "rank": elastic.rank, "world": elastic.world, "epoch": elastic.epoch,
                "applied": elastic.applied, "history": elastic.history, "digest": mine, "started": STARTED,
@@ -419,10 +424,12 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged
             apart = max((abs(logged[s] - want[s]) / want[s] for s in logged), default=0.0)
             last = logged[max(logged)] if logged else None
             outcome.update(read_alone_diff=(alone - trained).abs().max().item(), logged_steps=len(logged),
-                           logged_apart=apart, logged_last=last, norm_now=norm_now)
+                           logged_apart=apart, logged_last=last, norm_now=norm_now,
+                           evaluated_alone=evaluated_alone, evaluated=evaluated)
             print(f"read alone: state dict {outcome['read_alone_diff']:.1e} from the gathered parameters; norms "
                   f"logged at {len(logged)} steps, {apart:.1e} from the replay's (relative), the last "
-                  f"{'equal to' if last == norm_now else 'DIFFERENT from'} the gathered parameters'", flush=True)
+                  f"{'equal to' if last == norm_now else 'DIFFERENT from'} the gathered parameters'; an "
+                  f"evaluation alone {evaluated_alone:.6f} (gathered: {evaluated:.6f})", flush=True)
     if args.report:  # written whole, then renamed: a reader never sees half of it
         with open(f"{args.report}.{elastic.member}.tmp", "w") as f:
             json.dump(outcome, f)

@@ -123,6 +123,11 @@ def training(rank, world, recompute=None, steps=3, prefetch=True, compiled=False
             with wrapped.whole_parameters():
                 worst = max(worst, max((a - b).abs().max().item()
                                        for a, b in zip(reference.parameters(), wrapped.module.parameters())))
+                if not compiled:  # (a compiled block would compile its no_grad graph too: counted below)
+                    with torch.no_grad():  # an evaluation of the module itself inside the block keeps it whole
+                        evaluated = wrapped.module(_batch(step, rank, world)) - reference(_batch(step, rank, world))
+                    worst = max(worst, evaluated.abs().max().item(), max(
+                        (a - b).abs().max().item() for a, b in zip(reference.parameters(), wrapped.module.parameters())))
         return {
             "names": [u.name for u in residence.units],
             "worst": worst,

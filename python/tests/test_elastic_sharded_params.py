@@ -140,9 +140,11 @@ def test_a_silent_parameter_sharded_rank_is_found_and_its_pieces_move(tmp_path, 
 def _read_alone_right(first, steps):
     """Rank 0's reads alone (``--read-alone``) were right: a norm log after
     every step equal to the replay's, the last equal to the gathered
-    parameters', and the state dict read alone at the end equal to them."""
+    parameters', and the state dict read alone at the end equal to them,
+    an evaluation through the wrapper alone equal to the gathered model's."""
     assert first["logged_steps"] == steps and first["logged_apart"] <= 1e-6, first
     assert first["logged_last"] == first["norm_now"] and first["read_alone_diff"] == 0.0, first
+    assert first["evaluated_alone"] == first["evaluated"], first
 
 
 def test_rank_zero_reads_the_model_alone_through_a_loss_from_the_buddy_copy(tmp_path):

@@ -327,8 +327,12 @@ class UnitResidence(ShardedParameters):
         self._forwarding = True
 
     def forward_ended(self):
-        """The wrapper's forward returned: the units nothing holds are released."""
+        """The wrapper's forward returned: the units nothing holds are
+        released. Inside ``whole_parameters()`` nothing is (the block holds
+        every unit; its hooks told the protocol of no forward either)."""
         self._forwarding = False
+        if self.whole:
+            return
         self.protocol.forward_ended()
         self._drive()
 
