@@ -7,26 +7,66 @@ use std::time::Duration;
 
 use super::{read_u32, read_u64, PieceReadError, ReadPiece, MAGIC, OK, REFUSED};
 
+/// The most connections a reader holds open at once, by default: a read
+/// of thousands of ranks' servers goes in waves of this many, so a reader
+/// never runs into the process's limit on open files (1,024 by default on
+/// Linux), which a connection per rank kept open reached past about 1,000
+/// ranks and then read as a rank gone.
+pub const MOST_OPEN: usize = 256;
+
 /// One rank's reader of the other ranks' pieces: a connection to each
-/// server, made at its first read and kept.
+/// server, made at its first read and kept, up to [`MOST_OPEN`] of them;
+/// past that, each read goes to the servers in waves, each wave's
+/// connections closed once it answered.
 pub struct PieceReader {
     /// Per rank, its server (`None`: this rank, read from its own memory).
     servers: Vec<Option<SocketAddr>>,
     connections: Vec<Option<TcpStream>>,
+    /// The most connections open at once.
+    most_open: usize,
 }
 
 impl PieceReader {
     /// A reader of the servers `servers` (per rank; `None` for the reader's own).
     pub fn new(servers: Vec<Option<SocketAddr>>) -> PieceReader {
+        PieceReader::with_most_open(servers, MOST_OPEN)
+    }
+
+    /// [`PieceReader::new`] holding at most `most_open` connections at once (at least one).
+    pub fn with_most_open(servers: Vec<Option<SocketAddr>>, most_open: usize) -> PieceReader {
         let connections = servers.iter().map(|_| None).collect();
-        PieceReader { servers, connections }
+        PieceReader { servers, connections, most_open: most_open.max(1) }
+    }
+
+    /// How many connections are open now.
+    pub fn open(&self) -> usize {
+        self.connections.iter().filter(|c| c.is_some()).count()
     }
 
     /// Every piece of `params` held by every other rank (`tagged`: their
     /// tagged pieces, else their values), at step `at`, each server given
-    /// `deadline` to answer. The requests go out to every server first, then
-    /// the answers are read, in rank order.
+    /// `deadline` to answer. The requests go out to every server of a wave
+    /// first (every server, when they are at most [`MOST_OPEN`]), then its
+    /// answers are read, in rank order.
     pub fn read(
+        &mut self,
+        at: u64,
+        params: &[u32],
+        tagged: bool,
+        deadline: Duration,
+    ) -> Result<Vec<ReadPiece>, PieceReadError> {
+        let read = self.read_all(at, params, tagged, deadline);
+        if read.is_err() {
+            // (Answers may wait unread on the other connections: the next read starts on new ones.)
+            for stream in self.connections.iter_mut().filter_map(Option::take) {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+        read
+    }
+
+    /// [`PieceReader::read`], its connections as the error left them.
+    fn read_all(
         &mut self,
         at: u64,
         params: &[u32],
@@ -42,17 +82,28 @@ impl PieceReader {
             request.extend_from_slice(&p.to_le_bytes());
         }
         let asked: Vec<usize> = (0..self.servers.len()).filter(|r| self.servers[*r].is_some()).collect();
-        for &rank in &asked {
-            let stream = self.connection(rank, deadline)?;
-            stream.write_all(&request).map_err(|source| self.broken(rank, source))?;
-        }
+        // (Kept open between reads only when every server's fits.)
+        let keep = asked.len() <= self.most_open;
         let mut out = Vec::new();
-        for &rank in &asked {
-            let stream = self.connections[rank].as_mut().expect("connected above");
-            match answer(stream, rank, at) {
-                Ok(pieces) => out.extend(pieces),
-                Err(PieceReadError::Io { rank, source }) => return Err(self.broken(rank, source)),
-                Err(other) => return Err(other),
+        for wave in asked.chunks(self.most_open) {
+            for &rank in wave {
+                let stream = self.connection(rank, deadline)?;
+                stream.write_all(&request).map_err(|source| self.broken(rank, source))?;
+            }
+            for &rank in wave {
+                let stream = self.connections[rank].as_mut().expect("connected above");
+                match answer(stream, rank, at) {
+                    Ok(pieces) => out.extend(pieces),
+                    Err(PieceReadError::Io { rank, source }) => return Err(self.broken(rank, source)),
+                    Err(other) => return Err(other),
+                }
+            }
+            if !keep {
+                for &rank in wave {
+                    if let Some(stream) = self.connections[rank].take() {
+                        let _ = stream.shutdown(Shutdown::Both);
+                    }
+                }
             }
         }
         Ok(out)

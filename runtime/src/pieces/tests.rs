@@ -52,6 +52,30 @@ fn a_reader_gets_every_other_ranks_pieces_of_the_parameters_it_asks_for() {
 }
 
 #[test]
+fn a_read_of_more_servers_than_it_may_hold_open_goes_in_waves_and_reads_them_all() {
+    // A connection per rank kept open ran into the process's open-file limit
+    // past about 1,000 ranks, which a reader took for ranks gone.
+    let memories: Vec<Vec<u8>> = (0..9u8).map(|r| vec![r; 3]).collect();
+    let servers: Vec<PieceServer> = memories.iter().map(|m| server_over(m, 1)).collect();
+    let mut addresses: Vec<Option<SocketAddr>> = vec![None];
+    addresses.extend(servers.iter().map(|s| Some(s.addr())));
+    let mut reader = PieceReader::with_most_open(addresses, 4);
+    for _ in 0..2 {
+        let read = reader.read(0, &[1], false, DEADLINE).expect("read");
+        let got: Vec<_> = read.iter().map(|p| (p.rank, p.bytes.clone())).collect();
+        let want: Vec<_> = (0..9u8).map(|r| (r as usize + 1, vec![r; 2])).collect();
+        assert_eq!(got, want, "every server's piece, in rank order");
+        assert_eq!(reader.open(), 0, "each wave's connections closed once it answered");
+    }
+    // Within the bound, the connections are kept for the next read.
+    let mut few = PieceReader::with_most_open(vec![None, Some(servers[0].addr()), Some(servers[1].addr())], 4);
+    few.read(0, &[0], false, DEADLINE).expect("read");
+    assert_eq!(few.open(), 2);
+    drop(servers);
+    drop(memories);
+}
+
+#[test]
 fn a_read_at_a_step_the_server_has_not_finished_is_answered_after_it() {
     let mut memory = vec![0u8; 8];
     let server = server_over(&memory, 8);
@@ -76,6 +100,27 @@ fn a_read_for_a_step_the_server_passed_names_the_rank_and_both_steps() {
     server.written(2);
     let err = PieceReader::new(vec![None, Some(server.addr())]).read(1, &[0], false, DEADLINE).unwrap_err();
     assert!(matches!(err, PieceReadError::Ahead { rank: 1, at: 1, theirs: 2 }), "{err}");
+}
+
+#[test]
+fn after_a_failed_read_the_next_one_reads_no_answer_left_from_it() {
+    // Rank 1 is ahead (the read fails there); rank 2's answer to the failed
+    // request waited unread on its connection, and the next read took it
+    // for its own (the other parameter's bytes).
+    let (ahead, behind) = (vec![1u8; 4], vec![2u8, 3, 4, 5]);
+    let (s1, s2) = (server_over(&ahead, 4), server_over(&behind, 1));
+    s1.writing();
+    s1.written(1);
+    let mut reader = PieceReader::new(vec![None, Some(s1.addr()), Some(s2.addr())]);
+    assert!(matches!(reader.read(0, &[1], false, DEADLINE), Err(PieceReadError::Ahead { rank: 1, .. })));
+    assert_eq!(reader.open(), 0);
+    s2.writing();
+    s2.written(1);
+    let read = reader.read(1, &[0], false, DEADLINE).expect("read");
+    let from_two: Vec<_> = read.into_iter().filter(|p| p.rank == 2).collect();
+    assert_eq!(from_two, vec![ReadPiece { rank: 2, param: 0, offset: 4, tag: String::new(), bytes: vec![2] }]);
+    drop((s1, s2));
+    drop((ahead, behind));
 }
 
 #[test]
