@@ -169,8 +169,7 @@ class PieceService:
         for piece, param_key in owned:
             for key, value in state.get(piece.tensor, {}).items():
                 if torch.is_tensor(value) and value.device.type == "cpu" and value.is_contiguous():
-                    kind = "tensor" if value.dim() > 0 else "scalar"
-                    served.append((param_key, piece.offset, value, f"{key}|{kind}|{str(value.dtype)[6:]}"))
+                    served.append((param_key, piece.offset, value, _state_tag(key, value)))
         self._held = [t for _, _, t, _ in served]
         self._state_entries = len(state)
         self._server.register([(i, offset, t.data_ptr(), t.numel() * t.element_size(), tag)
@@ -332,9 +331,7 @@ class PieceService:
                     continue
                 for key, value in state.get(piece.tensor, {}).items():
                     if torch.is_tensor(value):
-                        kind = "tensor" if value.dim() > 0 else "scalar"
-                        found.append((part.rank, i, piece.offset, f"{key}|{kind}|{str(value.dtype)[6:]}",
-                                      _bytes_of(value)))
+                        found.append((part.rank, i, piece.offset, _state_tag(key, value), _bytes_of(value)))
         return found
 
     def read_state(self, indices):
@@ -453,6 +450,12 @@ def _answers(address):
         return True
     except OSError:
         return False
+
+
+def _state_tag(key, value):
+    """The tag a piece's optimizer state ``key`` (tensor ``value``) is
+    served under: its key, kind and dtype (``read_state`` reads them back)."""
+    return f"{key}|{'tensor' if value.dim() > 0 else 'scalar'}|{str(value.dtype)[6:]}"
 
 
 def _bytes_of(tensor):
