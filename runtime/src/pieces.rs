@@ -403,4 +403,4 @@ mod reader;
 #[cfg(test)]
 mod tests;
 
-pub use reader::PieceReader;
+pub use reader::{PieceReader, MOST_OPEN};
