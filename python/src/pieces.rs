@@ -19,13 +19,18 @@ use pyo3::types::PyBytes;
 use crate::errors;
 
 /// A read error as the `gradsync._errors` class a caller acts on: a rank
-/// gone or silent is `PeerGoneError` (with `.ranks`); ranks out of step,
-/// or a server closed, a `ConfigError`.
+/// gone or silent is `PeerGoneError` (with `.ranks`); ranks out of step
+/// (with `.ahead`, the rank ahead of the reader), or a server closed, a
+/// `ConfigError`.
 fn read_error(py: Python<'_>, e: PieceReadError) -> PyErr {
     match &e {
         PieceReadError::Connect { rank, .. } | PieceReadError::Io { rank, .. } => {
             let ranks = vec![*rank].into_pyobject(py).expect("a list").into_any().unbind();
             errors::raise::<errors::PeerGoneError>(py, e.to_string(), &[("ranks", ranks)])
+        }
+        PieceReadError::Ahead { rank, .. } => {
+            let ahead = rank.into_pyobject(py).expect("an int").into_any().unbind();
+            errors::raise::<errors::ConfigError>(py, e.to_string(), &[("ahead", ahead)])
         }
         _ => errors::raise::<errors::ConfigError>(py, e.to_string(), &[]),
     }

@@ -149,9 +149,8 @@ class Sources:
             return []
         world, stride = self._held
         olds = sorted({place[0], (place[0] + stride) % world} if stride > 0 else {place[0]})
-        return _merged([partition_of(numel, p, world) for p in olds
-                        if self._source(p) == member and partition_of(numel, p, world)[0]
-                        < partition_of(numel, p, world)[1]])
+        ranges = [partition_of(numel, p, world) for p in olds if self._source(p) == member]
+        return _merged([(lo, hi) for lo, hi in ranges if lo < hi])
 
     def lost(self, numel):
         """The first value of a bucket of ``numel`` values that no member

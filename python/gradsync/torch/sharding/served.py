@@ -283,7 +283,7 @@ class PieceService:
                 elif time.monotonic() >= deadline:
                     raise
             except ConfigError as error:
-                if self._abandon is None or "are at step" not in str(error):
+                if self._abandon is None or getattr(error, "ahead", None) is None:
                     raise
                 raise MembershipError.of(
                     "broken", "the members changed while this rank read the model alone (a member is in a later "
