@@ -446,3 +446,4 @@ class ModelSync:
             stop()
         self._communicator.abandon()
         self.session.close()
+        self._communicator.closed()

@@ -113,6 +113,11 @@ class GlooCommunicator:
         """The wrapper is closing: give up a collective still waiting for
         peers (a framework's communicator that can; by default nothing)."""
 
+    def closed(self):
+        """The runtime's threads have stopped (after :meth:`abandon`): a
+        group still inside a collective that was given up is left to the
+        process (a framework's communicator; by default nothing)."""
+
     def _new_group(self):
         """Open this epoch's group (the framework's)."""
         raise NotImplementedError

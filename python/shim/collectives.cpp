@@ -102,7 +102,11 @@ PYBIND11_MODULE(_collectives, m) {
            py::arg("cancel") = py::none(), py::arg("epoch") = 0)
       .def_property_readonly(
           "address", [](Endpoint& ep) { return reinterpret_cast<uintptr_t>(&ep); },
-          "Where the runtime finds this endpoint (valid while the object lives).");
+          "Where the runtime finds this endpoint (valid while the object lives).")
+      .def_property_readonly(
+          "busy", [](Endpoint& ep) { return ep.busy(); },
+          "Whether a collective started on it is still inside gloo (forgotten by the runtime, waiting for a "
+          "peer): freeing the group now would wait for it.");
   py::class_<Cancel, std::shared_ptr<Cancel>>(m, "Cancel",
                      "An elastic job's cancellation of broken membership epochs: the collectives of every "
                      "Endpoint built with it and an epoch up to the broken one fail promptly.")

@@ -84,6 +84,7 @@ int32_t start(void* endpoint, void* addr, int64_t numel, int32_t elem, double fa
     *seq = ep->store->add(ep->key, 1);
     auto tensor = at::from_blob(addr, {numel}, at::TensorOptions().dtype(scalar_type(elem)));
     auto work = in_place(*ep->group, tensor, op, chunk, ep->rank, ep->world, timeout_ms);
+    ep->started(work);
     *flight = new Flight{std::move(work), ep, tensor, elem == kF32 || elem == kF64 ? factor : 1.0};
   });
 }
@@ -127,6 +128,7 @@ int32_t finish(void* flight, char* err, size_t err_len) {
       on_stream.emplace(*f->stream);
     }
     wait_cancellable(*f);
+    f->endpoint->finished();
     at::Tensor sum = f->tensor;
     if (f->bucket.defined()) {
       f->bucket.copy_(f->tensor);

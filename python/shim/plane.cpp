@@ -191,6 +191,11 @@ int32_t start_tensor(void* endpoint, void* plane, void* bucket, int32_t elem, do
         f->bucket = t;
       }
       f->work = in_place(*ep->data, f->tensor, op, chunk, ep->rank, ep->world, timeout_ms);
+      if (!p.comm) {
+        // On the CPU the data group is the gloo group; a device's waits
+        // only order streams, and its group is aborted, not waited for.
+        ep->started(f->work);
+      }
       *flight = f.release();
     });
   });

@@ -94,6 +94,27 @@ struct Endpoint {
   }
 
   bool cancelled() const { return cancel != nullptr && epoch >= 0 && cancel->broken.load() >= epoch; }
+
+  // Keeps `work` until gloo has completed it, whether the runtime finishes
+  // its flight or forgets it (after a failure, or at a close mid-step).
+  void started(c10::intrusive_ptr<c10d::Work> work) {
+    std::lock_guard<std::mutex> hold(works_mutex);
+    prune();
+    unfinished.push_back(std::move(work));
+  }
+  // Lets go of the collectives gloo has completed.
+  void finished() {
+    std::lock_guard<std::mutex> hold(works_mutex);
+    prune();
+  }
+  // Whether a collective started here is still inside gloo: a forgotten one
+  // waiting for a peer that never joins it (a lazily connected pair waits
+  // for gloo's timeout). Freeing the group then joins that wait.
+  bool busy() {
+    std::lock_guard<std::mutex> hold(works_mutex);
+    prune();
+    return !unfinished.empty();
+  }
   void check_cancelled() const {
     if (cancelled()) {
       throw CancelledError("gradsync: collective cancelled: membership epoch " + std::to_string(epoch) +
@@ -102,7 +123,17 @@ struct Endpoint {
   }
 
  private:
+  // Collectives started and not yet seen completed, guarded by `works_mutex`
+  // (the communicator thread starts them; Python asks `busy`).
+  std::mutex works_mutex;
+  std::vector<c10::intrusive_ptr<c10d::Work>> unfinished;
+
+  void prune() {
+    std::erase_if(unfinished, [](const auto& w) { return w->isCompleted(); });
+  }
+
   void release_groups() {
+    unfinished.clear();
     data.reset();
     group.reset();
     store.reset();
@@ -114,7 +145,7 @@ struct Flight {
   c10::intrusive_ptr<c10d::Work> work;
   // The endpoint it was started on (cancellation); the Python communicator
   // keeps it alive until every flight of its epoch is finished or forgotten.
-  const Endpoint* endpoint;
+  Endpoint* endpoint;
   // The runtime's memory, as a tensor (a device-plane bucket's wire copy).
   at::Tensor tensor;
   // Applied to a float sum (1: none).

@@ -149,19 +149,33 @@ def wire_types_that_differ(rank, world, how):
 def closed_mid_step(rank, world):
     """Rank 0's hook refuses a gradient after the first bucket left (its
     collective waits for rank 1, which never runs a step); each rank then
-    closes its wrapper. Returns how long the close took and whether the
-    ranks still meet afterwards."""
+    closes and drops its wrapper. Returns how long the close and the free
+    took and whether the ranks still meet afterwards."""
     import time
 
     import torch.distributed as dist
+
+    import gc
 
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
     wrapped = DDP(model, bucket_cap_mb=1e-6, timeout=120)
     if rank == 0:
         model[0].sparse = True
         expect(gradsync.GradientLayoutError, lambda: wrapped(torch.tensor([1, 2])).sum().backward())
+        # The bucket's collective reaches gloo's wait for rank 1's end of
+        # the pair, which rank 1 never connects.
+        time.sleep(2.0)
+    else:
+        # Rank 1's group is still there when rank 0 connects to it (a
+        # group already gone refuses the connection, which fails at once).
+        time.sleep(1.0)
     began = time.monotonic()
     wrapped.close()
     took = time.monotonic() - began
+    report = wrapped.last_report
+    # Freeing the wrapper frees its group, which must not join that wait.
+    del wrapped
+    gc.collect()
+    freed = time.monotonic() - began
     dist.barrier()
-    return {"close_s": took, "report": wrapped.last_report}
+    return {"close_s": took, "free_s": freed, "report": report}

@@ -99,6 +99,21 @@ class TorchCommunicator(GlooCommunicator):
         if self._own_cancel:
             self._cancel.cancel(2**62)
 
+    def closed(self):
+        """The runtime stopped. A collective it gave up may still be inside
+        gloo: a bucket whose peers closed without starting it waits on a
+        pair they never connect (the groups connect lazily), until gloo's
+        timeout, and freeing the group would join that wait. Such a group
+        is left to the process; an idle one is freed as usual."""
+        self._let_go()
+
+    def _let_go(self):
+        """Keep the current group for the process's life if a collective
+        started on it is still inside gloo (``Endpoint.busy``)."""
+        kept = self._retired and self._retired[-1][1] is self._endpoint
+        if self._endpoint is not None and not kept and self._endpoint.busy:
+            self._retired.append(never_free((self._group, self._endpoint, self._data)))
+
     def native(self):
         """``(table address, endpoint address)``: the runtime's way to the C++ collectives."""
         return self._shim.table(), self._endpoint.address
@@ -131,6 +146,9 @@ class TorchCommunicator(GlooCommunicator):
         self._retired.append(never_free((self._group, self._endpoint, self._data)))
 
     def _new_group(self):
+        # A reset after a failure: the failed epoch's group may still hold
+        # a collective a peer never joined.
+        self._let_go()
         store = dist.PrefixStore(f"{self._prefix}/epoch{self._epoch}", self._store)
         self._group = gloo_group(store, self.rank, self.world, self._timeout)
         self._abort_data()

@@ -177,6 +177,7 @@ class LaneGather(ParameterGather):
         """Stop the lane: a collective still waiting fails at once."""
         self.communicator.abandon()
         self._lane.close()
+        self.communicator.closed()
 
     def start(self, partition, buckets, carries=None):
         """Start gathering ``buckets`` of ``partition`` (this rank's pieces
