@@ -155,8 +155,6 @@ def closed_mid_step(rank, world):
 
     import torch.distributed as dist
 
-    import gc
-
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
     wrapped = DDP(model, bucket_cap_mb=1e-6, timeout=120)
     if rank == 0:
