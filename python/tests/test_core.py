@@ -95,9 +95,16 @@ class FakeFramework:
 class FakeCommunicator:
     def __init__(self):
         self.abandoned = False
+        #: Set by the fixture: the sync whose session must be closed before the groups are let go.
+        self.sync = None
+        #: Whether ``closed`` came, and whether the session was already closed then.
+        self.let_go_after_session = None
 
     def abandon(self):
         self.abandoned = True
+
+    def closed(self):
+        self.let_go_after_session = self.sync.session.closed
 
 
 class FakeResult:
@@ -115,9 +122,11 @@ class FakeResult:
 @pytest.fixture
 def sync(monkeypatch):
     monkeypatch.setattr(_core, "Session", FakeSession)
-    s = _core.ModelSync("Wrapper", "somewhere unseen", _core.DataPath(buckets="host"), FakeCommunicator(),
+    communicator = FakeCommunicator()
+    s = _core.ModelSync("Wrapper", "somewhere unseen", _core.DataPath(buckets="host"), communicator,
                         _core.Replica(0, 2, ["a", "b"], [3, 4], ["float32", "float32"]),
                         _core.SyncSettings(bucket_cap_bytes=1 << 20, timeout_s=5.0))
+    communicator.sync = s
     framework = FakeFramework()
     s.attach(framework)
     framework.session = s.session
@@ -270,6 +279,8 @@ def test_close_takes_the_hooks_off_gives_up_waiting_and_refuses_later_use(sync):
     sync.close("again")  # idempotent: the first reason stays
     assert sync.framework.calls == ["unhooked"]
     assert sync._communicator.abandoned and sync.session.closed
+    # The groups are let go only once the session (and its communicator thread) has stopped.
+    assert sync._communicator.let_go_after_session is True
     with pytest.raises(ClosedError, match="closed by the test"):
         sync.before_forward(grad_enabled=True)
 
