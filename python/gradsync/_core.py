@@ -252,6 +252,12 @@ class ModelSync:
         """The runtime's open step (the one step number)."""
         return self.session.current_step
 
+    def await_in_flight(self, most, within_s):
+        """Whether at most ``most`` of the step's buckets are still in their
+        reduction, waiting up to ``within_s`` for it: the current session's
+        (an elastic job's change of members starts a new one)."""
+        return self.session.await_in_flight(most, within_s)
+
     def refuse_if_closed(self):
         if self.closed_why is not None:
             raise ClosedError(self.closed_why)

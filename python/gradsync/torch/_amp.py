@@ -24,7 +24,7 @@ import torch
 
 from gradsync.torch.sharding import clip as _clip
 from gradsync.torch.sharding.norm import LOST
-from gradsync.torch.sharding.wrapper import sharded_optimizer_of
+from gradsync.torch.sharding.optimizer import sharded_optimizer_of
 
 # torch's GradScaler.unscale_, once wrapped.
 _TORCH_UNSCALE = None

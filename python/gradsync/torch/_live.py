@@ -18,7 +18,7 @@ import weakref
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradsync.torch import _amp
-from gradsync.torch.sharding.wrapper import sharded_optimizer_of
+from gradsync.torch.sharding.optimizer import sharded_optimizer_of
 
 #: Wrappers alive and not closed in this process: for the optimizer check,
 #: and to find the wrapper a new one takes a module over from.

@@ -18,7 +18,7 @@ import io
 import torch
 
 from gradsync._errors import MembershipError
-from gradsync.torch.sharding.wrapper import converted
+from gradsync.torch.sharding.optimizer import converted
 
 
 def fingerprint(tracked):

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gradsync._errors import CheckpointError, ConfigError
 from gradsync.torch.sharding import model_state
-from gradsync.torch.sharding.wrapper import sharded_optimizer_of
+from gradsync.torch.sharding.optimizer import sharded_optimizer_of
 
 #: Where an elastic job's progress (``Elastic.progress``, as JSON) lies in the checkpoint.
 _PROGRESS = "elastic_progress"

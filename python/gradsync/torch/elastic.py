@@ -80,7 +80,7 @@ from gradsync.torch._job import (  # noqa: F401  (ENV_*, EXIT_* and exit_status:
 )
 from gradsync.torch.etcd import is_etcd
 from gradsync.torch._tracked import fingerprint, pack, unpack
-from gradsync.torch.sharding.wrapper import sharded_optimizer_of
+from gradsync.torch.sharding.optimizer import sharded_optimizer_of
 
 log = logging.getLogger("gradsync.elastic")
 

@@ -33,9 +33,7 @@ class ShardedMembers:
         self._lane_parts = (collectives, arrivals, plane_device)
         self._retired_lanes = []
         residence = self._partition.residence
-        residence.in_flight, residence.prefetch = pacing
-        # (The session's at the time of the wait: an elastic job's changes of members start new ones.)
-        residence.await_in_flight = lambda most, within_s: self._sync.session.await_in_flight(most, within_s)
+        residence.pace(pacing, self._sync.await_in_flight)
         self._sync.on_close.append(lambda: residence.lane.close())
         self._sync.on_close.append(residence.remove_hooks)
         self._new_lane()

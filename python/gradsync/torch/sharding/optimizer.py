@@ -43,6 +43,7 @@ import weakref
 import torch
 
 from gradsync._errors import ConfigError
+from gradsync.torch.sharding import clip as _clip
 from gradsync.torch.sharding import optim_state
 from gradsync.torch.sharding.norm import LOST
 from gradsync.torch.sharding.reshard import settle
@@ -433,3 +434,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
             part = self._partition
             if part.buddy:  # (inside: the buddy copies it writes are served at the load's version)
                 settle(part, self._states, part.rank, part.world, mark=False)
+
+
+def converted(optimizer):
+    """``optimizer``'s ``ShardedOptimizer`` if it is one or was converted to
+    one, else ``None`` (nothing is converted)."""
+    if getattr(optimizer, "_gradsync_facade", False):
+        return optimizer
+    return getattr(optimizer, "_gradsync_sharded", None)
+
+
+def sharded_optimizer_of(optimizer, wrapper=None):
+    """The ``ShardedOptimizer`` that steps ``optimizer`` (a torch optimizer):
+    the one it was converted to, or, if it steps parameters of a sharded
+    wrapper (``wrapper``, or any live one), a new conversion; ``None`` for
+    an optimizer of no sharded wrapper."""
+    sharded = converted(optimizer)
+    if sharded is not None:
+        return sharded
+    owners = [wrapper] if wrapper is not None else _clip.live()
+    owners = [w for w in owners if w._partition is not None]
+    if not owners:
+        return None  # (every step of an unsharded job comes here: no parameter list built)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owners = [w for w in owners if w._holds_any(params)]
+    if not owners:
+        return None
+    if len(owners) > 1:
+        raise ConfigError("one optimizer steps the parameters of several sharded wrappers: build one per model")
+    partition = owners[0]._partition
+    index = partition.index_of
+    stale = partition.applied_again({index[id(p)] for p in params if id(p) in index})
+    if stale:
+        raise ConfigError(
+            f"a new optimizer's first step over parameters {stale[:3]}{' and more' if len(stale) > 3 else ''}, "
+            "whose sharded gradients still hold what an earlier optimizer step applied: the averages live in this "
+            "rank's pieces, which an optimizer reaches from its first step on, so its zero_grad() before that "
+            "cleared nothing and this step would apply them again. Keep one optimizer for the model, clear the "
+            "gradients through the wrapper (model.zero_grad()) before the backward, or build the optimizer "
+            "with model.shard_optimizer(...)"
+        )
+    return owners[0]._take_over(optimizer)

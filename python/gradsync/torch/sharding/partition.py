@@ -27,11 +27,10 @@ import torch
 from gradsync._errors import ConfigError
 from gradsync.torch.sharding.layout import Layout, flat_values, write_values
 from gradsync.torch.sharding.norm import Clipping
-from gradsync.torch.sharding.packing import Packing
 from gradsync.torch.sharding.step import ShardedStep
 
 
-class Partition(Layout, Packing, Clipping):
+class Partition(Layout, Clipping):
     """This rank's partition of every bucket of a sharded wrapper's plan
     (see the module docs). ``plan``: the session's ``plan()``; ``params``:
     the wrapper's parameters in registration order; ``reals(p)``: how many

@@ -136,10 +136,10 @@ class UnitResidence(ShardedParameters):
         self.after_round = None
         #: ``buckets_in_flight``: before a unit's backward, wait until at most
         #: this many of the step's buckets are still in their reduction
-        #: (``None``: no wait).
+        #: (``None``: no wait). Set by :meth:`pace`.
         self.in_flight = None
         #: ``fn(most, within_s) -> bool``: whether at most ``most`` buckets are in
-        #: their reduction, asked for ``within_s`` (``Session.await_in_flight``).
+        #: their reduction, asked for ``within_s`` (:meth:`pace`).
         self.await_in_flight = None
         #: The gathers the lane started (``LaneGather.start``'s flight), or ``None``.
         self._flight = None
@@ -161,6 +161,15 @@ class UnitResidence(ShardedParameters):
         for m in model.modules():
             if id(m) not in in_units and any(id(p) in root for p in m._parameters.values() if p is not None):
                 self._handles.append(m.register_forward_pre_hook(ModuleHook(_outside_compile(self._root_needed))))
+
+    def pace(self, pacing, await_in_flight):
+        """How the units pace their gathers and a backward's waits:
+        ``pacing``: ``(buckets_in_flight, prefetch_units)``
+        (``sharding.wrapper.pacing_of``); ``await_in_flight(most, within_s)
+        -> bool``: whether at most ``most`` of the step's buckets are in
+        their reduction, asked for ``within_s`` (``ModelSync.await_in_flight``)."""
+        self.in_flight, self.prefetch = pacing
+        self.await_in_flight = await_in_flight
 
     @property
     def prefetch(self):

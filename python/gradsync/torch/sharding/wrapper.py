@@ -6,7 +6,7 @@ One line changes in a DDP script::
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)   # as before
 
 An optimizer over a sharded wrapper's parameters is converted in place at
-its first step (the global step hooks in ``ddp``, :func:`sharded_optimizer_of`):
+its first step (the global step hooks in ``ddp``, ``optimizer.sharded_optimizer_of``):
 its groups then step this rank's pieces (``sharding.optimizer``); or build one
 with ``model.shard_optimizer(torch.optim.AdamW, lr=1e-4)``. The runtime
 reduce-scatters every bucket (the same actors and decisions as unsharded:
@@ -37,7 +37,7 @@ from gradsync.torch.sharding.materialize import (
     unit_modules,
 )
 from gradsync.torch.sharding.members import ShardedMembers
-from gradsync.torch.sharding.optimizer import ShardedOptimizer
+from gradsync.torch.sharding.optimizer import ShardedOptimizer, sharded_optimizer_of
 from gradsync.torch.sharding.parameters import ShardedParameters
 from gradsync.torch.sharding.partition import Partition
 from gradsync.torch.sharding.served import PieceService
@@ -321,7 +321,7 @@ class Sharding(ShardedMembers):
     def _take_over(self, optimizer):
         """``optimizer`` (built over this wrapper's parameters) converted in
         place to step this rank's pieces, for :meth:`shard_optimizer` and
-        :func:`sharded_optimizer_of`: returns its ``ShardedOptimizer``."""
+        :func:`~gradsync.torch.sharding.optimizer.sharded_optimizer_of`: returns its ``ShardedOptimizer``."""
         if self._partition is None:
             raise ConfigError(
                 "shard_optimizer() needs a wrapper built with shard_gradients=True; this one all-reduces whole "
@@ -376,44 +376,3 @@ class Sharding(ShardedMembers):
             steps += 1
             if report.outcome == "all_joined":
                 return {"first_step": first, "steps": steps}
-
-
-def converted(optimizer):
-    """``optimizer``'s ``ShardedOptimizer`` if it is one or was converted to
-    one, else ``None`` (nothing is converted)."""
-    if getattr(optimizer, "_gradsync_facade", False):
-        return optimizer
-    return getattr(optimizer, "_gradsync_sharded", None)
-
-
-def sharded_optimizer_of(optimizer, wrapper=None):
-    """The ``ShardedOptimizer`` that steps ``optimizer`` (a torch optimizer):
-    the one it was converted to, or, if it steps parameters of a sharded
-    wrapper (``wrapper``, or any live one), a new conversion; ``None`` for
-    an optimizer of no sharded wrapper."""
-    sharded = converted(optimizer)
-    if sharded is not None:
-        return sharded
-    owners = [wrapper] if wrapper is not None else _clip.live()
-    owners = [w for w in owners if w._partition is not None]
-    if not owners:
-        return None  # (every step of an unsharded job comes here: no parameter list built)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    owners = [w for w in owners if w._holds_any(params)]
-    if not owners:
-        return None
-    if len(owners) > 1:
-        raise ConfigError("one optimizer steps the parameters of several sharded wrappers: build one per model")
-    partition = owners[0]._partition
-    index = partition.index_of
-    stale = partition.applied_again({index[id(p)] for p in params if id(p) in index})
-    if stale:
-        raise ConfigError(
-            f"a new optimizer's first step over parameters {stale[:3]}{' and more' if len(stale) > 3 else ''}, "
-            "whose sharded gradients still hold what an earlier optimizer step applied: the averages live in this "
-            "rank's pieces, which an optimizer reaches from its first step on, so its zero_grad() before that "
-            "cleared nothing and this step would apply them again. Keep one optimizer for the model, clear the "
-            "gradients through the wrapper (model.zero_grad()) before the backward, or build the optimizer "
-            "with model.shard_optimizer(...)"
-        )
-    return owners[0]._take_over(optimizer)
