@@ -445,12 +445,40 @@ def runtime_collectives(rank, world, trace_dir):
         wrapped.close()
 
 
-def dcp_save(rank, world, path, steps=3, members=None, impl="gradsync"):
+class _GrowingCollectives:
+    """Counts the state group's collectives whose size grows with the world
+    (every rank's objects, a word per rank) while it is entered."""
+
+    def __enter__(self):
+        from gradsync.torch._states import StateBroadcast
+
+        self.calls, self._class = 0, StateBroadcast
+        self._kept = {name: getattr(StateBroadcast, name) for name in ("all_gather_objects", "everyones")}
+        for name, method in self._kept.items():
+            setattr(StateBroadcast, name, self._counted(method))
+        return self
+
+    def _counted(self, method):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, method in self._kept.items():
+            setattr(self._class, name, method)
+
+
+def dcp_save(rank, world, path, steps=3, members=None, impl="gradsync", skew=False):
     """Train the twice-checkpointed model ``steps`` steps sharded, save it
     with ``gradsync.torch.checkpoint`` to ``path``, and return (the
     wrapper's rank 0) the consolidated optimizer state and the parameters
-    it saved. ``members``: the processes of a ``process_group`` to wrap on
-    (the others only make the group); ``impl``: which sharding (:data:`SETTINGS`)."""
+    it saved; and, on every rank, ``grown``: the state group's collectives
+    of a size that grows with the world the save made. ``members``: the
+    processes of a ``process_group`` to wrap on (the others only make the
+    group); ``impl``: which sharding (:data:`SETTINGS`); ``skew``: the
+    first parameter's step count made one more than the others' before the
+    save (their scalars differ)."""
     from gradsync.torch import checkpoint
 
     make, forward = CASES["checkpoint_twice_reentrant"]
@@ -468,11 +496,17 @@ def dcp_save(rank, world, path, steps=3, members=None, impl="gradsync"):
             opt.zero_grad()
             forward(wrapped, rank, step, x.requires_grad_()).backward()
             opt.step()
-        checkpoint.save(path, wrapped, opt)
+        if skew:
+            for piece in wrapped._partition.of_param.get(0, ()):
+                opt.inner.state[piece.tensor]["step"] += 1
+        with _GrowingCollectives() as growing:
+            checkpoint.save(path, wrapped, opt)
         opt.consolidate_state_dict(to=0)
         with wrapped.whole_parameters():
             params = [p.detach().clone() for p in wrapped.parameters()]
-        return {"optimizer": opt.state_dict(), "params": params} if rank == 0 else None
+        if rank != 0:
+            return {"grown": growing.calls}
+        return {"optimizer": opt.state_dict(), "params": params, "grown": growing.calls}
     finally:
         wrapped.close()
 

@@ -118,13 +118,32 @@ def test_full_optimizer_state_consolidates_and_loads_on_any_world(world3):
 
 def test_a_dcp_checkpoint_of_two_ranks_loads_on_three(world2, world3, tmp_path):
     path = str(tmp_path / "ckpt")
-    saved = world2.run(sharded.dcp_save, path)[0]
+    runs = world2.run(sharded.dcp_save, path)
+    # The keys and step counts every rank saves are agreed without a word
+    # per rank (O(world) a member at 10,000 ranks): none of those collectives.
+    assert [run["grown"] for run in runs] == [0, 0]
+    saved = runs[0]
     for rank, got in enumerate(world3.run(sharded.dcp_load, path, saved)):
         assert got["keys"] and got["steps"], f"rank {rank}: {got}"
         assert got["params"] == 0.0 and got["state"] == 0.0, f"rank {rank}: {got}"
         assert got["lr"] == [sharded.LR], "the groups' options come from the checkpoint"
     for message in world2.run(sharded.dcp_load_other_model, path):
         assert message.startswith("ConfigError") and "another model" in message, message
+
+
+def test_step_counts_that_differ_by_parameter_are_saved_and_loaded_as_they_are(world2, world3, tmp_path):
+    """One parameter a step ahead of the others: its scalars differ, so the
+    save takes every rank's (the general path), and both the consolidated
+    state and a load at another world keep each parameter's own count."""
+    path = str(tmp_path / "ckpt")
+    runs = world2.run(sharded.dcp_save, path, skew=True)
+    saved = runs[0]
+    steps = {n: float(values["step"]) for n, values in saved["optimizer"]["state"].items()}
+    assert steps[0] == 4.0 and set(steps.values()) == {3.0, 4.0}, steps
+    assert all(run["grown"] > 0 for run in runs), "the scalars differ: every rank's are gathered"
+    for rank, got in enumerate(world3.run(sharded.dcp_load, path, saved)):
+        assert got["keys"] and got["steps"], f"rank {rank}: {got}"
+        assert got["params"] == 0.0 and got["state"] == 0.0, f"rank {rank}: {got}"
 
 
 def test_a_dcp_checkpoint_of_a_process_group_subset_loads_on_another_world(world2, world3, tmp_path):

@@ -219,7 +219,11 @@ class Layout:
             at = layout.members.index(i)
             start = sum(layout.sizes[:at])
             size = layout.sizes[at]
-            for rank in range(self.world):
+            if not size:
+                continue
+            # Only the ranks whose chunks meet it (chunks of ``layout.chunk``
+            # values in rank order): O(its pieces), not O(world).
+            for rank in range(start // layout.chunk, (start + size - 1) // layout.chunk + 1):
                 lo, hi = partition_of(layout.numel, rank, self.world)
                 lo, hi = max(lo, start), min(hi, start + size)
                 if lo < hi:

@@ -78,7 +78,7 @@ def full_state(opt):
         for key, value in inner.state.get(piece.tensor, {}).items():
             kinds[key] = kind_of(value)
     merged = {}
-    for rank_kinds in opt._states.all_gather_objects(sorted(kinds.items())):
+    for rank_kinds in opt._states.distinct(sorted(kinds.items()) or None):
         merged.update(rank_kinds)
     state = {}
     for b, layout in enumerate(part.buckets):
@@ -122,7 +122,14 @@ def full_state_alone(opt):
 def present_and_scalars(opt, number):
     """Which parameters (by number) have state on some rank (stepped at
     least once), and their scalars (a step count), sent by the rank holding
-    each parameter's first piece: the same on every rank (a collective)."""
+    each parameter's first piece: the same on every rank (a collective).
+
+    Where every parameter's scalars are alike (one optimizer stepping every
+    parameter the same number of times, as nearly always), a member sends a
+    byte per parameter twice (the parameters with state, those with
+    scalars) and the scalars once (``StateBroadcast.distinct``): nothing
+    grows with the world. Only where they differ does every member send its
+    own (O(world) a member)."""
     present, scalars = set(), {}
     for i, pieces in opt._partition.of_param.items():
         entry = opt.inner.state.get(pieces[0].tensor, {})
@@ -133,11 +140,42 @@ def present_and_scalars(opt, number):
             for key, value in entry.items():
                 if kind_of(value) == "scalar":
                     scalars.setdefault(number[i], {})[key] = value.clone() if torch.is_tensor(value) else value
-    for rank_present, rank_scalars in opt._states.all_gather_objects((present, scalars)):
-        present |= rank_present
-        for n, values in rank_scalars.items():
-            scalars.setdefault(n, {}).update(values)
-    return present, scalars
+    states, count = opt._states, len(numbering(opt.entries)[0])
+    alike = {tuple(sorted((key, _tagged(value)) for key, value in values.items())) for values in scalars.values()}
+    agreed = states.distinct(next(iter(alike)) if len(alike) == 1 else (_MIXED if alike else None))
+    if len(agreed) > 1 or agreed == [_MIXED]:  # (parameters' scalars differ: every rank's, as they are)
+        for rank_present, rank_scalars in states.all_gather_objects((present, scalars)):
+            present |= rank_present
+            for n, values in rank_scalars.items():
+                scalars.setdefault(n, {}).update(values)
+        return present, scalars
+    bits = torch.zeros(2 * count, dtype=torch.uint8)
+    bits[list(present)] = 1
+    bits[[count + n for n in scalars]] = 1
+    states.reduce(bits, "max")
+    present = set(bits[:count].nonzero().flatten().tolist())
+    with_scalars = bits[count:].nonzero().flatten().tolist()
+    return present, {n: {key: _untagged(value) for key, value in agreed[0]} for n in with_scalars}
+
+
+#: What a rank offers :meth:`StateBroadcast.distinct` when its parameters' scalars differ.
+_MIXED = "mixed"
+
+
+def _tagged(value):
+    """A scalar of an optimizer's state in a form equal on every rank where
+    the values are: a 0-d tensor as its dtype, device type and number."""
+    if torch.is_tensor(value):
+        return ("tensor", str(value.dtype).removeprefix("torch."), value.device.type, value.item())
+    return ("value", value)
+
+
+def _untagged(tagged):
+    """The scalar :func:`_tagged` made ``tagged`` of."""
+    if tagged[0] == "tensor":
+        _, dtype, device, number = tagged
+        return torch.tensor(number, dtype=getattr(torch, dtype), device=device)
+    return tagged[1]
 
 
 def _check_groups(opt, saved_groups):
@@ -252,7 +290,7 @@ def _saved_entries(opt, number):
         for key, value in opt.inner.state.get(piece.tensor, {}).items():
             kinds[key] = (kind_of(value), value.dtype if torch.is_tensor(value) else None)
     merged = {}
-    for rank_kinds in opt._states.all_gather_objects(kinds):
+    for rank_kinds in opt._states.distinct(sorted(kinds.items()) or None):
         merged.update(rank_kinds)
     entries = {
         n: {key: kind for key, kind in merged.items() if key in scalars.get(n, {}) or kind[0] != "scalar"}
