@@ -43,7 +43,12 @@ server; after a kill in ``between`` or ``stall``, once the killed rank is
 gone, its pieces from its buddy copy), and at the end reads
 ``model.module.state_dict()`` and evaluates a batch through the wrapper
 alone (nanoGPT's ``estimate_loss()``): each is checked against the
-parameters every member gathers.
+parameters every member gathers. ``--ema`` (with ``--shard-params``): an
+exponential moving average of the parameters kept sharded
+(``ShardedAveragedModel``: each member averages its pieces and its buddy's,
+so a lost member's averages live on), updated after every optimizer step;
+at the end rank 0 reads it alone and compares it with torch's
+``AveragedModel`` over the replay.
 """
 
 import argparse
@@ -60,6 +65,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_lm import TOLERANCE, TinyLM, corpus  # noqa: E402
@@ -133,18 +139,28 @@ def optimizer_of(args, params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+#: ``--ema``: the decay of the moving average.
+EMA_DECAY = 0.9
+
+
 def replay(args, base, data, history, batch, first_world, fixed):
     """One process, the same history: each applied step's gradient is the sum
     of the per-rank mean gradients of the ranks in its sum (their shards, in
     rank order, as the all-reduce adds them) divided by how many they are
     (fixed: by the first world size). Returns the model, each step's
-    gradient norm, and the parameters' squared norm after each step
-    (``-1``: before the first)."""
+    gradient norm, the parameters' squared norm after each step (``-1``:
+    before the first) and (``--ema``) torch's ``AveragedModel`` of it
+    updated after every step of the loop, applied or not (else ``None``)."""
     model = copy.deepcopy(base)
     model.recompute = False
     opt = optimizer_of(args, model.parameters())
     norms = {}
     weights = {-1: squared_norm(model.parameters())}
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY)) if args.ema else None
+    applied = {step for step, *_ in history}
+    if averaged is not None:  # (the loop's steps before the first applied one average the model as built)
+        for _ in range(min(applied, default=args.steps)):
+            averaged.update_parameters(model)
     for step, _world, _contributors, ranks in history:
         opt.zero_grad()
         for rank in ranks:
@@ -158,7 +174,11 @@ def replay(args, base, data, history, batch, first_world, fixed):
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         weights[step] = squared_norm(model.parameters())
-    return model, norms, weights
+        if averaged is not None:  # (after this step, and after each skipped one up to the next applied)
+            later = [s for s in applied if s > step]
+            for _ in range((min(later) if later else args.steps) - step):
+                averaged.update_parameters(model)
+    return model, norms, weights, averaged
 
 
 @torch.no_grad()
@@ -202,6 +222,8 @@ def main():
     parser.add_argument("--read-alone", action="store_true",
                         help="(with --shard-params) rank 0 alone logs the parameters' norms after each step and "
                              "reads the state dict at the end")
+    parser.add_argument("--ema", action="store_true",
+                        help="keep a sharded moving average of the parameters (with --shard-params)")
     parser.add_argument("--report", metavar="FILE", help="write this member's outcome to FILE.<member> (JSON)")
     parser.add_argument("--break-at-start", action="store_true",
                         help="membership epoch 0 breaks before the optimizer is tracked (what a member that seems "
@@ -228,11 +250,13 @@ def main():
     if args.read_alone and (args.shard_params is None or not args.report):
         parser.error("--read-alone reads released parameters: add --shard-params (and --report, whose kill marks it "
                      "waits for)")
+    if args.ema and args.shard_params is None:
+        parser.error("--ema keeps a ShardedAveragedModel, which averages sharded parameters: add --shard-params")
     if args.save_at is not None and not args.checkpoint:
         parser.error("--save-at needs --checkpoint DIR")
     try:
-        elastic, base, data, model, opt = build(args)
-        loss, applied_at, norms, logged = train(args, elastic, model, opt, data)
+        elastic, base, data, model, opt, averaged = build(args)
+        loss, applied_at, norms, logged = train(args, elastic, model, opt, averaged, data)
     except gradsync.MembershipError as e:
         # The job went on without this process (or cannot go on at all).
         print(f"member {os.environ.get('GRADSYNC_MEMBER')}: left the job ({e.kind}): {e}", file=sys.stderr, flush=True)
@@ -240,12 +264,12 @@ def main():
     if not elastic.is_member:
         print(f"member {elastic.member}: the job ended before it was admitted", flush=True)
         return
-    sys.exit(0 if check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged) else 1)
+    sys.exit(0 if check(args, elastic, model, opt, averaged, base, data, loss, applied_at, norms, logged) else 1)
 
 
 def build(args):
     """This process's membership, the model (and its replay's start), the
-    data and the optimizer."""
+    data, the optimizer and (``--ema``) the sharded average."""
     torch.set_num_threads(1)
     elastic = gt.Elastic(liveness_s=args.liveness, fixed_global_batch=args.fixed_global_batch, beat_s=args.beat,
                          start_timeout_s=args.start_timeout)
@@ -270,16 +294,17 @@ def build(args):
         while elastic.membership.broken is None or elastic.membership.broken < elastic.epoch:
             time.sleep(0.01)
     elastic.track(model=model, optimizer=opt)
+    averaged = gt.ShardedAveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY)) if args.ema else None
     if args.resume:
         checkpoint.load(args.resume, model, opt)
         print(f"member {elastic.member}: resumed from {args.resume} at step {elastic.step}", flush=True)
     if elastic.rank == 0 and not elastic.joining:
         print(f"gradsync train_elastic: {elastic.world} ranks, {args.steps} steps, batch {args.batch} per rank, "
               f"kills {[f'{r}@{s}:{p}' for r, s, p in args.kill] or 'none'}", flush=True)
-    return elastic, base, data, model, opt
+    return elastic, base, data, model, opt, averaged
 
 
-def train(args, elastic, model, opt, data):
+def train(args, elastic, model, opt, averaged, data):
     """The loop, with the kills asked for; returns the last loss, when
     each step this process saw applied was applied (wall clock), each
     applied step's gradient norm and (``--read-alone``) the parameters'
@@ -337,6 +362,8 @@ def train(args, elastic, model, opt, data):
         killing["gather"] = at("gather", step)
         opt.step()
         opt.zero_grad()
+        if averaged is not None:
+            averaged.update_parameters(model)
         if step == args.save_at:
             checkpoint.save(args.checkpoint, model, opt)
         if args.pace_ms:
@@ -369,7 +396,7 @@ def memory(model, opt):
     return {"runtime": model.memory_bytes, "optimizer": state, "parameters": model.parameter_bytes}
 
 
-def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged):
+def check(args, elastic, model, opt, averaged, base, data, loss, applied_at, norms, logged):
     """Every member puts its digest into the store; rank 0 compares them and
     replays the history. Returns whether the run is exact."""
     alone, held_out = None, shard(data, 0, 0, args.batch)
@@ -379,6 +406,12 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged
         alone = torch.cat([state[n].flatten() for n in names])
         with torch.no_grad():  # nanoGPT's estimate_loss() on the master process: through the wrapper, alone
             evaluated_alone = loss_of(model, held_out).item()
+    ema = None
+    if averaged is not None:
+        with averaged.applied():  # (every member enters; rank 0 reads the average alone)
+            if elastic.rank == 0:
+                state = model.module.state_dict()
+                ema = torch.cat([state[n].flatten() for n, _ in model.module.named_parameters()])
     with model.whole_parameters():  # (sharded parameters: gathered on every member; else nothing to do)
         mine = digest(model.module)
         trained = torch.cat([p.detach().flatten() for p in model.module.parameters()])
@@ -396,8 +429,8 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged
         elastic.store.wait(keys)
         digests = [elastic.store.get(k).decode() for k in keys]
         identical = len(set(digests)) == 1
-        reference, replayed, weights = replay(args, base, data, elastic.history, args.batch, elastic.first_world,
-                                              args.fixed_global_batch)
+        reference, replayed, weights, ref_average = replay(args, base, data, elastic.history, args.batch,
+                                                           elastic.first_world, args.fixed_global_batch)
         diff = (torch.cat([p.detach().flatten() for p in reference.parameters()]) - trained).abs().max().item()
         worlds = [len(ranks) for *_, ranks in elastic.history]
         changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
@@ -417,6 +450,15 @@ def check(args, elastic, model, opt, base, data, loss, applied_at, norms, logged
         print(f"equivalence: max |param - replay| = {diff:.2e} (tolerance {TOLERANCE:.0e}) "
               f"{'OK' if ok else 'FAILED'}", flush=True)
         outcome.update(identical=identical, diff=diff, ok=ok, norms_off=off, norms_compared=len(compared))
+        if ema is not None:
+            want = torch.cat([p.detach().flatten() for p in ref_average.module.parameters()])
+            ema_diff = (ema - want).abs().max().item()
+            counted = int(averaged.n_averaged) == int(ref_average.n_averaged)
+            ok = outcome["ok"] = ok and ema_diff <= TOLERANCE and counted
+            outcome.update(ema_diff=ema_diff, ema_counted=counted)
+            print(f"moving average: max |average - AveragedModel over the replay| = {ema_diff:.2e} after "
+                  f"{int(averaged.n_averaged)} updates ({'the same count' if counted else 'ANOTHER count'})",
+                  flush=True)
         if alone is not None:
             # Each step's log against the replay after the last step applied by then (a skipped one changes nothing).
             applied = sorted(weights)

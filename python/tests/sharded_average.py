@@ -230,3 +230,51 @@ def refusals(rank, world):
     finally:
         wrapped.close()
 
+
+
+class _OthersAhead:
+    """A state group on which the other members averaged one update more
+    than this one (what ``ShardedAveragedModel.lend`` finds on a member that
+    took a step's update in a settlement, the others having stepped and
+    averaged it in before the loss showed)."""
+
+    def extremes(self, values):
+        return [v + 1 for v in values], list(values)
+
+
+def taken_early(rank, world, steps=3):
+    """``steps`` steps with the average updated after each, then one more
+    optimizer step and a change of members (``lend`` / ``settled``, as
+    ``sharding.reshard.settle`` calls them) at which the others stand one
+    update ahead: the average takes that step's update there, and the
+    ``update_parameters()`` the loop makes after the step is taken as done.
+    Returns how far the average is then from ``AveragedModel``'s of a
+    replay of ``steps + 1`` steps, both update counts, and whether any
+    optimizer state entry kept the average's key."""
+    reference = Normed().double()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_average = AveragedModel(reference, **_average_settings("ema", False))
+    wrapped = GradsyncDDP(copy.deepcopy(reference), shard_parameters=True, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    averaged = ShardedAveragedModel(wrapped, **_average_settings("ema", False))
+    try:
+        _train(reference, ref_opt, ref_average, steps + 1, None, world)
+        _train(wrapped, opt, averaged, steps, rank, world)
+        opt.zero_grad()
+        wrapped(_batch(steps, rank, world)).square().mean().backward()
+        opt.step()  # (this member's step; the others averaged it in already)
+        state = wrapped._partition.optimizer().inner.state
+        part = wrapped._partition
+        averaged.lend(state, _OthersAhead(), "gradsync.average.0")
+        averaged.settled(state, _OthersAhead(), [(r, world, 0) for r in range(world)])
+        early = int(averaged.n_averaged)
+        averaged.update_parameters(wrapped)  # (the loop's own, after the step: already done)
+        probe = _batch(100, None, world)
+        wrapped.eval()
+        ref_average.eval()
+        with torch.no_grad(), averaged.applied():
+            apart = (wrapped(probe) - ref_average(probe)).abs().max().item()
+        return {"apart": apart, "early": early, "after": int(averaged.n_averaged), "want": int(ref_average.n_averaged),
+                "key_left": any("gradsync.average.0" in state.get(p.tensor, {}) for p in part.every_held_piece())}
+    finally:
+        wrapped.close()

@@ -18,7 +18,7 @@ under ZeRO-3: a loss there shows at the next boundary.
 """
 
 import pytest
-from test_elastic import PACED, exact, explain, launch, rejoined, reports, woken_after_a_freeze
+from test_elastic import PACED, exact, explain, launch, rank0, rejoined, reports, woken_after_a_freeze
 from test_elastic import test_a_silent_rank_is_found_by_the_liveness_check_and_the_minority_leaves as _silent
 from test_elastic_sharded import skipped
 
@@ -135,6 +135,33 @@ def test_a_silent_parameter_sharded_rank_is_found_and_its_pieces_move(tmp_path, 
     gather lane's collectives too (the lane waits on the job's
     cancellation), and the survivors settle from the buddy copies."""
     _silent(tmp_path, rank, phase, ("--shard-params",))
+
+
+@pytest.mark.parametrize("rank,phase,policy,allowed", [
+    (2, "optimizer", "skip", 0),  # every survivor steps in the settlement, then averages
+    pytest.param(1, "gather", "skip", 1, marks=pytest.mark.slow),  # rank 1 averaged step 4 in; the others too
+    pytest.param(0, "forward", "partial", 1, marks=pytest.mark.slow),
+])
+def test_a_sharded_moving_average_loses_nothing_when_a_rank_is_killed(tmp_path, rank, phase, policy, allowed):
+    """``--ema``: a ``ShardedAveragedModel`` (each member averages its
+    pieces and its buddy's) through a kill: the averages of the lost
+    member's pieces move with them, and the average rank 0 reads alone at
+    the end equals torch's ``AveragedModel`` over the replay, with the
+    same update count (elastic jobs refused it before)."""
+    proc = _killed(tmp_path, rank, phase, policy, allowed, "--ema")
+    first = rank0(reports(tmp_path))
+    assert first["ema_counted"] and first["ema_diff"] <= 1e-6, explain(proc)
+
+
+@pytest.mark.slow
+def test_a_replacement_takes_its_pieces_of_the_moving_average(tmp_path):
+    """``--ema`` with a replacement: it receives its pieces' averages with
+    its pieces, and ``n_averaged`` and the averages of what is not sharded
+    from a member that stayed; the average at the end is the replay's."""
+    proc, found = launch(tmp_path, 3, "--steps", "300", *PACED, *PARAMS, "--ema", "--kill", "1@3:backward",
+                         rejoin=True)
+    first = rejoined(proc, found)
+    assert first["ema_counted"] and first["ema_diff"] <= 1e-6, explain(proc)
 
 
 def _read_alone_right(first, steps):

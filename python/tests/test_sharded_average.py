@@ -43,3 +43,12 @@ def test_an_average_of_a_model_that_is_not_parameter_sharded_or_mid_step_is_refu
         assert "between steps only" in seen["mid_forward"], f"rank {rank}: {seen}"
         assert "after optimizer.step()" in seen["mid_step"], f"rank {rank}: {seen}"
 
+
+
+def test_a_member_whose_step_came_in_a_settlement_averages_it_there_once(world2):
+    # A loss inside optimizer.step() can leave members that stepped and averaged the step in
+    # beside members that take the step in the settlement: those average it in there (their
+    # pieces hold the step by then), and the loop's update_parameters() after it adds nothing.
+    for rank, seen in enumerate(world2.run(sharded_average.taken_early)):
+        assert seen["early"] == seen["after"] == seen["want"] == 4, f"rank {rank}: {seen}"
+        assert seen["apart"] < 1e-12 and not seen["key_left"], f"rank {rank}: {seen}"

@@ -32,12 +32,13 @@ averages them too.
 """
 
 import contextlib
+import weakref
 
 import torch
 from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _group_tensors_by_device_and_dtype
 
-from gradsync._errors import ConfigError
+from gradsync._errors import ConfigError, MembershipError
 from gradsync.torch.sharding.released import held
 
 
@@ -50,8 +51,12 @@ class ShardedAveragedModel:
     average, SWA's), each elementwise. Every rank builds it, at the same
     point, between steps.
 
-    Not yet in elastic jobs, whose members re-shard the pieces when one is
-    lost (a :class:`gradsync.ConfigError` says so)."""
+    In an elastic job the averages of a rank's pieces live on its buddy too
+    (its optimizer steps the buddy's pieces, and they are averaged with its
+    own), so a lost member loses none: at a change of members they move
+    with the pieces (:meth:`lend`, :meth:`settled`), and a replacement takes
+    ``n_averaged`` and the averages of what is not sharded from a member
+    that stayed."""
 
     def __init__(self, model, avg_fn=None, multi_avg_fn=None, use_buffers=False):
         part = getattr(model, "_partition", None)
@@ -60,12 +65,6 @@ class ShardedAveragedModel:
                 "ShardedAveragedModel averages a model whose parameters are sharded: wrap it with gradsync's "
                 "DistributedDataParallel(model, shard_parameters=True). A model whose parameters are whole on every "
                 "rank (unsharded, or shard_gradients=True) averages with torch.optim.swa_utils.AveragedModel(model)"
-            )
-        if part.recover is not None:
-            raise ConfigError(
-                "ShardedAveragedModel is not built in elastic jobs yet (a lost member's pieces are re-sharded, and "
-                "their averages would be lost): average with torch.optim.swa_utils.AveragedModel(model.module), "
-                "whose copy is whole, or run the job without elastic"
             )
         self._model = model
         self._partition = part
@@ -87,6 +86,60 @@ class ShardedAveragedModel:
         #: Inside :meth:`applied`: the trained values put aside (in the
         #: order of ``_averages``); ``None`` outside.
         self._aside = None
+        #: Whether a change of members averaged in the step the next
+        #: :meth:`update_parameters` is for (:meth:`lend`).
+        self._taken_early = False
+        #: The key its pieces' averages take in their optimizer state while
+        #: a change of members moves them (:meth:`lend`), or ``None``.
+        self._key = None
+        part.averaged.append(weakref.ref(self))
+
+    def lend(self, state, states, key):
+        """A change of members begins (``sharding.reshard.settle``, after
+        every holder took the same optimizer steps): each held piece's
+        average goes into its optimizer ``state`` entry under ``key`` (the
+        same on every member), to move with the piece's state. A member whose
+        pieces took the step's update in the settlement, while the others
+        had averaged it in already (``n_averaged`` one behind theirs:
+        ``states``, the new state group, finds out in one reduction),
+        averages it in now, and its own ``update_parameters()`` after this
+        step is then taken as done."""
+        self._refuse_inside("a change of members")
+        holds = self._partition.sharded_step.holds
+        n = int(self.n_averaged)
+        high, _ = states.extremes([n if holds else -1])
+        if holds and n < high[0]:
+            if n != high[0] - 1:
+                raise MembershipError.of(
+                    "broken", f"the averaged model's members stand {high[0] - n} updates apart at a change of "
+                    "members (ShardedAveragedModel.update_parameters): call it on every member after every "
+                    "optimizer.step()")
+            self._update()
+            self._taken_early = True
+        self._key = key
+        for owner, average, kind in self._averages:
+            if kind == "piece":
+                state.setdefault(owner.tensor, {})[key] = average
+
+    def settled(self, state, states, places):
+        """The change of members moved the pieces: the averages of the new
+        pieces come out of the optimizer ``state`` again; when a member
+        holds no old place (``places``: per new rank, the old place it
+        holds, or ``None``: a replacement), every member takes
+        ``n_averaged`` and the averages of what is not sharded from the
+        first that holds one (``states``: the new state group; a broadcast
+        of the unsharded part only)."""
+        pieces = []
+        for piece in self._partition.every_held_piece():
+            entry = state.get(piece.tensor)
+            average = entry.pop(self._key, None) if entry is not None else None
+            if entry is not None and not entry:
+                del state[piece.tensor]  # (the average alone: no optimizer state of its own)
+            pieces.append((piece, piece.tensor.detach().clone() if average is None else average, "piece"))
+        self._averages = pieces + [a for a in self._averages if a[2] != "piece"]
+        if None in places:
+            root = next(r for r, place in enumerate(places) if place is not None)
+            states.broadcast([self.n_averaged, *(a for _, a, kind in self._averages if kind != "piece")], root)
 
     @property
     def held_bytes(self):
@@ -111,6 +164,14 @@ class ShardedAveragedModel:
             raise ConfigError("ShardedAveragedModel.update_parameters(model): the model must be the wrapper it was "
                               "built over (or its module); build one ShardedAveragedModel per model")
         self._refuse_inside("update_parameters()")
+        if self._taken_early:  # (a change of members averaged this step in: see lend)
+            self._taken_early = False
+            return
+        self._update()
+
+    @torch.no_grad()
+    def _update(self):
+        """Average the current values in (:meth:`update_parameters`)."""
         values, averages = self._sides(buffers=self._use_buffers)
         if self.n_averaged == 0:
             _copy(averages, values)

@@ -46,6 +46,11 @@ class Partition(Layout, Clipping):
         #: The sharded optimizer built last over this partition (a weak
         #: reference): a rank out of data steps it for the others (``join``).
         self.optimizer = None
+        #: The ``ShardedAveragedModel`` s over this partition (weak
+        #: references), in the order they were built: their pieces'
+        #: averages move with the pieces at a change of members
+        #: (``sharding.reshard.settle``).
+        self.averaged = []
         #: Ranks that had joined (run out of data) in the last step.
         self.joined = []
         #: Where this rank's sharded step stands (``sharding.step``: its one

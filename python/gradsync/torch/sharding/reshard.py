@@ -29,7 +29,8 @@ at), on the new group's state group:
 
 2. **The move**: every element of every bucket has a *source*, a member that
    holds it (its owner first, else the owner's buddy); each source sends
-   the parameters' values and optimizer state of its runs (bit for bit)
+   the parameters' values and optimizer state of its runs (and, with a
+   ``ShardedAveragedModel``, their averages: one more kind of state), bit for bit,
    point to point to the members whose new partition or new buddy
    partition they fall in (:func:`transfers`), each message after the
    kinds of state of the parameters it carries, so each member sends and
@@ -264,7 +265,12 @@ def settle(part, states, rank, world, mark=True, buddy_stride=None):
             "(gradsync.torch.checkpoint.save/load)",
         )
     dropped, taken = _settle_step(part, optimizer, states, rank, standing, layout)
+    averages = [a for a in (ref() for ref in part.averaged) if a is not None]
+    for k, averaged in enumerate(averages):  # (their pieces' averages ride the move as more kinds of state)
+        averaged.lend(optimizer.inner.state, states, f"gradsync.average.{k}")
     _move(part, optimizer, states, rank, world, layout, buddy_stride)
+    for averaged in averages:
+        averaged.settled(optimizer.inner.state, states, standing.places)
     step.settled_at(taken, latch=mark)
     return dropped
 
