@@ -669,3 +669,40 @@ def meta_load(rank, world, path, start, saved_world, saved_steps=3, steps=2):
         return {**seen, "worst": worst}
     finally:
         wrapped.close()
+
+
+def files_on_the_gradient_path(rank, world, steps=3):
+    """The gradsync Python files one ZeRO-3 gradient passes: the frames of
+    the last step's ``loss.backward()`` and ``optimizer.step()`` (AdamW)
+    on this process's Python threads (the runtime's own threads run Rust
+    and C++), as paths inside the package."""
+    import sys
+    import threading
+
+    import gradsync
+
+    root = gradsync.__file__.rsplit("/", 1)[0] + "/"
+    wrapped = GradsyncDDP(Stack(), shard_parameters=True, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    files = set()
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename.startswith(root):
+            files.add(frame.f_code.co_filename[len(root):])
+
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            loss = wrapped(_batch(step, rank, world).float()).square().mean()
+            if step == steps - 1:
+                threading.settrace(trace)
+                sys.settrace(trace)
+            try:
+                loss.backward()
+                opt.step()
+            finally:
+                sys.settrace(None)
+                threading.settrace(None)
+        return sorted(files)
+    finally:
+        wrapped.close()

@@ -47,6 +47,14 @@ def test_each_block_is_gathered_for_its_forward_and_its_backward_only(world2, re
         assert seen["between"] == 0, f"rank {rank}: the blocks held values between forward and backward"
 
 
+def test_one_gradient_passes_at_most_15_gradsync_files(world2):
+    # Issue 72's bound on the path of one ZeRO-3 gradient (backward and optimizer step): it was about
+    # 38 files, then 18; each file more is a seam the protocol leaks through.
+    for rank, files in enumerate(world2.run(sharded_units.files_on_the_gradient_path)):
+        assert "torch/sharding/units.py" in files, files  # (the trace sees the path at all)
+        assert len(files) <= 15, f"rank {rank}: {len(files)} files: {files}"
+
+
 def test_a_block_one_rank_never_runs_is_gathered_by_the_others_rounds(world2):
     seen = world2.run(sharded_units.extra_on_one_rank)
     for rank, got in enumerate(seen):
