@@ -7,7 +7,7 @@ steps in there (torch's method is wrapped once, when the first wrapper is
 built):
 
 * an optimizer over a sharded wrapper's parameters is converted to its
-  pieces first (``sharding.wrapper.sharded_optimizer_of``), so its gradients are
+  pieces first (``sharding.optimizer.sharded_optimizer_of``), so its gradients are
   found (unconverted, its parameters have no ``.grad`` and the scaler
   would find no gradient at all: "No inf checks were recorded");
 * sharded, each rank sees only its partition, so whether a gradient is

@@ -41,7 +41,7 @@ def enlist(wrapper):
 def _check_before_optimizer_step(optimizer, args, kwargs):
     """An optimizer step must not apply gradients a wrapper never averaged;
     an optimizer over a sharded wrapper's parameters steps sharded (it is
-    taken over at its first step, ``sharding.wrapper.sharded_optimizer_of``)."""
+    taken over at its first step, ``sharding.optimizer.sharded_optimizer_of``)."""
     if getattr(optimizer, "_gradsync_facade", False):
         return  # (its inner optimizer's step comes through here)
     for wrapper in list(LIVE):
