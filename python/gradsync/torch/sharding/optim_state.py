@@ -141,7 +141,10 @@ def present_and_scalars(opt, number):
                 if kind_of(value) == "scalar":
                     scalars.setdefault(number[i], {})[key] = value.clone() if torch.is_tensor(value) else value
     states, count = opt._states, len(numbering(opt.entries)[0])
-    alike = {tuple(sorted((key, _tagged(value)) for key, value in values.items())) for values in scalars.values()}
+    try:
+        alike = {tuple(sorted((key, _tagged(value)) for key, value in values.items())) for values in scalars.values()}
+    except TypeError:  # (a scalar that is not hashable: taken as every rank's, as it is)
+        alike = {_MIXED, None}
     agreed = states.distinct(next(iter(alike)) if len(alike) == 1 else (_MIXED if alike else None))
     if len(agreed) > 1 or agreed == [_MIXED]:  # (parameters' scalars differ: every rank's, as they are)
         for rank_present, rank_scalars in states.all_gather_objects((present, scalars)):
