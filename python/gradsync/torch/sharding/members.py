@@ -29,7 +29,7 @@ class ShardedMembers:
     def _open_lane(self, collectives, arrivals, plane_device, pacing=(None, True)):
         """The gather lane of parameter sharding by units (:meth:`_new_lane`),
         closed with the wrapper; ``pacing``: ``(buckets_in_flight,
-        prefetch_units)`` (``sharding.wrapper.pacing_of``)."""
+        prefetch_units)`` (``sharding.settings.pacing_of``)."""
         self._lane_parts = (collectives, arrivals, plane_device)
         self._retired_lanes = []
         residence = self._partition.residence

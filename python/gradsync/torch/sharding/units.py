@@ -165,7 +165,7 @@ class UnitResidence(ShardedParameters):
     def pace(self, pacing, await_in_flight):
         """How the units pace their gathers and a backward's waits:
         ``pacing``: ``(buckets_in_flight, prefetch_units)``
-        (``sharding.wrapper.pacing_of``); ``await_in_flight(most, within_s)
+        (``sharding.settings.pacing_of``); ``await_in_flight(most, within_s)
         -> bool``: whether at most ``most`` of the step's buckets are in
         their reduction, asked for ``within_s`` (``ModelSync.await_in_flight``)."""
         self.in_flight, self.prefetch = pacing
