@@ -160,7 +160,8 @@ def sharded():
     and this step's averages in its pieces (pending, not stepped)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, dtype=torch.float64)) for n in (3, 2)]
-    part = Partition([(5, [1, 0])], params, ["a", "b"], 0, 1, lambda p: p.numel(), OneRank(), buddy_stride=1)
+    part = Partition([(5, [1, 0])], params, ["a", "b"], 0, 1, lambda p: p.numel(), OneRank(), None,
+                     buddy_stride=1)
     optimizer = ShardedOptimizer(part, ["a", "b"], OneRank(), torch.optim.SGD, None, lr=0.5)
     for piece in part.pieces:
         piece.tensor.grad = torch.full((piece.length,), 2.0, dtype=torch.float64)

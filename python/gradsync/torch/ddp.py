@@ -65,6 +65,7 @@ from gradsync._gloo import never_free
 from gradsync.torch import _shim, _torch_group
 from gradsync.torch._comm import TorchCommunicator
 from gradsync.torch._live import LIVE, enlist
+from gradsync.torch.sharding import clip as _clip
 from gradsync.torch.sharding.gather import ParameterGather
 from gradsync.torch.sharding.materialize import on_meta
 from gradsync.torch._grads import TorchGrads, reals
@@ -72,7 +73,8 @@ from gradsync.torch._hooks import Hooks
 from gradsync.torch._reducer import Reducer
 from gradsync.torch._states import StateBroadcast
 from gradsync.torch.sharding.unit_modules import choose as choose_units
-from gradsync.torch.sharding.wrapper import Sharding
+from gradsync.torch.sharding.sharded import Sharded, Where
+from gradsync.torch.sharding.wrapper import ShardedSurface, install_framework_saves, placed_meta
 from gradsync.torch.sharding.settings import refuse as refuse_sharded
 from gradsync.torch.sharding.settings import pacing_of, param_dtype_of, scatters
 from gradsync.torch._sparse import SparseGrads, refuse_in_elastic_job, sparse_parameters
@@ -120,7 +122,7 @@ def _sync_asked(ref):
         ddp._ask_for_sync()
 
 
-class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
+class DistributedDataParallel(ShardedSurface, StepControls, DdpSurface, _TORCH_DDP):
     """Data parallelism for ``module``, a drop-in for
     ``torch.nn.parallel.DistributedDataParallel`` (and a subclass of it, so
     libraries that check for DDP or unwrap ``.module`` treat it as DDP; see
@@ -308,7 +310,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         for earlier in [w for w in LIVE if w is not self and w._holds_any(list(module.parameters()))]:
             earlier._retire()
         param_init = settings.get("param_init")
-        meta = (self._place_meta(module, settings, device_ids), param_init) if on_meta(module) else None
+        meta = (placed_meta(module, settings, device_ids), param_init) if on_meta(module) else None
         if param_init is not None and meta is None:
             raise ConfigError("param_init initializes a model built on the meta device, and this one is not: leave "
                               "it unset, or build the model under torch.device('meta')")
@@ -383,15 +385,20 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             self._sync.elastic = elastic
             if elastic.fixed_global_batch:
                 self._sync.set_divisor(elastic.first_world)
+        plane = comm if path.buckets == "device" else None
         if sharded:
-            self._start_sharding(reals, elastic, parameters=units, param_dtype=param_dtype, meta=meta)
-        self._attach_hooks(arrivals, comm if path.buckets == "device" else None)
-        if self.parameters_sharded:
-            self._partition.residence.rehook = self._hooks.rehook
-            if param_dtype is not None or meta is not None:
-                self._partition.residence.hooked()
-        if units and len(units[1]) > 1:
-            self._open_lane(collectives, arrivals, comm.plane_device, pacing)
+            #: The wrapper's one sharded object (``sharding.sharded``): all of its sharded state.
+            self._sharded = Sharded(
+                self, self._sync, self._params, self._names, reals,
+                Where(store, prefix, self._rank, self._world, timeout_s, self._abandon), self._states,
+                ParameterGather(self._sync.session, arrivals.host_bucket, plane), elastic=elastic,
+                parameters=units, param_dtype=param_dtype, meta=meta,
+            )
+            _clip.track(self)
+            install_framework_saves(bool(units))
+        self._attach_hooks(arrivals, plane)
+        if sharded:
+            self._sharded.hooked(self._hooks.rehook, collectives, arrivals.host_bucket, comm.plane_device, pacing)
         # torch's model.reducer, as far as libraries call it (_reducer).
         self.reducer = Reducer(self)
         enlist(self)
@@ -414,12 +421,15 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         self._comm.move(prefix, rank, world, epoch, store)
         self._retired_states.append(never_free(self._states))
         self._states = StateBroadcast(self._store, prefix, rank, world, self._timeout_s, self._abandon)
-        dropped = self._settle_members(rank, world, buddy_stride)
+        dropped = False
+        if self._sharded is not None:
+            dropped = self._sharded.settle_members(
+                Where(store, prefix, rank, world, self._timeout_s, self._abandon), self._states, buddy_stride)
         _, redone = self._sync.session.resume(rank, world, buddy_stride)
         if dropped:
             self._sync.elastic.step_dropped()
-        if redone is not None and self._partition is not None:
-            self._partition.sharded_step.reduced_again()  # clipped, stepped and gathered as usual
+        if redone is not None and self._sharded is not None:
+            self._sharded.reduced_again()
         return redone
 
     def torch_group(self):
@@ -546,8 +556,6 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         sparse = SparseGrads([n for n, _ in self._sparse_named], [p for _, p in self._sparse_named], self._states,
                              self._rank)
         self._hooks = hooks
-        if self._partition is not None:
-            self._partition.gathering = ParameterGather(self._sync.session, arrivals.host_bucket, plane)
         self._sync.attach(TorchGrads(self._params, hooks, plane, sparse, self._partition))
 
     # ---- forward and the end of backward --------------------------------------------------
@@ -560,8 +568,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
         the outermost backward through its outputs ends a synchronized step."""
         sync = self._sync
         grad_enabled = torch.is_grad_enabled()
-        if self._partition is not None and grad_enabled:
-            self._partition.refuse_if_owed("forward")
+        if self._sharded is not None and grad_enabled:
+            self._sharded.refuse_if_owed()
         synced = sync.before_forward(grad_enabled)
         if synced or (grad_enabled and self.parameters_sharded):
             # Inside `with model.join()`: tell ranks whose inputs ran out that
@@ -573,7 +581,7 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             self._broadcast_buffers_now()
         # After the buffers' broadcast: a rank out of data (join) takes part
         # in it before it serves this step's gathers.
-        gathered = self._assemble()
+        gathered = self._sharded.forward_begins() if self._sharded is not None else False
         if grad_enabled and torch._C._current_graph_task_id() != -1:
             # Recomputed inside backward (the model in a reentrant checkpoint):
             # the backward running now reached the model.
@@ -590,7 +598,8 @@ class DistributedDataParallel(Sharding, StepControls, DdpSurface, _TORCH_DDP):
             output = self.module(*inputs, **kwargs)
         finally:
             _TORCH_DDP._active_ddp_module = previous
-        self._release_after(gathered, grad_enabled)
+        if self._sharded is not None:
+            self._sharded.forward_ends(gathered, grad_enabled)
         # DDP's rule for the next forward's buffer broadcast: only after a
         # forward that asked for a synchronized backward (under grad, outside
         # no_sync); so after a no_sync micro-batch or an eval forward, the

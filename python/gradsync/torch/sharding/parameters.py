@@ -117,9 +117,14 @@ class ShardedParameters:
         self.carries = [dtype if all(self.step_dtypes[i] == dtype for i in layout.members) else None
                         for layout in part.buckets]
 
-    def hooked(self):
-        """The wrapper made its hooks (after :meth:`compute_in`): every
-        parameter released."""
+    def hooked(self, rehook, release):
+        """The wrapper made its hooks (after :meth:`compute_in`);
+        ``rehook()`` makes them again (:meth:`hook_again`). ``release``:
+        every parameter is released now (the hooks were made over whole
+        shapes: under ``param_dtype``, or materialized from the meta device)."""
+        self.rehook = rehook
+        if not release:
+            return
         for i, p in enumerate(self._partition.params):
             p.data = torch.empty(0, dtype=self.step_dtypes[i], device=p.device)
             self._mark_released(i)

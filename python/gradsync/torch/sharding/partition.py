@@ -36,9 +36,15 @@ class Partition(Layout, Clipping):
     the wrapper's parameters in registration order; ``reals(p)``: how many
     values of the bucket ``p`` takes; ``states``: the wrapper's state group
     (``_states.StateBroadcast``), where the all-gathers and norms travel;
-    ``names``: the parameters' names, for errors."""
+    ``gathering``: the runtime's gathers (``sharding.gather.ParameterGather``);
+    ``names``: the parameters' names, for errors. In an elastic job
+    ``recover`` is its recovery, ``start_checks`` a list (the optimizers'
+    checks wait for the first boundary) and ``holds`` whether this rank
+    holds a partition yet (a replacement does not before its first
+    settlement)."""
 
-    def __init__(self, plan, params, names, rank, world, reals, states, buddy_stride=0, own_all=False, read=True):
+    def __init__(self, plan, params, names, rank, world, reals, states, gathering, buddy_stride=0, own_all=False,
+                 read=True, recover=None, start_checks=None, holds=True):
         super().__init__(plan, params, rank, world, reals, buddy_stride, own_all, read)
         self.names = names
         #: The state group of the current membership (``_states.StateBroadcast``).
@@ -55,32 +61,34 @@ class Partition(Layout, Clipping):
         self.joined = []
         #: Where this rank's sharded step stands (``sharding.step``: its one
         #: writer; everything here and elsewhere calls its verbs).
-        self.sharded_step = ShardedStep()
+        self.sharded_step = ShardedStep(holds)
         #: An elastic job's recovery (``Elastic.recover``), called with a
         #: failure of a collective outside backward (clip, step); ``None``:
         #: not elastic, the failure is raised.
-        self.recover = None
+        self.recover = recover
         #: Whether :meth:`gather` pipelines its buckets (start each as soon
         #: as it is packed, unpack each while the later ones are in flight);
         #: off, one gather of every bucket (the benchmarks' baseline).
         self.pipelined = True
         #: Where the parameters' gathers run (``sharding.gather.ParameterGather``:
-        #: the runtime's), set by the wrapper once its hooks are attached.
-        self.gathering = None
+        #: the runtime's).
+        self.gathering = gathering
         #: Under parameter sharding (``shard_parameters=True``), where the
         #: parameters' whole values stand (``sharding.parameters.ShardedParameters``):
         #: released at the end of each step, gathered by the next forward;
-        #: ``None``: the parameters are always whole (ZeRO-2).
+        #: ``None``: the parameters are always whole (ZeRO-2). Set once, by
+        #: the owner of this partition (``sharding.sharded.Sharded``).
         self.residence = None
         #: Under parameter sharding outside elastic jobs, this rank's piece
         #: server and its reader of the others' (``sharding.served``): a rank
-        #: reads the whole model alone from them; ``None``: not served.
+        #: reads the whole model alone from them; ``None``: not served. Set
+        #: once, by the owner of this partition (``sharding.sharded.Sharded``).
         self.served = None
         #: Checks that every rank makes once over the state group (that all
         #: built the same sharded optimizer), held until an elastic job's
         #: first step boundary, where a member lost meanwhile is recovered
         #: from (a list until then); ``None``: made at once.
-        self.start_checks = None
+        self.start_checks = start_checks
         #: Whether the pieces hold an averaged model's values now (inside
         #: ``ShardedAveragedModel.applied()``): an optimizer step is refused.
         self.averaged_applied = False

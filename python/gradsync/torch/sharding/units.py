@@ -105,7 +105,8 @@ class UnitResidence(ShardedParameters):
     docs). ``units``: each parameter's unit (``choose``); ``modules``: the
     listed modules, unit ``u`` is ``modules[u - 1]``; ``model``: the
     wrapped module (its modules holding root parameters are hooked too).
-    Its :attr:`lane` is set by the wrapper once its hooks exist."""
+    It gathers on the lane it takes (:meth:`take_lane`) once the wrapper's
+    hooks exist."""
 
     def __init__(self, partition, units, names, modules, model):
         super().__init__(partition)
@@ -193,6 +194,17 @@ class UnitResidence(ShardedParameters):
                 "polls": polls}
 
     # ---- what the wrapper calls -------------------------------------------------------------
+
+    def take_lane(self, lane):
+        """Gather on ``lane`` (``sharding.gather.LaneGather``, the current
+        members') from now on, after :meth:`agree` on it; the earlier lane,
+        if any, is stopped and returned (its group must outlive any wait
+        on a vanished peer)."""
+        earlier, self.lane = self.lane, lane
+        if earlier is not None:
+            earlier.close()
+        self.agree()
+        return earlier
 
     def agree(self):
         """Check on the lane, once, that every rank cut the model into the
