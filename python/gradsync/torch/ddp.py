@@ -391,7 +391,7 @@ class DistributedDataParallel(ShardedSurface, StepControls, DdpSurface, _TORCH_D
             self._sharded = Sharded(
                 self, self._sync, self._params, self._names, reals,
                 Where(store, prefix, self._rank, self._world, timeout_s, self._abandon), self._states,
-                ParameterGather(self._sync.session, arrivals.host_bucket, plane), elastic=elastic,
+                ParameterGather.of_session(self._sync.session, arrivals.host_bucket, plane), elastic=elastic,
                 parameters=units, param_dtype=param_dtype, meta=meta,
             )
             _clip.track(self)

@@ -13,53 +13,102 @@ metrics and drawn on the timeline::
     this rank writes its pieces into its own chunk ─▶ Session.gather ─▶ every chunk in place
     ─▶ each member parameter reads its values from the buffer
 
-Per bucket, pipelined (``start`` / ``wait``): bucket b+1 is packed while b
-is in flight, and b is unpacked while the later ones are::
+Per bucket, pipelined (:meth:`ParameterGather.start` / :meth:`~ParameterGather.finish`):
+bucket b+1 is packed while b is in flight, and b is unpacked while the
+later ones are (the caller may compute between the two: a prefetch)::
 
-    pack 0, start 0, pack 1, start 1, ... ─▶ wait 0, unpack 0, wait 1, unpack 1, ...
+    start:  pack 0, start 0, pack 1, start 1, ...
+    finish: wait 0, unpack 0, wait 1, unpack 1, ...   (every gather waited for, whatever fails)
 
-:class:`ParameterGather` owns the buffers (``gradsync._native.Gathers``,
-one per bucket, allocated again when the world changes) and the tensors
-over them; ``sharding.partition.Partition.gather`` packs and unpacks. The same
-engine gathers every rank's partial gradient norm for a clip by the global
-norm, and the found-inf flags of a ``GradScaler`` step
-(:meth:`ParameterGather.everyone`): each rank combines the same values in
-rank order, so the total is bitwise the same everywhere.
+:class:`ParameterGather` is the one driver of every gather, over either of
+the runtime's two engines, which take the same three calls (``buffers``,
+``start``, ``wait``): the session's communicator thread (ZeRO-2's gather
+after the step, a model gathered whole once per step: :class:`SessionEngine`)
+or parameter sharding's gather lane (``gradsync._native.Lane``: a unit's
+gathers in forward and backward never queue behind the step's reductions:
+:class:`LaneGather`). On the session it keeps the buffers between gathers
+(``gradsync._native.Gathers``, one per bucket, allocated again when the
+world changes, given back by :meth:`~ParameterGather.drop`); on the lane
+each round's buffers go back when it finishes. The session also gathers
+every rank's partial gradient norm for a clip by the global norm, and the
+found-inf flags of a ``GradScaler`` step (:meth:`ParameterGather.everyone`):
+each rank combines the same values in rank order, so the total is bitwise
+the same everywhere.
 """
 
 import torch
 
 
-class ParameterGather:
-    """The buffers and the call of a sharded wrapper's gathers.
-    ``session``: the wrapper's runtime session; ``host_tensor(addr, numel,
-    wide)``: a tensor over host memory the runtime owns (the C++ hooks'
-    ``host_bucket``); ``plane``: the communicator when the buckets live on
-    the device plane (its ``bucket_tensor`` and ``plane_stream``), else
-    ``None``."""
+class SessionEngine:
+    """The session's gathers (``gradsync._native.Session``: on its
+    communicator thread, under the step's deadline and failure rules) under
+    the three calls the driver makes, plus ``run`` (every buffer in one
+    gather: what ``Partition.pipelined=False`` measures against)."""
 
-    def __init__(self, session, host_tensor, plane=None):
+    __slots__ = ("_session",)
+
+    def __init__(self, session):
         self._session = session
+
+    def buffers(self, sizes):
+        """Buffers per ``(bucket index or None for the norms, values, float64)``."""
+        return self._session.gather_buffers(sizes)
+
+    def start(self, gathers, index):
+        """Start gathering buffer ``index`` alone."""
+        self._session.gather_start(gathers, index)
+
+    def wait(self, gathers, index):
+        """Wait for buffer ``index``'s gather."""
+        self._session.gather_wait(gathers, index)
+
+    def run(self, gathers):
+        """Gather every buffer of ``gathers`` at once."""
+        self._session.gather(gathers)
+
+
+class ParameterGather:
+    """The one driver of a sharded wrapper's gathers (see the module docs).
+    ``engine``: the runtime's (:class:`SessionEngine`, or the lane's
+    ``Lane``); ``host_tensor(addr, numel, wide)``: a tensor over host memory
+    the runtime owns (the C++ hooks' ``host_bucket``); ``plane``: the
+    communicator when the buckets live on the device plane (its
+    ``bucket_tensor`` and ``plane_stream``), else ``None``; ``keep``: the
+    buffers of every bucket are kept between gathers (until :meth:`drop`),
+    else each round's go back when it finishes."""
+
+    def __init__(self, engine, host_tensor, plane=None, keep=True):
+        self._engine = engine
         self._host_tensor = host_tensor
         self._plane = plane
-        #: ``(sizes, Gathers, tensors)`` of the last allocation.
+        self._keep = keep
+        #: ``(sizes, Gathers, tensors)`` of the last allocation (``keep``).
         self._held = None
         #: ``(world, Gathers, tensor)`` for every rank's partial norm.
         self._norms = None
 
+    @classmethod
+    def of_session(cls, session, host_tensor, plane=None):
+        """The driver over ``session``'s gathers, its buffers kept."""
+        return cls(SessionEngine(session), host_tensor, plane)
+
     def buffers(self, sizes):
-        """Per bucket, a tensor over its gather buffer. ``sizes``: per
-        bucket ``(values, float64)``; the same sizes give the same buffers
-        (allocated again when they change: another world size)."""
+        """Per bucket, a tensor over its gather buffer (``keep``). ``sizes``:
+        per bucket ``(values, float64)``; the same sizes give the same
+        buffers (allocated again when they change: another world size)."""
+        return self._kept(sizes)[2]
+
+    def _kept(self, sizes):
+        """The kept allocation for ``sizes``: ``(sizes, Gathers, tensors)``."""
         sizes = tuple(sizes)
         held = self._held
         if held is None or held[0] != sizes or held[1].lost:
-            gathers = self._session.gather_buffers([(b, n, wide) for b, (n, wide) in enumerate(sizes)])
+            gathers = self._engine.buffers([(b, n, wide) for b, (n, wide) in enumerate(sizes)])
             self._held = held = (sizes, gathers, self._tensors(gathers))
             # On the device plane the buffers were zeroed on the plane's
             # stream: the caller's writes into them come after that.
             self._caller_waits()
-        return held[2]
+        return held
 
     def drop(self):
         """Give the buffers of :meth:`buffers` back to the runtime (the next
@@ -75,22 +124,71 @@ class ParameterGather:
         self._held = None
 
     def run(self):
-        """Gather the buffers of :meth:`buffers`: each rank's chunk, written
-        before, into every rank's."""
-        self._run(self._held[1])
-
-    def start(self, b):
-        """Start gathering buffer ``b`` of :meth:`buffers` alone (this
-        rank's chunk written before) and return at once; several may be in
-        flight, in the same order on every rank."""
+        """Gather the buffers of :meth:`buffers` at once: each rank's chunk,
+        written before, into every rank's (the session's engine)."""
         self._plane_waits()
-        self._session.gather_start(self._held[1], b)
-
-    def wait(self, b):
-        """Wait for the gather of buffer ``b`` that :meth:`start` began (a
-        failure raises as a failed step does)."""
-        self._session.gather_wait(self._held[1], b)
+        self._engine.run(self._held[1])
         self._caller_waits()
+
+    def start(self, partition, buckets, carries=None):
+        """Start gathering ``buckets`` of ``partition`` (this rank's pieces
+        packed into its chunk of each; per bucket in ``carries[b]``, a
+        narrower dtype, when given: ``Partition.gather_size``) and return
+        the round in flight for :meth:`finish`; the caller may compute
+        meanwhile (a prefetch). Started in the same order on every rank. A
+        failure to start waits for what did start before it is raised."""
+        buckets = list(buckets)
+        carry = [None if carries is None else carries[b] for b in buckets]
+        if self._keep:
+            _, gathers, tensors = self._kept(partition.gather_sizes(carries))
+            indices, buffers = buckets, [tensors[b] for b in buckets]
+        else:
+            sizes = [(b, *partition.gather_size(b, c)) for b, c in zip(buckets, carry)]
+            gathers = self._engine.buffers(sizes)
+            indices, buffers = list(range(len(buckets))), self._tensors(gathers)
+            self._caller_waits()
+        flight = _Flight(buckets, indices, gathers, buffers, carry)
+        try:
+            for i, b in enumerate(buckets):
+                partition.pack(b, buffers[i], carry[i])
+                self._plane_waits()
+                self._engine.start(gathers, indices[i])
+                flight.started.append(i)
+        except BaseException:
+            self._settle(flight)
+            raise
+        return flight
+
+    def finish(self, flight, before_unpack, unpack):
+        """Wait for each gather of ``flight`` in order and, when
+        ``before_unpack(b)`` says so, ``unpack(b, buffer, carry)`` it into
+        its parameters. Every gather is waited for, whatever fails; a
+        round's buffers go back at the end (unless kept)."""
+        try:
+            while flight.started:
+                i = flight.started[0]
+                keep = before_unpack(flight.buckets[i])
+                flight.started.pop(0)
+                self._engine.wait(flight.gathers, flight.indices[i])
+                self._caller_waits()
+                if keep:
+                    unpack(flight.buckets[i], flight.buffers[i], flight.carries[i])
+        finally:
+            self._settle(flight)
+
+    def _settle(self, flight):
+        """Wait for what is still out of ``flight`` (the first failure is
+        the one raised elsewhere); a round's buffers then go back, after the
+        caller's copies out of them."""
+        for i in flight.started:
+            try:
+                self._engine.wait(flight.gathers, flight.indices[i])
+            except Exception:  # the first failure is the one raised
+                continue
+        flight.started.clear()
+        if not self._keep:
+            self._plane_waits()
+        flight.gathers = flight.buffers = None
 
     def everyone(self, value, rank, world):
         """Every rank's ``value`` (a float64 scalar tensor: a partial
@@ -99,13 +197,15 @@ class ParameterGather:
         (``CollectiveKind::Norm``)."""
         held = self._norms
         if held is None or held[0] != world or held[1].lost:
-            gathers = self._session.gather_buffers([(None, world, True)])
+            gathers = self._engine.buffers([(None, world, True)])
             self._norms = held = (world, gathers, self._tensors(gathers)[0])
             self._caller_waits()
         _, gathers, values = held
         values.zero_()
         values[rank].copy_(value.reshape(()))
-        self._run(gathers)
+        self._plane_waits()
+        self._engine.run(gathers)
+        self._caller_waits()
         return values.clone()
 
     def _tensors(self, gathers):
@@ -117,12 +217,6 @@ class ParameterGather:
             else:
                 tensors.append(self._host_tensor(addr, numel, dtype == "float64"))
         return tensors
-
-    def _run(self, gathers):
-        """Gather ``gathers``, between the two stream waits."""
-        self._plane_waits()
-        self._session.gather(gathers)
-        self._caller_waits()
 
     def _plane_waits(self):
         """On the device plane, the plane's stream waits for the caller's
@@ -140,20 +234,18 @@ class ParameterGather:
 
 
 class LaneGather(ParameterGather):
-    """The gathers of parameter sharding by units (``sharding.units``), on
-    the gather lane (``gradsync._native.Lane``: a communicator of its own
-    beside the session's, so a gather inside backward never waits behind
-    the step's reductions). ``communicator``: the lane's own
+    """The driver over parameter sharding's gather lane (``sharding.units``;
+    ``lane``: ``gradsync._native.Lane``, its buffers per round), plus the
+    lane's rounds and life. ``communicator``: the lane's own
     ``_comm.TorchCommunicator`` (its plane's stream orders the device
     copies); one round at a time::
 
         needs(words) ─▶ every rank's words summed   (or post(words), then sum_within(tick) until it comes)
-        start(buckets): pack each ─▶ start each      (the caller computes meanwhile: a prefetch)
-        finish(flight): wait each, oldest first ─▶ unpack ─▶ buffers dropped
+        start(partition, buckets) ─▶ finish(flight, ...)   (the caller computes meanwhile: a prefetch)
     """
 
     def __init__(self, lane, communicator, host_tensor, plane=None):
-        super().__init__(None, host_tensor, plane)
+        super().__init__(lane, host_tensor, plane, keep=False)
         self._lane = lane
         self.communicator = communicator
 
@@ -179,69 +271,17 @@ class LaneGather(ParameterGather):
         self._lane.close()
         self.communicator.closed()
 
-    def start(self, partition, buckets, carries=None):
-        """Start gathering ``buckets`` of ``partition`` (this rank's pieces
-        packed into its chunk of each; per bucket in ``carries[b]``, a
-        narrower dtype, when given: ``Partition.gather_size``) and return
-        the round in flight for :meth:`finish`; the caller computes
-        meanwhile (a prefetch). A failure to start waits for what did
-        start before it is raised."""
-        carry = [None if carries is None else carries[b] for b in buckets]
-        sizes = [(b, *partition.gather_size(b, c)) for b, c in zip(buckets, carry)]
-        gathers = self._lane.buffers(sizes)
-        buffers = self._tensors(gathers)
-        self._caller_waits()
-        flight = _Flight(list(buckets), gathers, buffers, carry)
-        try:
-            for i, b in enumerate(buckets):
-                partition.pack(b, buffers[i], carry[i])
-                self._plane_waits()
-                self._lane.start(gathers, i)
-                flight.started.append(i)
-        except BaseException:
-            self._settle(flight)
-            raise
-        return flight
-
-    def finish(self, flight, partition, before_unpack):
-        """Wait for each gather of ``flight`` in order and unpack it into
-        its parameters when ``before_unpack(b)`` says so. Every gather is
-        waited for, whatever fails; the buffers go back at the end."""
-        try:
-            while flight.started:
-                i = flight.started[0]
-                keep = before_unpack(flight.buckets[i])
-                flight.started.pop(0)
-                self._lane.wait(flight.gathers, i)
-                self._caller_waits()
-                if keep:
-                    partition.unpack(flight.buckets[i], flight.buffers[i], flight.carries[i])
-        finally:
-            self._settle(flight)
-
-    def _settle(self, flight):
-        """Wait for what is still out of ``flight`` (the first failure is
-        the one raised elsewhere), then give its buffers back after the
-        caller's copies out of them."""
-        for i in flight.started:
-            try:
-                self._lane.wait(flight.gathers, i)
-            except Exception:  # the first failure is the one raised
-                continue
-        flight.started.clear()
-        self._plane_waits()
-        flight.gathers = flight.buffers = None
-
 
 class _Flight:
-    """A round's gathers in flight on the lane: its buckets, buffers, the
-    dtype each carries its values in (``None``: its own), and the indices
-    started and not yet waited for."""
+    """A round's gathers in flight: its buckets, each one's index among the
+    engine's buffers, the buffers, the dtype each carries its values in
+    (``None``: its own), and the positions started and not yet waited for."""
 
-    __slots__ = ("buckets", "gathers", "buffers", "carries", "started")
+    __slots__ = ("buckets", "indices", "gathers", "buffers", "carries", "started")
 
-    def __init__(self, buckets, gathers, buffers, carries):
+    def __init__(self, buckets, indices, gathers, buffers, carries):
         self.buckets = buckets
+        self.indices = indices
         self.gathers = gathers
         self.buffers = buffers
         self.carries = carries

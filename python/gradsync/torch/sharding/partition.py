@@ -210,36 +210,19 @@ class Partition(Layout, Clipping):
                     before_unpack(b)
                 self.write_owned()
             return
-        gathering = self.gathering
-        buffers = gathering.buffers(self.gather_sizes(carries))
-        carries = carries or [None] * len(buffers)
         if not self.pipelined:
-            self._gather_at_once(buffers, everything, before_unpack, carries)
+            self._gather_at_once(everything, before_unpack, carries)
             return
-        out = []  # buckets in flight, in the order started
-        try:
-            for b, whole in enumerate(buffers):
-                self.pack(b, whole, carries[b])
-                gathering.start(b)
-                out.append(b)
-            for b, whole in enumerate(buffers):
-                before_unpack(b)
-                out.remove(b)
-                gathering.wait(b)
-                self._read_back(b, whole, everything, carries[b])
-        finally:
-            # On a failure, every buffer still out comes back before it is
-            # raised (they are the runtime's memory, reused by the next gather).
-            for b in out:
-                try:
-                    gathering.wait(b)
-                except Exception:  # the first failure is the one raised
-                    continue
+        flight = self.gathering.start(self, range(len(self.buckets)), carries)
+        self.gathering.finish(flight, lambda b: before_unpack(b) or True,
+                              lambda b, whole, carry: self._read_back(b, whole, everything, carry))
 
-    def _gather_at_once(self, buffers, everything, before_unpack, carries):
+    def _gather_at_once(self, everything, before_unpack, carries):
         """:meth:`gather` without the pipeline: every chunk written, one
         gather of every bucket, every parameter read back (what
         ``pipelined=False`` measures against)."""
+        buffers = self.gathering.buffers(self.gather_sizes(carries))
+        carries = carries or [None] * len(buffers)
         self.pack_every(buffers, carries)
         self.gathering.run()
         for b, whole in enumerate(buffers):

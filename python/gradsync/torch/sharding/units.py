@@ -496,7 +496,7 @@ class UnitResidence(ShardedParameters):
 
         flight, self._flight = self._flight, None
         try:
-            self.lane.finish(flight, self._partition, before_unpack)
+            self.lane.finish(flight, before_unpack, self._partition.unpack)
         except LOST as error:
             self._lost(error)
             return
